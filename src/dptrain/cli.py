@@ -1,0 +1,106 @@
+"""`dptrain train`: parse, check, then run here or start local workers. Nothing else lives here.
+
+    $ dptrain train --nproc-per-node 2 --train.epochs 3 --optim.lr 3e-4
+    $ dptrain train --config run.toml --strategy.name single
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dptrain import config as config_mod
+from dptrain.config import ConfigError, RunConfig, check_world
+from dptrain.data import DataError, describe
+from dptrain.launch.env import DistEnv, LaunchError
+from dptrain.models import check_input
+from dptrain.runtime import WorkerFailure
+
+log = logging.getLogger("dptrain")
+
+USER_ERRORS = (ConfigError, DataError, LaunchError, WorkerFailure)
+
+
+def split_overrides(extra: list[str]) -> list[tuple[str, str]]:
+    """['--optim.lr', '3e-4', '--train.bf16=true'] -> [('optim.lr', '3e-4'), ('train.bf16', 'true')]."""
+    pairs, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.option value.")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
+                raise ConfigError(f"option --{key} needs a value, for example --{key} VALUE.")
+            value, i = extra[i + 1], i + 1
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
+    overrides = split_overrides(extra)
+    if args.nproc_per_node is not None:
+        overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
+    return config_mod.load(args.config, overrides)
+
+
+def preflight(cfg: RunConfig, world_size: int) -> None:
+    """Every check that can fail before a worker starts: config vs world, dataset present, model fits data."""
+    info = describe(cfg.data)
+    check_world(cfg, world_size, info.train_size)
+    if not config_mod.is_import_path(cfg.model.name):
+        check_input(cfg.model, info.image_shape)
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = resolve_config(args, extra)
+    env = DistEnv.from_environ()
+    launched_outside = env.source != "none"
+    world_size = env.world_size if launched_outside else cfg.launch.nproc_per_node
+    preflight(cfg, world_size)
+    tree = config_mod.to_dict(cfg)
+    if launched_outside or world_size == 1:
+        from dptrain.launch.worker import run_worker
+
+        run_worker(tree)
+    else:
+        from dptrain.launch.local import launch_local
+
+        launch_local(tree, world_size, cfg.launch.timeout_s)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of image classifiers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train",
+        help="train a model",
+        description="Train a model. Any config option can be set as --section.option VALUE "
+        "(sections: data, model, optim, train, strategy, launch, output).",
+    )
+    train.add_argument("--config", help="TOML file with [section] tables of options")
+    train.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.func(args, extra)
+    except USER_ERRORS as exc:
+        print(f"dptrain: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, (ConfigError, DataError)) else 1
+    except KeyboardInterrupt:
+        print("dptrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

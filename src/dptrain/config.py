@@ -1,0 +1,353 @@
+"""RunConfig: one typed tree of dataclasses, loaded from TOML and dotted CLI overrides.
+
+Every section is a frozen dataclass whose field docstrings are the reference for the option
+of the same dotted name (`--optim.lr 3e-4` sets `OptimConfig.lr`). Checks that need nothing
+but the config live in `__post_init__`; checks that need the world size or the dataset size
+live in `check_world()`, which the launcher calls before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; its message is one sentence saying what to change."""
+
+
+def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} = {value!r} is not one of {', '.join(choices)}; pick one of them.")
+
+
+def _positive(value: float, name: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} = {value} must be greater than 0.")
+
+
+DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
+MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
+
+
+def is_import_path(name: str) -> bool:
+    """True for a user's `package.module:Name`."""
+    return ":" in name
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    name: str = "fashion-mnist"
+    """fashion-mnist, mnist, cifar10, synthetic, or `package.module:Factory` called as
+    `Factory(root=data.root, train=True|False)` returning a map-style torch Dataset."""
+    root: str = "data"
+    """Folder searched first for dataset files (torchvision layouts or plain files); downloads go here."""
+    download: bool = False
+    """Fetch missing files from the official mirrors (md5-checked, once per machine under a file lock)."""
+    mirror: str | None = None
+    """Base URL tried before the official mirrors, e.g. a site-local copy."""
+    synthetic_train_size: int = 4096
+    """Samples in the synthetic training split."""
+    synthetic_test_size: int = 1000
+    """Samples in the synthetic test split."""
+    synthetic_shape: tuple[int, int, int] = (1, 28, 28)
+    """Channels, height, width of synthetic images."""
+    synthetic_num_classes: int = 10
+    """Classes of the synthetic dataset."""
+    num_workers: int = 0
+    """DataLoader workers per rank; used only for a user's Dataset (built-in data lives on the device)."""
+
+    def __post_init__(self) -> None:
+        if not is_import_path(self.name):
+            _choice(self.name, "data.name", DATASET_NAMES)
+        _positive(self.synthetic_train_size, "data.synthetic_train_size")
+        _positive(self.synthetic_test_size, "data.synthetic_test_size")
+        if len(self.synthetic_shape) != 3 or min(self.synthetic_shape) <= 0:
+            raise ConfigError(f"data.synthetic_shape = {list(self.synthetic_shape)} must be three positive sizes [C, H, W].")
+        if self.synthetic_num_classes < 2:
+            raise ConfigError(f"data.synthetic_num_classes = {self.synthetic_num_classes} must be at least 2.")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers = {self.num_workers} must be 0 or more.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "mnist-cnn"
+    """mnist-cnn, cifar-cnn, resnet18, or `package.module:ClassName` (constructed with no arguments)."""
+    dropout: bool = True
+    """False replaces every nn.Dropout by identity (for exact cross-world-size comparisons)."""
+
+    def __post_init__(self) -> None:
+        if not is_import_path(self.name):
+            _choice(self.name, "model.name", MODEL_NAMES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    """Optimizer."""
+    lr: float = 1e-3
+    """Peak learning rate, for the global batch (not scaled by world size)."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 penalty (decoupled for adamw)."""
+    schedule: Literal["constant", "cosine", "onecycle", "step"] = "constant"
+    """Learning-rate schedule over the run's optimizer steps."""
+    step_epochs: int = 1
+    """For schedule "step": epochs between learning-rate drops."""
+    gamma: float = 0.1
+    """For schedule "step": factor applied at each drop."""
+
+    def __post_init__(self) -> None:
+        _choice(self.name, "optim.name", ("sgd", "adam", "adamw"))
+        _choice(self.schedule, "optim.schedule", ("constant", "cosine", "onecycle", "step"))
+        _positive(self.lr, "optim.lr")
+        _positive(self.step_epochs, "optim.step_epochs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    epochs: int = 2
+    """Passes over the training split."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps, even mid-epoch (None: run all epochs)."""
+    global_batch_size: int = 128
+    """Samples per optimizer step over all ranks; each rank takes global_batch_size / world_size."""
+    eval_batch_size: int = 1000
+    """Samples per evaluation forward pass on each rank."""
+    seed: int = 0
+    """Seeds the model init, the data order and every rank's RNG."""
+    bf16: bool = False
+    """Autocast the forward pass to bfloat16."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    log_every: int = 50
+    """Optimizer steps between step events; each one costs a host sync and a collective."""
+    channels_last: bool = True
+    """Store activations NHWC; faster convolutions on most CPUs and GPUs, same results to float tolerance."""
+
+    def __post_init__(self) -> None:
+        _positive(self.epochs, "train.epochs")
+        if self.max_steps is not None:
+            _positive(self.max_steps, "train.max_steps")
+        _positive(self.global_batch_size, "train.global_batch_size")
+        _positive(self.eval_batch_size, "train.eval_batch_size")
+        _positive(self.log_every, "train.log_every")
+        if self.grad_clip is not None:
+            _positive(self.grad_clip, "train.grad_clip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    name: Literal["ddp", "single"] = "ddp"
+    """How the model is replicated and synchronised: ddp (any number of processes) or single (one process)."""
+
+    def __post_init__(self) -> None:
+        _choice(self.name, "strategy.name", ("ddp", "single"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    nproc_per_node: int = 1
+    """Local workers started through torch's elastic agent (ignored under torchrun or srun)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda:<local_rank> when CUDA is available, else cpu."""
+    timeout_s: float = 300.0
+    """Upper bound for rendezvous and for any collective; a missing peer fails the run after this."""
+
+    def __post_init__(self) -> None:
+        _positive(self.nproc_per_node, "launch.nproc_per_node")
+        _choice(self.device, "launch.device", ("auto", "cpu", "cuda"))
+        _positive(self.timeout_s, "launch.timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputConfig:
+    name: str = "run"
+    """Run name; the run directory is runs/<name> unless output.dir is set."""
+    dir: str | None = None
+    """Run directory (None: runs/<name>)."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+# ---------------------------------------------------------------- building from dicts and strings
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check or convert a TOML value or CLI string to the field's declared type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if origin is Literal:
+        return _coerce(value, type(args[0]), name)
+    if origin is tuple:
+        items = value
+        if isinstance(value, str):
+            items = [v for v in value.strip("[]()").replace(",", " ").split() if v]
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name} expects a list like [1, 28, 28], got {value!r}.")
+        return tuple(_coerce(v, args[0], name) for v in items)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name} expects true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} expects an integer, got {value!r}.")
+        try:
+            return int(value) if isinstance(value, int) else int(str(value), 0)
+        except ValueError:
+            raise ConfigError(f"{name} expects an integer, got {value!r}.") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} expects a number, got {value!r}.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} expects a number, got {value!r}.") from None
+    if tp is str:
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} for {name}")
+
+
+def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
+    types_ = _field_types(cls)
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ConfigError(
+            f"unknown option {section}.{unknown[0]}; valid options in [{section}] are: {', '.join(types_)}."
+        )
+    return cls(**{k: _coerce(v, types_[k], f"{section}.{k}") for k, v in values.items()})
+
+
+def from_dict(tree: dict[str, Any]) -> RunConfig:
+    """Build a validated RunConfig from nested plain data (a parsed TOML file, or to_dict() output)."""
+    sections = _field_types(RunConfig)
+    unknown = sorted(set(tree) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config section [{unknown[0]}]; valid sections are: {', '.join(sections)}.")
+    built = {}
+    for name, cls in sections.items():
+        values = tree.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of options, got {values!r}.")
+        built[name] = _build_section(cls, values, name)
+    return RunConfig(**built)
+
+
+def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Nested plain data; from_dict(to_dict(c)) == c."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in _field_types(RunConfig)}
+
+
+def parse_overrides(pairs: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
+    """[("optim.lr", "3e-4")] -> {"optim": {"lr": "3e-4"}}; strings are typed later by from_dict."""
+    tree: dict[str, dict[str, str]] = {}
+    sections = _field_types(RunConfig)
+    for key, value in pairs:
+        section, _, option = key.partition(".")
+        if not option or "." in option:
+            raise ConfigError(f"option --{key} is not of the form --section.option (for example --optim.lr 3e-4).")
+        if section not in sections:
+            raise ConfigError(f"unknown option --{key}; valid sections are: {', '.join(sections)}.")
+        tree.setdefault(section, {})[option] = value
+    return tree
+
+
+def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> RunConfig:
+    """TOML file (optional) with dotted overrides on top, validated."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            tree = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML ({exc}); fix the file.") from None
+    for section, values in parse_overrides(overrides or []).items():
+        base = tree.setdefault(section, {})
+        if not isinstance(base, dict):
+            raise ConfigError(f"[{section}] must be a table of options in {path}.")
+        base.update(values)
+    return from_dict(tree)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise AssertionError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML that load() reads back; None values are left out (None is the default)."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- checks that need the world
+
+
+def check_world(cfg: RunConfig, world_size: int, train_size: int) -> None:
+    """Refuse settings impossible for this world size and dataset, before any worker starts."""
+    if cfg.strategy.name == "single" and world_size > 1:
+        raise ConfigError(
+            f"strategy single runs one process but the world size is {world_size}; use --strategy.name ddp."
+        )
+    gb = cfg.train.global_batch_size
+    if gb % world_size:
+        raise ConfigError(
+            f"train.global_batch_size {gb} is not divisible by the world size {world_size}; "
+            f"choose a multiple of {world_size}, for example {max(world_size, gb - gb % world_size)}."
+        )
+    if world_size > train_size:
+        raise ConfigError(
+            f"world size {world_size} is larger than the training split ({train_size} samples); use fewer workers."
+        )

@@ -1,0 +1,135 @@
+"""Where ranks come from: torchrun's or SLURM's environment variables, read once into a DistEnv."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+TORCHRUN_VARS = {
+    "global_rank": "RANK",
+    "world_size": "WORLD_SIZE",
+    "local_rank": "LOCAL_RANK",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "master_addr": "MASTER_ADDR",
+    "master_port": "MASTER_PORT",
+}
+
+SLURM_VARS = {
+    "global_rank": "SLURM_PROCID",
+    "world_size": "SLURM_NTASKS",
+    "local_rank": "SLURM_LOCALID",
+    "local_world_size": "SLURM_NTASKS_PER_NODE",
+    "node_list": "SLURM_JOB_NODELIST",
+    "job_id": "SLURM_JOB_ID",
+}
+
+# Under srun without MASTER_PORT, every task derives the same port from the job id, so two jobs
+# sharing a node do not collide on a hard-coded port.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 20000
+
+
+class LaunchError(RuntimeError):
+    """The environment describes a world that cannot be joined; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the world; `source` says who started it."""
+
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: Literal["torchrun", "slurm", "none"]
+
+    @property
+    def is_main(self) -> bool:
+        return self.global_rank == 0
+
+    @classmethod
+    def single(cls) -> "DistEnv":
+        return cls(0, 0, 1, 1, "127.0.0.1", 0, "none")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+        """torchrun's variables win over SLURM's (torchrun inside srun sets both); none: one process."""
+        env = os.environ if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls._from_torchrun(env)
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+            # SLURM_STEP_ID distinguishes srun tasks from the sbatch shell, which also has SLURM_PROCID=0.
+            return cls._from_slurm(env)
+        return cls.single()
+
+    @classmethod
+    def _from_torchrun(cls, env: Mapping[str, str]) -> "DistEnv":
+        v = {key: env.get(var) for key, var in TORCHRUN_VARS.items()}
+        world_size = _int(v["world_size"], "WORLD_SIZE")
+        return cls(
+            global_rank=_int(v["global_rank"], "RANK"),
+            local_rank=_int(v["local_rank"] or "0", "LOCAL_RANK"),
+            world_size=world_size,
+            local_world_size=_int(v["local_world_size"] or str(world_size), "LOCAL_WORLD_SIZE"),
+            master_addr=v["master_addr"] or "127.0.0.1",
+            master_port=_int(v["master_port"] or "29500", "MASTER_PORT"),
+            source="torchrun",
+        )
+
+    @classmethod
+    def _from_slurm(cls, env: Mapping[str, str]) -> "DistEnv":
+        v = {key: env.get(var) for key, var in SLURM_VARS.items()}
+        world_size = _int(v["world_size"], "SLURM_NTASKS")
+        nodes = expand_nodelist(v["node_list"] or socket.gethostname())
+        master = env.get("MASTER_ADDR") or nodes[0]
+        port = env.get("MASTER_PORT") or str(SLURM_PORT_BASE + int(v["job_id"] or 0) % SLURM_PORT_SPAN)
+        local_world = v["local_world_size"] or str(-(-world_size // len(nodes)))
+        return cls(
+            global_rank=_int(v["global_rank"], "SLURM_PROCID"),
+            local_rank=_int(v["local_rank"] or "0", "SLURM_LOCALID"),
+            world_size=world_size,
+            local_world_size=_int(local_world.split("(")[0], "SLURM_NTASKS_PER_NODE"),
+            master_addr=master,
+            master_port=_int(port, "MASTER_PORT"),
+            source="slurm",
+        )
+
+
+def _int(value: str | None, name: str) -> int:
+    try:
+        return int(value)  # type: ignore[arg-type]  # None raises TypeError, handled below
+    except (TypeError, ValueError):
+        raise LaunchError(f"environment variable {name}={value!r} is not an integer; fix the launcher's environment.") from None
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list, e.g. 'gpu[01-03,07],login1' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            width = len(lo)
+            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
+    return hosts
+
+
+def check_master_resolves(addr: str) -> None:
+    """Fail fast: c10d retries an unresolvable master silently until the job's time limit."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except socket.gaierror:
+        raise LaunchError(
+            f"master address {addr!r} does not resolve on {socket.gethostname()}; "
+            "set MASTER_ADDR to the first node's IP address or add it to /etc/hosts."
+        ) from None

@@ -1,0 +1,60 @@
+"""N local workers through torch's elastic agent: the machinery torchrun runs, on a free port."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from dptrain.launch.env import LaunchError
+
+# With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
+# to connect (pytorch/pytorch#135712); a store of the workers' own avoids that.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float, max_restarts: int = 0) -> None:
+    """Run `elastic_entry(cfg_tree)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from dptrain.launch.worker import elastic_entry
+
+    for key, value in AGENT_ENV.items():
+        os.environ.setdefault(key, value)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # port 0: the agent picks a free port; no hard-coded MASTER_PORT
+        rdzv_configs={"join_timeout": timeout_s},
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, elastic_entry)(cfg_tree)
+    except ChildFailedError as exc:
+        raise LaunchError(describe_failure(exc)) from None
+
+
+def describe_failure(exc: Any) -> str:
+    """The first failure's own message (they say 'rank R failed during PHASE: ...'), plus who else died."""
+    failures = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)
+    first = failures[0][1]
+    message = _first_line(first.message) if isinstance(first.message, str) else ""
+    if not message or message.startswith("To enable traceback"):
+        message = f"rank {first.rank} exited with code {first.exitcode}"
+    others = [str(f.rank) for _, f in failures[1:]]
+    if others:
+        message += f" (rank{'s' if len(others) > 1 else ''} {', '.join(others)} also stopped)"
+    return message
+
+
+def _first_line(message: str) -> str:
+    """The error file holds 'ExcType: text' and maybe a traceback; keep the text of the last exception."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    prefix, sep, rest = line.partition(": ")
+    return rest if sep and prefix.replace(".", "").isidentifier() else line

@@ -1,0 +1,60 @@
+"""MODELS: name -> builder; `build_model` also takes a user's `package.module:ClassName`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from dptrain.config import ConfigError, ModelConfig, is_import_path
+from dptrain.imports import import_object
+from dptrain.models.cifar_cnn import CifarCNN
+from dptrain.models.mnist_cnn import MnistCNN
+from dptrain.models.resnet import ResNet18
+
+# Each builder takes (image shape C x H x W, number of classes or None when unknown).
+MODELS: dict[str, Callable[[tuple[int, ...], int | None], nn.Module]] = {
+    "mnist-cnn": lambda shape, classes: MnistCNN(classes or 10),
+    "cifar-cnn": lambda shape, classes: CifarCNN(shape[0], classes or 10),
+    "resnet18": lambda shape, classes: ResNet18(shape[0], classes or 10),
+}
+
+SUGGESTION = {(1, 28, 28): "mnist-cnn", (3, 32, 32): "cifar-cnn or resnet18"}
+
+
+def check_input(cfg: ModelConfig, image_shape: tuple[int, ...]) -> None:
+    """Refuse a built-in model that cannot take this dataset's images, before any worker starts."""
+    shape = tuple(image_shape)
+    required = {"mnist-cnn": MnistCNN.input_shape}.get(cfg.name)
+    size = {"cifar-cnn": CifarCNN.input_size}.get(cfg.name)
+    if (required and shape != required) or (size and shape[1:] != size):
+        want = "x".join(map(str, required or ("C", *size)))  # type: ignore[misc]  # one of the two is set
+        hint = SUGGESTION.get(shape, "resnet18")
+        raise ConfigError(
+            f"model {cfg.name} takes {want} images but the dataset has {'x'.join(map(str, shape))}; use --model.name {hint}."
+        )
+
+
+def build_model(cfg: ModelConfig, image_shape: tuple[int, ...], num_classes: int | None) -> nn.Module:
+    if is_import_path(cfg.name):
+        cls = import_object(cfg.name, "model.name")
+        try:
+            model = cls()
+        except TypeError as exc:
+            raise ConfigError(f"model.name {cfg.name} must be constructible with no arguments ({exc}); give its arguments defaults.") from None
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model.name {cfg.name} built a {type(model).__name__}, not a torch.nn.Module.")
+    else:
+        check_input(cfg, image_shape)
+        model = MODELS[cfg.name](image_shape, num_classes)
+    if not cfg.dropout:
+        _remove_dropout(model)
+    return model
+
+
+def _remove_dropout(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.modules.dropout._DropoutNd):
+            setattr(module, name, nn.Identity())
+        else:
+            _remove_dropout(child)

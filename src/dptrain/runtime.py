@@ -1,0 +1,107 @@
+"""Per-process runtime: device, CPU threads, process group with bounded timeouts, seeding, phases."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import random
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dptrain.launch.env import DistEnv, check_master_resolves
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """A failure inside a worker, already labelled with its rank and phase."""
+
+
+class Phase:
+    """Names what this rank is doing, so that any failure says 'rank R failed during PHASE'."""
+
+    def __init__(self, global_rank: int) -> None:
+        self.global_rank = global_rank
+        self.name = "start-up"
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        previous, self.name = self.name, name
+        try:
+            yield
+        except WorkerFailure:
+            raise
+        except Exception as exc:
+            raise WorkerFailure(f"rank {self.global_rank} failed during {name}: {_one_line(exc)}") from exc
+        finally:
+            self.name = previous
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0] if type(exc).__name__ in ("ConfigError", "DataError", "LaunchError") else " ".join(text.split())
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """cuda:<local_rank> when asked for (or available with 'auto'), else cpu."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("launch.device = cuda but CUDA is not available here; use --launch.device cpu.")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU (this node has {count}); start at most {count} workers per node."
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_cpu_threads(local_world_size: int) -> int:
+    """Split this node's cores across its local ranks; oversubscribed ranks slow each other down."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        cores = os.cpu_count() or 1
+    threads = max(1, cores // local_world_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> None:
+    """Join the world with a bounded timeout; nccl for CUDA, gloo for CPU.
+
+    torch's default waits 30 minutes on a dead peer; here every collective and the rendezvous
+    fail after timeout_s instead.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.world_size == 1 and env.source == "none":
+        # One process, no launcher: an in-memory store, no port needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    check_master_resolves(env.master_addr)
+    # env:// rather than tcp://: under torchrun the agent may already host the store on
+    # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and env:// joins it instead of binding again.
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend, init_method="env://", rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

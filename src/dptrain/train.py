@@ -1,0 +1,194 @@
+"""The training loop: build(cfg, env) -> Run; Run.fit() trains, evaluates and logs exact metrics.
+
+    $ dptrain train --nproc-per-node 2                 # 2 local workers, DDP over gloo/nccl
+    $ torchrun --nproc-per-node 4 -m dptrain train     # under an existing launcher
+    $ srun dptrain train                               # one task per rank under SLURM
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptrain.config import RunConfig, check_world
+from dptrain.data import DataInfo, build_loaders
+from dptrain.data.loader import Batch, Loader
+from dptrain.launch.env import DistEnv
+from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_mb
+from dptrain.models import build_model
+from dptrain.runtime import Phase
+from dptrain.strategies import Strategy, build_strategy
+
+log = logging.getLogger("dptrain")
+
+
+def build_optimizer_factory(cfg: RunConfig):  # noqa: ANN201 - returns an OptimizerFactory
+    o = cfg.optim
+    if o.name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
+    return lambda params: torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+
+
+def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int):  # noqa: ANN201
+    """Stepped once per optimizer step; total_steps is the run's, so cosine and one-cycle end at the end."""
+    o = cfg.optim
+    if o.schedule == "cosine":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    if o.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=o.lr, total_steps=total_steps)
+    if o.schedule == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=o.step_epochs * steps_per_epoch, gamma=o.gamma)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    env: DistEnv
+    device: torch.device
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: Loader
+    eval_loader: Loader
+    info: DataInfo
+    events: EventLog
+    phase: Phase
+    total_steps: int
+    step: int = 0
+
+    def fit(self) -> dict:
+        """Train until train.epochs or train.max_steps; returns the last epoch event."""
+        progress = ProgressBar(enabled=self.env.is_main)
+        epochs = self.cfg.train.epochs
+        last: dict = {}
+        try:
+            for epoch in range(epochs):
+                if self.step >= self.total_steps:
+                    break
+                progress.start_epoch(epoch + 1, epochs, min(len(self.train_loader), self.total_steps - self.step))
+                train = self._run_epoch(epoch, progress)
+                with self.phase(f"evaluation after epoch {epoch + 1}"):
+                    evaluation = evaluate(self.strategy, self.eval_loader, self._autocast)
+                last = self.events.emit("epoch", epoch=epoch + 1, step=self.step, **train, **evaluation)
+        finally:
+            progress.stop()
+        return last
+
+    def _run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
+        self.model.train()
+        # Sums on the device; read once at the end of the epoch (a read is a host sync).
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, samples (this rank)
+        seen = 0  # samples over all ranks
+        _sync(self.device)
+        start = time.perf_counter()
+        for batch in self.train_loader.epoch_batches(epoch):
+            with self.phase(f"step {self.step + 1}"):
+                loss_sum, correct = self._run_batch(batch)
+            sums += torch.stack([loss_sum.double(), correct.double(), loss_sum.new_tensor(len(batch.labels), dtype=torch.float64)])
+            seen += batch.global_count
+            self.step += 1
+            step_loss = self._log_step(epoch, loss_sum, batch.global_count) if self.step % self.cfg.train.log_every == 0 else None
+            progress.advance(step_loss)
+            if self.step >= self.total_steps:
+                break
+        with self.phase(f"metrics reduction of epoch {epoch + 1}"):
+            self.strategy.all_reduce(sums)  # also waits for every rank: the epoch time covers the slowest
+            elapsed = time.perf_counter() - start
+            peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
+        loss, correct, count = sums.tolist()
+        assert int(count) == seen, (count, seen)
+        return {
+            "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
+            "epoch_time_s": elapsed, "samples_per_s": count / elapsed,
+            "peak_mem_mb": peak.item(), "lr": self.scheduler.get_last_lr()[0],
+        }
+
+    def _run_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            logits = self.model(batch.images)
+        loss_sum = F.cross_entropy(logits.float(), batch.labels, reduction="sum")
+        self.strategy.backward(loss_sum, batch.global_count)
+        if self.cfg.train.grad_clip is not None:
+            self.strategy.clip_grad_norm(self.model, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        correct = (logits.argmax(1) == batch.labels).sum()
+        return loss_sum.detach(), correct
+
+    def _log_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int) -> float:
+        """The global mean loss of this step: one all-reduce and one host sync, on log steps only."""
+        total = self.strategy.all_reduce(loss_sum.double().reshape(1).clone())
+        loss = total.item() / global_count
+        self.events.emit("step", epoch=epoch + 1, step=self.step, loss=finite_or_none(loss), lr=self.scheduler.get_last_lr()[0])
+        return loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
+
+
+def evaluate(strategy: Strategy, loader: Loader, autocast) -> dict:  # noqa: ANN001 - autocast: () -> context manager
+    """Loss and accuracy over the whole test split, each sample counted once over all ranks."""
+    module = strategy.eval_module
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples (this rank)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for batch in loader.epoch_batches(0):
+            if len(batch.labels) == 0:  # an empty share of a short last batch
+                continue
+            with autocast():
+                logits = module(batch.images)
+            loss = F.cross_entropy(logits.float(), batch.labels, reduction="sum")
+            correct = (logits.argmax(1) == batch.labels).sum()
+            sums += torch.stack([loss.double(), correct.double(), loss.new_tensor(len(batch.labels), dtype=torch.float64)])
+    strategy.all_reduce(sums)
+    elapsed = time.perf_counter() - start
+    module.train(was_training)
+    loss, correct, count = sums.tolist()
+    return {"eval_loss": finite_or_none(loss / count), "eval_acc": correct / count, "eval_count": int(count), "eval_time_s": elapsed}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Run:
+    """Everything the loop needs, in order: data, model, strategy, optimizer, schedule."""
+    with phase("data loading"):
+        info, train_loader, eval_loader = build_loaders(
+            cfg.data, device=device, global_batch=cfg.train.global_batch_size, eval_batch=cfg.train.eval_batch_size,
+            rank=env.global_rank, world_size=env.world_size, seed=cfg.train.seed, channels_last=cfg.train.channels_last,
+        )
+        check_world(cfg, env.world_size, info.train_size)
+    with phase("model set-up"):
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+        model = build_model(cfg.model, info.image_shape, info.num_classes)
+        if cfg.train.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        strategy = build_strategy(cfg.strategy, env, device)
+        wrapped = strategy.wrap(model)
+        optimizer = strategy.build_optimizer(strategy.eval_module, build_optimizer_factory(cfg))
+        steps_per_epoch = len(train_loader)
+        total_steps = cfg.train.epochs * steps_per_epoch
+        if cfg.train.max_steps is not None:
+            total_steps = min(total_steps, cfg.train.max_steps)
+        scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
+    # Dropout and other randomness differ per rank, deterministically.
+    torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
+    return Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase, total_steps)
