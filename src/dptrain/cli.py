@@ -14,6 +14,7 @@ from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig, check_world
 from dptrain.data import DataError, describe
 from dptrain.launch.env import DistEnv, LaunchError
+from dptrain.imports import import_object
 from dptrain.models import check_input
 from dptrain.runtime import WorkerFailure
 
@@ -50,7 +51,9 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
     """Every check that can fail before a worker starts: config vs world, dataset present, model fits data."""
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size)
-    if not config_mod.is_import_path(cfg.model.name):
+    if config_mod.is_import_path(cfg.model.name):
+        import_object(cfg.model.name, "model.name")
+    else:
         check_input(cfg.model, info.image_shape)
 
 

@@ -14,11 +14,11 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float, max_restarts: int = 0) -> None:
-    """Run `elastic_entry(cfg_tree)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
+    """Run `run_worker(cfg_tree)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from dptrain.launch.worker import elastic_entry
+    from dptrain.launch.worker import run_worker
 
     for key, value in AGENT_ENV.items():
         os.environ.setdefault(key, value)
@@ -35,19 +35,20 @@ def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float
         start_method="spawn",
     )
     try:
-        elastic_launch(config, elastic_entry)(cfg_tree)
+        elastic_launch(config, run_worker)(cfg_tree)
     except ChildFailedError as exc:
         raise LaunchError(describe_failure(exc)) from None
 
 
 def describe_failure(exc: Any) -> str:
     """The first failure's own message (they say 'rank R failed during PHASE: ...'), plus who else died."""
-    failures = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)
-    first = failures[0][1]
-    message = _first_line(first.message) if isinstance(first.message, str) else ""
+    failures = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)  # {global rank: ProcessFailure}
+    rank, first = failures[0]
+    raw = first.message.get("message", "") if isinstance(first.message, dict) else first.message
+    message = _first_line(raw) if isinstance(raw, str) else ""
     if not message or message.startswith("To enable traceback"):
-        message = f"rank {first.rank} exited with code {first.exitcode}"
-    others = [str(f.rank) for _, f in failures[1:]]
+        message = f"rank {rank} exited with code {first.exitcode}"
+    others = [str(r) for r, _ in failures[1:]]
     if others:
         message += f" (rank{'s' if len(others) > 1 else ''} {', '.join(others)} also stopped)"
     return message

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import socket
 import subprocess
@@ -91,14 +90,9 @@ def run_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
         last = run.fit()
         events.emit("run_end", step=run.step)
         return last
+    except Exception as exc:
+        log.error("%s", exc)  # the one line, also in this rank's log file
+        raise
     finally:
         events.close()
         destroy_process_group()
-
-
-def elastic_entry(cfg_tree: dict[str, Any]) -> None:
-    """What the elastic agent runs in each spawned worker; exceptions reach the agent's error file."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    record(run_worker)(cfg_tree)

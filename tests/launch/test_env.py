@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from dptrain.launch.env import DistEnv, LaunchError, check_master_resolves, expand_nodelist
+
+
+def test_no_launcher_is_one_process():
+    env = DistEnv.from_environ({})
+    assert (env.global_rank, env.world_size, env.source, env.is_main) == (0, 1, "none", True)
+
+
+def test_torchrun_variables():
+    env = DistEnv.from_environ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                                "MASTER_ADDR": "node7", "MASTER_PORT": "29411"})
+    assert env == DistEnv(5, 1, 8, 4, "node7", 29411, "torchrun")
+    assert not env.is_main
+
+
+def test_torchrun_wins_over_slurm_when_both_are_set():
+    env = DistEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"})
+    assert env.source == "torchrun" and env.global_rank == 1
+
+
+def test_slurm_variables_take_the_master_from_the_node_list():
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)",
+             "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    env = DistEnv.from_environ(slurm)
+    assert (env.global_rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert env.master_addr == "gpu07" and env.source == "slurm"
+    assert env.master_port == 20000 + 4242 % 20000
+    # An explicit MASTER_ADDR/MASTER_PORT (from the sbatch script) wins.
+    env = DistEnv.from_environ({**slurm, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "31000"})
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 31000)
+
+
+def test_the_sbatch_shell_itself_is_not_a_rank():
+    assert DistEnv.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n1"}).source == "none"
+
+
+def test_bad_numbers_are_one_sentence():
+    with pytest.raises(LaunchError, match="WORLD_SIZE='two' is not an integer"):
+        DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("n1", ["n1"]),
+        ("n[1-3]", ["n1", "n2", "n3"]),
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("a[9-11]", ["a9", "a10", "a11"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_unresolvable_master_fails_fast():
+    check_master_resolves("127.0.0.1")
+    with pytest.raises(LaunchError, match="does not resolve"):
+        check_master_resolves("no-such-host.invalid")
+
+
+def test_from_environ_reads_os_environ():
+    with mock.patch.dict("os.environ", {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, clear=True):
+        assert DistEnv.from_environ().global_rank == 2

@@ -1,0 +1,74 @@
+"""Bad input through the CLI: one sentence on stderr, a non-zero exit, nothing already written lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from dptrain.cli import main, split_overrides
+from dptrain.config import ConfigError
+from tests.idx_files import idx_bytes, write_idx_dataset
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_split_overrides_accepts_both_spellings():
+    assert split_overrides(["--optim.lr", "3e-4", "--train.bf16=true"]) == [("optim.lr", "3e-4"), ("train.bf16", "true")]
+    with pytest.raises(ConfigError, match="needs a value"):
+        split_overrides(["--optim.lr"])
+    with pytest.raises(ConfigError, match="unexpected argument 'fast'"):
+        split_overrides(["fast"])
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--optim.lrr", "1"], "unknown option optim.lrr; valid options in [optim] are"),
+        (["--data.name", "synthetic", "--nproc-per-node", "3"], "train.global_batch_size 128 is not divisible by the world size 3"),
+        (["--data.name", "synthetic", "--data.synthetic_train_size", "3", "--nproc-per-node", "4", "--train.global_batch_size", "4"],
+         "world size 4 is larger than the training split (3 samples)"),
+        (["--data.name", "synthetic", "--data.synthetic_shape", "3,32,32"], "model mnist-cnn takes 1x28x28 images but the dataset has 3x32x32; use --model.name cifar-cnn or resnet18"),
+        (["--data.name", "synthetic", "--strategy.name", "single", "--nproc-per-node", "2"], "strategy single runs one process"),
+        (["--data.name", "mnist", "--data.root", "nowhere"], "dataset mnist not found in nowhere/MNIST/raw, nowhere/mnist, nowhere"),
+        (["--data.name", "synthetic", "--model.name", "no_such_pkg.models:Net"], "cannot import module no_such_pkg.models"),
+    ],
+)
+def test_bad_input_is_one_sentence_before_any_worker_starts(capsys, tmp_path, monkeypatch, argv, fragment):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(capsys, "train", *argv)
+    assert code == 2
+    assert err.startswith("dptrain: error: ") and fragment in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_corrupt_dataset_names_the_file_and_keeps_earlier_results(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    write_idx_dataset(raw, train_size=50, test_size=20, gz=False)
+    whole = (raw / "train-images-idx3-ubyte").read_bytes()
+    (raw / "train-images-idx3-ubyte").write_bytes(whole[: len(whole) // 2])  # truncated mid-data
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"event": "epoch", "epoch": 1}\n')
+    code, err = run_main(capsys, "train", "--data.name", "mnist", "--train.global_batch_size", "10")
+    assert code == 1
+    assert "rank 0 failed during data loading" in err and "train-images-idx3-ubyte is truncated" in err
+    assert len(err.splitlines()) == 1
+    assert (run_dir / "metrics.jsonl").read_text().startswith('{"event": "epoch", "epoch": 1}\n')
+
+
+def test_one_process_run_in_this_process(capsys, tmp_path, monkeypatch):
+    """world size 1 runs without the agent; exact counts even with a test split smaller than a batch."""
+    monkeypatch.chdir(tmp_path)
+    raw = tmp_path / "data"
+    write_idx_dataset(raw, train_size=64, test_size=7)
+    (raw / "extra.bin").write_bytes(idx_bytes(__import__("numpy").zeros(3, dtype="uint8")))  # ignored
+    code = main(["train", "--data.name", "mnist", "--data.root", str(raw), "--strategy.name", "single",
+                 "--train.global_batch_size", "16", "--train.epochs", "1"])
+    assert code == 0
+    text = (tmp_path / "runs" / "run" / "metrics.jsonl").read_text()
+    assert '"eval_count": 7' in text and '"train_samples": 64' in text
