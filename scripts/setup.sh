@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up dptrain in ./.venv: the package (with test tools given --dev) and, where apt can, the real
+# FashionMNIST. torch is pinned by constraints.txt so that a CPU machine never pulls a CUDA build;
+# on a GPU machine, install your own torch (>=2.6) into the venv first and it is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+
+python=${PYTHON:-python3}
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
+  echo "setup: dptrain needs Python 3.10 or newer; set PYTHON to one." >&2; exit 1; }
+
+if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's dataset-fashion-mnist"
+    apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || {
+      apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null; }
+  else
+    echo "setup: FashionMNIST is not installed; run 'sudo apt-get install dataset-fashion-mnist'" \
+         "or train with --data.download true." >&2
+  fi
+fi
+
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+constraint=(-c constraints.txt)
+# Keep a torch that is already in the venv (e.g. a CUDA build on a GPU machine).
+.venv/bin/python -c 'import torch' 2>/dev/null && constraint=()
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "${constraint[@]}" -e ".${extras}"
+.venv/bin/python -c 'import torch, dptrain; print(f"setup: dptrain {dptrain.__version__} with torch {torch.__version__} in .venv")'

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain.config import ConfigError, ModelConfig
+from dptrain.models import build_model, check_input
+
+
+def count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_mnist_cnn_is_the_tutorials_cnn_layer_for_layer():
+    model = build_model(ModelConfig(name="mnist-cnn"), (1, 28, 28), 10)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [(32, 1, 3, 3), (32,), (64, 32, 3, 3), (64,), (128, 9216), (128,), (10, 128), (10,)]
+    assert count(model) == 1_199_882
+    assert [m.p for m in model.modules() if isinstance(m, nn.Dropout)] == [0.25, 0.5]
+    assert model(torch.zeros(5, 1, 28, 28)).shape == (5, 10)
+
+
+@pytest.mark.parametrize("name, shape", [("cifar-cnn", (3, 32, 32)), ("resnet18", (3, 32, 32)), ("resnet18", (1, 28, 28))])
+def test_image_models_take_their_inputs_and_train(name, shape):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name=name), shape, 10)
+    x, y = torch.randn(4, *shape), torch.tensor([0, 1, 2, 3])
+    out = model(x)
+    assert out.shape == (4, 10)
+    nn.functional.cross_entropy(out, y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_resnet18_has_the_cifar_stem():
+    model = build_model(ModelConfig(name="resnet18"), (3, 32, 32), 10)
+    stem_conv = model.stem[0]
+    assert stem_conv.kernel_size == (3, 3) and stem_conv.stride == (1, 1)
+    assert not any(isinstance(m, nn.MaxPool2d) for m in model.modules())
+    assert 11_000_000 < count(model) < 11_300_000  # the usual 11.17 M of CIFAR ResNet-18
+
+
+def test_dropout_false_removes_every_dropout_layer():
+    model = build_model(ModelConfig(name="cifar-cnn", dropout=False), (3, 32, 32), 10)
+    assert not any(isinstance(m, nn.Dropout) for m in model.modules())
+    model.train()
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(model(x), model(x))  # deterministic in training mode
+
+
+def test_models_refuse_images_they_cannot_take():
+    with pytest.raises(ConfigError, match="model mnist-cnn takes 1x28x28 images but the dataset has 3x32x32; use --model.name cifar-cnn or resnet18"):
+        check_input(ModelConfig(name="mnist-cnn"), (3, 32, 32))
+    with pytest.raises(ConfigError, match="model cifar-cnn takes Cx32x32 images but the dataset has 1x28x28; use --model.name mnist-cnn"):
+        check_input(ModelConfig(name="cifar-cnn"), (1, 28, 28))
+    check_input(ModelConfig(name="resnet18"), (1, 28, 28))  # any size
+
+
+def test_a_users_model_by_import_path():
+    model = build_model(ModelConfig(name="tests.user_code:TinyNet"), (1, 28, 28), None)
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    with pytest.raises(ConfigError, match="module tests.user_code has no attribute Nope"):
+        build_model(ModelConfig(name="tests.user_code:Nope"), (1, 28, 28), None)
+    with pytest.raises(ConfigError, match="built a PatternDataset, not a torch.nn.Module|must be constructible"):
+        build_model(ModelConfig(name="tests.user_code:PatternDataset"), (1, 28, 28), None)
