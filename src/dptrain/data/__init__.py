@@ -1,0 +1,92 @@
+"""Data: readers, catalog, sharded loaders. `build_loaders` is the one entry the training loop uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from dptrain.config import ConfigError, DataConfig, is_import_path
+from dptrain.data.catalog import DATASETS, DatasetSpec, idx_file, load, locate
+from dptrain.data.formats import DataError, read_idx
+from dptrain.data.loader import DatasetLoader, DeviceLoader, Loader
+from dptrain.imports import import_object
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What the model and the checks need to know about a dataset."""
+
+    name: str
+    image_shape: tuple[int, ...]
+    num_classes: int | None
+    """None for a user's Dataset: not known without reading every label."""
+    train_size: int
+    test_size: int
+
+
+def build_user_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+    factory = import_object(cfg.name, "data.name")
+    try:
+        train, test = factory(root=cfg.root, train=True), factory(root=cfg.root, train=False)
+    except TypeError as exc:
+        raise ConfigError(
+            f"data.name {cfg.name} must accept root= and train= keyword arguments ({exc}); wrap it in a function that does."
+        ) from None
+    for ds, split in ((train, "train"), (test, "test")):
+        if not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+            raise ConfigError(f"data.name {cfg.name} returned {type(ds).__name__} for the {split} split, which is not a map-style Dataset (__len__ and __getitem__).")
+    return train, test
+
+
+def build_loaders(
+    cfg: DataConfig, *, device: torch.device, global_batch: int, eval_batch: int, rank: int, world_size: int,
+    seed: int, channels_last: bool,
+) -> tuple[DataInfo, Loader, Loader]:
+    """(info, train loader, test loader); the test loader covers every test sample exactly once over the ranks."""
+    share = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
+    if is_import_path(cfg.name):
+        train_ds, test_ds = build_user_datasets(cfg)
+        info = DataInfo(cfg.name, tuple(torch.as_tensor(train_ds[0][0]).shape), None, len(train_ds), len(test_ds))  # type: ignore[arg-type]  # checked map-style above
+        return (
+            info,
+            DatasetLoader(train_ds, global_batch=global_batch, shuffle=True, num_workers=cfg.num_workers, **share),
+            DatasetLoader(test_ds, global_batch=eval_batch * world_size, shuffle=False, num_workers=cfg.num_workers, **share),
+        )
+    spec, train, test = load(cfg)
+    info = DataInfo(spec.name, spec.shape, spec.num_classes, len(train), len(test))
+    return (
+        info,
+        DeviceLoader(train, spec, global_batch=global_batch, shuffle=True, **share),
+        DeviceLoader(test, spec, global_batch=eval_batch * world_size, shuffle=False, **share),
+    )
+
+
+def describe(cfg: DataConfig) -> DataInfo:
+    """Cheap facts for the checks made before workers start: no full read of a built-in dataset."""
+    if is_import_path(cfg.name):
+        train, test = build_user_datasets(cfg)
+        return DataInfo(cfg.name, tuple(torch.as_tensor(train[0][0]).shape), None, len(train), len(test))  # type: ignore[arg-type]  # checked map-style above
+    if cfg.name == "synthetic":
+        return DataInfo("synthetic", tuple(cfg.synthetic_shape), cfg.synthetic_num_classes, cfg.synthetic_train_size, cfg.synthetic_test_size)
+    spec: DatasetSpec = DATASETS[cfg.name]
+    try:
+        folder = locate(spec, Path(cfg.root))
+    except DataError:
+        if cfg.download:  # the workers will fetch it; sizes are the official ones
+            return DataInfo(spec.name, spec.shape, spec.num_classes, spec.train_size, 0)
+        raise
+    if "train-labels-idx1-ubyte" in spec.required:  # IDX: the label file is small, count it
+        train_size = len(_labels(folder, "train"))
+        test_size = len(_labels(folder, "t10k"))
+        return DataInfo(spec.name, spec.shape, spec.num_classes, train_size, test_size)
+    return DataInfo(spec.name, spec.shape, spec.num_classes, spec.train_size, 0)
+
+
+def _labels(folder: Path, prefix: str) -> torch.Tensor:
+    return read_idx(idx_file(folder, f"{prefix}-labels-idx1-ubyte"), 1)
+
+
+__all__ = ["DataInfo", "DataError", "build_loaders", "describe"]

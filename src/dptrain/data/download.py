@@ -1,0 +1,96 @@
+"""Fetch dataset files once per machine: an exclusive file lock, a temporary name, an md5 check, a rename.
+
+No process group is needed: every process that wants the files calls fetch(); the first one to
+take the lock downloads, the others block on the lock and then find the files in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import http.client
+import logging
+import os
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from dptrain.data.formats import DataError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+HTTP_TIMEOUT_S = 60
+
+
+def md5sum(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock held across processes on this machine (released if the holder dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def fetch(dest: Path, files: list[tuple[str, str]], mirrors: list[str]) -> list[Path]:
+    """Make every (filename, md5) of `files` present and verified in dest, trying mirrors in order."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with file_lock(dest / ".download.lock"):
+        return [_fetch_one(dest, name, md5, mirrors) for name, md5 in files]
+
+
+def _fetch_one(dest: Path, name: str, md5: str, mirrors: list[str]) -> Path:
+    target = dest / name
+    if target.exists():
+        if md5sum(target) == md5:
+            return target
+        log.warning("%s has the wrong md5; downloading it again", target)
+    failures = []
+    for mirror in mirrors:
+        url = mirror.rstrip("/") + "/" + name
+        try:
+            _download(url, target, md5)
+            log.info("downloaded %s", url)
+            return target
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # URLError is an OSError, DataError a ValueError
+            failures.append(f"{url}: {exc}")
+    raise DataError(
+        f"could not download {name} from any mirror ({'; '.join(failures)}); "
+        f"check the network or --data.mirror, or place the file in {dest} yourself."
+    )
+
+
+def _download(url: str, target: Path, md5: str) -> None:
+    """Stream to a temporary file beside target, check the md5, then rename: no half file is ever found."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.md5()
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+            for chunk in iter(lambda: response.read(CHUNK), b""):
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != md5:
+            raise DataError(f"md5 {digest.hexdigest()} does not match the expected {md5}")
+        # mkstemp makes the file 0600; a shared data root needs it readable like any other download.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,116 @@
+"""Readers for the tutorials' file formats -> uint8 tensors, checking everything a bad file can get wrong.
+
+IDX (MNIST, FashionMNIST): a 4-byte magic (0, 0, type 0x08 = ubyte, number of dimensions), then
+one big-endian int32 per dimension, then the data. Gzipped or raw; gzip is detected by content.
+CIFAR-10 python batches: pickled dicts with b"data" (N x 3072 uint8, channel-major) and b"labels".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib
+import io
+import pickle
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GZIP_MAGIC = b"\x1f\x8b"
+IDX_UBYTE = 0x08
+CIFAR_IMAGE_BYTES = 3 * 32 * 32
+
+
+class DataError(ValueError):
+    """A dataset file is missing, truncated or corrupt; the message names the file and the fix."""
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; check data.root or use --data.download true.") from None
+    if raw[:2] != GZIP_MAGIC:
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path} is a damaged gzip file ({exc}); delete it and download it again.") from None
+
+
+def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:
+    """An IDX file of unsigned bytes as a uint8 tensor of expect_ndim dimensions."""
+    path = Path(path)
+    raw = _read_bytes(path)
+    if len(raw) < 4:
+        raise DataError(f"{path} is too short to be an IDX file ({len(raw)} bytes); download it again.")
+    zero1, zero2, dtype, ndim = raw[:4]
+    if zero1 or zero2 or dtype != IDX_UBYTE or ndim != expect_ndim:
+        raise DataError(
+            f"{path} has IDX magic {raw[:4].hex()} but 0000080{expect_ndim} was expected "
+            f"(unsigned bytes, {expect_ndim} dimensions); it is not the right file or is corrupt."
+        )
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{path} is truncated inside its header; download it again.")
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    expected = int(np.prod(dims))
+    actual = len(raw) - header
+    if actual != expected:
+        what = "truncated" if actual < expected else "longer than its header says"
+        raise DataError(
+            f"{path} is {what}: its header promises {'x'.join(map(str, dims))} = {expected} bytes "
+            f"of data but it holds {actual}; download it again."
+        )
+    array = np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+    return torch.from_numpy(array.copy())
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: a CIFAR file cannot run code on load."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),  # arrays pickled with protocol 5
+        ("numpy._core.numeric", "_frombuffer"),
+    }
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
+        if (module, name) in self.ALLOWED:
+            # Files pickled under numpy 1 name numpy.core, under numpy 2 numpy._core; take whichever exists.
+            for candidate in (module.replace("numpy.core.", "numpy._core."), module.replace("numpy._core.", "numpy.core.")):
+                with contextlib.suppress(ImportError, AttributeError):
+                    return getattr(importlib.import_module(candidate), name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def read_cifar_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CIFAR-10 python batch -> (N x 3 x 32 x 32 uint8, N int64 labels)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; check data.root or use --data.download true.") from None
+    try:
+        batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except Exception as exc:  # truncation surfaces as EOFError, UnpicklingError, ValueError...
+        raise DataError(f"{path} is not a readable CIFAR-10 batch ({type(exc).__name__}: {exc}); download it again.") from None
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise DataError(f"{path} lacks the b'data' and b'labels' entries of a CIFAR-10 batch; it is not the right file.")
+    data, labels = batch[b"data"], batch[b"labels"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != CIFAR_IMAGE_BYTES:
+        shape = getattr(data, "shape", None)
+        raise DataError(f"{path} holds data of shape {shape} but N x {CIFAR_IMAGE_BYTES} uint8 was expected; download it again.")
+    if not isinstance(labels, (list, tuple, np.ndarray)) or not all(isinstance(x, (int, np.integer)) for x in labels):
+        raise DataError(f"{path} holds labels of type {type(labels).__name__} but a list of integers was expected; download it again.")
+    if len(labels) != data.shape[0]:
+        raise DataError(f"{path} holds {data.shape[0]} images but {len(labels)} labels; download it again.")
+    images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+    return images, torch.as_tensor(np.asarray(labels, dtype=np.int64))

@@ -1,0 +1,343 @@
+"""read_idx and read_cifar_batch on real files: exact round trips, and every kind of bad file -> DataError naming it."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain.data.formats import DataError, read_cifar_batch, read_idx
+
+from .datafiles import cifar_batch_bytes, idx_bytes, py2_cifar_batch_bytes, write_cifar_batch, write_idx
+
+RNG = np.random.default_rng(1234)
+IMAGES = RNG.integers(0, 256, (57, 28, 28), dtype=np.uint8)
+LABELS = RNG.integers(0, 10, 57, dtype=np.uint8)
+
+
+def assert_names_file(exc_info: pytest.ExceptionInfo, path) -> str:
+    message = str(exc_info.value)
+    assert str(path) in message, message
+    return message
+
+
+# ---------------------------------------------------------------- IDX: good files
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["raw", "gzip"])
+def test_read_idx_images_round_trip(tmp_path, gz):
+    path = write_idx(tmp_path / ("images.gz" if gz else "images"), IMAGES, gz=gz)
+    out = read_idx(path, 3)
+    assert out.dtype == torch.uint8
+    assert tuple(out.shape) == (57, 28, 28)
+    assert np.array_equal(out.numpy(), IMAGES)
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["raw", "gzip"])
+def test_read_idx_labels_round_trip(tmp_path, gz):
+    path = write_idx(tmp_path / "labels", LABELS, gz=gz)
+    assert path.read_bytes()[:2] == b"\x1f\x8b" if gz else path.read_bytes()[:4] == b"\x00\x00\x08\x01"
+    out = read_idx(path, 1)
+    assert out.dtype == torch.uint8 and tuple(out.shape) == (57,)
+    assert out.tolist() == LABELS.tolist()
+
+
+def test_read_idx_detects_gzip_by_content_not_name(tmp_path):
+    gz_without_suffix = write_idx(tmp_path / "train-labels-idx1-ubyte", LABELS, gz=True)
+    raw_with_gz_suffix = write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", LABELS, gz=False)
+    assert read_idx(gz_without_suffix, 1).tolist() == LABELS.tolist()
+    assert read_idx(raw_with_gz_suffix, 1).tolist() == LABELS.tolist()
+
+
+def test_read_idx_header_is_big_endian(tmp_path):
+    # 2 x 3 x 1 images: a little-endian reader would see 2**25 images and call the file truncated.
+    array = np.arange(6, dtype=np.uint8).reshape(2, 3, 1)
+    path = tmp_path / "be"
+    path.write_bytes(struct.pack(">IIII", 0x803, 2, 3, 1) + array.tobytes())
+    assert read_idx(path, 3).tolist() == array.tolist()
+
+
+def test_read_idx_result_does_not_alias_a_read_only_buffer(tmp_path):
+    out = read_idx(write_idx(tmp_path / "l", LABELS), 1)
+    out[0] = 255  # np.frombuffer over bytes is read-only; the reader must hand back its own copy
+    assert int(out[0]) == 255
+
+
+# ---------------------------------------------------------------- IDX: bad files
+
+
+def test_read_idx_wrong_magic(tmp_path):
+    path = tmp_path / "bad-magic"
+    path.write_bytes(b"\x00\x00\x0d\x03" + idx_bytes(IMAGES)[4:])  # type 0x0d = float, not ubyte
+    with pytest.raises(DataError) as info:
+        read_idx(path, 3)
+    assert "magic" in assert_names_file(info, path)
+
+
+def test_read_idx_nonzero_leading_magic_bytes(tmp_path):
+    path = tmp_path / "bad-lead"
+    path.write_bytes(b"\x01\x00\x08\x01" + idx_bytes(LABELS)[4:])
+    with pytest.raises(DataError) as info:
+        read_idx(path, 1)
+    assert_names_file(info, path)
+
+
+def test_read_idx_wrong_ndim(tmp_path):
+    labels_file = write_idx(tmp_path / "labels", LABELS)  # magic 0x00000801
+    with pytest.raises(DataError) as info:
+        read_idx(labels_file, 3)
+    message = assert_names_file(info, labels_file)
+    assert "00000801" in message and "00000803" in message
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["raw", "gzip"])
+def test_read_idx_truncated_data(tmp_path, gz):
+    data = idx_bytes(IMAGES)[:-100]
+    path = tmp_path / "truncated"
+    path.write_bytes(gzip.compress(data) if gz else data)
+    with pytest.raises(DataError) as info:
+        read_idx(path, 3)
+    assert "truncated" in assert_names_file(info, path)
+
+
+def test_read_idx_longer_than_header(tmp_path):
+    path = tmp_path / "long"
+    path.write_bytes(idx_bytes(LABELS) + b"\x00")
+    with pytest.raises(DataError) as info:
+        read_idx(path, 1)
+    assert "longer than its header says" in assert_names_file(info, path)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 4, 9, 15])
+def test_read_idx_truncated_header(tmp_path, keep):
+    path = tmp_path / f"header-{keep}"
+    path.write_bytes(idx_bytes(IMAGES)[:keep])  # full header is 4 + 3 * 4 = 16 bytes
+    with pytest.raises(DataError) as info:
+        read_idx(path, 3)
+    assert_names_file(info, path)
+
+
+@pytest.mark.parametrize("damage", ["cut", "flip"])
+def test_read_idx_damaged_gzip(tmp_path, damage):
+    blob = bytearray(gzip.compress(idx_bytes(IMAGES)))
+    if damage == "cut":
+        blob = blob[: len(blob) // 2]
+    else:  # corrupt the deflate stream in the middle
+        for i in range(len(blob) // 2, len(blob) // 2 + 16):
+            blob[i] ^= 0xFF
+    path = tmp_path / "images.gz"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(DataError) as info:
+        read_idx(path, 3)
+    assert "gzip" in assert_names_file(info, path)
+
+
+def test_read_idx_missing_file(tmp_path):
+    path = tmp_path / "nowhere" / "train-images-idx3-ubyte"
+    with pytest.raises(DataError) as info:
+        read_idx(path, 3)
+    assert "does not exist" in assert_names_file(info, path)
+
+
+def test_data_error_is_a_value_error():
+    assert issubclass(DataError, ValueError)
+
+
+# ---------------------------------------------------------------- CIFAR-10 batches
+
+
+def cifar_images(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("protocol", [3, 4])
+def test_read_cifar_round_trip(tmp_path, protocol):
+    images, labels = cifar_images(23), list(range(10)) * 2 + [9, 0, 5]
+    path = write_cifar_batch(tmp_path / "data_batch_1", images, labels, protocol=protocol)
+    out_images, out_labels = read_cifar_batch(path)
+    assert out_images.dtype == torch.uint8 and tuple(out_images.shape) == (23, 3, 32, 32)
+    assert out_labels.dtype == torch.int64 and out_labels.tolist() == labels
+    assert np.array_equal(out_images.numpy(), images)
+
+
+def test_read_cifar_layout_is_channel_major(tmp_path):
+    # Build the 3072-byte rows by hand, as the CIFAR page describes them: 1024 R, 1024 G, 1024 B, each row-major.
+    n = 4
+    rng = np.random.default_rng(7)
+    red, green, blue = (rng.integers(0, 256, (n, 32, 32), dtype=np.uint8) for _ in range(3))
+    rows = np.concatenate([red.reshape(n, 1024), green.reshape(n, 1024), blue.reshape(n, 1024)], axis=1)
+    assert rows.shape == (n, 3072)
+    path = tmp_path / "batch"
+    path.write_bytes(pickle.dumps({b"data": rows, b"labels": [1, 2, 3, 4], b"batch_label": b"x"}, protocol=4))
+    images, labels = read_cifar_batch(path)
+    assert torch.equal(images[:, 0], torch.from_numpy(red))
+    assert torch.equal(images[:, 1], torch.from_numpy(green))
+    assert torch.equal(images[:, 2], torch.from_numpy(blue))
+    # One pixel spelled out: image 2, green, row 5, column 17 is byte 1024 + 5 * 32 + 17 of its row.
+    assert int(images[2, 1, 5, 17]) == int(rows[2, 1024 + 5 * 32 + 17])
+    assert labels.tolist() == [1, 2, 3, 4]
+
+
+def test_read_cifar_python2_pickle_as_in_the_official_files(tmp_path):
+    # The official batches were pickled by Python 2: strings as BINSTRING, numpy.core.multiarray._reconstruct.
+    images, labels = cifar_images(5, seed=3), [4, 1, 0, 9, 3]
+    raw = py2_cifar_batch_bytes(images, labels)
+    assert b"cnumpy.core.multiarray\n_reconstruct\n" in raw and b"_codecs" not in raw
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(raw)
+    out_images, out_labels = read_cifar_batch(path)
+    assert np.array_equal(out_images.numpy(), images)
+    assert out_labels.tolist() == labels
+
+
+def test_read_cifar_numpy1_module_names(tmp_path):
+    # Files pickled under numpy 1 name numpy.core.multiarray; numpy 2 writes numpy._core.multiarray.
+    images = cifar_images(3, seed=4)
+    raw = cifar_batch_bytes(images, [0, 1, 2], protocol=3)  # protocol 3: GLOBAL opcodes, plain text names
+    assert b"cnumpy._core.multiarray\n" in raw or b"cnumpy.core.multiarray\n" in raw
+    raw = raw.replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n")
+    path = tmp_path / "old"
+    path.write_bytes(raw)
+    out_images, out_labels = read_cifar_batch(path)
+    assert np.array_equal(out_images.numpy(), images) and out_labels.tolist() == [0, 1, 2]
+
+
+def test_read_cifar_truncated_pickle(tmp_path):
+    raw = cifar_batch_bytes(cifar_images(8), list(range(8)))
+    path = tmp_path / "data_batch_2"
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert "not a readable CIFAR-10 batch" in assert_names_file(info, path)
+
+
+def test_read_cifar_not_a_pickle(tmp_path):
+    path = tmp_path / "data_batch_3"
+    path.write_bytes(idx_bytes(LABELS))
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert_names_file(info, path)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        {b"labels": [1, 2]},
+        {b"data": np.zeros((2, 3072), np.uint8)},
+        {"data": np.zeros((2, 3072), np.uint8), "labels": [1, 2]},  # str keys: not the CIFAR file's bytes keys
+        [np.zeros((2, 3072), np.uint8), [1, 2]],
+    ],
+    ids=["no-data", "no-labels", "str-keys", "not-a-dict"],
+)
+def test_read_cifar_missing_keys(tmp_path, batch):
+    path = tmp_path / "batch"
+    path.write_bytes(pickle.dumps(batch, protocol=4))
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert "b'data'" in assert_names_file(info, path)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [np.zeros((2, 3000), np.uint8), np.zeros((2, 3, 32, 32), np.uint8), np.zeros((2, 3072), np.int64), [[0] * 3072] * 2],
+    ids=["short-rows", "4d", "int64", "list"],
+)
+def test_read_cifar_wrong_data_shape(tmp_path, data):
+    path = tmp_path / "batch"
+    path.write_bytes(pickle.dumps({b"data": data, b"labels": [0, 1]}, protocol=4))
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert "3072" in assert_names_file(info, path)
+
+
+def test_read_cifar_label_count_mismatch(tmp_path):
+    path = tmp_path / "batch"
+    path.write_bytes(pickle.dumps({b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2]}, protocol=4))
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    message = assert_names_file(info, path)
+    assert "4 images" in message and "3 labels" in message
+
+
+def test_read_cifar_missing_file(tmp_path):
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert "does not exist" in assert_names_file(info, path)
+
+
+# ---------------------------------------------------------------- CIFAR-10: pickles that would run code
+
+class Payload:
+    """A class of this test module: pickled by reference, and its __setstate__ writes a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __setstate__(self, state: dict) -> None:  # runs on unpickling if the class is ever loaded
+        open(state["marker"], "w").close()  # noqa: SIM115
+        self.__dict__.update(state)
+
+
+class SystemCall:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+class ExecCall:
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self):
+        return (exec, (self.code,))
+
+
+def test_payload_class_really_would_run(tmp_path):
+    # Control for the refusals below: with the plain unpickler the marker does get written.
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Payload(str(marker))))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["module-class", "os.system", "builtins.exec"])
+def test_read_cifar_refuses_disallowed_globals(tmp_path, kind):
+    marker = tmp_path / f"pwned-{kind}"
+    evil = {
+        "module-class": lambda: Payload(str(marker)),
+        "os.system": lambda: SystemCall(f"touch '{marker}'"),
+        "builtins.exec": lambda: ExecCall(f"open({str(marker)!r}, 'w').close()"),
+    }[kind]()
+    # The payload sits inside an otherwise valid batch, where a careless loader would run it.
+    raw = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"batch_label": evil}, protocol=4)
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(raw)
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    message = assert_names_file(info, path)
+    assert "refusing" in message
+    assert not marker.exists(), "the pickle's code ran"
+
+
+def test_read_cifar_batch_pickled_with_protocol_5(tmp_path):
+    images = np.arange(2 * 3 * 32 * 32, dtype=np.uint8).reshape(2, 3, 32, 32)
+    path = write_cifar_batch(tmp_path / "p5", images, [3, 4], protocol=5)
+    got_images, got_labels = read_cifar_batch(path)
+    assert torch.equal(got_images, torch.from_numpy(images)) and got_labels.tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("labels", [5, "ab", [0.5, 1.5]])
+def test_read_cifar_batch_labels_of_the_wrong_type(tmp_path, labels):
+    path = tmp_path / "bad_labels"
+    data = np.zeros((2, 3 * 32 * 32), np.uint8)
+    path.write_bytes(pickle.dumps({b"data": data, b"labels": labels}))
+    with pytest.raises(DataError, match="labels of type .* but a list of integers was expected") as info:
+        read_cifar_batch(path)
+    assert str(path) in str(info.value)
