@@ -31,7 +31,7 @@ def test_split_overrides_accepts_both_spellings():
         (["--data.name", "synthetic", "--data.synthetic_train_size", "3", "--nproc-per-node", "4", "--train.global_batch_size", "4"],
          "world size 4 is larger than the training split (3 samples)"),
         (["--data.name", "synthetic", "--data.synthetic_shape", "3,32,32"], "model mnist-cnn takes 1x28x28 images but the dataset has 3x32x32; use --model.name cifar-cnn or resnet18"),
-        (["--data.name", "synthetic", "--strategy.name", "single", "--nproc-per-node", "2"], "strategy single runs one process"),
+        (["--data.name", "synthetic", "--strategy.name", "single", "--nproc-per-node", "2"], "strategy single cannot run on 2 processes (it runs one process); start one process, or use --strategy.name ddp."),
         (["--data.name", "mnist", "--data.root", "nowhere"], "dataset mnist not found in nowhere/MNIST/raw, nowhere/mnist, nowhere"),
         (["--data.name", "synthetic", "--model.name", "no_such_pkg.models:Net"], "cannot import module no_such_pkg.models"),
     ],

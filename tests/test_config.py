@@ -78,7 +78,7 @@ def test_check_world_refuses_impossible_splits():
     with pytest.raises(ConfigError, match="world size 4 is larger than the training split \\(3 samples\\)"):
         check_world(cfg, 4, 3)
     single = config.load(None, [("strategy.name", "single")])
-    with pytest.raises(ConfigError, match="strategy single runs one process but the world size is 2"):
+    with pytest.raises(ConfigError, match="strategy single cannot run on 2 processes"):
         check_world(single, 2, 1000)
 
 
@@ -86,3 +86,19 @@ def test_run_config_is_frozen():
     cfg = RunConfig()
     with pytest.raises(Exception):
         cfg.train.epochs = 5  # type: ignore[misc]  # frozen on purpose
+
+
+def test_strategy_options_are_checked_together():
+    with pytest.raises(ConfigError, match="strategy.comm_hook ring applies to ddp and zero1 only, not fsdp"):
+        config.load(None, [("strategy.name", "fsdp"), ("strategy.comm_hook", "ring")])
+    with pytest.raises(ConfigError, match="strategy.param_dtype = 'fp8' is not one of float32, bfloat16, float16"):
+        config.load(None, [("strategy.param_dtype", "fp8")])
+    dedicated = config.load(None, [("strategy.name", "ps"), ("strategy.dedicated_server", "true"), ("train.global_batch_size", "128")])
+    assert dedicated.strategy.data_world_size(4) == 3
+    with pytest.raises(ConfigError, match="not divisible by the number of training ranks 3"):
+        check_world(dedicated, 4, 1000)  # 3 workers take the data; rank 0 only serves
+    with pytest.raises(ConfigError, match="dedicated_server needs at least 2 processes"):
+        check_world(dedicated, 1, 1000)
+    dp = config.load(None, [("strategy.name", "dp")])
+    with pytest.raises(ConfigError, match="strategy dp cannot run on 2 processes \\(dp drives every GPU from one process\\)"):
+        check_world(dp, 2, 1000)

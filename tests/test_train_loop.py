@@ -60,3 +60,14 @@ def test_learning_rate_schedules():
     assert onecycle[0] < 0.01 and 3 <= peak <= 8 and onecycle[-1] < 1e-3
     step = lrs("step", 12, steps_per_epoch=4, step_epochs="2", gamma="0.5")
     assert step == [0.1] * 8 + [0.05] * 4
+
+
+def test_dp_without_gpus_says_it_runs_as_one_device_and_trains_like_single(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("single", "dp"):
+        args = [a if a != "single" else name for a in SMALL]
+        assert main(["train", *args, "--train.max_steps", "4", "--model.dropout", "false", "--output.name", name]) == 0
+    log = (tmp_path / "runs" / "dp" / "logs" / "rank0.log").read_text()
+    assert "strategy dp: no GPU here, so it runs as one device" in log
+    losses = {n: [e["loss"] for e in read_events(tmp_path / "runs" / n, "step")] for n in ("single", "dp")}
+    assert losses["dp"] == losses["single"]

@@ -49,3 +49,17 @@ class PatternDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.images[i], int(self.labels[i])
+
+
+class EvenMLP(nn.Module):
+    """Eight equal 128x128 layers: ZeRO-1's whole-parameter partition splits it evenly over 2 or 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)[:, :128]
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return self.layers[-1](x)[:, :10]

@@ -148,13 +148,40 @@ class TrainConfig:
             _positive(self.grad_clip, "train.grad_clip")
 
 
+STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "ps", "dp", "single")
+ONE_PROCESS_STRATEGIES = ("single", "dp")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StrategyConfig:
-    name: Literal["ddp", "single"] = "ddp"
-    """How the model is replicated and synchronised: ddp (any number of processes) or single (one process)."""
+    name: Literal["ddp", "fsdp", "zero1", "ps", "dp", "single"] = "ddp"
+    """ddp, fsdp (FSDP2), zero1 (DDP + sharded optimizer state), ps (parameter server),
+    dp (nn.DataParallel, one process), single (one process, one device)."""
+    comm_hook: Literal["allreduce", "fp16", "bf16", "powersgd", "ring"] = "allreduce"
+    """ddp/zero1 gradient communication: allreduce, fp16 or bf16 compression, powersgd, or ring (hand-written)."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
+    reshard_after_forward: bool = True
+    """fsdp: true frees gathered parameters after forward (ZeRO-3 / FULL_SHARD), false keeps them (ZeRO-2)."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """fsdp mixed precision: dtype of the gathered parameters used in forward and backward."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """fsdp mixed precision: dtype of the gradient reduce-scatter."""
+    dedicated_server: bool = False
+    """ps: rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
 
     def __post_init__(self) -> None:
-        _choice(self.name, "strategy.name", ("ddp", "single"))
+        _choice(self.name, "strategy.name", STRATEGY_NAMES)
+        _choice(self.comm_hook, "strategy.comm_hook", ("allreduce", "fp16", "bf16", "powersgd", "ring"))
+        _positive(self.powersgd_rank, "strategy.powersgd_rank")
+        for option in ("param_dtype", "reduce_dtype"):
+            _choice(getattr(self, option), f"strategy.{option}", ("float32", "bfloat16", "float16"))
+        if self.comm_hook != "allreduce" and self.name not in ("ddp", "zero1"):
+            raise ConfigError(f"strategy.comm_hook {self.comm_hook} applies to ddp and zero1 only, not {self.name}; drop it or use --strategy.name ddp.")
+
+    def data_world_size(self, world_size: int) -> int:
+        """How many ranks take a share of each batch."""
+        return world_size - 1 if self.name == "ps" and self.dedicated_server else world_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,17 +364,23 @@ def to_toml(cfg: RunConfig) -> str:
 
 def check_world(cfg: RunConfig, world_size: int, train_size: int) -> None:
     """Refuse settings impossible for this world size and dataset, before any worker starts."""
-    if cfg.strategy.name == "single" and world_size > 1:
+    if cfg.strategy.name in ONE_PROCESS_STRATEGIES and world_size > 1:
+        hint = "dp drives every GPU from one process" if cfg.strategy.name == "dp" else "it runs one process"
         raise ConfigError(
-            f"strategy single runs one process but the world size is {world_size}; use --strategy.name ddp."
+            f"strategy {cfg.strategy.name} cannot run on {world_size} processes ({hint}); "
+            "start one process, or use --strategy.name ddp."
         )
+    if cfg.strategy.name == "ps" and cfg.strategy.dedicated_server and world_size < 2:
+        raise ConfigError("strategy ps with dedicated_server needs at least 2 processes (a server and a worker); start more workers.")
+    data_world = cfg.strategy.data_world_size(world_size)
     gb = cfg.train.global_batch_size
-    if gb % world_size:
+    if gb % data_world:
+        who = "the world size" if data_world == world_size else "the number of training ranks"
         raise ConfigError(
-            f"train.global_batch_size {gb} is not divisible by the world size {world_size}; "
-            f"choose a multiple of {world_size}, for example {max(world_size, gb - gb % world_size)}."
+            f"train.global_batch_size {gb} is not divisible by {who} {data_world}; "
+            f"choose a multiple of {data_world}, for example {max(data_world, gb - gb % data_world)}."
         )
-    if world_size > train_size:
+    if data_world > train_size:
         raise ConfigError(
-            f"world size {world_size} is larger than the training split ({train_size} samples); use fewer workers."
+            f"world size {data_world} is larger than the training split ({train_size} samples); use fewer workers."
         )

@@ -51,6 +51,8 @@ def metric_line(event: dict[str, Any]) -> str:
             continue
         if isinstance(value, float):
             value = f"{value:.6g}"
+        elif isinstance(value, list):  # one value per rank, no spaces: key=v0,v1,...
+            value = ",".join(map(str, value))
         parts.append(f"{key}={value}")
     return "[METRIC] " + " ".join(parts)
 

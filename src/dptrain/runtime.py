@@ -43,8 +43,9 @@ class Phase:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0] if type(exc).__name__ in ("ConfigError", "DataError", "LaunchError") else " ".join(text.split())
+    """The first line of the message: ours are one sentence; torch's first line says what broke."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:

@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,17 +27,18 @@ from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_m
 from dptrain.models import build_model
 from dptrain.runtime import Phase
 from dptrain.strategies import Strategy, build_strategy
+from dptrain.strategies.base import OptimizerSpec
 
 log = logging.getLogger("dptrain")
 
 
-def build_optimizer_factory(cfg: RunConfig):  # noqa: ANN201 - returns an OptimizerFactory
+def optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
+    """The optimizer as a class and its arguments, so that a strategy can shard or relocate it."""
     o = cfg.optim
     if o.name == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.name == "adam":
-        return lambda params: torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
-    return lambda params: torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        return OptimizerSpec(torch.optim.SGD, {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay})
+    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    return OptimizerSpec(cls, {"lr": o.lr, "weight_decay": o.weight_decay})
 
 
 def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int):  # noqa: ANN201
@@ -83,13 +86,23 @@ class Run:
                 last = self.events.emit("epoch", epoch=epoch + 1, step=self.step, **train, **evaluation)
         finally:
             progress.stop()
+        with self.phase("saving the final weights"):
+            self._save_weights(self.cfg.output.run_dir / "model.pt")
         return last
+
+    def _save_weights(self, path: Path) -> None:
+        """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
+        state = self.strategy.full_state_dict()
+        if self.env.is_main:
+            tmp = path.with_suffix(".pt.tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, path)
 
     def _run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
         self.model.train()
         # Sums on the device; read once at the end of the epoch (a read is a host sync).
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, samples (this rank)
-        seen = 0  # samples over all ranks
+        seen, steps = 0, 0  # samples over all ranks, steps in this epoch
         _sync(self.device)
         start = time.perf_counter()
         for batch in self.train_loader.epoch_batches(epoch):
@@ -98,6 +111,7 @@ class Run:
             sums += torch.stack([loss_sum.double(), correct.double(), loss_sum.new_tensor(len(batch.labels), dtype=torch.float64)])
             seen += batch.global_count
             self.step += 1
+            steps += 1
             step_loss = self._log_step(epoch, loss_sum, batch.global_count) if self.step % self.cfg.train.log_every == 0 else None
             progress.advance(step_loss)
             if self.step >= self.total_steps:
@@ -106,13 +120,24 @@ class Run:
             self.strategy.all_reduce(sums)  # also waits for every rank: the epoch time covers the slowest
             elapsed = time.perf_counter() - start
             peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
+            accounting = self._accounting(steps)
         loss, correct, count = sums.tolist()
         assert int(count) == seen, (count, seen)
         return {
             "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
             "epoch_time_s": elapsed, "samples_per_s": count / elapsed,
-            "peak_mem_mb": peak.item(), "lr": self.scheduler.get_last_lr()[0],
+            "peak_mem_mb": peak.item(), "lr": self.scheduler.get_last_lr()[0], **accounting,
         }
+
+    def _accounting(self, steps: int) -> dict[str, list[int]]:
+        """Per rank: bytes of parameters, gradients and optimizer state held, and bytes sent per step."""
+        held = self.strategy.memory_bytes(self.optimizer)
+        sent = self.strategy.comm_bytes(steps) // max(steps, 1)
+        table = torch.zeros(self.env.world_size, 4, dtype=torch.float64, device=self.device)
+        table[self.env.global_rank] = torch.tensor([held["params"], held["grads"], held["optim"], sent], dtype=torch.float64)
+        columns = self.strategy.all_reduce(table).long().t().tolist()
+        names = ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "comm_bytes_per_step")
+        return dict(zip(names, columns))
 
     def _run_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -148,9 +173,9 @@ def evaluate(strategy: Strategy, loader: Loader, autocast) -> dict:  # noqa: ANN
     _sync(device)
     start = time.perf_counter()
     with torch.no_grad():
+        # Every rank runs every batch, empty shares included: a sharded model (fsdp) gathers its
+        # parameters inside forward, which needs all ranks.
         for batch in loader.epoch_batches(0):
-            if len(batch.labels) == 0:  # an empty share of a short last batch
-                continue
             with autocast():
                 logits = module(batch.images)
             loss = F.cross_entropy(logits.float(), batch.labels, reduction="sum")
@@ -170,10 +195,12 @@ def _sync(device: torch.device) -> None:
 
 def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Run:
     """Everything the loop needs, in order: data, model, strategy, optimizer, schedule."""
+    strategy = build_strategy(cfg.strategy, env, device)
+    data_rank, data_world = strategy.data_share()
     with phase("data loading"):
         info, train_loader, eval_loader = build_loaders(
             cfg.data, device=device, global_batch=cfg.train.global_batch_size, eval_batch=cfg.train.eval_batch_size,
-            rank=env.global_rank, world_size=env.world_size, seed=cfg.train.seed, channels_last=cfg.train.channels_last,
+            rank=data_rank, world_size=data_world, seed=cfg.train.seed, channels_last=cfg.train.channels_last,
         )
         check_world(cfg, env.world_size, info.train_size)
     with phase("model set-up"):
@@ -181,9 +208,8 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         model = build_model(cfg.model, info.image_shape, info.num_classes)
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        strategy = build_strategy(cfg.strategy, env, device)
         wrapped = strategy.wrap(model)
-        optimizer = strategy.build_optimizer(strategy.eval_module, build_optimizer_factory(cfg))
+        optimizer = strategy.build_optimizer(strategy.eval_module, optimizer_spec(cfg))
         steps_per_epoch = len(train_loader)
         total_steps = cfg.train.epochs * steps_per_epoch
         if cfg.train.max_steps is not None:

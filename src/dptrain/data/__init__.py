@@ -42,7 +42,7 @@ def build_user_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
 
 
 def build_loaders(
-    cfg: DataConfig, *, device: torch.device, global_batch: int, eval_batch: int, rank: int, world_size: int,
+    cfg: DataConfig, *, device: torch.device, global_batch: int, eval_batch: int, rank: int | None, world_size: int,
     seed: int, channels_last: bool,
 ) -> tuple[DataInfo, Loader, Loader]:
     """(info, train loader, test loader); the test loader covers every test sample exactly once over the ranks."""

@@ -50,7 +50,7 @@ class DeviceLoader:
         device: torch.device,
         *,
         global_batch: int,
-        rank: int,
+        rank: int | None,
         world_size: int,
         seed: int,
         shuffle: bool,
@@ -84,7 +84,7 @@ class DeviceLoader:
 class GlobalBatchSampler(Sampler[list[int]]):
     """A distributed batch sampler with the global-batch rule; unlike DistributedSampler it never pads."""
 
-    def __init__(self, n: int, *, global_batch: int, rank: int, world_size: int, seed: int, shuffle: bool) -> None:
+    def __init__(self, n: int, *, global_batch: int, rank: int | None, world_size: int, seed: int, shuffle: bool) -> None:
         self.n, self.global_batch, self.rank, self.world_size = n, global_batch, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.start_batch = 0, 0
@@ -123,7 +123,7 @@ class DatasetLoader:
         device: torch.device,
         *,
         global_batch: int,
-        rank: int,
+        rank: int | None,
         world_size: int,
         seed: int,
         shuffle: bool,

@@ -38,8 +38,13 @@ def rank_share(count: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def rank_batch_positions(n: int, global_batch: int, k: int, rank: int, world_size: int) -> tuple[int, int, int]:
-    """(start, stop, global_count): rank's slice of global batch k, as positions in the permutation."""
+def rank_batch_positions(n: int, global_batch: int, k: int, rank: int | None, world_size: int) -> tuple[int, int, int]:
+    """(start, stop, global_count): rank's slice of global batch k, as positions in the permutation.
+
+    rank None is a rank that takes no data (a dedicated parameter server): an empty slice.
+    """
     g_start, g_stop = global_batch_bounds(n, global_batch, k)
+    if rank is None:
+        return g_start, g_start, g_stop - g_start
     r_start, r_stop = rank_share(g_stop - g_start, rank, world_size)
     return g_start + r_start, g_start + r_stop, g_stop - g_start

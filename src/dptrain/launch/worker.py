@@ -27,8 +27,9 @@ def setup_logging(run_dir: Path, env: DistEnv) -> None:
     from rich.logging import RichHandler
 
     root = logging.getLogger()
-    for handler in list(root.handlers):
+    for handler in list(root.handlers):  # a second run in this process starts afresh
         root.removeHandler(handler)
+        handler.close()
     root.setLevel(logging.INFO)
     fmt = logging.Formatter(f"%(asctime)s rank{env.global_rank} %(levelname)s %(message)s")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

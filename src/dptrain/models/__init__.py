@@ -19,19 +19,24 @@ MODELS: dict[str, Callable[[tuple[int, ...], int | None], nn.Module]] = {
     "resnet18": lambda shape, classes: ResNet18(shape[0], classes or 10),
 }
 
+# What each built-in model takes: (channels, (height, width)); None: any.
+INPUTS: dict[str, tuple[int | None, tuple[int, int] | None]] = {
+    "mnist-cnn": (1, (28, 28)),
+    "cifar-cnn": (None, (32, 32)),
+    "resnet18": (None, None),
+}
 SUGGESTION = {(1, 28, 28): "mnist-cnn", (3, 32, 32): "cifar-cnn or resnet18"}
 
 
 def check_input(cfg: ModelConfig, image_shape: tuple[int, ...]) -> None:
     """Refuse a built-in model that cannot take this dataset's images, before any worker starts."""
+    channels, size = INPUTS[cfg.name]
     shape = tuple(image_shape)
-    required = {"mnist-cnn": MnistCNN.input_shape}.get(cfg.name)
-    size = {"cifar-cnn": CifarCNN.input_size}.get(cfg.name)
-    if (required and shape != required) or (size and shape[1:] != size):
-        want = "x".join(map(str, required or ("C", *size)))  # type: ignore[misc]  # one of the two is set
-        hint = SUGGESTION.get(shape, "resnet18")
+    if (channels is not None and shape[0] != channels) or (size is not None and shape[1:] != size):
+        want = "x".join(map(str, (channels or "C", *(size or ("H", "W")))))
         raise ConfigError(
-            f"model {cfg.name} takes {want} images but the dataset has {'x'.join(map(str, shape))}; use --model.name {hint}."
+            f"model {cfg.name} takes {want} images but the dataset has {'x'.join(map(str, shape))}; "
+            f"use --model.name {SUGGESTION.get(shape, 'resnet18')}."
         )
 
 

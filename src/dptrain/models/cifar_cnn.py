@@ -15,8 +15,6 @@ def _stage(c_in: int, c_out: int) -> nn.Sequential:
 
 
 class CifarCNN(nn.Module):
-    input_size = (32, 32)
-
     def __init__(self, in_channels: int = 3, num_classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(_stage(in_channels, 32), _stage(32, 64))

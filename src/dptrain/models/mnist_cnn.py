@@ -8,8 +8,6 @@ from torch import nn
 
 
 class MnistCNN(nn.Module):
-    input_shape = (1, 28, 28)
-
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)

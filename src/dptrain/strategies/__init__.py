@@ -8,10 +8,16 @@ from dptrain.config import StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.ddp import DDP
+from dptrain.strategies.dp import DataParallel
+from dptrain.strategies.fsdp import FSDP
+from dptrain.strategies.parameter_server import ParameterServer
 from dptrain.strategies.single import SingleDevice
+from dptrain.strategies.zero import Zero1
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDevice, "ddp": DDP}
+STRATEGIES: dict[str, type[Strategy]] = {
+    "single": SingleDevice, "dp": DataParallel, "ddp": DDP, "zero1": Zero1, "fsdp": FSDP, "ps": ParameterServer,
+}
 
 
 def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device) -> Strategy:
-    return STRATEGIES[cfg.name](env, device)
+    return STRATEGIES[cfg.name](cfg, env, device)

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.config import StrategyConfig
 from dptrain.launch.env import DistEnv
+from dptrain.strategies.comm_hooks import CommCounter
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer class and its keyword arguments, built by the strategy over the parameters it owns."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+
+    def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes these tensors occupy on this rank (a sharded DTensor counts its local shard only)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 class Strategy:
@@ -24,9 +45,10 @@ class Strategy:
 
     name = "single"
 
-    def __init__(self, env: DistEnv, device: torch.device) -> None:
-        self.env, self.device = env, device
+    def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device) -> None:
+        self.cfg, self.env, self.device = cfg, env, device
         self.module: nn.Module | None = None
+        self.counter = CommCounter()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Place the model and return what the loop calls for training forward passes."""
@@ -35,18 +57,48 @@ class Strategy:
 
     @property
     def eval_module(self) -> nn.Module:
-        """The bare model, for evaluation: no gradient hooks, no collectives."""
+        """The model without a data-parallel wrapper, for evaluation and state dicts."""
         assert self.module is not None, "wrap() first"
         return self.module
 
-    def build_optimizer(self, model: nn.Module, make: OptimizerFactory) -> torch.optim.Optimizer:
-        return make(model.parameters())
+    def data_share(self) -> tuple[int | None, int]:
+        """(this rank's index among the ranks that take data, or None if it takes none; how many take data)."""
+        return self.env.global_rank, self.env.world_size
+
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        return spec.build(model.parameters())
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds."""
+        return optimizer
 
     def backward(self, loss_sum: torch.Tensor, global_count: int) -> None:
         (loss_sum * (self.env.world_size / global_count)).backward()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    # Accounting: what this rank holds and sends.
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        params = list(self.eval_module.parameters())
+        state = [v for s in self.local_optimizer(optimizer).state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {
+            "params": local_bytes(params),
+            "grads": local_bytes(p.grad for p in params if p.grad is not None),
+            "optim": local_bytes(state),
+        }
+
+    def comm_bytes(self, steps: int) -> int:
+        """Bytes this rank sent for gradient/parameter synchronisation over the last `steps` steps."""
+        return 0
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the CPU, on rank 0 (a collective: every rank must call it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.eval_module, options=options)
 
     # Collectives on metrics; with one process they are the identity.
 

@@ -1,0 +1,149 @@
+"""DDP communication hooks: COMM_HOOKS name -> installer, and a ring all-reduce written out on send/recv.
+
+Every hook counts the bytes this rank sends (`CommCounter.bytes_sent`), so the traffic figures
+are measured where the hook owns the communication (ring) and computed from the bucket sizes and
+the algorithm where a library collective does it (allreduce, fp16, bf16, powersgd); see
+`bytes_per_allreduce`.
+"""
+
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "ring")
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank has sent in gradient synchronisation since the last reset."""
+
+    bytes_sent: int = 0
+
+    def take(self) -> int:
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
+
+def bytes_per_allreduce(numel: int, element_size: int, world_size: int) -> int:
+    """What one rank sends in a bandwidth-optimal ring all-reduce: 2 (N-1)/N of the buffer."""
+    return 0 if world_size == 1 else 2 * (world_size - 1) * numel * element_size // world_size
+
+
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
+    """Sum `tensor` over the ranks in place with a ring: N-1 reduce-scatter steps, N-1 all-gather steps.
+
+    The buffer is cut into N chunks (sizes may differ by one element). At reduce-scatter step s,
+    rank r sends chunk (r - s) mod N to its right neighbour and adds the chunk (r - s - 1) mod N
+    received from its left neighbour; after N-1 steps rank r holds the full sum of chunk
+    (r + 1) mod N. The all-gather then passes the finished chunks around the ring in N-1 more
+    steps. Returns the bytes this rank sent: 2 (N-1)/N of the buffer, the bandwidth optimum.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return 0
+    rank = dist.get_rank(group)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    right_global, left_global = (dist.get_global_rank(group, r) if group else r for r in (right, left))
+    flat = tensor.view(-1)
+    chunks = list(torch.tensor_split(flat, world))
+    scratch = torch.empty_like(chunks[0])  # the largest chunk: tensor_split puts the extra elements first
+    sent = 0
+
+    def exchange(send_index: int, recv_into: torch.Tensor) -> None:
+        nonlocal sent
+        outgoing = chunks[send_index]
+        # isend then a blocking recv: every rank sends before it waits, so the ring cannot deadlock.
+        request = dist.isend(outgoing.contiguous(), right_global, group=group)
+        dist.recv(recv_into, left_global, group=group)
+        request.wait()
+        sent += outgoing.numel() * outgoing.element_size()
+
+    for step in range(world - 1):  # reduce-scatter
+        recv_index = (rank - step - 1) % world
+        incoming = scratch[: chunks[recv_index].numel()]
+        exchange((rank - step) % world, incoming)
+        chunks[recv_index].add_(incoming)
+    for step in range(world - 1):  # all-gather
+        recv_index = (rank - step) % world
+        exchange((rank + 1 - step) % world, chunks[recv_index])
+    return sent
+
+
+def _ring_hook(counter: CommCounter) -> Callable:
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        counter.bytes_sent += ring_all_reduce(buffer)
+        buffer.div_(dist.get_world_size())
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    return hook
+
+
+def _counting(hook: Callable, counter: CommCounter, element_size: int | None) -> Callable:
+    """Wrap a library hook: count what a ring all-reduce of the (possibly compressed) bucket sends."""
+
+    def counted(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        size = element_size or buffer.element_size()
+        counter.bytes_sent += bytes_per_allreduce(buffer.numel(), size, dist.get_world_size())
+        return hook(state, bucket)
+
+    return counted
+
+
+def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:
+    """Register hook `name` on a DDP model; 'allreduce' registers a counting wrapper of DDP's default."""
+    if name == "ring":
+        model.register_comm_hook(None, _ring_hook(counter))
+    elif name == "fp16":
+        model.register_comm_hook(None, _counting(default_hooks.fp16_compress_hook, counter, 2))
+    elif name == "bf16":
+        model.register_comm_hook(None, _counting(default_hooks.bf16_compress_hook, counter, 2))
+    elif name == "powersgd":
+        # start_powerSGD_iter=2: compress from the second step (the first runs a plain all-reduce, as the
+        # algorithm requires to initialise its error feedback). Traffic is computed from the factors P, Q.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
+            warm_start=True,
+        )
+        model.register_comm_hook(state, _powersgd_counting(counter, state))
+    else:
+        model.register_comm_hook(None, _counting(default_hooks.allreduce_hook, counter, None))
+
+
+def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState) -> Callable:
+    def counted(st: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        world = dist.get_world_size()
+        size = bucket.buffer().element_size()
+        if st.iter < st.start_powerSGD_iter:
+            counter.bytes_sent += bytes_per_allreduce(bucket.buffer().numel(), size, world)
+        else:
+            # Uncompressed: 1-D tensors (biases) all-reduced as they are; each matrix n x m sends P (n x r) and Q (m x r).
+            numel = 0
+            for tensor in bucket.gradients():
+                if tensor.ndimension() <= 1:
+                    numel += tensor.numel()
+                else:
+                    n, m = tensor.shape[0], tensor.numel() // tensor.shape[0]
+                    r = min(n, m, st.matrix_approximation_rank)
+                    compressed = (n + m) * r
+                    # PowerSGD's own rule (_should_compress): compress only where it saves min_compression_rate x.
+                    numel += compressed if compressed * st.min_compression_rate < n * m else n * m
+            counter.bytes_sent += bytes_per_allreduce(numel, size, world)
+        future = powerSGD_hook.powerSGD_hook(st, bucket)
+        if bucket.buffer().device.type == "cuda":
+            return future
+        # On gloo, PowerSGD's chained all-reduces of two buckets would interleave differently on each
+        # rank (a collective mismatch, seen as a gloo size error): finish this bucket before the next.
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(future.wait())
+        return done
+
+    return counted

@@ -1,0 +1,26 @@
+"""nn.DataParallel: one process drives every visible GPU; the batch is scattered from and the
+outputs gathered to the first GPU, which also holds the only optimizer (the root-GPU bottleneck)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from dptrain.strategies.base import Strategy
+
+log = logging.getLogger("dptrain")
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.module = model.to(self.device)
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        if gpus < 2:
+            log.warning("strategy dp: %s, so it runs as one device", "no GPU here" if gpus == 0 else "one GPU here")
+            return self.module
+        log.info("strategy dp: one process driving %d GPUs", gpus)
+        return nn.DataParallel(self.module, device_ids=list(range(gpus)), output_device=self.device.index)

@@ -1,0 +1,106 @@
+"""A parameter server written out on point-to-point send/recv, as the tutorials draw it.
+
+Schedule of one step, N ranks, rank 0 the server:
+  1. every rank runs forward and backward on its share of the global batch (no gradient hooks);
+     with dedicated_server the server's share is empty, so its gradient is zero;
+  2. push: each worker w = 1..N-1 sends its flat gradient to rank 0;
+  3. rank 0 receives them in rank order, adds them to its own and divides by N: the mean over
+     ranks, exactly what DDP's all-reduce computes;
+  4. rank 0 steps the optimizer; only rank 0 ever holds optimizer state;
+  5. pull: rank 0 sends the new flat parameters to every worker, which copies them in.
+Traffic is counted as sent: each worker sends its gradients, rank 0 sends the parameters N-1 times.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.strategies.base import OptimizerSpec, Strategy
+
+SERVER = 0
+
+
+class ServerOptimizer(torch.optim.Optimizer):
+    """What the loop steps on every rank: push gradients, rank 0 updates, pull parameters.
+
+    It holds the real optimizer on every rank so that schedulers see the same param_groups, but
+    only rank 0 ever steps it, so only rank 0 allocates its state.
+    """
+
+    def __init__(self, params: list[nn.Parameter], inner: torch.optim.Optimizer, strategy: "ParameterServer") -> None:
+        self.params, self.inner, self.strategy = params, inner, strategy
+        self.param_groups = inner.param_groups
+        self.defaults = inner.defaults
+        self.state = inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        assert closure is None, "closures are not supported"
+        world, rank = self.strategy.env.world_size, self.strategy.env.global_rank
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        flat = torch.empty_like(grads)
+        if rank == SERVER:
+            incoming = torch.empty_like(grads)
+            for worker in range(1, world):  # push, received in rank order: a deterministic sum
+                dist.recv(incoming, worker)
+                grads += incoming
+            grads /= world
+            self._unflatten(grads, into_grads=True)
+            self.inner.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            requests = [dist.isend(flat, worker) for worker in range(1, world)]  # pull
+            for request in requests:
+                request.wait()
+            self.strategy.counter.bytes_sent += (world - 1) * flat.numel() * flat.element_size()
+        else:
+            dist.send(grads, SERVER)
+            self.strategy.counter.bytes_sent += grads.numel() * grads.element_size()
+            dist.recv(flat, SERVER)
+            self._unflatten(flat, into_grads=False)
+
+    def _unflatten(self, flat: torch.Tensor, into_grads: bool) -> None:
+        offset = 0
+        for p in self.params:
+            chunk = flat[offset : offset + p.numel()].view_as(p)
+            if into_grads:
+                p.grad = chunk.clone()
+            else:
+                p.copy_(chunk)
+            offset += p.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+class ParameterServer(Strategy):
+    name = "ps"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.module = model.to(self.device)
+        if self.env.world_size > 1:  # every rank starts from the server's weights
+            for tensor in self.module.state_dict().values():
+                dist.broadcast(tensor, SERVER)
+        return self.module
+
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return ServerOptimizer(params, spec.build(params), self)
+
+    def data_share(self) -> tuple[int | None, int]:
+        if not self.cfg.dedicated_server:
+            return super().data_share()
+        rank = self.env.global_rank
+        return (None if rank == SERVER else rank - 1), self.env.world_size - 1
+
+    def comm_bytes(self, steps: int) -> int:
+        return self.counter.take()

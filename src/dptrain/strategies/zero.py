@@ -1,0 +1,31 @@
+"""ZeRO-1: DDP, with each rank holding the optimizer state of its partition of the parameters only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dptrain.strategies import comm_hooks
+from dptrain.strategies.base import OptimizerSpec
+from dptrain.strategies.ddp import DDP
+
+
+class Zero1(DDP):
+    """After its local step each rank broadcasts its updated partition; traffic is computed as the
+    gradient all-reduce plus an all-gather of the parameters, (N-1)/N of their bytes per step."""
+
+    name = "zero1"
+
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        # Imported here: torch.distributed.optim scripts its functional optimizers on import (slow, noisy).
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=spec.cls, **spec.kwargs)
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer.optim  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer's own shard optimizer
+
+    def comm_bytes(self, steps: int) -> int:
+        param_bytes = sum(p.numel() * p.element_size() for p in self.eval_module.parameters())
+        world = self.env.world_size
+        return super().comm_bytes(steps) + steps * comm_hooks.bytes_per_allreduce(param_bytes, 1, world) // 2
