@@ -30,10 +30,9 @@ STRATEGIES = {
 
 
 def mib(values: list[int]) -> str:
-    """'4.58' when every rank holds the same, else 'rank0 / others...'."""
-    if len(set(values)) == 1:
-        return f"{values[0] / 2**20:.2f}"
-    return " / ".join(f"{v / 2**20:.2f}" for v in values)
+    """'4.58' when every rank shows the same, else 'rank0 / rank1 / ...'."""
+    shown = [f"{v / 2**20:.2f}" for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
 
 
 def measure(world: int, args: list[str], model: str) -> dict:
