@@ -41,6 +41,11 @@ def build_user_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     return train, test
 
 
+def _user_info(cfg: DataConfig, train: Dataset, test: Dataset) -> DataInfo:
+    """Shape from the first item; classes unknown without reading every label."""
+    return DataInfo(cfg.name, tuple(torch.as_tensor(train[0][0]).shape), None, len(train), len(test))  # type: ignore[arg-type]  # checked map-style
+
+
 def build_loaders(
     cfg: DataConfig, *, device: torch.device, global_batch: int, eval_batch: int, rank: int | None, world_size: int,
     seed: int, channels_last: bool,
@@ -49,7 +54,7 @@ def build_loaders(
     share = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
     if is_import_path(cfg.name):
         train_ds, test_ds = build_user_datasets(cfg)
-        info = DataInfo(cfg.name, tuple(torch.as_tensor(train_ds[0][0]).shape), None, len(train_ds), len(test_ds))  # type: ignore[arg-type]  # checked map-style above
+        info = _user_info(cfg, train_ds, test_ds)
         return (
             info,
             DatasetLoader(train_ds, global_batch=global_batch, shuffle=True, num_workers=cfg.num_workers, **share),
@@ -67,8 +72,7 @@ def build_loaders(
 def describe(cfg: DataConfig) -> DataInfo:
     """Cheap facts for the checks made before workers start: no full read of a built-in dataset."""
     if is_import_path(cfg.name):
-        train, test = build_user_datasets(cfg)
-        return DataInfo(cfg.name, tuple(torch.as_tensor(train[0][0]).shape), None, len(train), len(test))  # type: ignore[arg-type]  # checked map-style above
+        return _user_info(cfg, *build_user_datasets(cfg))
     if cfg.name == "synthetic":
         return DataInfo("synthetic", tuple(cfg.synthetic_shape), cfg.synthetic_num_classes, cfg.synthetic_train_size, cfg.synthetic_test_size)
     spec: DatasetSpec = DATASETS[cfg.name]
