@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig, check_world
 from dptrain.data import DataError, describe
+from dptrain.checkpoint import SnapshotError
 from dptrain.launch.env import DistEnv, LaunchError
 from dptrain.imports import import_object
 from dptrain.models import check_input
@@ -20,7 +22,7 @@ from dptrain.runtime import WorkerFailure
 
 log = logging.getLogger("dptrain")
 
-USER_ERRORS = (ConfigError, DataError, LaunchError, WorkerFailure)
+USER_ERRORS = (ConfigError, DataError, LaunchError, SnapshotError, WorkerFailure)
 
 
 def split_overrides(extra: list[str]) -> list[tuple[str, str]]:
@@ -75,6 +77,27 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
+    from dptrain import checkpoint
+
+    if extra:
+        raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain checkpoint --help.")
+    path = Path(args.path)
+    if args.action == "verify":
+        manifest = checkpoint.verify(path)
+        print(f"{path}: ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
+              f"{len(manifest['files'])} files verified")
+        return 0
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    rows = checkpoint.list_snapshots(root)
+    if not rows:
+        raise ConfigError(f"no snapshots in {root}; give a run directory or its checkpoints folder.")
+    latest = (root / checkpoint.LATEST).read_text().strip() if (root / checkpoint.LATEST).is_file() else None
+    for snapshot, status in rows:
+        print(f"{snapshot}{'  (latest)' if snapshot.name == latest else ''}: {status}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of image classifiers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML file with [section] tables of options")
     train.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")
     train.set_defaults(func=cmd_train)
+    ckpt = sub.add_parser("checkpoint", help="list or verify snapshots")
+    ckpt.add_argument("action", choices=("list", "verify"), help="list: every snapshot of a run; verify: check one")
+    ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify: a snapshot folder")
+    ckpt.set_defaults(func=cmd_checkpoint)
     return parser
 
 
@@ -99,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, extra)
     except USER_ERRORS as exc:
         print(f"dptrain: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, (ConfigError, DataError)) else 1
+        return 2 if isinstance(exc, (ConfigError, DataError, SnapshotError)) else 1
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)
         return 130

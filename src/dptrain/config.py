@@ -136,6 +136,8 @@ class TrainConfig:
     """Optimizer steps between step events; each one costs a host sync and a collective."""
     channels_last: bool = True
     """Store activations NHWC; faster convolutions on most CPUs and GPUs, same results to float tolerance."""
+    resume: str = "auto"
+    """auto: continue from the newest valid snapshot in the run directory; never; or a snapshot folder."""
 
     def __post_init__(self) -> None:
         _positive(self.epochs, "train.epochs")
@@ -200,6 +202,21 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0
+    """Write a snapshot every this many optimizer steps (0: not by steps)."""
+    every_epochs: int = 1
+    """Write a snapshot at the end of every this many epochs (0: not by epochs). The run's end always writes one."""
+    keep_last: int = 2
+    """Snapshots kept in runs/<name>/checkpoints; older ones are deleted after a newer one is complete."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or self.every_epochs < 0:
+            raise ConfigError("checkpoint.every_steps and checkpoint.every_epochs must be 0 or more.")
+        _positive(self.keep_last, "checkpoint.keep_last")
+
+
+@dataclass(frozen=True, kw_only=True)
 class OutputConfig:
     name: str = "run"
     """Run name; the run directory is runs/<name> unless output.dir is set."""
@@ -219,6 +236,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
 

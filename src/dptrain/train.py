@@ -31,6 +31,9 @@ from dptrain.strategies.base import OptimizerSpec
 
 log = logging.getLogger("dptrain")
 
+# Strategies whose whole state snapshots cover (zero1 and ps keep optimizer state outside get_state_dict).
+SNAPSHOT_STRATEGIES = ("single", "dp", "ddp", "fsdp")
+
 
 def optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
     """The optimizer as a class and its arguments, so that a strategy can shard or relocate it."""
@@ -69,26 +72,55 @@ class Run:
     phase: Phase
     total_steps: int
     step: int = 0
+    # Where the run stands, for snapshots: the epoch, batches of it done, this rank's partial sums.
+    epoch: int = 0
+    batches_consumed: int = 0
+    epoch_sums: torch.Tensor | None = None
+    snapshots: bool = True
+    """False for strategies whose state snapshots do not cover yet (said once at start-up)."""
+    last_snapshot_step: int | None = None
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
         progress = ProgressBar(enabled=self.env.is_main)
         epochs = self.cfg.train.epochs
         last: dict = {}
+        if self.step >= self.total_steps:
+            log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
+                     "or use --train.resume never (or another --output.name) to start afresh", self.step)
         try:
-            for epoch in range(epochs):
+            for epoch in range(self.epoch, epochs):
                 if self.step >= self.total_steps:
                     break
-                progress.start_epoch(epoch + 1, epochs, min(len(self.train_loader), self.total_steps - self.step))
+                if epoch != self.epoch or self.epoch_sums is None:  # a fresh epoch, not a resumed one
+                    self.epoch, self.batches_consumed = epoch, 0
+                    self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+                remaining = min(len(self.train_loader) - self.batches_consumed, self.total_steps - self.step)
+                progress.start_epoch(epoch + 1, epochs, remaining)
                 train = self._run_epoch(epoch, progress)
                 with self.phase(f"evaluation after epoch {epoch + 1}"):
                     evaluation = evaluate(self.strategy, self.eval_loader, self._autocast)
                 last = self.events.emit("epoch", epoch=epoch + 1, step=self.step, **train, **evaluation)
+                every = self.cfg.checkpoint.every_epochs
+                if every and (epoch + 1) % every == 0 and self.batches_consumed == len(self.train_loader):
+                    self._snapshot()
         finally:
             progress.stop()
         with self.phase("saving the final weights"):
             self._save_weights(self.cfg.output.run_dir / "model.pt")
+            if self.last_snapshot_step != self.step:
+                self._snapshot()
         return last
+
+    def _snapshot(self) -> None:
+        """A snapshot at this step boundary, for the strategies that support it."""
+        from dptrain import checkpoint
+
+        if not self.snapshots:
+            return
+        with self.phase(f"snapshot at step {self.step}"):
+            checkpoint.save(self, self.cfg.checkpoint.keep_last)
+            self.last_snapshot_step = self.step
 
     def _save_weights(self, path: Path) -> None:
         """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
@@ -100,32 +132,36 @@ class Run:
 
     def _run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
         self.model.train()
-        # Sums on the device; read once at the end of the epoch (a read is a host sync).
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, samples (this rank)
-        seen, steps = 0, 0  # samples over all ranks, steps in this epoch
+        assert self.epoch_sums is not None
+        # Sums on the device (loss, correct, samples of this rank); read once at the epoch's end (a host sync).
+        sums = self.epoch_sums
+        seen, steps = 0, 0  # samples over all ranks and steps, in this process's part of the epoch
         _sync(self.device)
         start = time.perf_counter()
-        for batch in self.train_loader.epoch_batches(epoch):
+        for batch in self.train_loader.epoch_batches(epoch, self.batches_consumed):
             with self.phase(f"step {self.step + 1}"):
                 loss_sum, correct = self._run_batch(batch)
             sums += torch.stack([loss_sum.double(), correct.double(), loss_sum.new_tensor(len(batch.labels), dtype=torch.float64)])
             seen += batch.global_count
             self.step += 1
             steps += 1
+            self.batches_consumed += 1
             step_loss = self._log_step(epoch, loss_sum, batch.global_count) if self.step % self.cfg.train.log_every == 0 else None
             progress.advance(step_loss)
+            every = self.cfg.checkpoint.every_steps
+            if every and self.step % every == 0 and self.step < self.total_steps:
+                self._snapshot()
             if self.step >= self.total_steps:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
-            self.strategy.all_reduce(sums)  # also waits for every rank: the epoch time covers the slowest
+            totals = self.strategy.all_reduce(sums.clone())  # also waits for every rank: the time covers the slowest
             elapsed = time.perf_counter() - start
             peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
             accounting = self._accounting(steps)
-        loss, correct, count = sums.tolist()
-        assert int(count) == seen, (count, seen)
+        loss, correct, count = totals.tolist()
         return {
             "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
-            "epoch_time_s": elapsed, "samples_per_s": count / elapsed,
+            "epoch_time_s": elapsed, "samples_per_s": seen / elapsed,
             "peak_mem_mb": peak.item(), "lr": self.scheduler.get_last_lr()[0], **accounting,
         }
 
@@ -217,4 +253,26 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
-    return Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase, total_steps)
+    run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase, total_steps)
+    run.snapshots = cfg.strategy.name in SNAPSHOT_STRATEGIES
+    if not run.snapshots and env.is_main:
+        log.warning("snapshots are not supported yet for strategy %s: this run cannot be resumed", cfg.strategy.name)
+    with phase("resume"):
+        resume(run)
+    return run
+
+
+def resume(run: Run) -> None:
+    """Continue from the snapshot train.resume names: auto (the newest valid one here), a folder, or never."""
+    from dptrain import checkpoint
+
+    choice = run.cfg.train.resume
+    if choice == "never" or not run.snapshots:
+        return
+    if choice == "auto":
+        path = checkpoint.find_latest(run.cfg.output.run_dir / "checkpoints")
+        if path is None:
+            return
+    else:
+        path = Path(choice)
+    checkpoint.load(run, path)

@@ -1,0 +1,208 @@
+"""Snapshots through torch.distributed.checkpoint, written atomically, found and verified on resume.
+
+A snapshot is a folder checkpoints/step-00000120/ holding the DCP shards of the model and the
+optimizer, one rank<R>.pt per rank (its RNG states and its partial-epoch metric sums), extra.pt
+(scheduler and loop position) and manifest.json (world size, strategy, model, config hash, torch
+version, every file with its size and sha256). It is written under .tmp-step-..., flushed, then
+renamed, and only then does checkpoints/latest (a one-line file, replaced atomically) point at it:
+a crash at any moment leaves the previous snapshot whole and found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dptrain import config as config_mod
+from dptrain.config import ConfigError, RunConfig
+
+log = logging.getLogger("dptrain")
+
+PREFIX = "step-"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+CRASH_BEFORE_RENAME = "DPTRAIN_TEST_CRASH_BEFORE_RENAME"  # names a snapshot, e.g. step-00000010
+CRASH_EXIT_CODE = 97
+# Options that may change between a snapshot and its resume: how long to run, where to log, how often to save.
+RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
+                     ("launch", "timeout_s"), ("output", "name"), ("output", "dir")}
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be used; the message names it and what is wrong."""
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of every option that changes the computation (not run length, paths or logging)."""
+    tree = config_mod.to_dict(cfg)
+    kept = {s: {k: v for k, v in opts.items() if (s, k) not in RESUMABLE_CHANGES and s != "checkpoint"} for s, opts in tree.items()}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save(run: Any, keep_last: int) -> Path:
+    """Write a snapshot of `run` (every rank calls this at the same step boundary); returns its folder."""
+    root = run.cfg.output.run_dir / "checkpoints"
+    name = f"{PREFIX}{run.step:08d}"
+    final, tmp = root / name, root / f".tmp-{name}"
+    if final.is_dir():  # this step is already saved (a run resumed from it and stopped again)
+        return final
+    if run.env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
+    _barrier()
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(run.strategy.eval_module, run.optimizer)
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save({"rng": _rng_state(run.device), "epoch_sums": run.epoch_sums.cpu()}, tmp / f"rank{run.env.global_rank}.pt")
+    _barrier()
+    if run.env.is_main:
+        torch.save({"scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
+                    "batches_consumed": run.batches_consumed}, tmp / "extra.pt")
+        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {"world_size": run.env.world_size, "strategy": run.cfg.strategy.name, "model": run.cfg.model.name,
+                    "config_hash": config_hash(run.cfg), "torch": torch.__version__, "step": run.step, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _fsync_tree(tmp)
+        if os.environ.get(CRASH_BEFORE_RENAME) == name:  # fault injection for the tests: die with the shards written
+            os._exit(CRASH_EXIT_CODE)
+        os.replace(tmp, final)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(name + "\n")
+        os.replace(pointer, root / LATEST)
+        _prune(root, keep_last)
+        log.info("snapshot %s written", final)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    snapshots = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())
+    for old in snapshots[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a whole snapshot; SnapshotError naming the first missing or damaged file."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.") from None
+    for name, meta in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise SnapshotError(f"snapshot {path} lacks {name}: it is incomplete.")
+        if file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
+            raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
+    return manifest
+
+
+def list_snapshots(root: Path) -> list[tuple[Path, str]]:
+    """Every snapshot folder under root, newest first, with 'ok' or what is wrong with it."""
+    out = []
+    for path in sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True):
+        try:
+            manifest = verify(path)
+            out.append((path, f"ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}"))
+        except SnapshotError as exc:
+            out.append((path, str(exc)))
+    return out
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest snapshot that verifies; each skipped one is named in one log line."""
+    for path, status in list_snapshots(root):
+        if status.startswith("ok"):
+            return path
+        log.warning("skipping %s", status)
+    return None
+
+
+def check_compatible(manifest: dict[str, Any], cfg: RunConfig, world_size: int, path: Path) -> None:
+    for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name), ("world_size", world_size)):
+        if manifest[key] != ours:
+            raise ConfigError(
+                f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; "
+                f"use the same {key}, or --train.resume never to start afresh."
+            )
+    if manifest["config_hash"] != config_hash(cfg):
+        raise ConfigError(
+            f"snapshot {path} was written with another configuration (only run length, logging and paths may change); "
+            f"compare with {path.parent.parent / 'config.toml'}, or use --train.resume never."
+        )
+
+
+def load(run: Any, path: Path) -> None:
+    """Restore `run` from snapshot `path`: weights, optimizer, scheduler, position, every rank's RNG."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    manifest = verify(path)
+    check_compatible(manifest, run.cfg, run.env.world_size, path)
+    model_sd, optim_sd = get_state_dict(run.strategy.eval_module, run.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp_load(state, checkpoint_id=str(path))
+    set_state_dict(run.strategy.eval_module, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(path / "extra.pt", weights_only=False)
+    run.scheduler.load_state_dict(extra["scheduler"])
+    run.step, run.epoch, run.batches_consumed = extra["step"], extra["epoch"], extra["batches_consumed"]
+    mine = torch.load(path / f"rank{run.env.global_rank}.pt", weights_only=False)
+    run.epoch_sums = mine["epoch_sums"].to(run.device)
+    if run.batches_consumed >= len(run.train_loader):  # saved at an epoch's end: go on with the next one
+        run.epoch, run.batches_consumed, run.epoch_sums = run.epoch + 1, 0, None
+    _set_rng_state(mine["rng"], run.device)
+    log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, run.step, run.epoch + 1, run.batches_consumed)

@@ -1,0 +1,95 @@
+"""Snapshots: exact resume at the same world size, crash while saving, corrupt and mismatched snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dptrain.checkpoint import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE
+from tests.conftest import read_events, run_cli
+
+pytestmark = pytest.mark.slow
+
+# 200 samples in global batches of 32: 7 steps per epoch, 14 in all; dropout on (RNG state matters).
+RUN = ["--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "200",
+       "--data.synthetic_test_size", "50", "--train.global_batch_size", "32", "--train.epochs", "2",
+       "--checkpoint.every_steps", "5", "--checkpoint.keep_last", "3"]
+
+
+def weights_equal(a, b) -> bool:
+    wa, wb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """strategy -> the run directory of the uninterrupted 2-epoch run, made once per module."""
+    runs: dict[str, object] = {}
+
+    def get(strategy: str):
+        if strategy not in runs:
+            run_dir = tmp_path_factory.mktemp("ref") / strategy
+            result = run_cli(["train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)], run_dir.parent, 300)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[strategy] = run_dir
+        return runs[strategy]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_stopped_mid_epoch_resumes_bit_identical(cli, tmp_path, uninterrupted, strategy):
+    reference = uninterrupted(strategy)
+    run_dir = tmp_path / "stopped"
+    args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
+    assert cli("train", *args, "--train.max_steps", "9").returncode == 0  # stops 2 batches into epoch 2
+    result = cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "step-00000009 at step 9 (epoch 2, 2 batches into it)" in result.stdout
+    assert weights_equal(run_dir, reference)
+    # The resumed epoch's metrics cover all of its samples, as if never stopped.
+    assert read_events(run_dir, "epoch")[-1]["train_loss"] == read_events(reference, "epoch")[-1]["train_loss"]
+
+
+def test_a_crash_between_shards_and_rename_leaves_the_previous_snapshot(cli, tmp_path, uninterrupted):
+    strategy, reference = "ddp", uninterrupted("ddp")  # the file-level protocol does not depend on the strategy
+    run_dir = tmp_path / "crash"
+    args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
+    crashed = cli("train", *args, env={CRASH_BEFORE_RENAME: "step-00000010"})
+    assert crashed.returncode != 0 and f"exited with code {CRASH_EXIT_CODE}" in crashed.stderr
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / ".tmp-step-00000010").is_dir()  # the shards were written, never renamed
+    assert (checkpoints / "latest").read_text().strip() == "step-00000007"
+    listing = cli("checkpoint", "list", str(run_dir))
+    assert "step-00000007  (latest): ok: step 7" in listing.stdout and "step-00000010" not in listing.stdout
+    result = cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step-00000007 at step 7" in result.stdout
+    assert weights_equal(run_dir, reference)
+
+
+def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli, tmp_path):
+    strategy = "ddp"
+    run_dir = tmp_path / "bad"
+    args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
+    assert cli("train", *args, "--train.max_steps", "12").returncode == 0  # snapshots at 5, 7, 10, 12
+    newest = run_dir / "checkpoints" / "step-00000012"
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    verify = cli("checkpoint", "verify", str(newest))
+    assert verify.returncode == 2
+    assert verify.stderr.strip() == f"dptrain: error: snapshot {newest} has a damaged {shard.name} (size or sha256 differs from the manifest)."
+    resumed = cli("train", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping snapshot {newest} has a damaged {shard.name}" in resumed.stdout + resumed.stderr
+    assert "step-00000010 at step 10" in resumed.stdout
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    mismatch = cli("train", *args, "--model.name", "tests.user_code:TinyNet")
+    assert mismatch.returncode == 1
+    last = mismatch.stderr.strip().splitlines()[-1]
+    assert last.startswith("dptrain: error: rank ") and " failed during resume: snapshot " in last
+    assert last.endswith("was written with model mnist-cnn but this run has tests.user_code:TinyNet; "
+                         "use the same model, or --train.resume never to start afresh.")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing deleted
