@@ -93,3 +93,38 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     assert last.endswith("was written with model mnist-cnn but this run has tests.user_code:TinyNet; "
                          "use the same model, or --train.resume never to start afresh.")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing deleted
+
+
+# Resharding: fp32, no dropout, SGD; 200 samples in global batches of 24 (divisible by 2, 3 and 4):
+# 9 steps per epoch, 18 in all; the uninterrupted run also leaves a snapshot at step 11, mid-epoch 2.
+RESHARD = ["--data.name", "synthetic", "--data.synthetic_train_size", "200", "--data.synthetic_test_size", "50",
+           "--model.dropout", "false", "--train.global_batch_size", "24", "--train.epochs", "2", "--train.log_every", "1",
+           "--optim.name", "sgd", "--optim.lr", "0.01", "--train.channels_last", "false", "--checkpoint.every_steps", "11"]
+
+
+def step_losses(run_dir) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in read_events(run_dir, "step")}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3)])
+def test_a_snapshot_resumes_at_another_world_size(cli, tmp_path, strategy, before, after):
+    reference = tmp_path / "uninterrupted"
+    args = [*RESHARD, "--strategy.name", strategy]
+    done = cli("train", *args, "--nproc-per-node", str(before), "--output.dir", str(reference), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    snapshot = reference / "checkpoints" / "step-00000011"
+    resumed_dir = tmp_path / "resharded"
+    resumed = cli("train", *args, "--nproc-per-node", str(after), "--output.dir", str(resumed_dir),
+                  "--train.resume", str(snapshot), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resharding snapshot {snapshot} from world size {before} to {after}" in resumed.stdout
+    expected, got = step_losses(reference), step_losses(resumed_dir)
+    assert sorted(got) == list(range(12, 19))  # the same global batches, from the same position on
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+    # Epoch 2's metrics add the partial sums written by the old ranks to the new ranks' own.
+    last, last_ref = read_events(resumed_dir, "epoch")[-1], read_events(reference, "epoch")[-1]
+    assert last["train_samples"] == last_ref["train_samples"] == 200
+    assert last["train_loss"] == pytest.approx(last_ref["train_loss"], rel=1e-5)
+    assert last["eval_loss"] == pytest.approx(last_ref["eval_loss"], rel=1e-5)

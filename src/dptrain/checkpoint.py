@@ -34,8 +34,10 @@ MANIFEST = "manifest.json"
 CRASH_BEFORE_RENAME = "DPTRAIN_TEST_CRASH_BEFORE_RENAME"  # names a snapshot, e.g. step-00000010
 CRASH_EXIT_CODE = 97
 # Options that may change between a snapshot and its resume: how long to run, where to log, how often to save.
+# The world size may change too: the shards are resharded on load (see load()).
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
-                     ("launch", "timeout_s"), ("output", "name"), ("output", "dir")}
+                     ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"),
+                     ("output", "name"), ("output", "dir")}
 
 
 class SnapshotError(ValueError):
@@ -172,8 +174,8 @@ def find_latest(root: Path) -> Path | None:
     return None
 
 
-def check_compatible(manifest: dict[str, Any], cfg: RunConfig, world_size: int, path: Path) -> None:
-    for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name), ("world_size", world_size)):
+def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path) -> None:
+    for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name)):
         if manifest[key] != ours:
             raise ConfigError(
                 f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; "
@@ -192,7 +194,7 @@ def load(run: Any, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     manifest = verify(path)
-    check_compatible(manifest, run.cfg, run.env.world_size, path)
+    check_compatible(manifest, run.cfg, path)
     model_sd, optim_sd = get_state_dict(run.strategy.eval_module, run.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, checkpoint_id=str(path))
@@ -200,9 +202,17 @@ def load(run: Any, path: Path) -> None:
     extra = torch.load(path / "extra.pt", weights_only=False)
     run.scheduler.load_state_dict(extra["scheduler"])
     run.step, run.epoch, run.batches_consumed = extra["step"], extra["epoch"], extra["batches_consumed"]
-    mine = torch.load(path / f"rank{run.env.global_rank}.pt", weights_only=False)
-    run.epoch_sums = mine["epoch_sums"].to(run.device)
+    if manifest["world_size"] == run.env.world_size:
+        mine = torch.load(path / f"rank{run.env.global_rank}.pt", weights_only=False)
+        run.epoch_sums = mine["epoch_sums"].to(run.device)
+        _set_rng_state(mine["rng"], run.device)
+    else:
+        # Another world size: DCP has resharded the weights and optimizer, and the loader's position is
+        # global. The partial-epoch sums are reduced over ranks at the epoch's end, so rank 0 carries
+        # them all; per-rank RNG streams have no counterpart, so each rank keeps its fresh seed.
+        others = [torch.load(path / f"rank{r}.pt", weights_only=False)["epoch_sums"] for r in range(manifest["world_size"])]
+        run.epoch_sums = (torch.stack(others).sum(0) if run.env.is_main else torch.zeros_like(others[0])).to(run.device)
+        log.info("resharding snapshot %s from world size %d to %d", path, manifest["world_size"], run.env.world_size)
     if run.batches_consumed >= len(run.train_loader):  # saved at an epoch's end: go on with the next one
         run.epoch, run.batches_consumed, run.epoch_sums = run.epoch + 1, 0, None
-    _set_rng_state(mine["rng"], run.device)
     log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, run.step, run.epoch + 1, run.batches_consumed)
