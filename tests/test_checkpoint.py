@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dptrain.checkpoint import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE
+from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
+from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import read_events, run_cli
 
 pytestmark = pytest.mark.slow
@@ -128,3 +129,55 @@ def test_a_snapshot_resumes_at_another_world_size(cli, tmp_path, strategy, befor
     assert last["train_samples"] == last_ref["train_samples"] == 200
     assert last["train_loss"] == pytest.approx(last_ref["train_loss"], rel=1e-5)
     assert last["eval_loss"] == pytest.approx(last_ref["eval_loss"], rel=1e-5)
+
+
+# kill -9 of rank 1 right after a step: 3 (before any snapshot: the restart begins afresh), 7 (the
+# epoch's last step, before its snapshot: resumes from step 5), 12 (mid-epoch 2: resumes from 10),
+# and for fsdp 9 (resumes from the epoch-end snapshot of step 7).
+@pytest.mark.parametrize(("strategy", "step"), [("ddp", 3), ("ddp", 7), ("ddp", 12), ("fsdp", 9)])
+def test_a_worker_killed_by_sigkill_is_restarted_and_ends_bit_identical(cli, tmp_path, uninterrupted, strategy, step):
+    run_dir = tmp_path / "killed"
+    marker = tmp_path / "killed-once"
+    result = cli("train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir), "--launch.max_restarts", "1",
+                 env={SIGNAL_AT: f"1:{step}:SIGKILL:self:{marker}"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.exists()  # the kill happened
+    starts = read_events(run_dir, "run_start")
+    assert len(starts) == 2  # the first start and one restart
+    # Snapshots come every 5 steps and at epoch ends (step 7); the kill comes before step `step`'s own.
+    resumed_from = max((s for s in (5, 7, 10) if s < step), default=0)
+    if resumed_from:
+        assert f"step-{resumed_from:08d} at step {resumed_from}" in result.stdout
+    else:
+        assert "resumed from" not in result.stdout
+    assert weights_equal(run_dir, uninterrupted(strategy))
+
+
+def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_with_the_documented_code(cli, tmp_path, uninterrupted):
+    run_dir = tmp_path / "preempted"
+    args = [*RUN, "--strategy.name", "ddp", "--output.dir", str(run_dir), "--checkpoint.every_steps", "0"]
+    stopped = cli("train", *args, env={SIGNAL_AT: "0:3:SIGTERM:parent"})  # as SLURM or a scheduler would
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM" in stopped.stderr
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    saved_at = int(latest.removeprefix("step-"))
+    assert 3 <= saved_at <= 5 and saved_at < 7  # the next step boundary or the one after, mid-epoch 1
+    assert read_events(run_dir, "stopped")[0]["step"] == saved_at
+    assert not (run_dir / "model.pt").exists()
+    resumed = cli("train", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {saved_at}" in resumed.stdout
+    assert weights_equal(run_dir, uninterrupted("ddp"))
+
+
+def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(cli, tmp_path, uninterrupted):
+    run_dir = tmp_path / "usr1"
+    args = [*RUN, "--strategy.name", "ddp", "--output.dir", str(run_dir), "--checkpoint.every_steps", "0"]
+    stopped = cli("train", *args, env={SIGNAL_AT: "1:9:SIGUSR1:self"})  # rank 1 only, as a stray signal would
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    # Rank 1 learns of it after step 9, rank 0 from the exchange read at step 10: both stop after step 10.
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000010"
+    assert "stopped by SIGUSR1 after step 10" in (run_dir / "logs" / "rank1.log").read_text() + stopped.stderr
+    resumed = cli("train", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert weights_equal(run_dir, uninterrupted("ddp"))

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import config as config_mod
+from dptrain import faults
 from dptrain.config import ConfigError, RunConfig
 
 log = logging.getLogger("dptrain")
@@ -31,8 +32,6 @@ log = logging.getLogger("dptrain")
 PREFIX = "step-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
-CRASH_BEFORE_RENAME = "DPTRAIN_TEST_CRASH_BEFORE_RENAME"  # names a snapshot, e.g. step-00000010
-CRASH_EXIT_CODE = 97
 # Options that may change between a snapshot and its resume: how long to run, where to log, how often to save.
 # The world size may change too: the shards are resharded on load (see load()).
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
@@ -117,8 +116,7 @@ def save(run: Any, keep_last: int) -> Path:
                     "config_hash": config_hash(run.cfg), "torch": torch.__version__, "step": run.step, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _fsync_tree(tmp)
-        if os.environ.get(CRASH_BEFORE_RENAME) == name:  # fault injection for the tests: die with the shards written
-            os._exit(CRASH_EXIT_CODE)
+        faults.crash_before_rename(name)
         os.replace(tmp, final)
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(name + "\n")

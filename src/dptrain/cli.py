@@ -19,6 +19,7 @@ from dptrain.launch.env import DistEnv, LaunchError
 from dptrain.imports import import_object
 from dptrain.models import check_input
 from dptrain.runtime import WorkerFailure
+from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
 
@@ -73,7 +74,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         from dptrain.launch.local import launch_local
 
-        launch_local(tree, world_size, cfg.launch.timeout_s)
+        launch_local(tree, world_size, cfg.launch.timeout_s, cfg.launch.max_restarts)
     return 0
 
 
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"dptrain: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, (ConfigError, DataError, SnapshotError)) else 1
+    except Stopped as exc:
+        print(f"dptrain: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)
         return 130

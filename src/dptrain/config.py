@@ -194,9 +194,13 @@ class LaunchConfig:
     """auto: cuda:<local_rank> when CUDA is available, else cpu."""
     timeout_s: float = 300.0
     """Upper bound for rendezvous and for any collective; a missing peer fails the run after this."""
+    max_restarts: int = 0
+    """Times the elastic agent restarts the local workers after one fails; each restart resumes from the newest snapshot."""
 
     def __post_init__(self) -> None:
         _positive(self.nproc_per_node, "launch.nproc_per_node")
+        if self.max_restarts < 0:
+            raise ConfigError("launch.max_restarts must be 0 or more.")
         _choice(self.device, "launch.device", ("auto", "cpu", "cuda"))
         _positive(self.timeout_s, "launch.timeout_s")
 

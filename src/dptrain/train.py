@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain import faults
 from dptrain.config import RunConfig, check_world
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
@@ -26,6 +27,7 @@ from dptrain.launch.env import DistEnv
 from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_mb
 from dptrain.models import build_model
 from dptrain.runtime import Phase
+from dptrain.stopping import Stopped, StopRequest
 from dptrain.strategies import Strategy, build_strategy
 from dptrain.strategies.base import OptimizerSpec
 
@@ -79,6 +81,8 @@ class Run:
     snapshots: bool = True
     """False for strategies whose state snapshots do not cover yet (said once at start-up)."""
     last_snapshot_step: int | None = None
+    stop: StopRequest | None = None
+    """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -88,6 +92,7 @@ class Run:
         if self.step >= self.total_steps:
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
                      "or use --train.resume never (or another --output.name) to start afresh", self.step)
+        completed = False
         try:
             for epoch in range(self.epoch, epochs):
                 if self.step >= self.total_steps:
@@ -104,12 +109,16 @@ class Run:
                 every = self.cfg.checkpoint.every_epochs
                 if every and (epoch + 1) % every == 0 and self.batches_consumed == len(self.train_loader):
                     self._snapshot()
+            progress.stop()
+            with self.phase("saving the final weights"):
+                self._save_weights(self.cfg.output.run_dir / "model.pt")
+                if self.last_snapshot_step != self.step:
+                    self._snapshot()
+            completed = True
         finally:
             progress.stop()
-        with self.phase("saving the final weights"):
-            self._save_weights(self.cfg.output.run_dir / "model.pt")
-            if self.last_snapshot_step != self.step:
-                self._snapshot()
+            if self.stop is not None:
+                self.stop.close(wait=completed)
         return last
 
     def _snapshot(self) -> None:
@@ -148,9 +157,15 @@ class Run:
             self.batches_consumed += 1
             step_loss = self._log_step(epoch, loss_sum, batch.global_count) if self.step % self.cfg.train.log_every == 0 else None
             progress.advance(step_loss)
+            faults.signal_if_due(self.env.global_rank, self.step)
             every = self.cfg.checkpoint.every_steps
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self._snapshot()
+            signal_name = self.stop.agreed() if self.stop is not None else None
+            if signal_name:
+                if self.last_snapshot_step != self.step:
+                    self._snapshot()
+                raise Stopped.after_step(signal_name, self.step, self.last_snapshot_step == self.step)
             if self.step >= self.total_steps:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
@@ -259,6 +274,7 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         log.warning("snapshots are not supported yet for strategy %s: this run cannot be resumed", cfg.strategy.name)
     with phase("resume"):
         resume(run)
+    run.stop = StopRequest(env.world_size)
     return run
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from typing import Any
 
 from dptrain.launch.env import LaunchError
+from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
 # to connect (pytorch/pytorch#135712); a store of the workers' own avoids that.
@@ -15,6 +17,7 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float, max_restarts: int = 0) -> None:
     """Run `run_worker(cfg_tree)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -34,10 +37,24 @@ def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float
         monitor_interval=0.5,
         start_method="spawn",
     )
+    # The agent forwards SIGTERM to the workers by itself; SIGUSR1 (SLURM's --signal) it must be
+    # taught: raising SignalException here makes it send SIGUSR1 on to the workers and wait for them.
+    def forward(signum: int, frame: Any) -> None:  # noqa: ARG001 - the signal module's signature
+        raise SignalException(f"process {os.getpid()} got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+    previous = signal.signal(signal.SIGUSR1, forward)
     try:
         elastic_launch(config, run_worker)(cfg_tree)
+    except SignalException as exc:
+        raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
+                      f"boundary; run the same command to resume.") from None
     except ChildFailedError as exc:
+        if all(f.exitcode == EXIT_STOPPED for f in exc.failures.values()):  # the workers themselves were signalled
+            raise Stopped(f"stopped by a signal to the workers, with a snapshot (exit code {EXIT_STOPPED}); "
+                          f"run the same command to resume.") from None
         raise LaunchError(describe_failure(exc)) from None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def describe_failure(exc: Any) -> str:

@@ -18,6 +18,7 @@ from dptrain.config import RunConfig
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink
 from dptrain.runtime import Phase, destroy_process_group, init_process_group, pick_device, seed_everything, set_cpu_threads
+from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
 
@@ -91,6 +92,12 @@ def run_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
         last = run.fit()
         events.emit("run_end", step=run.step)
         return last
+    except Stopped as exc:
+        events.emit("stopped", step=run.step, message=str(exc))
+        log.warning("%s", exc)  # in every rank's log: which rank saw the signal
+        if env.is_main:
+            print(f"dptrain: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
     except Exception as exc:
         log.error("%s", exc)  # the one line, also in this rank's log file
         raise

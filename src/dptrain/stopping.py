@@ -1,0 +1,73 @@
+"""SIGTERM and SIGUSR1: stop at the next step boundary with a snapshot, on every rank at the same step.
+
+The handler only sets a flag: it may run between any two bytecodes, in the middle of a collective,
+where saving is impossible. Ranks get the signal at different moments (or only some of them get
+it), so the flags are OR-ed over the ranks: each step starts a one-element all-reduce on a small
+CPU (gloo) group and the next step reads the previous step's result. Every rank thus sees the
+same answer at the same step, at most one step after the signal, and a GPU never waits on it;
+the cost is one tiny asynchronous CPU collective per step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+EXIT_STOPPED = 75
+"""Exit code of a run stopped by SIGTERM/SIGUSR1 after its snapshot was written (EX_TEMPFAIL: try again)."""
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(Exception):
+    """The run stopped on a signal: raised out of the loop once every rank agreed (and saved), or by the launcher."""
+
+    @classmethod
+    def after_step(cls, signal_name: str, step: int, saved: bool) -> Stopped:
+        where = f"a snapshot of step {step} is written" if saved else "without a snapshot (this strategy has none yet)"
+        return cls(f"stopped by {signal_name} after step {step}, {where}; run the same command to resume.")
+
+
+class StopRequest:
+    """Catches SIGTERM/SIGUSR1 in this rank and tells the loop, identically on every rank, when to stop."""
+
+    def __init__(self, world_size: int) -> None:
+        self.signal_name: str | None = None
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - the signal module's signature
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """The signal's name on every rank at the same step once any rank has one; else None."""
+        if self._group is None:
+            return self.signal_name
+        stop = None
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            if flag.item():
+                stop = self.signal_name or "a signal on another rank"
+        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return stop
+
+    def close(self, wait: bool = True) -> None:
+        """Give the signals back; with wait, first finish the last exchange (every rank started it).
+
+        After a failure a peer may be gone, and waiting would only run into the timeout.
+        """
+        if wait and self._pending is not None:
+            self._pending[0].wait()
+        self._pending = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
