@@ -67,14 +67,40 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     world_size = env.world_size if launched_outside else cfg.launch.nproc_per_node
     preflight(cfg, world_size)
     tree = config_mod.to_dict(cfg)
-    if launched_outside or world_size == 1:
-        from dptrain.launch.worker import run_worker
+    from dptrain.launch.worker import run_worker
 
+    if launched_outside or world_size == 1:
         run_worker(tree)
     else:
         from dptrain.launch.local import launch_local
 
-        launch_local(tree, world_size, cfg.launch.timeout_s, cfg.launch.max_restarts)
+        launch_local(run_worker, (tree,), world_size, cfg.launch.timeout_s, cfg.launch.max_restarts)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    """Evaluate a snapshot on the test split, sharded over the workers, with the run's own configuration."""
+    from dptrain.evaluate import find_snapshot, run_eval_worker
+
+    snapshot = find_snapshot(Path(args.checkpoint))
+    saved = snapshot.parent.parent / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"{saved} is missing: eval rebuilds the model and data from the run's configuration; "
+                          f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
+    overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1))]
+    cfg = config_mod.load(saved, overrides)
+    env = DistEnv.from_environ()
+    launched_outside = env.source != "none"
+    world_size = env.world_size if launched_outside else cfg.launch.nproc_per_node
+    describe(cfg.data)  # the test split is there, before any worker starts
+    predictions = str(Path(args.predictions).resolve()) if args.predictions else None
+    worker_args = (config_mod.to_dict(cfg), str(snapshot), predictions)
+    if launched_outside or world_size == 1:
+        run_eval_worker(*worker_args)
+    else:
+        from dptrain.launch.local import launch_local
+
+        launch_local(run_eval_worker, worker_args, world_size, cfg.launch.timeout_s)
     return 0
 
 
@@ -111,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML file with [section] tables of options")
     train.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")
     train.set_defaults(func=cmd_train)
+    evaluation = sub.add_parser(
+        "eval",
+        help="evaluate a snapshot on the test split",
+        description="Evaluate a snapshot on the test split, sharded over the workers with exact counts. "
+        "Options of the run's config.toml can be overridden as --section.option VALUE (for example --data.root).",
+    )
+    evaluation.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
+    evaluation.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
+    evaluation.add_argument("--predictions", help="write index,label,predicted for every test sample to this CSV file")
+    evaluation.set_defaults(func=cmd_eval)
     ckpt = sub.add_parser("checkpoint", help="list or verify snapshots")
     ckpt.add_argument("action", choices=("list", "verify"), help="list: every snapshot of a run; verify: check one")
     ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify: a snapshot folder")

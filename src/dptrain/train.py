@@ -23,6 +23,7 @@ from dptrain import faults
 from dptrain.config import RunConfig, check_world
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
+from dptrain.evaluate import evaluate, sync
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_mb
 from dptrain.models import build_model
@@ -104,7 +105,7 @@ class Run:
                 progress.start_epoch(epoch + 1, epochs, remaining)
                 train = self._run_epoch(epoch, progress)
                 with self.phase(f"evaluation after epoch {epoch + 1}"):
-                    evaluation = evaluate(self.strategy, self.eval_loader, self._autocast)
+                    evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
                 last = self.events.emit("epoch", epoch=epoch + 1, step=self.step, **train, **evaluation)
                 every = self.cfg.checkpoint.every_epochs
                 if every and (epoch + 1) % every == 0 and self.batches_consumed == len(self.train_loader):
@@ -145,7 +146,7 @@ class Run:
         # Sums on the device (loss, correct, samples of this rank); read once at the epoch's end (a host sync).
         sums = self.epoch_sums
         seen, steps = 0, 0  # samples over all ranks and steps, in this process's part of the epoch
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         for batch in self.train_loader.epoch_batches(epoch, self.batches_consumed):
             with self.phase(f"step {self.step + 1}"):
@@ -213,35 +214,6 @@ class Run:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
 
-
-def evaluate(strategy: Strategy, loader: Loader, autocast) -> dict:  # noqa: ANN001 - autocast: () -> context manager
-    """Loss and accuracy over the whole test split, each sample counted once over all ranks."""
-    module = strategy.eval_module
-    was_training = module.training
-    module.eval()
-    device = next(module.parameters()).device
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples (this rank)
-    _sync(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        # Every rank runs every batch, empty shares included: a sharded model (fsdp) gathers its
-        # parameters inside forward, which needs all ranks.
-        for batch in loader.epoch_batches(0):
-            with autocast():
-                logits = module(batch.images)
-            loss = F.cross_entropy(logits.float(), batch.labels, reduction="sum")
-            correct = (logits.argmax(1) == batch.labels).sum()
-            sums += torch.stack([loss.double(), correct.double(), loss.new_tensor(len(batch.labels), dtype=torch.float64)])
-    strategy.all_reduce(sums)
-    elapsed = time.perf_counter() - start
-    module.train(was_training)
-    loss, correct, count = sums.tolist()
-    return {"eval_loss": finite_or_none(loss / count), "eval_acc": correct / count, "eval_count": int(count), "eval_time_s": elapsed}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Run:

@@ -25,6 +25,8 @@ class Batch:
     labels: torch.Tensor
     global_count: int
     """Samples in this global batch over all ranks (the loss is a mean over these)."""
+    indices: torch.Tensor
+    """Each sample's index in its split (for predictions written in the split's order)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class DeviceLoader:
             start, stop, global_count = rank_batch_positions(n, self.global_batch, k, self.rank, self.world_size)
             idx = order[start:stop]
             images = torch.addcmul(self.shift, self.images[idx].float(), self.scale)
-            yield Batch(images.contiguous(memory_format=self.memory_format), self.labels[idx], global_count)
+            yield Batch(images.contiguous(memory_format=self.memory_format), self.labels[idx], global_count, idx)
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -146,8 +148,9 @@ class DatasetLoader:
 
     def epoch_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         self.sampler.set_epoch(epoch, start_batch)
-        for (images, labels), count in zip(self.loader, self.sampler.global_counts()):
+        # The sampler is deterministic: iterating it again beside the DataLoader gives the same indices.
+        for (images, labels), indices, count in zip(self.loader, iter(self.sampler), self.sampler.global_counts()):
             images = images.to(self.device, non_blocking=True).float()
             if images.dim() == 4:
                 images = images.contiguous(memory_format=self.memory_format)
-            yield Batch(images, labels.to(self.device, non_blocking=True), count)
+            yield Batch(images, labels.to(self.device, non_blocking=True), count, torch.tensor(indices, dtype=torch.long, device=self.device))

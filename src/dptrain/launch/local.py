@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from dptrain.launch.env import LaunchError
 from dptrain.stopping import EXIT_STOPPED, Stopped
@@ -15,13 +15,11 @@ from dptrain.stopping import EXIT_STOPPED, Stopped
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float, max_restarts: int = 0) -> None:
-    """Run `run_worker(cfg_tree)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
+def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: int, timeout_s: float, max_restarts: int = 0) -> None:
+    """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from dptrain.launch.worker import run_worker
 
     for key, value in AGENT_ENV.items():
         os.environ.setdefault(key, value)
@@ -44,7 +42,7 @@ def launch_local(cfg_tree: dict[str, Any], nproc_per_node: int, timeout_s: float
 
     previous = signal.signal(signal.SIGUSR1, forward)
     try:
-        elastic_launch(config, run_worker)(cfg_tree)
+        elastic_launch(config, entrypoint)(*args)
     except SignalException as exc:
         raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
                       f"boundary; run the same command to resume.") from None

@@ -23,8 +23,8 @@ from dptrain.stopping import EXIT_STOPPED, Stopped
 log = logging.getLogger("dptrain")
 
 
-def setup_logging(run_dir: Path, env: DistEnv) -> None:
-    """Rank 0 logs INFO to the console, other ranks WARNING; every rank logs INFO to logs/rank<R>.log."""
+def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
+    """Rank 0 logs INFO to the console, other ranks WARNING; with a run_dir, every rank logs INFO to logs/rank<R>.log."""
     from rich.logging import RichHandler
 
     root = logging.getLogger()
@@ -33,10 +33,11 @@ def setup_logging(run_dir: Path, env: DistEnv) -> None:
         handler.close()
     root.setLevel(logging.INFO)
     fmt = logging.Formatter(f"%(asctime)s rank{env.global_rank} %(levelname)s %(message)s")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{env.global_rank}.log")
-    file_handler.setFormatter(fmt)
-    root.addHandler(file_handler)
+    if run_dir is not None:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(run_dir / "logs" / f"rank{env.global_rank}.log")
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)
     if CONSOLE.is_terminal and env.is_main:
         console: logging.Handler = RichHandler(console=CONSOLE, show_path=False, markup=False)
     else:  # plain lines for files and pipes (SLURM output, CI): one record per line, parseable
@@ -61,6 +62,19 @@ def environment_record(env: DistEnv, device: torch.device, threads: int) -> dict
     }
 
 
+def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device, int]:
+    """Device, CPU threads, seeds, process group and a first barrier: (device, threads per rank)."""
+    with phase("set-up"):
+        device = pick_device(cfg.launch.device, env.local_rank)
+        threads = set_cpu_threads(env.local_world_size)
+        seed_everything(cfg.train.seed)
+    with phase("rendezvous"):
+        init_process_group(env, device, cfg.launch.timeout_s)
+    with phase("first collective"):
+        torch.distributed.barrier()
+    return device, threads
+
+
 def run_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every rank (called in this process, by the elastic agent, or under torchrun/srun)."""
     cfg = config_mod.from_dict(cfg_tree)
@@ -70,14 +84,7 @@ def run_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     setup_logging(run_dir, env)
     events = EventLog([JsonlSink(run_dir / "metrics.jsonl"), MetricLineSink()] if env.is_main else [])
     try:
-        with phase("set-up"):
-            device = pick_device(cfg.launch.device, env.local_rank)
-            threads = set_cpu_threads(env.local_world_size)
-            seed_everything(cfg.train.seed)
-        with phase("rendezvous"):
-            init_process_group(env, device, cfg.launch.timeout_s)
-        with phase("first collective"):
-            torch.distributed.barrier()
+        device, threads = join_world(cfg, env, phase)
         if env.is_main:
             (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
             record = environment_record(env, device, threads)

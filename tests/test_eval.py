@@ -1,0 +1,54 @@
+"""`dptrain eval`: a snapshot's model on the test split, sharded over workers, every sample counted once."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from tests.conftest import read_events, run_cli
+
+pytestmark = pytest.mark.slow
+
+# 53 test samples: not divisible by 2 or 3 workers, nor by the eval batch of 8 per worker.
+TRAIN = ["--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "128",
+         "--data.synthetic_test_size", "53", "--train.global_batch_size", "32", "--train.epochs", "1",
+         "--train.eval_batch_size", "8", "--strategy.name", "fsdp"]
+
+
+def metric_fields(stdout: str) -> dict[str, str]:
+    line = next(line for line in stdout.splitlines() if "[METRIC]" in line and " snapshot=" in line)
+    return dict(part.split("=", 1) for part in line.split("[METRIC]")[1].split())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory trained with fsdp on 2 workers (its snapshot holds sharded weights)."""
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    result = run_cli(["train", *TRAIN, "--output.dir", str(run_dir)], run_dir.parent, 300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_eval_counts_every_test_sample_once_and_matches_training(cli, tmp_path, trained, workers):
+    predictions = tmp_path / "predictions.csv"
+    result = cli("eval", "--checkpoint", str(trained), "--nproc-per-node", str(workers), "--predictions", str(predictions))
+    assert result.returncode == 0, result.stderr[-3000:]
+    fields = metric_fields(result.stdout)
+    final = read_events(trained, "epoch")[-1]  # the training run's own evaluation of the same weights
+    assert int(fields["eval_count"]) == 53 and int(fields["world_size"]) == workers
+    assert float(fields["eval_loss"]) == pytest.approx(final["eval_loss"], rel=1e-5)
+    assert round(float(fields["eval_acc"]) * 53) == round(final["eval_acc"] * 53)  # the line prints 6 digits
+    with predictions.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["index"]) for r in rows] == list(range(53))  # every sample once, in the split's order
+    correct = sum(r["label"] == r["predicted"] for r in rows)
+    assert correct / 53 == pytest.approx(final["eval_acc"], abs=1e-9)
+
+
+def test_eval_of_a_path_without_snapshot_is_one_sentence(cli, tmp_path):
+    result = cli("eval", "--checkpoint", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"dptrain: error: {tmp_path} is neither a snapshot nor a run directory with a valid "
+                                     f"snapshot; give a folder that dptrain checkpoint list shows as ok.")
