@@ -89,20 +89,26 @@ def test_a_failing_rank_is_named_with_its_phase(cli, tmp_path):
     assert result.stderr.strip().splitlines()[-1] == "dptrain: error: rank 1 failed during step 3: injected failure"
 
 
-def test_a_rank_that_never_joins_fails_the_run_within_the_timeout(cli, tmp_path):
-    """Rank 0 of a 2-rank world under torchrun-style variables; rank 1 never starts."""
+@pytest.mark.parametrize("present", [0, 1])
+def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(cli, tmp_path, present):
+    """One rank of a 2-rank world under torchrun-style variables; the other never starts."""
     import socket
     import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    world = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+    world = {"RANK": str(present), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     start = time.monotonic()
     result = cli("train", *SYNTHETIC, "--launch.timeout_s", "5", "--output.dir", str(tmp_path / "alone"), env=world, timeout=120)
     elapsed = time.monotonic() - start
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("dptrain: error: rank 0 failed during rendezvous:") and "1/2 clients joined" in last
+    if present == 0:
+        assert last == ("dptrain: error: rank 0 failed during rendezvous: rank 1 of 2 never joined within 5 s; "
+                        "check that every rank was started with the same MASTER_ADDR:MASTER_PORT")
+    else:
+        assert last.startswith(f"dptrain: error: rank 1 failed during rendezvous: could not reach the store of rank 0 "
+                               f"at 127.0.0.1:{port} within 5 s: rank 0 is missing or unreachable")
     assert elapsed < 60  # bounded by launch.timeout_s, not torch's 30-minute default

@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import random
+import time
 from typing import Iterator
 
 import numpy as np
@@ -93,14 +94,47 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     check_master_resolves(env.master_addr)
-    # env:// rather than tcp://: under torchrun the agent may already host the store on
-    # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and env:// joins it instead of binding again.
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    store = join_store(env, timeout_s)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        backend, init_method="env://", rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs
-    )
+    dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
+
+
+def join_store(env: DistEnv, timeout_s: float) -> dist.Store:
+    """The world's key-value store, once every rank has checked in; else an error naming who is missing.
+
+    torch's own rendezvous only counts ("1/4 clients joined"); here each rank writes its own key, so
+    that rank 0 can say which ranks never came, and the others that rank 0 is not there.
+    Under torchrun with TORCHELASTIC_USE_AGENT_STORE the agent already hosts the store on
+    MASTER_PORT and every rank joins it as a client, as env:// would.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=env.global_rank == 0 and not agent_hosts_store, timeout=timeout, wait_for_workers=False)
+    except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
+        if env.global_rank == 0 and not agent_hosts_store:
+            raise
+        raise RuntimeError(f"could not reach the store of rank 0 at {env.master_addr}:{env.master_port} within {timeout_s:g} s: "
+                           f"rank 0 is missing or unreachable ({_one_line(exc)})") from exc
+    # Keys are per restart of the elastic agent, whose store may outlive a round.
+    prefix = f"dptrain/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{prefix}{env.global_rank}", "1")
+    if env.global_rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while missing := [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]:
+            if time.monotonic() > deadline:
+                shown = ", ".join(map(str, missing[:16])) + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
+                raise RuntimeError(f"rank{'s' if len(missing) > 1 else ''} {shown} of {env.world_size} never joined within "
+                                   f"{timeout_s:g} s; check that every rank was started with the same MASTER_ADDR:MASTER_PORT")
+            time.sleep(0.05)
+        store.set(f"{prefix}all", "1")
+    else:
+        try:
+            store.wait([f"{prefix}all"], timeout)
+        except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
+            raise RuntimeError(f"rank 0 did not see every rank join within {timeout_s:g} s (it names the missing ones)") from exc
+    return store
 
 
 def destroy_process_group() -> None:
