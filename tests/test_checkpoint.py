@@ -38,7 +38,7 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "ps"])
 def test_a_run_stopped_mid_epoch_resumes_bit_identical(cli, tmp_path, uninterrupted, strategy):
     reference = uninterrupted(strategy)
     run_dir = tmp_path / "stopped"
@@ -107,8 +107,8 @@ def step_losses(run_dir) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in read_events(run_dir, "step")}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3)])
+@pytest.mark.parametrize(("strategy", "before", "after"),
+                         [("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 4, 2), ("fsdp", 2, 3), ("zero1", 4, 2), ("ps", 2, 3)])
 def test_a_snapshot_resumes_at_another_world_size(cli, tmp_path, strategy, before, after):
     reference = tmp_path / "uninterrupted"
     args = [*RESHARD, "--strategy.name", strategy]

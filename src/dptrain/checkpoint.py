@@ -1,7 +1,8 @@
 """Snapshots through torch.distributed.checkpoint, written atomically, found and verified on resume.
 
 A snapshot is a folder checkpoints/step-00000120/ holding the DCP shards of the model and the
-optimizer, one rank<R>.pt per rank (its RNG states and its partial-epoch metric sums), extra.pt
+optimizer (or, for zero1 and ps, whose optimizers DCP cannot see into, the whole optimizer state
+in optimizer.pt, written by rank 0), one rank<R>.pt per rank (its RNG states and its partial-epoch metric sums), extra.pt
 (scheduler and loop position) and manifest.json (world size, strategy, model, config hash, torch
 version, every file with its size and sha256). It is written under .tmp-step-..., flushed, then
 renamed, and only then does checkpoints/latest (a one-line file, replaced atomically) point at it:
@@ -32,6 +33,7 @@ log = logging.getLogger("dptrain")
 PREFIX = "step-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
+WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot shard (zero1, ps)
 # Options that may change between a snapshot and its resume: how long to run, where to log, how often to save.
 # The world size may change too: the shards are resharded on load (see load()).
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
@@ -102,10 +104,11 @@ def save(run: Any, keep_last: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
     _barrier()
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(run.strategy.eval_module, run.optimizer)
-    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp_save(run.strategy.snapshot_state(run.optimizer), checkpoint_id=str(tmp))
+    whole_optimizer = run.strategy.whole_optimizer_state(run.optimizer)
+    if whole_optimizer is not None:
+        torch.save(whole_optimizer, tmp / WHOLE_OPTIMIZER)
     torch.save({"rng": _rng_state(run.device), "epoch_sums": run.epoch_sums.cpu()}, tmp / f"rank{run.env.global_rank}.pt")
     _barrier()
     if run.env.is_main:
@@ -189,14 +192,14 @@ def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path) -> No
 def load(run: Any, path: Path) -> None:
     """Restore `run` from snapshot `path`: weights, optimizer, scheduler, position, every rank's RNG."""
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     manifest = verify(path)
     check_compatible(manifest, run.cfg, path)
-    model_sd, optim_sd = get_state_dict(run.strategy.eval_module, run.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = run.strategy.snapshot_state(run.optimizer)
     dcp_load(state, checkpoint_id=str(path))
-    set_state_dict(run.strategy.eval_module, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    run.strategy.restore_snapshot_state(run.optimizer, state)
+    if not run.strategy.optimizer_in_dcp:
+        run.strategy.restore_whole_optimizer_state(run.optimizer, torch.load(path / WHOLE_OPTIMIZER, weights_only=False))
     extra = torch.load(path / "extra.pt", weights_only=False)
     run.scheduler.load_state_dict(extra["scheduler"])
     run.step, run.epoch, run.batches_consumed = extra["step"], extra["epoch"], extra["batches_consumed"]

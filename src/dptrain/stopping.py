@@ -26,9 +26,9 @@ class Stopped(Exception):
     """The run stopped on a signal: raised out of the loop once every rank agreed (and saved), or by the launcher."""
 
     @classmethod
-    def after_step(cls, signal_name: str, step: int, saved: bool) -> Stopped:
-        where = f"a snapshot of step {step} is written" if saved else "without a snapshot (this strategy has none yet)"
-        return cls(f"stopped by {signal_name} after step {step}, {where}; run the same command to resume.")
+    def after_step(cls, signal_name: str, step: int) -> Stopped:
+        return cls(f"stopped by {signal_name} after step {step}, a snapshot of step {step} is written; "
+                   f"run the same command to resume.")
 
 
 class StopRequest:

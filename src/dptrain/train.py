@@ -34,8 +34,6 @@ from dptrain.strategies.base import OptimizerSpec
 
 log = logging.getLogger("dptrain")
 
-# Strategies whose whole state snapshots cover (zero1 and ps keep optimizer state outside get_state_dict).
-SNAPSHOT_STRATEGIES = ("single", "dp", "ddp", "fsdp")
 
 
 def optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
@@ -79,8 +77,6 @@ class Run:
     epoch: int = 0
     batches_consumed: int = 0
     epoch_sums: torch.Tensor | None = None
-    snapshots: bool = True
-    """False for strategies whose state snapshots do not cover yet (said once at start-up)."""
     last_snapshot_step: int | None = None
     stop: StopRequest | None = None
     """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
@@ -126,8 +122,6 @@ class Run:
         """A snapshot at this step boundary, for the strategies that support it."""
         from dptrain import checkpoint
 
-        if not self.snapshots:
-            return
         with self.phase(f"snapshot at step {self.step}"):
             checkpoint.save(self, self.cfg.checkpoint.keep_last)
             self.last_snapshot_step = self.step
@@ -166,7 +160,7 @@ class Run:
             if signal_name:
                 if self.last_snapshot_step != self.step:
                     self._snapshot()
-                raise Stopped.after_step(signal_name, self.step, self.last_snapshot_step == self.step)
+                raise Stopped.after_step(signal_name, self.step)
             if self.step >= self.total_steps:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
@@ -241,9 +235,6 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
     run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase, total_steps)
-    run.snapshots = cfg.strategy.name in SNAPSHOT_STRATEGIES
-    if not run.snapshots and env.is_main:
-        log.warning("snapshots are not supported yet for strategy %s: this run cannot be resumed", cfg.strategy.name)
     with phase("resume"):
         resume(run)
     run.stop = StopRequest(env.world_size)
@@ -255,7 +246,7 @@ def resume(run: Run) -> None:
     from dptrain import checkpoint
 
     choice = run.cfg.train.resume
-    if choice == "never" or not run.snapshots:
+    if choice == "never":
         return
     if choice == "auto":
         path = checkpoint.find_latest(run.cfg.output.run_dir / "checkpoints")

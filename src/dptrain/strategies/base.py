@@ -93,6 +93,37 @@ class Strategy:
         """Bytes this rank sent for gradient/parameter synchronisation over the last `steps` steps."""
         return 0
 
+    # Snapshots. The model, and by default the optimizer, go through DCP's state-dict API, which
+    # keeps each rank's shards as held and reshards them on load at another world size. Where DCP
+    # cannot see into the optimizer (ZeroRedundancyOptimizer, the parameter server's), the strategy
+    # sets optimizer_in_dcp = False and gives the whole optimizer state on rank 0 instead, written
+    # as one file; that loads at any world size too.
+    optimizer_in_dcp = True
+
+    def snapshot_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What DCP writes (and loads in place): the model, and the optimizer if optimizer_in_dcp, as held here."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if not self.optimizer_in_dcp:
+            return {"model": get_model_state_dict(self.eval_module)}
+        model_state, optim_state = get_state_dict(self.eval_module, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def restore_snapshot_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if not self.optimizer_in_dcp:
+            set_model_state_dict(self.eval_module, state["model"])
+        else:
+            set_state_dict(self.eval_module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Where not optimizer_in_dcp: the optimizer's whole state on rank 0, None elsewhere (a collective)."""
+        return None
+
+    def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        raise NotImplementedError(f"strategy {self.name} keeps its optimizer state in DCP")
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU, on rank 0 (a collective: every rank must call it)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -104,3 +104,12 @@ class ParameterServer(Strategy):
 
     def comm_bytes(self, steps: int) -> int:
         return self.counter.take()
+
+    optimizer_in_dcp = False  # only the server holds optimizer state
+
+    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return optimizer.state_dict() if self.env.global_rank == SERVER else None
+
+    def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if self.env.global_rank == SERVER:  # workers never step, so they stay without state
+            optimizer.load_state_dict(state)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,6 +23,15 @@ class Zero1(DDP):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=spec.cls, **spec.kwargs)
+
+    optimizer_in_dcp = False  # ZeroRedundancyOptimizer's state_dict is its whole state, consolidated on one rank
+
+    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # every rank sends its partition
+        return optimizer.state_dict() if self.env.global_rank == 0 else None
+
+    def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)  # each rank keeps its own partition, at any world size
 
     def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer.optim  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer's own shard optimizer
