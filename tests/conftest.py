@@ -21,6 +21,13 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str
     )
 
 
+def start_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m dptrain ARGS` started in the background (the caller waits, with a timeout)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "dptrain", *args], cwd=cwd, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def read_events(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == kind]

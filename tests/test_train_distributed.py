@@ -112,3 +112,36 @@ def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(cli,
         assert last.startswith(f"dptrain: error: rank 1 failed during rendezvous: could not reach the store of rank 0 "
                                f"at 127.0.0.1:{port} within 5 s: rank 0 is missing or unreachable")
     assert elapsed < 60  # bounded by launch.timeout_s, not torch's 30-minute default
+
+
+def test_a_rank_that_dies_unseen_by_any_agent_is_named_by_the_survivor(tmp_path):
+    """Two ranks started apart, as on two nodes; rank 1 is SIGKILLed after step 3 and no agent notices."""
+    import socket
+    import time
+
+    from dptrain.faults import SIGNAL_AT
+    from tests.conftest import start_cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["train", *SYNTHETIC, "--launch.timeout_s", "10", "--output.dir", str(tmp_path / "run"), "--train.epochs", "1"]
+    ranks = []
+    start = time.monotonic()
+    for rank in (0, 1):
+        world = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), SIGNAL_AT: "1:3:SIGKILL:self"}
+        ranks.append(start_cli(args, tmp_path, world))
+    try:
+        _, err0 = ranks[0].communicate(timeout=120)
+        ranks[1].communicate(timeout=30)
+    finally:
+        for proc in ranks:
+            proc.kill()
+    elapsed = time.monotonic() - start
+    assert ranks[1].returncode == -9
+    assert ranks[0].returncode == 1
+    last = err0.strip().splitlines()[-1]
+    assert last.startswith("dptrain: error: rank 0 failed during ")
+    assert ": rank 1 did not answer (dead or stuck): " in last
+    assert elapsed < 60  # found within launch.timeout_s (10 s) plus the 5-second roll call, not torch's 30 minutes

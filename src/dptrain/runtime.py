@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import random
+import re
 import time
 from typing import Iterator
 
@@ -24,11 +25,16 @@ class WorkerFailure(RuntimeError):
 
 
 class Phase:
-    """Names what this rank is doing, so that any failure says 'rank R failed during PHASE'."""
+    """Names what this rank is doing, so that any failure says 'rank R failed during PHASE'.
+
+    Once the world is joined, a failed collective also says which ranks no longer answer (see roll_call).
+    """
 
     def __init__(self, global_rank: int) -> None:
         self.global_rank = global_rank
         self.name = "start-up"
+        self.world: tuple[dist.Store, DistEnv, float] | None = None
+        """(store, env, seconds to wait) once the world is joined; set by join_store's caller."""
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -38,15 +44,52 @@ class Phase:
         except WorkerFailure:
             raise
         except Exception as exc:
-            raise WorkerFailure(f"rank {self.global_rank} failed during {name}: {_one_line(exc)}") from exc
+            silent = roll_call(*self.world) if self.world is not None and _is_peer_failure(exc) else []
+            reason = _one_line(exc)
+            if silent:  # the cause first; the backend's own words after it
+                reason = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer (dead or stuck): {reason}"
+            raise WorkerFailure(f"rank {self.global_rank} failed during {name}: {reason}") from exc
         finally:
             self.name = previous
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank (gloo raises a plain RuntimeError that says so).
+
+    A rank's own error (a bug in its model, say) is not: a roll call there would name the peers
+    that are, correctly, still waiting for it in the collective.
+    """
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        mark in text for mark in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL")
+    )
+
+
+def roll_call(store: dist.Store, env: DistEnv, wait_s: float) -> list[int]:
+    """After a failed collective: the ranks that do not check in on the store within wait_s.
+
+    The survivors of a failure all fail their collective and check in here at about the same time,
+    so the ranks still missing after wait_s are the dead or stuck ones. If the store itself is gone,
+    its host, rank 0, is the one missing.
+    """
+    prefix = f"dptrain/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    try:
+        store.set(f"{prefix}{env.global_rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+    except RuntimeError:
+        return [0] if env.global_rank != 0 else []
 
 
 def _one_line(exc: BaseException) -> str:
     """The first line of the message: ours are one sentence; torch's first line says what broke."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", line)  # gloo's "[.../pair.cc:553] " source prefix
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -81,22 +124,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> None:
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> dist.Store | None:
     """Join the world with a bounded timeout; nccl for CUDA, gloo for CPU.
 
     torch's default waits 30 minutes on a dead peer; here every collective and the rendezvous
-    fail after timeout_s instead.
+    fail after timeout_s instead. Returns the world's store (None for one process without a launcher).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if env.world_size == 1 and env.source == "none":
         # One process, no launcher: an in-memory store, no port needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
+        return None
     check_master_resolves(env.master_addr)
     store = join_store(env, timeout_s)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    return store
 
 
 def join_store(env: DistEnv, timeout_s: float) -> dist.Store:

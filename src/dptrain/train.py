@@ -156,7 +156,8 @@ class Run:
             every = self.cfg.checkpoint.every_steps
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self._snapshot()
-            signal_name = self.stop.agreed() if self.stop is not None else None
+            with self.phase(f"signal exchange after step {self.step}"):
+                signal_name = self.stop.agreed() if self.stop is not None else None
             if signal_name:
                 if self.last_snapshot_step != self.step:
                     self._snapshot()

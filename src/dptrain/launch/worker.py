@@ -69,7 +69,9 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
         threads = set_cpu_threads(env.local_world_size)
         seed_everything(cfg.train.seed)
     with phase("rendezvous"):
-        init_process_group(env, device, cfg.launch.timeout_s)
+        store = init_process_group(env, device, cfg.launch.timeout_s)
+    if store is not None and env.world_size > 1:  # from now on a failed collective names the silent ranks
+        phase.world = (store, env, min(5.0, cfg.launch.timeout_s))
     with phase("first collective"):
         torch.distributed.barrier()
     return device, threads
