@@ -52,6 +52,24 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical(cli, tmp_path, uninterrup
     assert read_events(run_dir, "epoch")[-1]["train_loss"] == read_events(reference, "epoch")[-1]["train_loss"]
 
 
+def test_asynchronous_snapshots_are_whole_and_resume_bit_identical(cli, tmp_path, uninterrupted):
+    run_dir = tmp_path / "async"
+    args = [*RUN, "--strategy.name", "ddp", "--output.dir", str(run_dir), "--checkpoint.async_save", "true",
+            "--checkpoint.keep_last", "5"]
+    assert cli("train", *args, "--train.max_steps", "9").returncode == 0
+    listing = cli("checkpoint", "list", str(run_dir)).stdout
+    for step in (5, 7, 9):  # every 5 steps, the epoch's end, the stop: each committed whole
+        assert f"step-{step:08d}{'  (latest)' if step == 9 else ''}: ok: step {step}" in listing
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    # Step 5's snapshot was written in the background while steps 6 and 7 ran: it must hold step 5.
+    other = tmp_path / "from5"
+    resumed = cli("train", *RUN, "--strategy.name", "ddp", "--output.dir", str(other),
+                  "--train.resume", str(run_dir / "checkpoints" / "step-00000005"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-00000005 at step 5" in resumed.stdout
+    assert weights_equal(other, uninterrupted("ddp"))
+
+
 def test_a_crash_between_shards_and_rename_leaves_the_previous_snapshot(cli, tmp_path, uninterrupted):
     strategy, reference = "ddp", uninterrupted("ddp")  # the file-level protocol does not depend on the strategy
     run_dir = tmp_path / "crash"

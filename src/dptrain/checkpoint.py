@@ -92,42 +92,91 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(run: Any, keep_last: int) -> Path:
-    """Write a snapshot of `run` (every rank calls this at the same step boundary); returns its folder."""
-    root = run.cfg.output.run_dir / "checkpoints"
-    name = f"{PREFIX}{run.step:08d}"
-    final, tmp = root / name, root / f".tmp-{name}"
-    if final.is_dir():  # this step is already saved (a run resumed from it and stopped again)
-        return final
-    if run.env.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
-    _barrier()
-    from torch.distributed.checkpoint import save as dcp_save
+class Snapshotter:
+    """Writes a run's snapshots; with async_save the DCP shards are written in a background thread.
 
-    dcp_save(run.strategy.snapshot_state(run.optimizer), checkpoint_id=str(tmp))
-    whole_optimizer = run.strategy.whole_optimizer_state(run.optimizer)
-    if whole_optimizer is not None:
-        torch.save(whole_optimizer, tmp / WHOLE_OPTIMIZER)
-    torch.save({"rng": _rng_state(run.device), "epoch_sums": run.epoch_sums.cpu()}, tmp / f"rank{run.env.global_rank}.pt")
-    _barrier()
-    if run.env.is_main:
-        torch.save({"scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
-                    "batches_consumed": run.batches_consumed}, tmp / "extra.pt")
-        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {"world_size": run.env.world_size, "strategy": run.cfg.strategy.name, "model": run.cfg.model.name,
-                    "config_hash": config_hash(run.cfg), "torch": torch.__version__, "step": run.step, "files": files}
+    Asynchronous: the state is copied to CPU memory at the step (DCP's staging), then written while
+    training goes on, over a gloo group of its own so that its collectives never interleave with
+    the training's. Only once every rank's shards are written does rank 0 commit the snapshot
+    (manifest, rename, latest), at a later step boundary or before the next snapshot. The cost:
+    one more copy of the model and optimizer state in CPU memory while a write is under way.
+    """
+
+    def __init__(self, keep_last: int, async_save: bool) -> None:
+        self.keep_last = keep_last
+        self.is_main = dist.get_rank() == 0
+        self.group = dist.new_group(backend="gloo") if async_save else None  # a collective: every rank builds it
+        self.pending: tuple[Any, Path, Path] | None = None  # (future, tmp folder, final folder)
+
+    def save(self, run: Any) -> Path:
+        """Snapshot `run` at this step boundary (every rank calls this at the same step); returns its folder."""
+        self.wait()
+        root = run.cfg.output.run_dir / "checkpoints"
+        name = f"{PREFIX}{run.step:08d}"
+        final, tmp = root / name, root / f".tmp-{name}"
+        if final.is_dir():  # this step is already saved (a run resumed from it and stopped again)
+            return final
+        if run.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
+            tmp.mkdir(parents=True)
+        _barrier()
+        # Everything but the shards is written now, before the (maybe background) DCP write: once
+        # DCP's coordinator has finished, every rank's files are therefore complete.
+        torch.save({"rng": _rng_state(run.device), "epoch_sums": run.epoch_sums.cpu()}, tmp / f"rank{run.env.global_rank}.pt")
+        whole_optimizer = run.strategy.whole_optimizer_state(run.optimizer)
+        if run.env.is_main:
+            if whole_optimizer is not None:
+                torch.save(whole_optimizer, tmp / WHOLE_OPTIMIZER)
+            torch.save({"scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
+                        "batches_consumed": run.batches_consumed}, tmp / "extra.pt")
+            manifest = {"world_size": run.env.world_size, "strategy": run.cfg.strategy.name, "model": run.cfg.model.name,
+                        "config_hash": config_hash(run.cfg), "torch": torch.__version__, "step": run.step}
+            (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
+        state = run.strategy.snapshot_state(run.optimizer)
+        if self.group is None:
+            from torch.distributed.checkpoint import save as dcp_save
+
+            dcp_save(state, checkpoint_id=str(tmp))
+            _barrier()
+            self._commit(tmp, final)
+            _barrier()
+        else:
+            from torch.distributed.checkpoint import async_save as dcp_async_save
+
+            self.pending = (dcp_async_save(state, checkpoint_id=str(tmp), process_group=self.group), tmp, final)
+        return final
+
+    def poll(self) -> None:
+        """At a step boundary: commit a background write that has finished (no collective, no waiting)."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for a background write and commit it (before the next snapshot, at the end, on a stop)."""
+        if self.pending is not None:
+            future, tmp, final = self.pending
+            self.pending = None
+            future.result()  # raises what the background write raised
+            self._commit(tmp, final)
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Rank 0: manifest with every file's size and sha256, fsync, rename, then move `latest`."""
+        if not self.is_main:
+            return
+        head = tmp / ".manifest-head.json"
+        manifest = json.loads(head.read_text())
+        head.unlink()
+        manifest["files"] = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                             for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _fsync_tree(tmp)
-        faults.crash_before_rename(name)
+        faults.crash_before_rename(final.name)
         os.replace(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, root / LATEST)
-        _prune(root, keep_last)
+        pointer = final.parent / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, final.parent / LATEST)
+        _prune(final.parent, self.keep_last)
         log.info("snapshot %s written", final)
-    _barrier()
-    return final
 
 
 def _prune(root: Path, keep_last: int) -> None:

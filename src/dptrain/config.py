@@ -213,6 +213,8 @@ class CheckpointConfig:
     """Write a snapshot at the end of every this many epochs (0: not by epochs). The run's end always writes one."""
     keep_last: int = 2
     """Snapshots kept in runs/<name>/checkpoints; older ones are deleted after a newer one is complete."""
+    async_save: bool = False
+    """Write the shards in the background (after a copy to CPU memory) while training goes on."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 0 or self.every_epochs < 0:

@@ -28,6 +28,7 @@ from dptrain.launch.env import DistEnv
 from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_mb
 from dptrain.models import build_model
 from dptrain.runtime import Phase
+from dptrain.checkpoint import Snapshotter
 from dptrain.stopping import Stopped, StopRequest
 from dptrain.strategies import Strategy, build_strategy
 from dptrain.strategies.base import OptimizerSpec
@@ -78,6 +79,7 @@ class Run:
     batches_consumed: int = 0
     epoch_sums: torch.Tensor | None = None
     last_snapshot_step: int | None = None
+    snapshotter: Snapshotter | None = None
     stop: StopRequest | None = None
     """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
 
@@ -109,8 +111,7 @@ class Run:
             progress.stop()
             with self.phase("saving the final weights"):
                 self._save_weights(self.cfg.output.run_dir / "model.pt")
-                if self.last_snapshot_step != self.step:
-                    self._snapshot()
+            self._snapshot(wait=True)
             completed = True
         finally:
             progress.stop()
@@ -118,13 +119,15 @@ class Run:
                 self.stop.close(wait=completed)
         return last
 
-    def _snapshot(self) -> None:
-        """A snapshot at this step boundary, for the strategies that support it."""
-        from dptrain import checkpoint
-
+    def _snapshot(self, wait: bool = False) -> None:
+        """A snapshot at this step boundary; with wait, also the end of a background write."""
+        assert self.snapshotter is not None
         with self.phase(f"snapshot at step {self.step}"):
-            checkpoint.save(self, self.cfg.checkpoint.keep_last)
-            self.last_snapshot_step = self.step
+            if self.last_snapshot_step != self.step:
+                self.snapshotter.save(self)
+                self.last_snapshot_step = self.step
+            if wait:
+                self.snapshotter.wait()
 
     def _save_weights(self, path: Path) -> None:
         """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
@@ -156,11 +159,13 @@ class Run:
             every = self.cfg.checkpoint.every_steps
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self._snapshot()
+            elif self.snapshotter is not None and self.snapshotter.pending is not None:
+                with self.phase(f"snapshot after step {self.step}"):
+                    self.snapshotter.poll()
             with self.phase(f"signal exchange after step {self.step}"):
                 signal_name = self.stop.agreed() if self.stop is not None else None
             if signal_name:
-                if self.last_snapshot_step != self.step:
-                    self._snapshot()
+                self._snapshot(wait=True)
                 raise Stopped.after_step(signal_name, self.step)
             if self.step >= self.total_steps:
                 break
@@ -238,6 +243,7 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
     run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase, total_steps)
     with phase("resume"):
         resume(run)
+    run.snapshotter = Snapshotter(cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
     run.stop = StopRequest(env.world_size)
     return run
 
