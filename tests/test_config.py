@@ -91,7 +91,7 @@ def test_run_config_is_frozen():
 def test_strategy_options_are_checked_together():
     with pytest.raises(ConfigError, match="strategy.comm_hook ring applies to ddp and zero1 only, not fsdp"):
         config.load(None, [("strategy.name", "fsdp"), ("strategy.comm_hook", "ring")])
-    with pytest.raises(ConfigError, match="strategy.param_dtype = 'fp8' is not one of float32, bfloat16, float16"):
+    with pytest.raises(ConfigError, match="strategy.param_dtype = 'fp8' is not one of auto, float32, bfloat16, float16"):
         config.load(None, [("strategy.param_dtype", "fp8")])
     dedicated = config.load(None, [("strategy.name", "ps"), ("strategy.dedicated_server", "true"), ("train.global_batch_size", "128")])
     assert dedicated.strategy.data_world_size(4) == 3

@@ -165,10 +165,10 @@ class StrategyConfig:
     """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
     reshard_after_forward: bool = True
     """fsdp: true frees gathered parameters after forward (ZeRO-3 / FULL_SHARD), false keeps them (ZeRO-2)."""
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """fsdp mixed precision: dtype of the gathered parameters used in forward and backward."""
-    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """fsdp mixed precision: dtype of the gradient reduce-scatter."""
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """fsdp mixed precision: dtype of the gathered parameters used in forward and backward (auto: the parameters' own)."""
+    reduce_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """fsdp mixed precision: dtype of the gradient reduce-scatter (auto: the parameters' own)."""
     dedicated_server: bool = False
     """ps: rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
 
@@ -177,7 +177,7 @@ class StrategyConfig:
         _choice(self.comm_hook, "strategy.comm_hook", ("allreduce", "fp16", "bf16", "powersgd", "ring"))
         _positive(self.powersgd_rank, "strategy.powersgd_rank")
         for option in ("param_dtype", "reduce_dtype"):
-            _choice(getattr(self, option), f"strategy.{option}", ("float32", "bfloat16", "float16"))
+            _choice(getattr(self, option), f"strategy.{option}", ("auto", "float32", "bfloat16", "float16"))
         if self.comm_hook != "allreduce" and self.name not in ("ddp", "zero1"):
             raise ConfigError(f"strategy.comm_hook {self.comm_hook} applies to ddp and zero1 only, not {self.name}; drop it or use --strategy.name ddp.")
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from dptrain.strategies.base import Strategy
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""None: the parameters' own dtype, no cast (FSDP's default)."""
 
 
 def blocks(model: nn.Module) -> Iterator[nn.Module]:
@@ -50,7 +51,8 @@ class FSDP(Strategy):
         world = self.env.world_size
         numel = sum(p.numel() for p in self.eval_module.parameters())  # DTensor numel: the full size
         gathers = 2 if self.cfg.reshard_after_forward else 1
-        param_size = DTYPES[self.cfg.param_dtype].itemsize
-        reduce_size = DTYPES[self.cfg.reduce_dtype].itemsize
+        own_size = next(self.eval_module.parameters()).element_size()
+        param_size = getattr(DTYPES[self.cfg.param_dtype], "itemsize", own_size)
+        reduce_size = getattr(DTYPES[self.cfg.reduce_dtype], "itemsize", own_size)
         per_step = (gathers * numel * param_size + numel * reduce_size) * (world - 1) // world
         return steps * per_step
