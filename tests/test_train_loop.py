@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -35,6 +36,26 @@ def test_bf16_autocast_and_clipping_train_close_to_fp32(tmp_path, monkeypatch):
     for a, b in zip(losses["fp32"], losses["bf16"]):
         assert abs(a - b) <= 0.05 * a
     assert losses["bf16"] != losses["fp32"]  # autocast really ran
+
+
+def test_deterministic_kernels_change_no_result_and_no_snapshot(tmp_path, monkeypatch):
+    """--train.deterministic picks kernels, not math: the same weights on the CPU, and a snapshot resumes across it."""
+    monkeypatch.chdir(tmp_path)
+    had_workspace = "CUBLAS_WORKSPACE_CONFIG" in os.environ
+    try:
+        assert main(["train", *SMALL, "--train.max_steps", "4", "--output.name", "det", "--train.deterministic", "true"]) == 0
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    finally:  # process-wide switches: leave the other tests as they were
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+        if not had_workspace:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    assert main(["train", *SMALL, "--train.max_steps", "4", "--output.name", "plain"]) == 0
+    det, plain = (torch.load(tmp_path / "runs" / name / "model.pt") for name in ("det", "plain"))
+    assert all(torch.equal(det[k], plain[k]) for k in det)
+    assert main(["train", *SMALL, "--train.max_steps", "6", "--output.name", "det"]) == 0  # resumes without the flag
+    assert [e["step"] for e in read_events(tmp_path / "runs" / "det", "run_end")] == [4, 6]
 
 
 def lrs(schedule: str, steps: int, steps_per_epoch: int = 4, **extra: str) -> list[float]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import config as config_mod
-from dptrain import faults
+from dptrain import faults, runtime
 from dptrain.config import ConfigError, RunConfig
 
 log = logging.getLogger("dptrain")
@@ -37,6 +37,7 @@ WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot sh
 # Options that may change between a snapshot and its resume: how long to run, where to log, how often to save.
 # The world size may change too: the shards are resharded on load (see load()).
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
+                     ("train", "deterministic"),
                      ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"),
                      ("output", "name"), ("output", "dir")}
 
@@ -89,7 +90,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        runtime.barrier()
 
 
 class Snapshotter:

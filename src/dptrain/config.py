@@ -130,6 +130,9 @@ class TrainConfig:
     """Seeds the model init, the data order and every rank's RNG."""
     bf16: bool = False
     """Autocast the forward pass to bfloat16."""
+    deterministic: bool = False
+    """On CUDA, deterministic kernels only (cuDNN, cuBLAS, no atomic adds), so that a run repeats bit for bit and
+    resumes bit-identical; slower. A kernel with no deterministic version warns. The CPU path is deterministic anyway."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value (None: no clipping)."""
     log_every: int = 50

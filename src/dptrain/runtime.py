@@ -107,6 +107,14 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def use_deterministic_kernels() -> None:
+    """Ask torch for deterministic kernels; must run before the first cuBLAS call, which reads the workspace setting."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with a fixed workspace
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn, not fail, on ops without one (adaptive pooling...)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
 def set_cpu_threads(local_world_size: int) -> int:
     """Split this node's cores across its local ranks; oversubscribed ranks slow each other down."""
     try:
@@ -132,15 +140,23 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}  # binds nccl to this rank's GPU, no guessing
     if env.world_size == 1 and env.source == "none":
         # One process, no launcher: an in-memory store, no port needed.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
         return None
     check_master_resolves(env.master_addr)
     store = join_store(env, timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return store
+
+
+def barrier() -> None:
+    """dist.barrier on the default group; on nccl it names this rank's GPU (else torch guesses from the rank)."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def join_store(env: DistEnv, timeout_s: float) -> dist.Store:

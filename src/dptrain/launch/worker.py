@@ -17,7 +17,8 @@ from dptrain import config as config_mod
 from dptrain.config import RunConfig
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink
-from dptrain.runtime import Phase, destroy_process_group, init_process_group, pick_device, seed_everything, set_cpu_threads
+from dptrain.runtime import (Phase, barrier, destroy_process_group, init_process_group, pick_device, seed_everything,
+                             set_cpu_threads, use_deterministic_kernels)
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -65,6 +66,8 @@ def environment_record(env: DistEnv, device: torch.device, threads: int) -> dict
 def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device, int]:
     """Device, CPU threads, seeds, process group and a first barrier: (device, threads per rank)."""
     with phase("set-up"):
+        if cfg.train.deterministic:
+            use_deterministic_kernels()
         device = pick_device(cfg.launch.device, env.local_rank)
         threads = set_cpu_threads(env.local_world_size)
         seed_everything(cfg.train.seed)
@@ -73,7 +76,7 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
     if store is not None and env.world_size > 1:  # from now on a failed collective names the silent ranks
         phase.world = (store, env, min(5.0, cfg.launch.timeout_s))
     with phase("first collective"):
-        torch.distributed.barrier()
+        barrier()
     return device, threads
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain import runtime
 from dptrain.config import StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
@@ -140,4 +141,4 @@ class Strategy:
 
     def barrier(self) -> None:
         if self.env.world_size > 1:
-            dist.barrier()
+            runtime.barrier()
