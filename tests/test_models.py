@@ -63,3 +63,16 @@ def test_a_users_model_by_import_path():
         build_model(ModelConfig(name="tests.user_code:Nope"), (1, 28, 28), None)
     with pytest.raises(ConfigError, match="built a PatternDataset, not a torch.nn.Module|must be constructible"):
         build_model(ModelConfig(name="tests.user_code:PatternDataset"), (1, 28, 28), None)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_the_layout_keeping_flatten_changes_no_value_and_keeps_the_gradient_layout(memory_format):
+    from dptrain.models.layers import flatten
+
+    x = torch.randn(4, 8, 6, 6).contiguous(memory_format=memory_format).requires_grad_()
+    ours = flatten(x)
+    assert torch.equal(ours, torch.flatten(x, 1))
+    weight = torch.randn(ours.shape[1])
+    (ours * weight).sum().backward()
+    assert x.grad.is_contiguous(memory_format=memory_format)  # no layout conversion waits in the layer before
+    assert torch.equal(x.grad, weight.view(8, 6, 6).expand(4, 8, 6, 6))

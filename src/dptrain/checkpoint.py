@@ -34,23 +34,34 @@ PREFIX = "step-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot shard (zero1, ps)
-# Options that may change between a snapshot and its resume: how long to run, where to log, how often to save.
-# The world size may change too: the shards are resharded on load (see load()).
+# Options that may change between a snapshot and its resume: how long to run, where data and logs
+# live, how often to save, how evaluation is batched, which device. Every other option changes the
+# computation, so a resume refuses it. The world size may change too: the shards are resharded on
+# load (see load()).
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
-                     ("train", "deterministic"),
-                     ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"),
+                     ("train", "deterministic"), ("train", "cuda_graph"), ("train", "eval_batch_size"),
+                     ("data", "root"), ("data", "download"), ("data", "mirror"), ("data", "num_workers"),
+                     ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"), ("launch", "device"),
                      ("output", "name"), ("output", "dir")}
+# Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
+LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
 
 
 class SnapshotError(ValueError):
     """A snapshot that cannot be used; the message names it and what is wrong."""
 
 
-def config_hash(cfg: RunConfig) -> str:
-    """Hash of every option that changes the computation (not run length, paths or logging)."""
+def computation_options(cfg: RunConfig) -> dict[str, Any]:
+    """Every option that changes the computation, as dotted names: what a resume must keep."""
     tree = config_mod.to_dict(cfg)
-    kept = {s: {k: v for k, v in opts.items() if (s, k) not in RESUMABLE_CHANGES and s != "checkpoint"} for s, opts in tree.items()}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    options = {f"{s}.{k}": v for s, opts in tree.items() if s != "checkpoint"
+               for k, v in opts.items() if (s, k) not in RESUMABLE_CHANGES}
+    return json.loads(json.dumps(options, default=str))  # as the manifest holds them: tuples become lists
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of computation_options(cfg)."""
+    return hashlib.sha256(json.dumps(computation_options(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _sha256(path: Path) -> str:
@@ -66,6 +77,11 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """A rename is durable only once its directory is flushed."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -129,9 +145,11 @@ class Snapshotter:
             if whole_optimizer is not None:
                 torch.save(whole_optimizer, tmp / WHOLE_OPTIMIZER)
             torch.save({"scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
-                        "batches_consumed": run.batches_consumed}, tmp / "extra.pt")
+                        "batches_consumed": run.batches_consumed, "epoch_reported": run.epoch_reported,
+                        "epoch_elapsed": run.epoch_elapsed, "epoch_seen": run.epoch_seen}, tmp / "extra.pt")
             manifest = {"world_size": run.env.world_size, "strategy": run.cfg.strategy.name, "model": run.cfg.model.name,
-                        "config_hash": config_hash(run.cfg), "torch": torch.__version__, "step": run.step}
+                        "config_hash": config_hash(run.cfg), "config": computation_options(run.cfg),
+                        "schedule_steps": run.total_steps, "torch": torch.__version__, "step": run.step}
             (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
         state = run.strategy.snapshot_state(run.optimizer)
         if self.group is None:
@@ -176,6 +194,7 @@ class Snapshotter:
         pointer = final.parent / f".{LATEST}.tmp"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, final.parent / LATEST)
+        _fsync_dir(final.parent)
         _prune(final.parent, self.keep_last)
         log.info("snapshot %s written", final)
 
@@ -193,9 +212,13 @@ def verify(path: Path) -> dict[str, Any]:
         raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.") from None
-    for name, meta in manifest["files"].items():
+        files = manifest["files"]
+        fields_present = all(key in manifest for key in ("world_size", "strategy", "model", "config_hash", "step"))
+    except (json.JSONDecodeError, KeyError, TypeError):
+        fields_present = False
+    if not fields_present or not isinstance(files, dict):
+        raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.")
+    for name, meta in files.items():
         file = path / name
         if not file.is_file():
             raise SnapshotError(f"snapshot {path} lacks {name}: it is incomplete.")
@@ -225,18 +248,27 @@ def find_latest(root: Path) -> Path | None:
     return None
 
 
-def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path) -> None:
+def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total_steps: int) -> None:
+    """ConfigError naming the first option this run changed that a resume must keep."""
+    how_to = "use the snapshot's setting, or --train.resume never with another --output.name to start afresh"
     for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name)):
         if manifest[key] != ours:
-            raise ConfigError(
-                f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; "
-                f"use the same {key}, or --train.resume never to start afresh."
-            )
+            raise ConfigError(f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; {how_to}.")
     if manifest["config_hash"] != config_hash(cfg):
-        raise ConfigError(
-            f"snapshot {path} was written with another configuration (only run length, logging and paths may change); "
-            f"compare with {path.parent.parent / 'config.toml'}, or use --train.resume never."
-        )
+        theirs, ours = manifest.get("config", {}), computation_options(cfg)
+        changed = [name for name in sorted(set(theirs) | set(ours)) if theirs.get(name) != ours.get(name)]
+        if changed:
+            name = changed[0]
+            more = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
+            raise ConfigError(f"snapshot {path} was written with {name} = {theirs.get(name)!r} but this run has "
+                              f"{ours.get(name)!r}{more}; {how_to}.")
+        raise ConfigError(f"snapshot {path} was written with another configuration (only run length, logging, paths and "
+                          f"the device may change); {how_to}.")
+    planned = manifest.get("schedule_steps", total_steps)
+    if cfg.optim.schedule in LENGTH_BOUND_SCHEDULES and planned != total_steps:
+        raise ConfigError(f"snapshot {path} follows a {cfg.optim.schedule} learning-rate schedule planned for {planned} steps, "
+                          f"but this run would last {total_steps}; keep train.epochs and train.max_steps as they were, "
+                          f"or --train.resume never with another --output.name to start afresh.")
 
 
 def load(run: Any, path: Path) -> None:
@@ -244,7 +276,7 @@ def load(run: Any, path: Path) -> None:
     from torch.distributed.checkpoint import load as dcp_load
 
     manifest = verify(path)
-    check_compatible(manifest, run.cfg, path)
+    check_compatible(manifest, run.cfg, path, run.total_steps)
     state = run.strategy.snapshot_state(run.optimizer)
     dcp_load(state, checkpoint_id=str(path))
     run.strategy.restore_snapshot_state(run.optimizer, state)
@@ -253,6 +285,7 @@ def load(run: Any, path: Path) -> None:
     extra = torch.load(path / "extra.pt", weights_only=False)
     run.scheduler.load_state_dict(extra["scheduler"])
     run.step, run.epoch, run.batches_consumed = extra["step"], extra["epoch"], extra["batches_consumed"]
+    run.epoch_reported, run.epoch_elapsed, run.epoch_seen = extra["epoch_reported"], extra["epoch_elapsed"], extra["epoch_seen"]
     if manifest["world_size"] == run.env.world_size:
         mine = torch.load(path / f"rank{run.env.global_rank}.pt", weights_only=False)
         run.epoch_sums = mine["epoch_sums"].to(run.device)
@@ -264,6 +297,6 @@ def load(run: Any, path: Path) -> None:
         others = [torch.load(path / f"rank{r}.pt", weights_only=False)["epoch_sums"] for r in range(manifest["world_size"])]
         run.epoch_sums = (torch.stack(others).sum(0) if run.env.is_main else torch.zeros_like(others[0])).to(run.device)
         log.info("resharding snapshot %s from world size %d to %d", path, manifest["world_size"], run.env.world_size)
-    if run.batches_consumed >= len(run.train_loader):  # saved at an epoch's end: go on with the next one
+    if run.batches_consumed >= len(run.train_loader) and run.epoch_reported:  # a finished epoch: go on with the next
         run.epoch, run.batches_consumed, run.epoch_sums = run.epoch + 1, 0, None
     log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, run.step, run.epoch + 1, run.batches_consumed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dptrain.models.layers import Flatten
+
 
 def _stage(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(
@@ -19,7 +21,7 @@ class CifarCNN(nn.Module):
         super().__init__()
         self.features = nn.Sequential(_stage(in_channels, 32), _stage(32, 64))
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(64 * 8 * 8, 512), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(512, num_classes)
+            Flatten(), nn.Linear(64 * 8 * 8, 512), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.models.layers import flatten
+
 
 class MnistCNN(nn.Module):
     def __init__(self, num_classes: int = 10) -> None:
@@ -22,7 +24,7 @@ class MnistCNN(nn.Module):
         x = F.relu(self.conv2(x))
         x = F.max_pool2d(x, 2)
         x = self.dropout1(x)
-        x = torch.flatten(x, 1)
+        x = flatten(x)
         x = F.relu(self.fc1(x))
         x = self.dropout2(x)
         return self.fc2(x)
