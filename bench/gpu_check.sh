@@ -23,6 +23,7 @@ PY
 check() {  # check NAME ARGS...: one training run; its [METRIC] lines, warnings and errors, and its exit code
     local name=$1; shift
     echo "== $name: dptrain train $*"
+    rm -rf "${out:?}/$name"  # a fresh run each time (train.resume never refuses a folder with snapshots)
     "${dptrain[@]}" train --data.root "$root" --output.dir "$out/$name" --train.resume never "$@" >"$out/$name.log" 2>&1
     local rc=$?
     grep -E "\[METRIC\]|WARNING|warning|error|Error" "$out/$name.log" | grep -v "^\s*$" | tail -n 6
@@ -34,8 +35,11 @@ wants() { [[ " $parts " == *" $1 "* ]]; }
 if wants speed; then
 # The main command's model and data on one GPU: epoch time (the goal is <= 0.5 s).
 check single-fp32 --strategy.name single --train.epochs 3 --checkpoint.every_epochs 0
+check single-graph --strategy.name single --train.epochs 3 --checkpoint.every_epochs 0 --train.cuda_graph true
+check main-command-graph --train.epochs 3 --train.cuda_graph true   # ddp at world size 1: the bare model
 check single-bs512 --strategy.name single --train.epochs 3 --train.global_batch_size 512 --checkpoint.every_epochs 0
-check single-bf16 --strategy.name single --train.epochs 2 --train.bf16 true --checkpoint.every_epochs 0
+check single-bs512-graph --strategy.name single --train.epochs 3 --train.global_batch_size 512 --checkpoint.every_epochs 0 --train.cuda_graph true
+check single-bf16-graph --strategy.name single --train.epochs 3 --train.bf16 true --checkpoint.every_epochs 0 --train.cuda_graph true
 
 fi
 

@@ -6,7 +6,7 @@ Builds the run in this process exactly as a worker does (world size 1), then pri
     Adam's foreach and fused implementations,
   - a profile of 50 of dptrain's steps: launches per step and the top operators by host time.
 
-    python bench/gpu_profile.py --data.root data
+    python bench/gpu_profile.py --data.root data [--train.cuda_graph true]
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ def main() -> None:
     run = build(cfg, env, device, EventLog([]), phase)
     progress = ProgressBar(enabled=False)
     for epoch in range(3):
-        run.epoch, run.batches_consumed = epoch, 0
-        run.epoch_sums = torch.zeros(3, dtype=torch.float64, device=device)
+        run._start_epoch(epoch)
         result = run._run_epoch(epoch, progress)
         print(f"dptrain epoch {epoch + 1}: {result['epoch_time_s']:.3f} s, {result['samples_per_s']:.0f} images/s "
               f"({len(run.train_loader)} steps, {result['epoch_time_s'] / len(run.train_loader) * 1e3:.2f} ms/step)")
@@ -60,8 +59,7 @@ def main() -> None:
         ms = bare_ms_per_step(model, batch.images, batch.labels, fused)
         print(f"bare eager step ({'fused' if fused else 'foreach'} Adam): {ms:.2f} ms/step, epoch ~{ms * len(run.train_loader) / 1e3:.3f} s")
 
-    run.epoch, run.batches_consumed = 3, 0
-    run.epoch_sums = torch.zeros(3, dtype=torch.float64, device=device)
+    run._start_epoch(3)
     run.total_steps = run.step + 50
     from torch.profiler import ProfilerActivity, profile
 

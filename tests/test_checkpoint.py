@@ -48,6 +48,8 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical(cli, tmp_path, uninterrup
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "step-00000009 at step 9 (epoch 2, 2 batches into it)" in result.stdout
     assert weights_equal(run_dir, reference)
+    # Snapshots at 5, 7 (epoch end), 9 (the stop), then 10 and 14 (the end): keep_last 3 keeps the newest three.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [f"step-{s:08d}" for s in (9, 10, 14)]
     # The resumed epoch's metrics cover all of its samples, as if never stopped.
     assert read_events(run_dir, "epoch")[-1]["train_loss"] == read_events(reference, "epoch")[-1]["train_loss"]
 
@@ -105,13 +107,26 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     assert f"skipping snapshot {newest} has a damaged {shard.name}" in resumed.stdout + resumed.stderr
     assert "step-00000010 at step 10" in resumed.stdout
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    saved_config = (run_dir / "config.toml").read_text()
+    how_to = "use the snapshot's setting, or --train.resume never with another --output.name to start afresh."
     mismatch = cli("train", *args, "--model.name", "tests.user_code:TinyNet")
     assert mismatch.returncode == 1
     last = mismatch.stderr.strip().splitlines()[-1]
     assert last.startswith("dptrain: error: rank ") and " failed during resume: snapshot " in last
-    assert last.endswith("was written with model mnist-cnn but this run has tests.user_code:TinyNet; "
-                         "use the same model, or --train.resume never to start afresh.")
+    assert last.endswith(f"was written with model mnist-cnn but this run has tests.user_code:TinyNet; {how_to}")
+    other_lr = cli("train", *args, "--optim.lr", "0.01")
+    assert other_lr.returncode == 1
+    assert other_lr.stderr.strip().splitlines()[-1].endswith(
+        f"was written with optim.lr = 0.001 but this run has 0.01; {how_to}")
+    never = cli("train", *args, "--train.resume", "never")  # refused before any worker starts
+    assert never.returncode == 2
+    assert never.stderr.strip() == (f"dptrain: error: {run_dir} holds snapshots of an earlier run and train.resume is never; "
+                                    f"choose another --output.name, or delete {run_dir / 'checkpoints'} to start afresh there.")
+    missing = cli("train", *args, "--train.resume", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"dptrain: error: snapshot {tmp_path / 'nowhere'} has no manifest.json: it is incomplete."
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing deleted
+    assert (run_dir / "config.toml").read_text() == saved_config  # nor overwritten by the refused runs
 
 
 # Resharding: fp32, no dropout, SGD; 200 samples in global batches of 24 (divisible by 2, 3 and 4):
@@ -191,11 +206,18 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_with_the_docum
 def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(cli, tmp_path, uninterrupted):
     run_dir = tmp_path / "usr1"
     args = [*RUN, "--strategy.name", "ddp", "--output.dir", str(run_dir), "--checkpoint.every_steps", "0"]
-    stopped = cli("train", *args, env={SIGNAL_AT: "1:9:SIGUSR1:self"})  # rank 1 only, as a stray signal would
+    stopped = cli("train", *args, env={SIGNAL_AT: "1:6:SIGUSR1:self"})  # rank 1 only, as a stray signal would
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
-    # Rank 1 learns of it after step 9, rank 0 from the exchange read at step 10: both stop after step 10.
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000010"
-    assert "stopped by SIGUSR1 after step 10" in (run_dir / "logs" / "rank1.log").read_text() + stopped.stderr
+    # Rank 1 learns of it after step 6, rank 0 from the exchange read at step 7: both stop after step 7,
+    # the epoch's last step, before the epoch's evaluation.
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000007"
+    assert "stopped by SIGUSR1 after step 7" in (run_dir / "logs" / "rank1.log").read_text() + stopped.stderr
+    assert read_events(run_dir, "epoch") == []
     resumed = cli("train", *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert weights_equal(run_dir, uninterrupted("ddp"))
+    # The resume owes epoch 1 its event, once, with the same numbers as the run never stopped.
+    got, expected = read_events(run_dir, "epoch"), read_events(uninterrupted("ddp"), "epoch")
+    assert [e["epoch"] for e in got] == [1, 2]
+    for key in ("train_loss", "train_acc", "train_samples", "eval_loss", "eval_count"):
+        assert [e[key] for e in got] == [e[key] for e in expected], key

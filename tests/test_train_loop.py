@@ -92,3 +92,34 @@ def test_dp_without_gpus_says_it_runs_as_one_device_and_trains_like_single(tmp_p
     assert "strategy dp: no GPU here, so it runs as one device" in log
     losses = {n: [e["loss"] for e in read_events(tmp_path / "runs" / n, "step")] for n in ("single", "dp")}
     assert losses["dp"] == losses["single"]
+
+
+def test_adamw_trains_and_decays_the_weights(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    common = [*SMALL, "--model.dropout", "false", "--train.max_steps", "12", "--optim.name", "adamw", "--optim.lr", "3e-3"]
+    assert main(["train", *common, "--output.name", "nodecay"]) == 0
+    assert main(["train", *common, "--optim.weight_decay", "0.5", "--output.name", "decay"]) == 0
+    losses = [e["loss"] for e in read_events(tmp_path / "runs" / "nodecay", "step")]
+    assert sum(losses[-3:]) < sum(losses[:3])  # it trains
+    norm = {name: sum(t.norm() ** 2 for t in torch.load(tmp_path / "runs" / name / "model.pt").values()) ** 0.5
+            for name in ("nodecay", "decay")}
+    assert norm["decay"] < norm["nodecay"]  # the decoupled decay pulls the weights in
+
+
+def test_gradient_clipping_clips_the_global_norm(tmp_path, monkeypatch):
+    """A bound above every gradient's norm changes nothing; a tiny one makes SGD steps exactly that long."""
+    monkeypatch.chdir(tmp_path)
+    common = [*SMALL, "--model.dropout", "false", "--train.max_steps", "1", "--optim.name", "sgd", "--optim.momentum", "0",
+              "--optim.lr", "1.0", "--checkpoint.every_epochs", "0"]
+    weights = {}
+    for name, extra in (("free", []), ("loose", ["--train.grad_clip", "1e6"]), ("tight", ["--train.grad_clip", "1e-3"])):
+        assert main(["train", *common, "--output.name", name, *extra]) == 0
+        weights[name] = torch.load(tmp_path / "runs" / name / "model.pt")
+    torch.manual_seed(0)  # the initial weights, as build() makes them
+    initial = config.load(None, [("data.name", "synthetic")])
+    from dptrain.models import build_model
+
+    start = build_model(initial.model, (1, 28, 28), 10).state_dict()
+    assert all(torch.equal(weights["free"][k], weights["loose"][k]) for k in start)
+    step = sum(((weights["tight"][k] - start[k]) ** 2).sum() for k in start) ** 0.5  # lr 1 x the clipped gradient
+    assert step.item() == pytest.approx(1e-3, rel=1e-3)

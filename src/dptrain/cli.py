@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dptrain import checkpoint
 from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig, check_world
 from dptrain.data import DataError, describe
@@ -51,13 +52,30 @@ def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
 
 
 def preflight(cfg: RunConfig, world_size: int) -> None:
-    """Every check that can fail before a worker starts: config vs world, dataset present, model fits data."""
+    """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model."""
+    if cfg.launch.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
+    check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size)
     if config_mod.is_import_path(cfg.model.name):
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
+
+
+def check_resume_target(cfg: RunConfig) -> None:
+    """A snapshot named by train.resume is whole; `never` does not write over an earlier run's snapshots."""
+    if cfg.train.resume not in ("auto", "never"):
+        checkpoint.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
+        return
+    snapshots = cfg.output.run_dir / "checkpoints"
+    if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
+        raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
+                          f"choose another --output.name, or delete {snapshots} to start afresh there.")
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -69,7 +87,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     tree = config_mod.to_dict(cfg)
     from dptrain.launch.worker import run_worker
 
-    if launched_outside or world_size == 1:
+    if launched_outside or (world_size == 1 and cfg.launch.max_restarts == 0):  # restarts need the agent
         run_worker(tree)
     else:
         from dptrain.launch.local import launch_local
@@ -105,8 +123,6 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
-    from dptrain import checkpoint
-
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain checkpoint --help.")
     path = Path(args.path)
@@ -132,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a model",
         description="Train a model. Any config option can be set as --section.option VALUE "
-        "(sections: data, model, optim, train, strategy, launch, output).",
+        "(sections: data, model, optim, train, strategy, checkpoint, launch, output).",
     )
     train.add_argument("--config", help="TOML file with [section] tables of options")
     train.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")

@@ -98,12 +98,15 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError("launch.device = cuda but CUDA is not available here; use --launch.device cpu.")
         count = torch.cuda.device_count()
+        index = local_rank
         if local_rank >= count:
-            raise RuntimeError(
-                f"local rank {local_rank} has no GPU (this node has {count}); start at most {count} workers per node."
-            )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+            if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):  # one GPU bound to each task (srun --gpus-per-task)
+                index = 0
+            else:
+                raise RuntimeError(f"local rank {local_rank} has no GPU (this node shows it {count}); "
+                                   f"start at most {count} workers per node.")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

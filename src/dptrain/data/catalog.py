@@ -162,9 +162,17 @@ def fetch(spec: DatasetSpec, root: Path, mirror: str | None) -> Path:
 
 
 def _extract(archive: Path, root: Path) -> None:
+    """Unpack inside root only: no absolute paths, no '..', no links out of it."""
     try:
         with tarfile.open(archive) as tar:
-            tar.extractall(root, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(root, filter="data")
+            else:  # Python 3.10 before 3.10.12 has no extraction filters: check the members ourselves
+                for member in tar.getmembers():
+                    target = (root / member.name).resolve()
+                    if not (member.isfile() or member.isdir()) or not target.is_relative_to(root.resolve()):
+                        raise tarfile.TarError(f"member {member.name} would land outside {root}")
+                tar.extractall(root)
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise DataError(f"{archive} cannot be unpacked ({exc}); delete it and download it again.") from None
 

@@ -45,7 +45,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         elastic_launch(config, entrypoint)(*args)
     except SignalException as exc:
         raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
-                      f"boundary; run the same command to resume.") from None
+                      f"boundary (workers still starting up stop without one); run the same command to resume.") from None
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_STOPPED for f in exc.failures.values()):  # the workers themselves were signalled
             raise Stopped(f"stopped by a signal to the workers, with a snapshot (exit code {EXIT_STOPPED}); "

@@ -91,14 +91,14 @@ def run_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     try:
         device, threads = join_world(cfg, env, phase)
         if env.is_main:
-            (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-            record = environment_record(env, device, threads)
-            (run_dir / "env.json").write_text(json.dumps(record, indent=2) + "\n")
             log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
                      env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
         from dptrain.train import build
 
         run = build(cfg, env, device, events, phase)
+        if env.is_main:  # only now: a refused resume leaves the run directory as it was
+            (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+            (run_dir / "env.json").write_text(json.dumps(environment_record(env, device, threads), indent=2) + "\n")
         events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
                     data=run.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=run.total_steps, device=str(device))
         last = run.fit()

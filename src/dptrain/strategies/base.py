@@ -51,6 +51,11 @@ class Strategy:
         self.module: nn.Module | None = None
         self.counter = CommCounter()
 
+    @property
+    def step_is_local(self) -> bool:
+        """True when a training step runs no collective, so that it can be captured as a CUDA graph."""
+        return True
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """Place the model and return what the loop calls for training forward passes."""
         self.module = model.to(self.device)
@@ -76,8 +81,9 @@ class Strategy:
     def backward(self, loss_sum: torch.Tensor, global_count: int) -> None:
         (loss_sum * (self.env.world_size / global_count)).backward()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
+        """Scale the gradients so that their global norm is at most max_norm (before the optimizer step)."""
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     # Accounting: what this rank holds and sends.
 

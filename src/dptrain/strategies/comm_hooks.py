@@ -57,10 +57,12 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     def exchange(send_index: int, recv_into: torch.Tensor) -> None:
         nonlocal sent
         outgoing = chunks[send_index]
-        # isend then a blocking recv: every rank sends before it waits, so the ring cannot deadlock.
-        request = dist.isend(outgoing.contiguous(), right_global, group=group)
-        dist.recv(recv_into, left_global, group=group)
-        request.wait()
+        # Send and receive posted together: on nccl a lone send can wait for its receiver, and with two
+        # ranks both would wait in their send for a receive queued behind it (a deadlock).
+        ops = [dist.P2POp(dist.isend, outgoing.contiguous(), right_global, group),
+               dist.P2POp(dist.irecv, recv_into, left_global, group)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
         sent += outgoing.numel() * outgoing.element_size()
 
     for step in range(world - 1):  # reduce-scatter

@@ -15,8 +15,14 @@ class DDP(Strategy):
 
     name = "ddp"
 
+    @property
+    def step_is_local(self) -> bool:
+        return self.env.world_size == 1
+
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = model.to(self.device)
+        if self.env.world_size == 1:  # nothing to synchronise: the bare model, without DDP's per-step bookkeeping
+            return self.module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)

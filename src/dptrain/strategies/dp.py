@@ -16,11 +16,17 @@ log = logging.getLogger("dptrain")
 class DataParallel(Strategy):
     name = "dp"
 
+    @property
+    def step_is_local(self) -> bool:
+        return not isinstance(self.wrapped, nn.DataParallel)  # scatter and gather across GPUs cannot be captured
+
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = model.to(self.device)
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
         if gpus < 2:
             log.warning("strategy dp: %s, so it runs as one device", "no GPU here" if gpus == 0 else "one GPU here")
-            return self.module
-        log.info("strategy dp: one process driving %d GPUs", gpus)
-        return nn.DataParallel(self.module, device_ids=list(range(gpus)), output_device=self.device.index)
+            self.wrapped = self.module
+        else:
+            log.info("strategy dp: one process driving %d GPUs", gpus)
+            self.wrapped = nn.DataParallel(self.module, device_ids=list(range(gpus)), output_device=self.device.index)
+        return self.wrapped

@@ -32,6 +32,7 @@ class FSDP(Strategy):
     resharding), reduce-scatter of the gradients; each (N-1)/N of the bytes, in their dtypes."""
 
     name = "fsdp"
+    step_is_local = False  # collectives inside the step
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

@@ -53,6 +53,8 @@ class ServerOptimizer(torch.optim.Optimizer):
                 grads += incoming
             grads /= world
             self._unflatten(grads, into_grads=True)
+            if self.strategy.clip_norm is not None:  # on the mean gradient, as one process clips
+                nn.utils.clip_grad_norm_(self.params, self.strategy.clip_norm)
             self.inner.step()
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
             requests = [dist.isend(flat, worker) for worker in range(1, world)]  # pull
@@ -84,6 +86,12 @@ class ServerOptimizer(torch.optim.Optimizer):
 
 class ParameterServer(Strategy):
     name = "ps"
+    step_is_local = False  # collectives inside the step
+    clip_norm: float | None = None
+    """train.grad_clip, applied by the server to the mean gradient: a worker holds only its partial one."""
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
+        self.clip_norm = max_norm
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = model.to(self.device)

@@ -17,6 +17,7 @@ class Zero1(DDP):
     gradient all-reduce plus an all-gather of the parameters, (N-1)/N of their bytes per step."""
 
     name = "zero1"
+    step_is_local = False  # collectives inside the step
 
     def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         # Imported here: torch.distributed.optim scripts its functional optimizers on import (slow, noisy).
