@@ -63,7 +63,8 @@ def main() -> None:
     print(f"plain DataLoader + DDP: {summary(plain)}")
     print(f"dptrain train:          {summary(ours)}")
     ratios = [o / p for o, p in zip(ours, plain)]
-    print(f"ratio dptrain / plain:  {statistics.mean(ratios):.2f} (per repeat: {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"ratio dptrain / plain:  {statistics.mean(ratios):.2f} mean, {statistics.median(ratios):.2f} median "
+          f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 if __name__ == "__main__":

@@ -45,3 +45,70 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60)
                 if p.is_alive():
                     p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _cli_runs_entry(rank: int, world_size: int, runs: list[list[str]], ports: list[int], cwd: str, results: Any) -> None:
+    try:
+        os.chdir(cwd)
+        from dptrain.cli import main
+
+        codes = []
+        for argv, port in zip(runs, ports):
+            # What torchrun or srun would set for this rank; the CLI then runs the worker in this process.
+            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            codes.append(main(argv))
+        results.put((rank, "ok", codes))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: float = 300,
+                     env: dict[str, str] | None = None) -> list[int]:
+    """`dptrain ARGV` for each ARGV in turn, in one process per rank as under torchrun; rank 0's exit codes.
+
+    The ranks start (and import torch) once for all the runs: a dozen short runs cost a few
+    seconds each instead of a launch each. Every run gets its own free port for its store.
+    `env` is added to the environment the rank processes start with.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = _free_ports(len(runs))
+    procs = [ctx.Process(target=_cli_runs_entry, args=(r, world_size, runs, ports, cwd, results)) for r in range(world_size)]
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        for p in procs:
+            p.start()  # a spawned interpreter starts with the environment of this moment
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return out[0]

@@ -7,7 +7,8 @@ import torch
 
 from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
 from dptrain.stopping import EXIT_STOPPED
-from tests.conftest import read_events, run_cli
+from tests.conftest import read_events
+from tests.distributed import run_cli_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +25,18 @@ def weights_equal(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """strategy -> the run directory of the uninterrupted 2-epoch run, made once per module."""
-    runs: dict[str, object] = {}
+    """strategy -> the run directory of the uninterrupted 2-epoch run; all four made together on first use."""
+    root = tmp_path_factory.mktemp("ref")
+    strategies = ("ddp", "fsdp", "zero1", "ps")
+    made: list[str] = []
 
     def get(strategy: str):
-        if strategy not in runs:
-            run_dir = tmp_path_factory.mktemp("ref") / strategy
-            result = run_cli(["train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)], run_dir.parent, 300)
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[strategy] = run_dir
-        return runs[strategy]
+        if not made:  # one set of 2 rank processes for the four runs (see run_cli_on_ranks)
+            argvs = [["train", *RUN, "--strategy.name", s, "--output.dir", str(root / s)] for s in strategies]
+            codes = run_cli_on_ranks(2, argvs, str(root))
+            assert codes == [0] * len(strategies), (root / "ddp" / "logs" / "rank0.log").read_text()[-3000:]
+            made.extend(strategies)
+        return root / strategy
 
     return get
 
@@ -140,19 +143,35 @@ def step_losses(run_dir) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in read_events(run_dir, "step")}
 
 
-@pytest.mark.parametrize(("strategy", "before", "after"),
-                         [("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 4, 2), ("fsdp", 2, 3), ("zero1", 4, 2), ("ps", 2, 3)])
-def test_a_snapshot_resumes_at_another_world_size(cli, tmp_path, strategy, before, after):
-    reference = tmp_path / "uninterrupted"
-    args = [*RESHARD, "--strategy.name", strategy]
-    done = cli("train", *args, "--nproc-per-node", str(before), "--output.dir", str(reference), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+RESHARDS = [("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 4, 2), ("fsdp", 2, 3), ("zero1", 4, 2), ("ps", 2, 3)]
+
+
+def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> None:
+    """name -> (world size, options): each world size's runs in one set of rank processes, into root/name."""
+    for world in sorted({w for w, _ in runs.values()}):
+        names = [n for n, (w, _) in runs.items() if w == world]
+        argvs = [["train", *runs[n][1], "--output.dir", str(root / n)] for n in names]
+        codes = run_cli_on_ranks(world, argvs, str(root))
+        failed = [n for n, code in zip(names, codes) if code != 0]
+        assert not failed, f"{failed} failed: " + (root / failed[0] / "logs" / "rank0.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """The uninterrupted runs at the first world size, then each resumed from its step 11 at the second."""
+    root = tmp_path_factory.mktemp("reshard")
+    runs_by_world({f"{s}-{b}": (b, [*RESHARD, "--strategy.name", s]) for s, b, _ in RESHARDS}, root)
+    runs_by_world({f"{s}-{b}-{a}": (a, [*RESHARD, "--strategy.name", s, "--train.resume",
+                                        str(root / f"{s}-{b}" / "checkpoints" / "step-00000011")])
+                   for s, b, a in RESHARDS}, root)
+    return root
+
+
+@pytest.mark.parametrize(("strategy", "before", "after"), RESHARDS)
+def test_a_snapshot_resumes_at_another_world_size(resharded, strategy, before, after):
+    reference, resumed_dir = resharded / f"{strategy}-{before}", resharded / f"{strategy}-{before}-{after}"
     snapshot = reference / "checkpoints" / "step-00000011"
-    resumed_dir = tmp_path / "resharded"
-    resumed = cli("train", *args, "--nproc-per-node", str(after), "--output.dir", str(resumed_dir),
-                  "--train.resume", str(snapshot), timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resharding snapshot {snapshot} from world size {before} to {after}" in resumed.stdout
+    assert f"resharding snapshot {snapshot} from world size {before} to {after}" in (resumed_dir / "logs" / "rank0.log").read_text()
     expected, got = step_losses(reference), step_losses(resumed_dir)
     assert sorted(got) == list(range(12, 19))  # the same global batches, from the same position on
     for step, loss in got.items():
@@ -164,25 +183,25 @@ def test_a_snapshot_resumes_at_another_world_size(cli, tmp_path, strategy, befor
     assert last["eval_loss"] == pytest.approx(last_ref["eval_loss"], rel=1e-5)
 
 
-# kill -9 of rank 1 right after a step: 3 (before any snapshot: the restart begins afresh), 7 (the
-# epoch's last step, before its snapshot: resumes from step 5), 12 (mid-epoch 2: resumes from 10),
-# and for fsdp 9 (resumes from the epoch-end snapshot of step 7).
-@pytest.mark.parametrize(("strategy", "step"), [("ddp", 3), ("ddp", 7), ("ddp", 12), ("fsdp", 9)])
-def test_a_worker_killed_by_sigkill_is_restarted_and_ends_bit_identical(cli, tmp_path, uninterrupted, strategy, step):
+# kill -9 of rank 1 right after a step. ddp, one run killed three times: after step 3 (before any
+# snapshot: the restart begins afresh), 7 (the epoch's last step, before the epoch-end snapshot:
+# resumes from step 5) and 12 (mid-epoch 2: resumes from 10). fsdp after step 9 (resumes from the
+# epoch-end snapshot of step 7).
+@pytest.mark.parametrize(("strategy", "steps"), [("ddp", (3, 7, 12)), ("fsdp", (9,))])
+def test_a_worker_killed_by_sigkill_is_restarted_and_ends_bit_identical(cli, tmp_path, uninterrupted, strategy, steps):
     run_dir = tmp_path / "killed"
-    marker = tmp_path / "killed-once"
-    result = cli("train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir), "--launch.max_restarts", "1",
-                 env={SIGNAL_AT: f"1:{step}:SIGKILL:self:{marker}"}, timeout=300)
+    markers = [tmp_path / f"killed-after-{step}" for step in steps]
+    kills = ",".join(f"1:{step}:SIGKILL:self:{marker}" for step, marker in zip(steps, markers))
+    result = cli("train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir),
+                 "--launch.max_restarts", str(len(steps)), env={SIGNAL_AT: kills}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert marker.exists()  # the kill happened
-    starts = read_events(run_dir, "run_start")
-    assert len(starts) == 2  # the first start and one restart
-    # Snapshots come every 5 steps and at epoch ends (step 7); the kill comes before step `step`'s own.
-    resumed_from = max((s for s in (5, 7, 10) if s < step), default=0)
-    if resumed_from:
-        assert f"step-{resumed_from:08d} at step {resumed_from}" in result.stdout
-    else:
-        assert "resumed from" not in result.stdout
+    assert all(marker.exists() for marker in markers)  # every kill happened
+    assert len(read_events(run_dir, "run_start")) == 1 + len(steps)  # the first start and a restart per kill
+    # Snapshots come every 5 steps and at epoch ends (step 7); each kill comes before its step's own.
+    resumed_from = [max((s for s in (5, 7, 10) if s < step), default=0) for step in steps]
+    expected = [f"step-{s:08d} at step {s}" for s in resumed_from if s]  # a kill before any snapshot starts afresh
+    resumes = [line for line in result.stdout.splitlines() if "resumed from" in line]
+    assert len(resumes) == len(expected) and all(e in line for e, line in zip(expected, resumes)), resumes
     assert weights_equal(run_dir, uninterrupted(strategy))
 
 

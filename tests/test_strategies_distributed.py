@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, read_events, run_cli
-from tests.distributed import run_on_ranks
+from tests.distributed import run_cli_on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +35,55 @@ EXACT = {
 }
 
 
-def train(cli, run_dir, world: int, *args: str) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
-    result = cli("train", "--nproc-per-node", str(world), *COMMON, "--output.dir", str(run_dir), *args, timeout=300)
+# Every multi-rank run of this module, by name: its options and the world sizes it runs at. Each
+# world size's runs are made together, in one set of rank processes, the first time a test needs one
+# (run_cli_on_ranks): a launch per run would cost most of this module's time in start-up.
+SHARDING = ["--model.name", "tests.user_code:EvenMLP", "--train.max_steps", "3", "--optim.name", "adam"]
+CLIP = ["--train.grad_clip", "0.05"]
+PLAN: dict[str, tuple[list[str], tuple[int, ...]]] = {
+    **{name: (args, (2, 4)) for name, args in EXACT.items()},
+    **{f"hook-{hook}": (["--strategy.comm_hook", hook], (2,)) for hook in ("fp16", "bf16", "powersgd")},
+    "clip-fsdp": (["--strategy.name", "fsdp", *CLIP], (2,)),
+    "clip-ps": (["--strategy.name", "ps", *CLIP], (2,)),
+    "fsdp-bf16": (["--strategy.name", "fsdp", "--strategy.param_dtype", "bfloat16", "--strategy.reduce_dtype", "float32"], (2,)),
+    **{f"held-{strategy}": (["--strategy.name", strategy, *SHARDING], (2, 4)) for strategy in ("ddp", "zero1", "fsdp", "ps")},
+}
+
+
+def results(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
+    """(every step's loss, the final weights, the epoch events) of a finished run."""
+    return [e["loss"] for e in read_events(run_dir, "step")], torch.load(run_dir / "model.pt"), read_events(run_dir, "epoch")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(name, world) -> results() of that run of PLAN."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(name: str, world: int):
+        if (name, world) not in made:
+            names = [n for n, (_, worlds) in PLAN.items() if world in worlds]
+            root = tmp_path_factory.mktemp(f"world{world}")
+            argvs = [["train", *COMMON, *PLAN[n][0], "--launch.timeout_s", "60", "--output.dir", str(root / n)] for n in names]
+            codes = run_cli_on_ranks(world, argvs, str(root), timeout=900)
+            failed = [n for n, code in zip(names, codes) if code != 0]
+            assert not failed, f"runs {failed} failed: " + (root / failed[0] / "logs" / "rank0.log").read_text()[-3000:]
+            made.update({(n, world): root / n for n in names})
+        return results(made[(name, world)])
+
+    return get
+
+
+def one_process(tmp_path_factory, name: str, *args: str) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
+    run_dir = tmp_path_factory.mktemp(name) / "w1"
+    result = run_cli(["train", "--strategy.name", "ddp", *COMMON, *args, "--output.dir", str(run_dir)], run_dir.parent, 300)
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [e["loss"] for e in read_events(run_dir, "step")]
-    return losses, torch.load(run_dir / "model.pt"), read_events(run_dir, "epoch")
+    return results(run_dir)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-
-    run_dir = tmp_path_factory.mktemp("reference") / "w1"
-    result = run_cli(["train", "--strategy.name", "ddp", *COMMON, "--output.dir", str(run_dir)], run_dir.parent, 300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    eval_loss = read_events(run_dir, "epoch")[-1]["eval_loss"]
-    return [e["loss"] for e in read_events(run_dir, "step")], torch.load(run_dir / "model.pt"), eval_loss
+    return one_process(tmp_path_factory, "reference")
 
 
 # Final weights within 1e-5 of each tensor's scale, with one measured exception: fsdp on 4 ranks.
@@ -62,41 +96,69 @@ WEIGHT_BOUND = {("fsdp-zero3", 4): 3e-4, ("fsdp-zero2", 4): 3e-4}
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", list(EXACT))
-def test_strategy_follows_one_process_exactly(cli, tmp_path, reference, strategy, world):
-    ref_losses, ref_weights, ref_eval = reference
-    losses, weights, epochs = train(cli, tmp_path / strategy, world, *EXACT[strategy])
-    assert len(losses) == 30
+def test_strategy_follows_one_process_exactly(runs, reference, strategy, world):
+    assert_same_training(reference, runs(strategy, world), WEIGHT_BOUND.get((strategy, world), 1e-5))
+
+
+def assert_same_training(reference, run, weight_bound: float) -> None:
+    (ref_losses, ref_weights, ref_epochs), (losses, weights, epochs) = reference, run
+    assert len(losses) == len(ref_losses) == 30
     for step, (ref, got) in enumerate(zip(ref_losses, losses), start=1):
         assert abs(got - ref) <= 1e-5 * abs(ref), f"step {step}: {got} vs {ref}"
+    ref_eval = ref_epochs[-1]["eval_loss"]
     assert abs(epochs[-1]["eval_loss"] - ref_eval) <= 1e-5 * ref_eval
     assert weights.keys() == ref_weights.keys()
-    bound = WEIGHT_BOUND.get((strategy, world), 1e-5)
     for name, ref in ref_weights.items():
         # Relative to the tensor's scale: elementwise relative error means nothing for weights near 0.
         diff = (weights[name] - ref).abs().max().item()
-        assert diff <= bound * ref.abs().max().item(), f"{name}: max diff {diff:.2e}, scale {ref.abs().max():.2e}"
+        assert diff <= weight_bound * ref.abs().max().item(), f"{name}: max diff {diff:.2e}, scale {ref.abs().max():.2e}"
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory, reference):
+    clipped = one_process(tmp_path_factory, "clipped", *CLIP)
+    assert clipped[0][5:] != reference[0][5:]  # the bound really clips
+    return clipped
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ps"])
+def test_gradient_clipping_of_a_sharded_or_served_gradient_equals_one_process(runs, clipped_reference, strategy):
+    """fsdp clips the norm of gradients spread over ranks; ps clips the server's mean gradient."""
+    assert_same_training(clipped_reference, runs(f"clip-{strategy}", 2), 1e-5)
+
+
+def test_fsdp_mixed_precision_gathers_bfloat16_and_stays_close(runs, reference):
+    losses, _, epochs = runs("fsdp-bf16", 2)
+    worst = max(abs(a - b) / abs(a) for a, b in zip(reference[0], losses))
+    assert 1e-6 < worst <= 1e-2, worst  # bfloat16 parameters in forward and backward: 8 significant bits
+    full = sum(t.numel() for t in reference[1].values())
+    # Per step: two all-gathers of bfloat16 parameters, one reduce-scatter of float32 gradients, each (N-1)/N.
+    assert epochs[-1]["comm_bytes_per_step"] == [(2 * full * 2 + full * 4) // 2] * 2
 
 
 FLOAT64 = Path(__file__).parent / "float64"  # its sitecustomize makes every process compute in float64
 
 
-def train_float64(run_dir: Path, world: int, *args: str) -> dict[str, torch.Tensor]:
-    env = {"PYTHONPATH": f"{FLOAT64}{os.pathsep}{REPO}"}
-    result = run_cli(["train", "--nproc-per-node", str(world), *COMMON, "--output.dir", str(run_dir), *args],
-                     run_dir.parent, 300, env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(run_dir / "model.pt")
+FLOAT64_ENV = {"PYTHONPATH": f"{FLOAT64}{os.pathsep}{REPO}"}
 
 
 @pytest.fixture(scope="module")
-def reference_float64(tmp_path_factory):
-    return train_float64(tmp_path_factory.mktemp("reference64") / "w1", 1, "--strategy.name", "ddp")
+def float64_runs(tmp_path_factory):
+    """The final weights of one process (ddp) and of fsdp on 4 ranks with either reshard setting, all in float64."""
+    root = tmp_path_factory.mktemp("float64")
+    one = run_cli(["train", *COMMON, "--strategy.name", "ddp", "--output.dir", str(root / "w1")], root, 300, FLOAT64_ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    names = ("true", "false")
+    argvs = [["train", *COMMON, "--strategy.name", "fsdp", "--strategy.reshard_after_forward", reshard,
+              "--output.dir", str(root / f"fsdp-{reshard}")] for reshard in names]
+    assert run_cli_on_ranks(4, argvs, str(root), env=FLOAT64_ENV) == [0, 0]
+    return {name: torch.load(root / name / "model.pt") for name in ("w1", "fsdp-true", "fsdp-false")}
 
 
 @pytest.mark.parametrize("reshard", ["true", "false"])
-def test_fsdp_equals_one_process_in_float64(tmp_path, reference_float64, reshard):
-    weights = train_float64(tmp_path / "fsdp", 4, "--strategy.name", "fsdp", "--strategy.reshard_after_forward", reshard)
-    for name, ref in reference_float64.items():
+def test_fsdp_equals_one_process_in_float64(float64_runs, reshard):
+    reference, weights = float64_runs["w1"], float64_runs[f"fsdp-{reshard}"]
+    for name, ref in reference.items():
         assert ref.dtype == weights[name].dtype == torch.float64
         diff = (weights[name] - ref).abs().max().item()
         assert diff <= 1e-12 * ref.abs().max().item(), f"{name}: max diff {diff:.2e}, scale {ref.abs().max():.2e}"
@@ -112,9 +174,9 @@ APPROXIMATE = {"fp16": 1e-2, "bf16": 1e-3, "powersgd": 1.5e-2}
 
 
 @pytest.mark.parametrize("hook", list(APPROXIMATE))
-def test_compressed_hooks_stay_within_their_bound(cli, tmp_path, reference, hook):
+def test_compressed_hooks_stay_within_their_bound(runs, reference, hook):
     ref_losses, _, _ = reference
-    losses, _, _ = train(cli, tmp_path / hook, 2, "--strategy.comm_hook", hook)
+    losses, _, _ = runs(f"hook-{hook}", 2)
     bound = APPROXIMATE[hook]
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
     assert worst <= bound, f"{hook}: worst relative loss difference {worst:.2e} > {bound}"
@@ -147,21 +209,23 @@ def test_ring_all_reduce_equals_all_reduce_on_odd_sizes(world):
     assert max(max(e) for e in errors) < 1e-12
 
 
-def test_sharding_strategies_hold_a_1_over_n_share_of_the_optimizer_state(cli, tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharding_strategies_hold_a_1_over_n_share_of_the_optimizer_state(runs, world):
     """ddp: every rank holds Adam's two moments for every parameter; fsdp and zero1 about 1/N of that."""
-    args = ["--model.name", "tests.user_code:EvenMLP", "--train.max_steps", "3", "--optim.name", "adam"]
-    full = None
-    for world in (2, 4):
-        events = {}
-        for strategy in ("ddp", "zero1", "fsdp"):
-            _, weights, epochs = train(cli, tmp_path / f"{strategy}{world}", world, "--strategy.name", strategy, *args)
-            events[strategy] = epochs[-1]
-            full = 2 * sum(t.numel() * 4 for t in weights.values())  # exp_avg + exp_avg_sq, fp32
-        assert events["ddp"]["mem_optim_bytes"] == [full] * world
-        assert events["zero1"]["mem_optim_bytes"] == [full // world] * world
-        for held in events["fsdp"]["mem_optim_bytes"]:
-            assert abs(held - full / world) <= 0.02 * full / world
-        assert events["fsdp"]["mem_params_bytes"][0] < events["ddp"]["mem_params_bytes"][0] / world * 1.02
-        # Traffic per step: ddp all-reduces the gradients (ring cost 2 (N-1)/N of their bytes).
-        param_bytes = full // 2
-        assert events["ddp"]["comm_bytes_per_step"] == [2 * (world - 1) * param_bytes // world] * world
+    events = {strategy: runs(f"held-{strategy}", world)[2][-1] for strategy in ("ddp", "zero1", "fsdp", "ps")}
+    params = sum(t.numel() * 4 for t in runs("held-ddp", world)[1].values())  # fp32 bytes of the model
+    full = 2 * params  # exp_avg + exp_avg_sq
+    assert events["ddp"]["mem_optim_bytes"] == [full] * world
+    assert events["zero1"]["mem_optim_bytes"] == [full // world] * world
+    for held in events["fsdp"]["mem_optim_bytes"]:
+        assert abs(held - full / world) <= 0.02 * full / world
+    assert events["ps"]["mem_optim_bytes"] == [full] + [0] * (world - 1)  # only the server steps
+    for kind in ("mem_params_bytes", "mem_grads_bytes"):
+        assert events["ddp"][kind] == [params] * world
+        assert all(abs(held - params / world) <= 0.02 * params / world for held in events["fsdp"][kind])
+    # Traffic per step. Counted as sent: the parameter server (each worker pushes its gradients once,
+    # the server sends the weights to every worker). Computed: ddp's ring all-reduce, 2 (N-1)/N of the
+    # gradients; fsdp's two all-gathers and one reduce-scatter, (N-1)/N each.
+    assert events["ps"]["comm_bytes_per_step"] == [(world - 1) * params] + [params] * (world - 1)
+    assert events["ddp"]["comm_bytes_per_step"] == [2 * (world - 1) * params // world] * world
+    assert events["fsdp"]["comm_bytes_per_step"] == [3 * (world - 1) * params // world] * world

@@ -15,7 +15,8 @@ CRASH_EXIT_CODE = 97
 SIGNAL_AT = "DPTRAIN_TEST_SIGNAL_AT"
 """'RANK:STEP:SIGNAL:TARGET[:MARKER]': after step STEP, rank RANK sends SIGNAL (SIGTERM, SIGUSR1, SIGKILL)
 to itself (TARGET self) or to its parent, the elastic agent (TARGET parent). With MARKER, only while
-that file does not exist (it is created first), so that a restarted group is not hit again."""
+that file does not exist (it is created first), so that a restarted group is not hit again. Several
+such faults separated by commas each strike once their step comes."""
 
 
 def crash_before_rename(snapshot_name: str) -> None:
@@ -24,14 +25,15 @@ def crash_before_rename(snapshot_name: str) -> None:
 
 
 def signal_if_due(rank: int, step: int) -> None:
-    spec = os.environ.get(SIGNAL_AT)
-    if not spec:
+    specs = os.environ.get(SIGNAL_AT)
+    if not specs:
         return
-    on_rank, at_step, name, target, *marker = spec.split(":")
-    if int(on_rank) != rank or int(at_step) != step:
-        return
-    if marker:
-        if Path(marker[0]).exists():
-            return
-        Path(marker[0]).touch()
-    os.kill(os.getpid() if target == "self" else os.getppid(), getattr(signal, name))
+    for spec in specs.split(","):
+        on_rank, at_step, name, target, *marker = spec.split(":")
+        if int(on_rank) != rank or int(at_step) != step:
+            continue
+        if marker:
+            if Path(marker[0]).exists():
+                continue
+            Path(marker[0]).touch()
+        os.kill(os.getpid() if target == "self" else os.getppid(), getattr(signal, name))
