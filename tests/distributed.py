@@ -32,19 +32,24 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60)
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, args, results)) for r in range(world_size)]
         for p in procs:
             p.start()
-        out: dict[int, Any] = {}
-        try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout)
-                if status == "error":
-                    raise AssertionError(f"rank {rank} failed:\n{value}")
-                out[rank] = value
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    return [out[r] for r in range(world_size)]
+        return _collect(procs, results, timeout)
+
+
+def _collect(procs: list, results: Any, timeout: float) -> list[Any]:
+    """Each rank's reported value, by rank; a rank that raised fails the test; stragglers are killed."""
+    out: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, status, value = results.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(len(procs))]
 
 
 def _free_ports(count: int) -> list[int]:
@@ -99,16 +104,4 @@ def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: 
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    out: dict[int, Any] = {}
-    try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return out[0]
+    return _collect(procs, results, timeout)[0]
