@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import read_events, run_cli
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # slow too: `-m "not slow"` replaces the default `-m "not gpu"`
 
 # 2,000 synthetic samples in batches of 64: 31 full batches and a last one of 16 per epoch (run eagerly
 # by a graphed run), 64 steps in two epochs; no dropout, so that a replayed graph and eager kernels
