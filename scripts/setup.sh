@@ -23,7 +23,8 @@ if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
   fi
 fi
 
-[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv || {
+  echo "setup: '$python -m venv' failed; on Debian or Ubuntu install it with 'sudo apt-get install python3-venv'." >&2; exit 1; }
 constraint=(-c constraints.txt)
 # Keep a torch that is already in the venv (e.g. a CUDA build on a GPU machine).
 .venv/bin/python -c 'import torch' 2>/dev/null && constraint=()

@@ -112,6 +112,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     world_size = env.world_size if launched_outside else cfg.launch.nproc_per_node
     describe(cfg.data)  # the test split is there, before any worker starts
     predictions = str(Path(args.predictions).resolve()) if args.predictions else None
+    if predictions:
+        check_predictions_path(Path(predictions))
     worker_args = (config_mod.to_dict(cfg), str(snapshot), predictions)
     if launched_outside or world_size == 1:
         run_eval_worker(*worker_args)
@@ -120,6 +122,19 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
         launch_local(run_eval_worker, worker_args, world_size, cfg.launch.timeout_s)
     return 0
+
+
+def check_predictions_path(path: Path) -> None:
+    """Write over an earlier predictions file only, never over another file (a run's config.toml, say)."""
+    from dptrain.evaluate import PREDICTIONS_HEADER
+
+    if path.is_dir():
+        raise ConfigError(f"--predictions {path} is a folder; give a file name, for example {path / 'predictions.csv'}.")
+    if path.exists():
+        with path.open(errors="replace") as f:
+            first = f.readline().strip()
+        if first != ",".join(PREDICTIONS_HEADER):
+            raise ConfigError(f"--predictions {path} exists and is not a predictions file; choose another path.")
 
 
 def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:

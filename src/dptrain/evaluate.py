@@ -76,13 +76,16 @@ def find_snapshot(path: Path) -> Path:
     return found
 
 
+PREDICTIONS_HEADER = ("index", "label", "predicted")
+
+
 def write_predictions(rows: torch.Tensor, path: Path) -> None:
     """index,label,predicted per test sample, in the split's order; written whole, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["index", "label", "predicted"])
+        writer.writerow(PREDICTIONS_HEADER)
         writer.writerows(rows.tolist())
     tmp.replace(path)
 
