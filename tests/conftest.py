@@ -28,6 +28,12 @@ def start_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def log_tail(run_dir: Path) -> str:
+    """The end of rank 0's log of a run, for a failure message."""
+    log = run_dir / "logs" / "rank0.log"
+    return log.read_text()[-3000:] if log.is_file() else "(no log: refused before start)"
+
+
 def read_events(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == kind]

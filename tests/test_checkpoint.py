@@ -7,7 +7,7 @@ import torch
 
 from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
 from dptrain.stopping import EXIT_STOPPED
-from tests.conftest import read_events
+from tests.conftest import log_tail, read_events
 from tests.distributed import run_cli_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -28,14 +28,13 @@ def uninterrupted(tmp_path_factory):
     """strategy -> the run directory of the uninterrupted 2-epoch run; all four made together on first use."""
     root = tmp_path_factory.mktemp("ref")
     strategies = ("ddp", "fsdp", "zero1", "ps")
-    made: list[str] = []
+    codes: dict[str, int] = {}
 
     def get(strategy: str):
-        if not made:  # one set of 2 rank processes for the four runs (see run_cli_on_ranks)
+        if not codes:  # one set of 2 rank processes for the four runs (see run_cli_on_ranks)
             argvs = [["train", *RUN, "--strategy.name", s, "--output.dir", str(root / s)] for s in strategies]
-            codes = run_cli_on_ranks(2, argvs, str(root))
-            assert codes == [0] * len(strategies), (root / "ddp" / "logs" / "rank0.log").read_text()[-3000:]
-            made.extend(strategies)
+            codes.update(zip(strategies, run_cli_on_ranks(2, argvs, str(root))))
+        assert codes[strategy] == 0, f"the uninterrupted {strategy} run failed: " + log_tail(root / strategy)
         return root / strategy
 
     return get
@@ -146,30 +145,36 @@ def step_losses(run_dir) -> dict[int, float]:
 RESHARDS = [("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 4, 2), ("fsdp", 2, 3), ("zero1", 4, 2), ("ps", 2, 3)]
 
 
-def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> None:
-    """name -> (world size, options): each world size's runs in one set of rank processes, into root/name."""
+def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> dict[str, int]:
+    """name -> (world size, options): each world size's runs in one set of rank processes, into root/name.
+
+    Returns each run's exit code: a run that fails fails its own test, not its neighbours'.
+    """
+    codes = {}
     for world in sorted({w for w, _ in runs.values()}):
         names = [n for n, (w, _) in runs.items() if w == world]
         argvs = [["train", *runs[n][1], "--output.dir", str(root / n)] for n in names]
-        codes = run_cli_on_ranks(world, argvs, str(root))
-        failed = [n for n, code in zip(names, codes) if code != 0]
-        assert not failed, f"{failed} failed: " + (root / failed[0] / "logs" / "rank0.log").read_text()[-3000:]
+        codes.update(zip(names, run_cli_on_ranks(world, argvs, str(root))))
+    return codes
 
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
     """The uninterrupted runs at the first world size, then each resumed from its step 11 at the second."""
     root = tmp_path_factory.mktemp("reshard")
-    runs_by_world({f"{s}-{b}": (b, [*RESHARD, "--strategy.name", s]) for s, b, _ in RESHARDS}, root)
-    runs_by_world({f"{s}-{b}-{a}": (a, [*RESHARD, "--strategy.name", s, "--train.resume",
-                                        str(root / f"{s}-{b}" / "checkpoints" / "step-00000011")])
-                   for s, b, a in RESHARDS}, root)
-    return root
+    codes = runs_by_world({f"{s}-{b}": (b, [*RESHARD, "--strategy.name", s]) for s, b, _ in RESHARDS}, root)
+    codes |= runs_by_world({f"{s}-{b}-{a}": (a, [*RESHARD, "--strategy.name", s, "--train.resume",
+                                                 str(root / f"{s}-{b}" / "checkpoints" / "step-00000011")])
+                            for s, b, a in RESHARDS}, root)
+    return root, codes
 
 
 @pytest.mark.parametrize(("strategy", "before", "after"), RESHARDS)
 def test_a_snapshot_resumes_at_another_world_size(resharded, strategy, before, after):
-    reference, resumed_dir = resharded / f"{strategy}-{before}", resharded / f"{strategy}-{before}-{after}"
+    root, codes = resharded
+    reference, resumed_dir = root / f"{strategy}-{before}", root / f"{strategy}-{before}-{after}"
+    for run_dir in (reference, resumed_dir):
+        assert codes[run_dir.name] == 0, f"{run_dir.name} failed: " + log_tail(run_dir)
     snapshot = reference / "checkpoints" / "step-00000011"
     assert f"resharding snapshot {snapshot} from world size {before} to {after}" in (resumed_dir / "logs" / "rank0.log").read_text()
     expected, got = step_losses(reference), step_losses(resumed_dir)

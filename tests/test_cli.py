@@ -88,3 +88,19 @@ def test_eval_refuses_to_write_predictions_over_another_file(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"dptrain: error: --predictions {precious} exists and is not a predictions "
                                                f"file; choose another path.")
     assert precious.read_text() == '[data]\nname = "synthetic"\n'
+
+
+@pytest.mark.parametrize(("version", "on_cpu", "refused"), [("2.6.0+cu124", True, True), ("2.6.0", False, False),
+                                                            ("2.7.0", True, False), ("2.13.0+cpu", True, False)])
+def test_fsdp_on_the_cpu_is_refused_where_torch_cannot_run_it(version, on_cpu, refused):
+    from dptrain import config
+    from dptrain.cli import check_strategy_runs_here
+
+    cfg = config.load(None, [("strategy.name", "fsdp")])
+    if not refused:
+        check_strategy_runs_here(cfg, on_cpu, version)
+        return
+    with pytest.raises(ConfigError) as error:
+        check_strategy_runs_here(cfg, on_cpu, version)
+    assert str(error.value) == (f"strategy fsdp on the CPU needs torch 2.7 or newer, and this is torch {version}; "
+                                f"use --strategy.name ddp or zero1, or upgrade torch.")

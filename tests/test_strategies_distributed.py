@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, read_events, run_cli
+from tests.conftest import REPO, log_tail, read_events, run_cli
 from tests.distributed import run_cli_on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def results(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], list[d
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """runs(name, world) -> results() of that run of PLAN."""
-    made: dict[tuple[str, int], Path] = {}
+    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, exit code)
 
     def get(name: str, world: int):
         if (name, world) not in made:
@@ -66,10 +66,10 @@ def runs(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"world{world}")
             argvs = [["train", *COMMON, *PLAN[n][0], "--launch.timeout_s", "60", "--output.dir", str(root / n)] for n in names]
             codes = run_cli_on_ranks(world, argvs, str(root), timeout=900)
-            failed = [n for n, code in zip(names, codes) if code != 0]
-            assert not failed, f"runs {failed} failed: " + (root / failed[0] / "logs" / "rank0.log").read_text()[-3000:]
-            made.update({(n, world): root / n for n in names})
-        return results(made[(name, world)])
+            made.update({(n, world): (root / n, code) for n, code in zip(names, codes)})
+        run_dir, code = made[(name, world)]
+        assert code == 0, f"run {name} on {world} ranks failed: " + log_tail(run_dir)
+        return results(run_dir)
 
     return get
 

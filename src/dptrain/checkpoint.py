@@ -162,7 +162,7 @@ class Snapshotter:
         else:
             from torch.distributed.checkpoint import async_save as dcp_async_save
 
-            self.pending = (dcp_async_save(state, checkpoint_id=str(tmp), process_group=self.group), tmp, final)
+            self.pending = (dcp_async_save(_frozen_copy(state), checkpoint_id=str(tmp), process_group=self.group), tmp, final)
         return final
 
     def poll(self) -> None:
@@ -197,6 +197,21 @@ class Snapshotter:
         _fsync_dir(final.parent)
         _prune(final.parent, self.keep_last)
         log.info("snapshot %s written", final)
+
+
+def _frozen_copy(state: Any) -> Any:
+    """The state with every CPU tensor copied, so that training cannot change it during a background write.
+
+    DCP's staging copies device tensors to CPU memory, but torch 2.6 writes CPU tensors as they are:
+    a snapshot of step 5 then held the weights of a later step (seen in the async-resume test).
+    """
+    if isinstance(state, dict):
+        return {key: _frozen_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_frozen_copy(value) for value in state)
+    if torch.is_tensor(state) and state.device.type == "cpu":
+        return state.detach().clone()
+    return state
 
 
 def _prune(root: Path, keep_last: int) -> None:

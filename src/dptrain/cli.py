@@ -53,11 +53,12 @@ def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
 
 def preflight(cfg: RunConfig, world_size: int) -> None:
     """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model."""
-    if cfg.launch.device == "cuda":
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
+    if cfg.launch.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
+    on_cpu = cfg.launch.device == "cpu" or not torch.cuda.is_available()
+    check_strategy_runs_here(cfg, on_cpu, str(torch.__version__))
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size)
@@ -65,6 +66,15 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
+
+
+def check_strategy_runs_here(cfg: RunConfig, on_cpu: bool, torch_version: str) -> None:
+    """FSDP2 runs on the CPU (gloo) from torch 2.7 on; 2.6 fails in the first step ('Stream' has no record_event)."""
+    from torch.torch_version import TorchVersion
+
+    if cfg.strategy.name == "fsdp" and on_cpu and TorchVersion(torch_version) < (2, 7):
+        raise ConfigError(f"strategy fsdp on the CPU needs torch 2.7 or newer, and this is torch {torch_version}; "
+                          f"use --strategy.name ddp or zero1, or upgrade torch.")
 
 
 def check_resume_target(cfg: RunConfig) -> None:
