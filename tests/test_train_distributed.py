@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -68,7 +69,9 @@ def test_two_workers_train_on_real_format_files_end_to_end(cli, tmp_path):
     assert len(metric_lines) == 2 and "eval_count=103" in metric_lines[0] and "epoch=1" in metric_lines[0]
     saved = config.load(run_dir / "config.toml")
     assert saved.launch.nproc_per_node == 2 and saved.data.root == str(tmp_path / "data")
-    assert json.loads((run_dir / "env.json").read_text())["world_size"] == 2
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["world_size"] == 2
+    assert env["cpu_threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)  # the cores split between the ranks
     assert (run_dir / "logs" / "rank0.log").exists() and (run_dir / "logs" / "rank1.log").exists()
 
 
