@@ -110,7 +110,7 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     assert "step-00000010 at step 10" in resumed.stdout
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     saved_config = (run_dir / "config.toml").read_text()
-    how_to = "use the snapshot's setting, or --train.resume never with another --output.name to start afresh."
+    how_to = "use the snapshot's setting, or another --output.name to start afresh."
     mismatch = cli("train", *args, "--model.name", "tests.user_code:TinyNet")
     assert mismatch.returncode == 1
     last = mismatch.stderr.strip().splitlines()[-1]

@@ -36,7 +36,7 @@ def test_a_refused_resume_names_the_option_and_both_values(tmp_path):
     with pytest.raises(ConfigError) as refused:
         checkpoint.check_compatible(saved, cfg(("optim.lr", "0.5"), ("train.seed", "3")), tmp_path, 100)
     assert str(refused.value) == (f"snapshot {tmp_path} was written with optim.lr = 0.001 but this run has 0.5 (and train.seed); "
-                                  f"use the snapshot's setting, or --train.resume never with another --output.name to start afresh.")
+                                  f"use the snapshot's setting, or another --output.name to start afresh.")
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "onecycle"])

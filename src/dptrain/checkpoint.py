@@ -265,7 +265,7 @@ def find_latest(root: Path) -> Path | None:
 
 def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total_steps: int) -> None:
     """ConfigError naming the first option this run changed that a resume must keep."""
-    how_to = "use the snapshot's setting, or --train.resume never with another --output.name to start afresh"
+    how_to = "use the snapshot's setting, or another --output.name to start afresh"
     for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name)):
         if manifest[key] != ours:
             raise ConfigError(f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; {how_to}.")
@@ -283,7 +283,7 @@ def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total
     if cfg.optim.schedule in LENGTH_BOUND_SCHEDULES and planned != total_steps:
         raise ConfigError(f"snapshot {path} follows a {cfg.optim.schedule} learning-rate schedule planned for {planned} steps, "
                           f"but this run would last {total_steps}; keep train.epochs and train.max_steps as they were, "
-                          f"or --train.resume never with another --output.name to start afresh.")
+                          f"or use another --output.name to start afresh.")
 
 
 def load(run: Any, path: Path) -> None:

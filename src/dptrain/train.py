@@ -104,7 +104,7 @@ class Run:
         last: dict = {}
         if self.step >= self.total_steps and (self.epoch_reported or self.epoch_sums is None):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
-                     "or use --train.resume never (or another --output.name) to start afresh", self.step)
+                     "or use another --output.name to start afresh", self.step)
         completed = False
         try:
             for epoch in range(self.epoch, epochs):
