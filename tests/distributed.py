@@ -52,29 +52,30 @@ def _collect(procs: list, results: Any, timeout: float) -> list[Any]:
     return [out[r] for r in range(len(procs))]
 
 
-def _free_ports(count: int) -> list[int]:
+def _free_port() -> int:
     import socket
 
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _cli_runs_entry(rank: int, world_size: int, runs: list[list[str]], ports: list[int], cwd: str, results: Any) -> None:
+def _cli_runs_entry(rank: int, world_size: int, runs: list[list[str]], port: Any, ready: Any, cwd: str, results: Any) -> None:
     try:
         os.chdir(cwd)
         from dptrain.cli import main
 
         codes = []
-        for argv, port in zip(runs, ports):
+        for argv in runs:
+            # Rank 0 picks each run's store port just before the run: ports picked ahead of time can be
+            # taken meanwhile by the ephemeral ports of earlier runs' connections.
+            if rank == 0:
+                port.value = _free_port()
+            ready.wait()
             # What torchrun or srun would set for this rank; the CLI then runs the worker in this process.
             os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port.value)})
+            ready.wait()  # every rank has read the port before rank 0 may pick the next one
             codes.append(main(argv))
         results.put((rank, "ok", codes))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -86,13 +87,14 @@ def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: 
     """`dptrain ARGV` for each ARGV in turn, in one process per rank as under torchrun; rank 0's exit codes.
 
     The ranks start (and import torch) once for all the runs: a dozen short runs cost a few
-    seconds each instead of a launch each. Every run gets its own free port for its store.
+    seconds each instead of a launch each. Every run gets its own free port for its store, picked as it starts.
     `env` is added to the environment the rank processes start with.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    ports = _free_ports(len(runs))
-    procs = [ctx.Process(target=_cli_runs_entry, args=(r, world_size, runs, ports, cwd, results)) for r in range(world_size)]
+    port, ready = ctx.Value("i", 0), ctx.Barrier(world_size)
+    procs = [ctx.Process(target=_cli_runs_entry, args=(r, world_size, runs, port, ready, cwd, results))
+             for r in range(world_size)]
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:

@@ -104,11 +104,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        runtime.barrier()
-
-
 class Snapshotter:
     """Writes a run's snapshots; with async_save the DCP shards are written in a background thread.
 
@@ -136,7 +131,7 @@ class Snapshotter:
         if run.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
             tmp.mkdir(parents=True)
-        _barrier()
+        runtime.barrier()
         # Everything but the shards is written now, before the (maybe background) DCP write: once
         # DCP's coordinator has finished, every rank's files are therefore complete.
         torch.save({"rng": _rng_state(run.device), "epoch_sums": run.epoch_sums.cpu()}, tmp / f"rank{run.env.global_rank}.pt")
@@ -156,9 +151,9 @@ class Snapshotter:
             from torch.distributed.checkpoint import save as dcp_save
 
             dcp_save(state, checkpoint_id=str(tmp))
-            _barrier()
+            runtime.barrier()
             self._commit(tmp, final)
-            _barrier()
+            runtime.barrier()
         else:
             from torch.distributed.checkpoint import async_save as dcp_async_save
 

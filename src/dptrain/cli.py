@@ -19,7 +19,7 @@ from dptrain.checkpoint import SnapshotError
 from dptrain.launch.env import DistEnv, LaunchError
 from dptrain.imports import import_object
 from dptrain.models import check_input
-from dptrain.runtime import WorkerFailure
+from dptrain.runtime import WorkerFailure, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -57,8 +57,7 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
 
     if cfg.launch.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
-    on_cpu = cfg.launch.device == "cpu" or not torch.cuda.is_available()
-    check_strategy_runs_here(cfg, on_cpu, str(torch.__version__))
+    check_strategy_runs_here(cfg, not wants_cuda(cfg.launch.device), str(torch.__version__))
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size)

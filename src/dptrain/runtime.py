@@ -92,9 +92,14 @@ def _one_line(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", line)  # gloo's "[.../pair.cc:553] " source prefix
 
 
+def wants_cuda(requested: str) -> bool:
+    """Whether launch.device resolves to CUDA here: asked for, or available with 'auto'."""
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     """cuda:<local_rank> when asked for (or available with 'auto'), else cpu."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+    if wants_cuda(requested):
         if not torch.cuda.is_available():
             raise RuntimeError("launch.device = cuda but CUDA is not available here; use --launch.device cpu.")
         count = torch.cuda.device_count()
@@ -155,7 +160,10 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
 
 
 def barrier() -> None:
-    """dist.barrier on the default group; on nccl it names this rank's GPU (else torch guesses from the rank)."""
+    """dist.barrier on the default group, a no-op for one process; on nccl it names this rank's GPU (else torch
+    guesses from the rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
     if dist.get_backend() == "nccl":
         dist.barrier(device_ids=[torch.cuda.current_device()])
     else:

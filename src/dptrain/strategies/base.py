@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain import runtime
 from dptrain.config import StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
@@ -144,7 +143,3 @@ class Strategy:
         if self.env.world_size > 1:
             dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return tensor
-
-    def barrier(self) -> None:
-        if self.env.world_size > 1:
-            runtime.barrier()
