@@ -113,6 +113,21 @@ def test_read_idx_longer_than_header(tmp_path):
     assert "longer than its header says" in assert_names_file(info, path)
 
 
+@pytest.mark.parametrize("dims", [(0xFFFFFFFF, 0xFFFFFFFF), (0x80000000, 0x80000000, 2), (0xFFFFFFFF,) * 3],
+                         ids=["wraps-negative-in-int64", "is-int64-min", "wraps-to-a-wrong-positive"])
+def test_read_idx_header_sizes_too_large_for_fixed_width_ints(tmp_path, dims):
+    """A corrupt header's byte count is the exact product of its sizes, in one sentence, not an int64 wrap-around."""
+    path = tmp_path / "corrupt-header"
+    path.write_bytes(struct.pack(">I", 0x00000800 | len(dims)) + struct.pack(f">{len(dims)}I", *dims) + bytes(10))
+    with pytest.raises(DataError) as info:
+        read_idx(path, len(dims))
+    expected = 1
+    for d in dims:
+        expected *= d
+    assert str(info.value) == (f"{path} is truncated: its header promises {'x'.join(map(str, dims))} = {expected} bytes "
+                               f"of data but it holds 10; download it again.")
+
+
 @pytest.mark.parametrize("keep", [0, 3, 4, 9, 15])
 def test_read_idx_truncated_header(tmp_path, keep):
     path = tmp_path / f"header-{keep}"

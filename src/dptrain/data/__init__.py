@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -52,21 +53,37 @@ def build_loaders(
 ) -> tuple[DataInfo, Loader, Loader]:
     """(info, train loader, test loader); the test loader covers every test sample exactly once over the ranks."""
     share = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
+    info, train, test, spec = _read(cfg)
+    if spec is None:
+        return (info, DatasetLoader(train, global_batch=global_batch, shuffle=True, num_workers=cfg.num_workers, **share),
+                _test_loader(cfg, test, None, eval_batch, share))
+    return (info, DeviceLoader(train, spec, global_batch=global_batch, shuffle=True, **share),
+            _test_loader(cfg, test, spec, eval_batch, share))
+
+
+def build_test_loader(
+    cfg: DataConfig, *, device: torch.device, eval_batch: int, rank: int, world_size: int, seed: int, channels_last: bool,
+) -> tuple[DataInfo, Loader]:
+    """(info, test loader) for evaluation: the training split is neither kept nor put on the device."""
+    info, _, test, spec = _read(cfg)
+    share = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
+    return info, _test_loader(cfg, test, spec, eval_batch, share)
+
+
+def _read(cfg: DataConfig) -> tuple[DataInfo, Any, Any, DatasetSpec | None]:
+    """(info, train, test, spec): a user's Datasets (spec None) or a built-in dataset's splits as tensors."""
     if is_import_path(cfg.name):
         train_ds, test_ds = build_user_datasets(cfg)
-        info = _user_info(cfg, train_ds, test_ds)
-        return (
-            info,
-            DatasetLoader(train_ds, global_batch=global_batch, shuffle=True, num_workers=cfg.num_workers, **share),
-            DatasetLoader(test_ds, global_batch=eval_batch * world_size, shuffle=False, num_workers=cfg.num_workers, **share),
-        )
+        return _user_info(cfg, train_ds, test_ds), train_ds, test_ds, None
     spec, train, test = load(cfg)
-    info = DataInfo(spec.name, spec.shape, spec.num_classes, len(train), len(test))
-    return (
-        info,
-        DeviceLoader(train, spec, global_batch=global_batch, shuffle=True, **share),
-        DeviceLoader(test, spec, global_batch=eval_batch * world_size, shuffle=False, **share),
-    )
+    return DataInfo(spec.name, spec.shape, spec.num_classes, len(train), len(test)), train, test, spec
+
+
+def _test_loader(cfg: DataConfig, test: Any, spec: DatasetSpec | None, eval_batch: int, share: dict[str, Any]) -> Loader:
+    global_batch = eval_batch * share["world_size"]
+    if spec is None:
+        return DatasetLoader(test, global_batch=global_batch, shuffle=False, num_workers=cfg.num_workers, **share)
+    return DeviceLoader(test, spec, global_batch=global_batch, shuffle=False, **share)
 
 
 def describe(cfg: DataConfig) -> DataInfo:
@@ -93,4 +110,4 @@ def _labels(folder: Path, prefix: str) -> torch.Tensor:
     return read_idx(idx_file(folder, f"{prefix}-labels-idx1-ubyte"), 1)
 
 
-__all__ = ["DataInfo", "DataError", "build_loaders", "describe"]
+__all__ = ["DataInfo", "DataError", "build_loaders", "build_test_loader", "describe"]

@@ -3,50 +3,15 @@
 from __future__ import annotations
 
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from dptrain.config import DataConfig
 from dptrain.data import download
 from dptrain.data.formats import DataError, read_cifar_batch, read_idx
-
-
-@dataclass(frozen=True)
-class Split:
-    """One split as uint8 images (N, C, H, W) and int64 labels (N,)."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """What a dataset looks like and, for file-backed ones, where its files lie and how to read them."""
-
-    name: str
-    shape: tuple[int, int, int]
-    num_classes: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    train_size: int
-    """Samples in the official training split (tests write smaller files; readers count the real ones)."""
-    subdirs: tuple[str, ...] = ()
-    """Folders under data.root searched before data.root itself (torchvision's layouts)."""
-    system_dirs: tuple[str, ...] = ()
-    """Folders where system packages install the files."""
-    required: tuple[str, ...] = ()
-    """Files (IDX: without .gz) that a folder must hold to be this dataset."""
-    downloads: tuple[tuple[str, str], ...] = ()
-    """(filename, md5) on the mirrors."""
-    mirrors: tuple[str, ...] = ()
-    howto: str = ""
-    read: Callable[[Path], tuple[Split, Split]] | None = None
+from dptrain.data.spec import DatasetSpec, Split
+from dptrain.data.synthetic import synthetic_dataset
 
 
 # ---------------------------------------------------------------- IDX datasets (MNIST, FashionMNIST)
@@ -180,8 +145,6 @@ def _extract(archive: Path, root: Path) -> None:
 def load(cfg: DataConfig) -> tuple[DatasetSpec, Split, Split]:
     """(spec, train, test) for a built-in or synthetic dataset, read and checked against its spec."""
     if cfg.name == "synthetic":
-        from dptrain.data.synthetic import synthetic_dataset
-
         return synthetic_dataset(cfg)
     spec = DATASETS[cfg.name]
     root = Path(cfg.root)

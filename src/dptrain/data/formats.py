@@ -11,6 +11,7 @@ import contextlib
 import gzip
 import importlib
 import io
+import math
 import pickle
 import zlib
 from pathlib import Path
@@ -56,7 +57,9 @@ def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:
     if len(raw) < header:
         raise DataError(f"{path} is truncated inside its header; download it again.")
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    expected = int(np.prod(dims))
+    # Python ints: np.prod multiplies in a fixed-width int (int64, or int32 on Windows under numpy 1),
+    # and a corrupt header's sizes (0xFFFFFFFF each) wrap it to a wrong or negative byte count.
+    expected = math.prod(dims)
     actual = len(raw) - header
     if actual != expected:
         what = "truncated" if actual < expected else "longer than its header says"

@@ -15,7 +15,7 @@ from typing import Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dptrain.data.catalog import DatasetSpec, Split
+from dptrain.data.spec import DatasetSpec, Split
 from dptrain.data.sharding import epoch_permutation, num_batches, rank_batch_positions
 
 

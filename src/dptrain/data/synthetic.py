@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dptrain.config import DataConfig
-from dptrain.data.catalog import DatasetSpec, Split
+from dptrain.data.spec import DatasetSpec, Split
 
 # Fixed seeds: the data must not change with train.seed, so runs with other seeds see the same images.
 PROTOTYPE_SEED = 1_000
