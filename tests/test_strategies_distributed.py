@@ -1,4 +1,8 @@
-"""Every strategy trains the same model as one process (promise 1), and its accounting adds up."""
+"""Every strategy trains the same model as one process (promise 1), end to end through the CLI, and its accounting adds up.
+
+The strategy classes and every comm hook, on the defaults (channels_last, fused Adam), in float64 and
+float32, are compared with one process directly, without the CLI, in tests/strategies/test_parity.py.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ EXACT = {
     "zero1": ["--strategy.name", "zero1"],
     "ps": ["--strategy.name", "ps"],
     "ps-dedicated": ["--strategy.name", "ps", "--strategy.dedicated_server", "true"],
-    "ring": ["--strategy.name", "ddp", "--strategy.comm_hook", "ring"],
 }
 
 
@@ -42,7 +45,6 @@ SHARDING = ["--model.name", "tests.user_code:EvenMLP", "--train.max_steps", "3",
 CLIP = ["--train.grad_clip", "0.05"]
 PLAN: dict[str, tuple[list[str], tuple[int, ...]]] = {
     **{name: (args, (2, 4)) for name, args in EXACT.items()},
-    **{f"hook-{hook}": (["--strategy.comm_hook", hook], (2,)) for hook in ("fp16", "bf16", "powersgd")},
     "clip-fsdp": (["--strategy.name", "fsdp", *CLIP], (2,)),
     "clip-ps": (["--strategy.name", "ps", *CLIP], (2,)),
     "fsdp-bf16": (["--strategy.name", "fsdp", "--strategy.param_dtype", "bfloat16", "--strategy.reduce_dtype", "float32"], (2,)),
@@ -162,26 +164,6 @@ def test_fsdp_equals_one_process_in_float64(float64_runs, reshard):
         assert ref.dtype == weights[name].dtype == torch.float64
         diff = (weights[name] - ref).abs().max().item()
         assert diff <= 1e-12 * ref.abs().max().item(), f"{name}: max diff {diff:.2e}, scale {ref.abs().max():.2e}"
-
-
-# Compressed gradients are not exact. Measured worst relative loss difference over these 30 steps
-# on 2 ranks, and the bound tested (about 3x): bf16 keeps 8 significant bits but fp32's range:
-# 3.1e-4 -> 1e-3. fp16 keeps 11 bits but its hook divides by the world size before compressing, so
-# small gradients fall into fp16's subnormal range and lose most of their bits: 3.0e-3 -> 1e-2.
-# PowerSGD rank 4 replaces each gradient matrix by a rank-4 approximation with error feedback:
-# 5.0e-3 -> 1.5e-2. Each must still train (the loss falls).
-APPROXIMATE = {"fp16": 1e-2, "bf16": 1e-3, "powersgd": 1.5e-2}
-
-
-@pytest.mark.parametrize("hook", list(APPROXIMATE))
-def test_compressed_hooks_stay_within_their_bound(runs, reference, hook):
-    ref_losses, _, _ = reference
-    losses, _, _ = runs(f"hook-{hook}", 2)
-    bound = APPROXIMATE[hook]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
-    assert worst <= bound, f"{hook}: worst relative loss difference {worst:.2e} > {bound}"
-    assert worst > 1e-6  # it really compressed: more than float reassociation
-    assert sum(losses[-5:]) < sum(losses[:5])  # and it still trains
 
 
 def _ring_vs_all_reduce(rank: int, world: int, sizes: list[int]) -> list[float]:

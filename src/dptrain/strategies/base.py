@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import StrategyConfig
+from dptrain.config import ConfigError, StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
 
@@ -34,6 +34,13 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+def refuse_more_than_one_process(name: str, world_size: int, why: str) -> None:
+    """For the strategies that drive everything from one process."""
+    if world_size > 1:
+        raise ConfigError(f"strategy {name} cannot run on {world_size} processes ({why}); "
+                          "start one process, or use --strategy.name ddp.")
+
+
 class Strategy:
     """The one-process case; subclasses override what their parallelism changes.
 
@@ -44,6 +51,18 @@ class Strategy:
     """
 
     name = "single"
+
+    # What a strategy needs of the world, asked before any worker starts (cli.preflight) and again by
+    # every worker (train.build): each refusal is one sentence saying what to change.
+
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
+        """Raise ConfigError if this strategy cannot run on `world_size` processes here; by default it runs on any."""
+
+    @classmethod
+    def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:
+        """How many ranks take a share of each global batch."""
+        return world_size
 
     def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
@@ -68,7 +87,7 @@ class Strategy:
 
     def data_share(self) -> tuple[int | None, int]:
         """(this rank's index among the ranks that take data, or None if it takes none; how many take data)."""
-        return self.env.global_rank, self.env.world_size
+        return self.env.global_rank, self.data_world_size(self.cfg, self.env.world_size)
 
     def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         return spec.build(model.parameters())

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "ring")
 
 
 @dataclass
@@ -100,24 +99,42 @@ def _counting(hook: Callable, counter: CommCounter, element_size: int | None) ->
     return counted
 
 
+def _install_allreduce(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
+    model.register_comm_hook(None, _counting(default_hooks.allreduce_hook, counter, None))
+
+
+def _install_fp16(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
+    model.register_comm_hook(None, _counting(default_hooks.fp16_compress_hook, counter, 2))
+
+
+def _install_bf16(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
+    model.register_comm_hook(None, _counting(default_hooks.bf16_compress_hook, counter, 2))
+
+
+def _install_powersgd(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
+    # start_powerSGD_iter=2: compress from the third step (the first two run a plain all-reduce, as the
+    # algorithm requires to initialise its error feedback). Traffic is computed from the factors P, Q.
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
+        warm_start=True,
+    )
+    model.register_comm_hook(state, _powersgd_counting(counter, state))
+
+
+def _install_ring(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
+    model.register_comm_hook(None, _ring_hook(counter))
+
+
+COMM_HOOKS: dict[str, Callable[[DistributedDataParallel, int, CommCounter], None]] = {
+    "allreduce": _install_allreduce, "fp16": _install_fp16, "bf16": _install_bf16, "powersgd": _install_powersgd,
+    "ring": _install_ring,
+}
+HOOK_NAMES = tuple(COMM_HOOKS)  # StrategyConfig.comm_hook's choices (config.py lists them too: it imports nothing from here)
+
+
 def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:
     """Register hook `name` on a DDP model; 'allreduce' registers a counting wrapper of DDP's default."""
-    if name == "ring":
-        model.register_comm_hook(None, _ring_hook(counter))
-    elif name == "fp16":
-        model.register_comm_hook(None, _counting(default_hooks.fp16_compress_hook, counter, 2))
-    elif name == "bf16":
-        model.register_comm_hook(None, _counting(default_hooks.bf16_compress_hook, counter, 2))
-    elif name == "powersgd":
-        # start_powerSGD_iter=2: compress from the second step (the first runs a plain all-reduce, as the
-        # algorithm requires to initialise its error feedback). Traffic is computed from the factors P, Q.
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
-            warm_start=True,
-        )
-        model.register_comm_hook(state, _powersgd_counting(counter, state))
-    else:
-        model.register_comm_hook(None, _counting(default_hooks.allreduce_hook, counter, None))
+    COMM_HOOKS[name](model, powersgd_rank, counter)
 
 
 def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState) -> Callable:

@@ -8,13 +8,18 @@ import logging
 import torch
 from torch import nn
 
-from dptrain.strategies.base import Strategy
+from dptrain.config import StrategyConfig
+from dptrain.strategies.base import Strategy, refuse_more_than_one_process
 
 log = logging.getLogger("dptrain")
 
 
 class DataParallel(Strategy):
     name = "dp"
+
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
+        refuse_more_than_one_process(cls.name, world_size, "dp drives every GPU from one process")
 
     @property
     def step_is_local(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from dptrain.config import ConfigError, StrategyConfig
 from dptrain.strategies.base import Strategy
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,6 +34,15 @@ class FSDP(Strategy):
 
     name = "fsdp"
     step_is_local = False  # collectives inside the step
+
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
+        """FSDP2 runs on the CPU (gloo) from torch 2.7 on; 2.6 fails in the first step ('Stream' has no record_event)."""
+        from torch.torch_version import TorchVersion
+
+        if on_cpu and TorchVersion(torch_version) < (2, 7):
+            raise ConfigError(f"strategy fsdp on the CPU needs torch 2.7 or newer, and this is torch {torch_version}; "
+                              f"use --strategy.name ddp or zero1, or upgrade torch.")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

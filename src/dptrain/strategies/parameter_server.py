@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.config import ConfigError, StrategyConfig
 from dptrain.strategies.base import OptimizerSpec, Strategy
 
 SERVER = 0
@@ -68,11 +69,18 @@ class ServerOptimizer(torch.optim.Optimizer):
             self._unflatten(flat, into_grads=False)
 
     def _unflatten(self, flat: torch.Tensor, into_grads: bool) -> None:
+        """Copy `flat` (every tensor in logical, NCHW order, as reshape(-1) gave it) into the gradients or parameters.
+
+        A gradient is rebuilt in its parameter's memory layout: the fused Adam and SGD kernels walk a
+        gradient's memory as if laid out like its parameter, so an NCHW gradient of a channels_last
+        weight would update each element with another element's gradient. (copy_ into the parameter
+        goes by logical index, whatever the layouts.)
+        """
         offset = 0
         for p in self.params:
-            chunk = flat[offset : offset + p.numel()].view_as(p)
+            chunk = flat[offset : offset + p.numel()].view(p.shape)
             if into_grads:
-                p.grad = chunk.clone()
+                p.grad = torch.empty_like(p).copy_(chunk)  # empty_like keeps p's strides (channels_last included)
             else:
                 p.copy_(chunk)
             offset += p.numel()
@@ -89,6 +97,16 @@ class ParameterServer(Strategy):
     step_is_local = False  # collectives inside the step
     clip_norm: float | None = None
     """train.grad_clip, applied by the server to the mean gradient: a worker holds only its partial one."""
+
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
+        if cfg.dedicated_server and world_size < 2:
+            raise ConfigError("strategy ps with dedicated_server needs at least 2 processes (a server and a worker); "
+                              "start more workers.")
+
+    @classmethod
+    def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:
+        return world_size - 1 if cfg.dedicated_server else world_size
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         self.clip_norm = max_norm
@@ -107,8 +125,8 @@ class ParameterServer(Strategy):
     def data_share(self) -> tuple[int | None, int]:
         if not self.cfg.dedicated_server:
             return super().data_share()
-        rank = self.env.global_rank
-        return (None if rank == SERVER else rank - 1), self.env.world_size - 1
+        rank = self.env.global_rank  # the workers 1..N-1 take the data as ranks 0..N-2
+        return (None if rank == SERVER else rank - 1), self.data_world_size(self.cfg, self.env.world_size)
 
     def comm_bytes(self, steps: int) -> int:
         return self.counter.take()

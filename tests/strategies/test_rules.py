@@ -1,0 +1,40 @@
+"""Each strategy states what it needs of the world; config and cli know no strategy names."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from dptrain.config import ConfigError, StrategyConfig
+from dptrain.strategies import STRATEGIES, check_world, data_world_size
+from dptrain.strategies.comm_hooks import COMM_HOOKS
+from dptrain import config
+
+
+def test_the_tables_cover_the_configs_choices():
+    hints = typing.get_type_hints(StrategyConfig)
+    assert set(typing.get_args(hints["name"])) == set(STRATEGIES)
+    assert set(typing.get_args(hints["comm_hook"])) == set(COMM_HOOKS)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_runs_on_one_process(name):
+    check_world(config.load(None, [("strategy.name", name)]), 1, 1000, on_cpu=True, torch_version="2.7.0")
+
+
+@pytest.mark.parametrize(("name", "world", "refusal"), [
+    ("single", 2, "strategy single cannot run on 2 processes \\(it runs one process\\)"),
+    ("dp", 4, "strategy dp cannot run on 4 processes \\(dp drives every GPU from one process\\)"),
+])
+def test_one_process_strategies_refuse_more(name, world, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        STRATEGIES[name].check_world(StrategyConfig(name=name), world, on_cpu=False, torch_version="2.7.0")
+
+
+def test_a_dedicated_server_leaves_the_data_to_the_others():
+    served = StrategyConfig(name="ps", dedicated_server=True)
+    assert data_world_size(served, 4) == 3
+    assert data_world_size(StrategyConfig(name="ps"), 4) == data_world_size(StrategyConfig(name="ddp"), 4) == 4
+    with pytest.raises(ConfigError, match="dedicated_server needs at least 2 processes"):
+        STRATEGIES["ps"].check_world(served, 1, on_cpu=True, torch_version="2.7.0")
