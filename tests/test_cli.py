@@ -94,13 +94,87 @@ def test_eval_refuses_to_write_predictions_over_another_file(tmp_path, capsys):
                                                             ("2.7.0", True, False), ("2.13.0+cpu", True, False)])
 def test_fsdp_on_the_cpu_is_refused_where_torch_cannot_run_it(version, on_cpu, refused):
     from dptrain import config
-    from dptrain.cli import check_strategy_runs_here
+    from dptrain.strategies import check_world
 
     cfg = config.load(None, [("strategy.name", "fsdp")])
     if not refused:
-        check_strategy_runs_here(cfg, on_cpu, version)
+        check_world(cfg, 1, 1000, on_cpu, version)  # one process, 1000 samples: only the torch version can refuse
         return
     with pytest.raises(ConfigError) as error:
-        check_strategy_runs_here(cfg, on_cpu, version)
+        check_world(cfg, 1, 1000, on_cpu, version)  # one process, 1000 samples: only the torch version can refuse
     assert str(error.value) == (f"strategy fsdp on the CPU needs torch 2.7 or newer, and this is torch {version}; "
                                 f"use --strategy.name ddp or zero1, or upgrade torch.")
+
+
+def _shown(value) -> str:
+    """A default as --help shows it: the text one would type after --section.option."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+@pytest.mark.parametrize("command", ["train", "config"])
+def test_help_lists_every_option_of_every_section_with_its_default_and_docstring(capsys, command):
+    import dataclasses
+    import typing
+
+    from dptrain import config
+    from dptrain.config import RunConfig
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.splitlines()]
+    flat = " ".join(out.split())
+    for section, cls in typing.get_type_hints(RunConfig).items():
+        assert f"[{section}] options:" in lines
+        docs = config.field_docs(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            [line] = [line for line in lines if line.startswith(f"--{key} ")]
+            assert line.endswith(f"(default: {_shown(default)})"), line
+            assert docs.get(f.name, "").strip(), f"{key} has no docstring: --help cannot document it"
+            assert " ".join(docs[f.name].split()) in flat
+
+
+def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path, monkeypatch):
+    from dptrain import config
+
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "base.toml"
+    base.write_text('[optim]\nname = "sgd"\nlr = 0.1\n[train]\nepochs = 3\n')
+    argv = ["--config", str(base), "--optim.lr", "3e-4", "--train.bf16=true", "--data.synthetic_shape", "3,8,8",
+            "--train.grad_clip", "1.5", "--output.name", 'a "quoted" name', "--nproc-per-node", "2"]
+    assert main(["config", *argv]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(captured.out)
+    cfg = config.load(resolved)
+    assert cfg == config.load(base, [("optim.lr", "3e-4"), ("train.bf16", "true"), ("data.synthetic_shape", "3,8,8"),
+                                     ("train.grad_clip", "1.5"), ("output.name", 'a "quoted" name'),
+                                     ("launch.nproc_per_node", "2")])
+    assert (cfg.optim.name, cfg.optim.lr, cfg.train.epochs, cfg.launch.nproc_per_node) == ("sgd", 3e-4, 3, 2)
+    assert main(["config", "--config", str(resolved)]) == 0
+    assert capsys.readouterr().out == captured.out  # a fixed point
+    assert not (tmp_path / "runs").exists()  # it starts nothing
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optim.lr", "1e400"], "optim.lr = 1e400 (it reads as inf) is not a finite number; give a finite value."),
+        (["--optim.lrr", "1"], "unknown option optim.lrr; valid options in [optim] are: name, lr, momentum, weight_decay, "
+                               "schedule, step_epochs, gamma."),
+        (["--launch.device=tpu"], "launch.device = 'tpu' is not one of auto, cpu, cuda; pick one of them."),
+        (["--config", "absent.toml"], "config file absent.toml does not exist; check the path given to --config."),
+    ],
+)
+def test_config_errors_are_one_sentence(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"dptrain: error: {message}\n"

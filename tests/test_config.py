@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from dptrain import config
-from dptrain.config import ConfigError, RunConfig, check_world
+from dptrain.config import ConfigError, RunConfig
+from dptrain.strategies import check_world, data_world_size
 
 
 def test_defaults_are_the_readme_main_job():
@@ -94,7 +98,7 @@ def test_strategy_options_are_checked_together():
     with pytest.raises(ConfigError, match="strategy.param_dtype = 'fp8' is not one of auto, float32, bfloat16, float16"):
         config.load(None, [("strategy.param_dtype", "fp8")])
     dedicated = config.load(None, [("strategy.name", "ps"), ("strategy.dedicated_server", "true"), ("train.global_batch_size", "128")])
-    assert dedicated.strategy.data_world_size(4) == 3
+    assert data_world_size(dedicated.strategy, 4) == 3
     with pytest.raises(ConfigError, match="not divisible by the number of training ranks 3"):
         check_world(dedicated, 4, 1000)  # 3 workers take the data; rank 0 only serves
     with pytest.raises(ConfigError, match="dedicated_server needs at least 2 processes"):
@@ -102,3 +106,105 @@ def test_strategy_options_are_checked_together():
     dp = config.load(None, [("strategy.name", "dp")])
     with pytest.raises(ConfigError, match="strategy dp cannot run on 2 processes \\(dp drives every GPU from one process\\)"):
         check_world(dp, 2, 1000)
+
+
+def _options_typed(test) -> list[tuple[str, object]]:
+    """(section.option, declared type) of every option whose type passes `test`, found from the dataclasses."""
+    return [(f"{section}.{name}", tp)
+            for section, cls in typing.get_type_hints(RunConfig).items()
+            for name, tp in typing.get_type_hints(cls).items() if test(tp)]
+
+
+FLOAT_OPTIONS = [key for key, _ in _options_typed(lambda tp: float in (tp, *typing.get_args(tp)))]
+LITERAL_OPTIONS = _options_typed(lambda tp: typing.get_origin(tp) is Literal)
+
+
+def test_introspection_finds_the_options_it_should():
+    assert {"optim.lr", "optim.momentum", "optim.weight_decay", "optim.gamma", "train.grad_clip", "launch.timeout_s"} <= set(FLOAT_OPTIONS)
+    assert {"optim.name", "optim.schedule", "strategy.name", "launch.device"} <= {key for key, _ in LITERAL_OPTIONS}
+
+
+@pytest.mark.parametrize("key, tp", LITERAL_OPTIONS, ids=[key for key, _ in LITERAL_OPTIONS])
+def test_literal_options_refuse_other_values_naming_the_allowed_ones(key, tp):
+    allowed = typing.get_args(tp)
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [(key, "bogus")])
+    assert str(err.value) == f"{key} = 'bogus' is not one of {', '.join(allowed)}; pick one of them."
+    section, _, option = key.partition(".")
+    for value in allowed:  # every member is accepted, from the CLI and from TOML alike
+        assert getattr(getattr(config.load(None, [(key, value)]), section), option) == value
+        assert getattr(getattr(config.from_dict({section: {option: value}}), section), option) == value
+
+
+@pytest.mark.parametrize("key", FLOAT_OPTIONS)
+@pytest.mark.parametrize("text, reads_as", [("inf", ""), ("-inf", ""), ("nan", ""), ("1e400", " (it reads as inf)"),
+                                            ("-1e400", " (it reads as -inf)"), ("Infinity", " (it reads as inf)")])
+def test_every_float_option_refuses_non_finite_numbers(key, text, reads_as):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [(key, text)])
+    assert str(err.value) == f"{key} = {text}{reads_as} is not a finite number; give a finite value."
+
+
+@pytest.mark.parametrize("key", FLOAT_OPTIONS)
+def test_non_finite_numbers_in_a_toml_file_are_refused_too(tmp_path, key):
+    section, _, option = key.partition(".")
+    path = tmp_path / "run.toml"
+    for value in ("inf", "-inf", "nan"):  # TOML's own spellings
+        path.write_text(f"[{section}]\n{option} = {value}\n")
+        with pytest.raises(ConfigError, match=f"^{key} = {value} is not a finite number; give a finite value.$"):
+            config.load(path)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("optim.lr", "0", "optim.lr = 0.0 must be greater than 0."),
+        ("optim.momentum", "-0.1", "optim.momentum = -0.1 must be 0 or more."),
+        ("optim.weight_decay", "-1e-4", "optim.weight_decay = -0.0001 must be 0 or more."),
+        ("optim.gamma", "0", "optim.gamma = 0.0 must be greater than 0."),
+        ("train.grad_clip", "-1", "train.grad_clip = -1.0 must be greater than 0."),
+        ("train.eval_batch_size", "0", "train.eval_batch_size = 0 must be greater than 0."),
+        ("launch.max_restarts", "-1", "launch.max_restarts = -1 must be 0 or more."),
+        ("checkpoint.every_epochs", "-1", "checkpoint.every_epochs = -1 must be 0 or more."),
+        ("data.num_workers", "-2", "data.num_workers = -2 must be 0 or more."),
+    ],
+)
+def test_numbers_out_of_range_are_refused(key, value, message):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [(key, value)])
+    assert str(err.value) == message
+
+
+def test_zero_momentum_and_weight_decay_are_allowed():
+    cfg = config.load(None, [("optim.momentum", "0"), ("optim.weight_decay", "0")])
+    assert (cfg.optim.momentum, cfg.optim.weight_decay) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0", "0.5", "-5"])
+def test_launch_timeout_has_a_minimum_of_one_second(value):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [("launch.timeout_s", value)])
+    assert str(err.value) == (f"launch.timeout_s = {float(value):g} is below the minimum of 1 s: it bounds the rendezvous "
+                              f"and every collective, and starting the workers alone takes longer than that; "
+                              f"set 1 or more (the default is 300).")
+
+
+def test_launch_timeout_of_one_second_is_accepted():
+    assert config.load(None, [("launch.timeout_s", "1")]).launch.timeout_s == 1.0
+
+
+def test_names_are_checked_against_one_list_or_taken_as_import_paths():
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [("model.name", "vgg")])
+    assert str(err.value) == (f"model.name = 'vgg' is not one of {', '.join(config.MODEL_NAMES)}, nor an import path "
+                              f"package.module:Name; pick one of them or give an import path.")
+    assert config.load(None, [("model.name", "my_pkg.nets:Net")]).model.name == "my_pkg.nets:Net"  # preflight imports it
+
+
+def test_every_option_has_a_docstring_and_a_default_that_reads_back():
+    """--help is generated from these; a new option without a docstring fails here."""
+    listed = {f"{o.section}.{o.name}": o for o in config.options()}
+    assert set(listed) == {f"{s}.{f.name}" for s, cls in typing.get_type_hints(RunConfig).items() for f in dataclasses.fields(cls)}
+    for key, option in listed.items():
+        assert option.doc.strip(), f"{key} has no docstring"
+        assert config.load(None, [(key, option.default)]) == RunConfig(), key  # the shown default is the default

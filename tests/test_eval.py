@@ -38,12 +38,17 @@ def test_eval_counts_every_test_sample_once_and_matches_training(cli, tmp_path, 
     fields = metric_fields(result.stdout)
     final = read_events(trained, "epoch")[-1]  # the training run's own evaluation of the same weights
     assert int(fields["eval_count"]) == 53 and int(fields["world_size"]) == workers
+    # The line prints 6 significant digits (<= 5e-6 relative); the same weights' per-sample losses summed
+    # in float32 per batch of 8 in another grouping: gamma_7 ~ 7u on each side, 14u ~ 8.3e-7 (u = 2^-24);
+    # logits of another per-worker batch size (other kernel blocking): ~ a few u. Sum < 6e-6 <= 1e-5.
     assert float(fields["eval_loss"]) == pytest.approx(final["eval_loss"], rel=1e-5)
     assert round(float(fields["eval_acc"]) * 53) == round(final["eval_acc"] * 53)  # the line prints 6 digits
     with predictions.open() as f:
         rows = list(csv.DictReader(f))
     assert [int(r["index"]) for r in rows] == list(range(53))  # every sample once, in the split's order
     correct = sum(r["label"] == r["predicted"] for r in rows)
+    # Both are (an integer count) / 53 in float64, so equal counts give equal values (to 1e-16); one more or one
+    # less correct prediction differs by 1/53 ~ 0.019: 1e-9 only separates the two.
     assert correct / 53 == pytest.approx(final["eval_acc"], abs=1e-9)
 
 

@@ -57,7 +57,8 @@ def test_a_damaged_manifest_is_one_sentence(tmp_path, manifest):
     with pytest.raises(SnapshotError) as damaged:
         checkpoint.verify(snapshot)
     assert str(damaged.value) == f"snapshot {snapshot} has a damaged manifest.json."
-    assert checkpoint.find_latest(tmp_path) is None  # skipped, not crashed on
+    with pytest.raises(SnapshotError, match="no snapshot in .* can be used .*has a damaged manifest.json"):
+        checkpoint.find_latest(tmp_path)  # refused, not crashed on, and not taken as "no snapshot: start afresh"
 
 
 def test_a_manifest_listing_a_file_that_is_gone_is_incomplete(tmp_path):
@@ -74,3 +75,41 @@ def test_the_options_kept_in_a_manifest_compare_equal_after_the_json_round_trip(
     with pytest.raises(ConfigError) as refused:
         checkpoint.check_compatible(saved, cfg(shape, ("optim.lr", "0.5")), tmp_path, 100)
     assert "was written with optim.lr = 0.001 but this run has 0.5; " in str(refused.value)  # and nothing else
+
+
+def test_pruning_deletes_only_this_runs_older_snapshots(tmp_path):
+    def snapshot(step: int, manifest: str | None) -> None:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        if manifest is not None:
+            (folder / checkpoint.MANIFEST).write_text(manifest)
+
+    snapshot(1, json.dumps({"config_hash": "ours"}))
+    snapshot(2, None)  # damaged: a crash left it without a manifest
+    snapshot(3, json.dumps({"config_hash": "someone else's"}))
+    snapshot(4, "not json")
+    snapshot(5, json.dumps({"config_hash": "ours"}))
+    snapshot(6, json.dumps({"config_hash": "ours"}))
+    checkpoint._prune(tmp_path, keep_last=2, config_hash_="ours")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{s:08d}" for s in (2, 3, 4, 5, 6)]
+
+
+def test_the_one_rule_of_when_a_snapshot_is_due():
+    """10 steps per epoch, 25 in the run: every_steps 4 saves mid-epoch at 4 and 8, at 12 and 16, and 20 lands on an
+    epoch's end, so it waits for the evaluation; every_epochs 2 saves after epoch 2's evaluation; the run's last step
+    is left to the end of fit()."""
+    from dptrain.checkpoint import Snapshotter
+    from dptrain.train_state import TrainState
+
+    run = cfg(("checkpoint.every_steps", "4"), ("checkpoint.every_epochs", "2"))
+    snapshots = Snapshotter(run, None, None, None, None, None, total_steps=25, steps_per_epoch=10)
+    in_step, after_eval = [], []
+    state = TrainState()
+    for step in range(1, 26):
+        state.step, state.epoch, state.batches_consumed = step, (step - 1) // 10, (step - 1) % 10 + 1
+        if snapshots.due(state, after_evaluation=False):
+            in_step.append(step)
+        if state.batches_consumed == 10 and snapshots.due(state, after_evaluation=True):
+            after_eval.append(step)
+    assert in_step == [4, 8, 12, 16, 24]
+    assert after_eval == [20]  # epoch 1 ends at 10 (not a multiple of 4, epoch 1 not even); epoch 2 at 20

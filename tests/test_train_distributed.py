@@ -1,50 +1,127 @@
-"""Multi-process runs of the real CLI (elastic agent, gloo on CPU), each under a hard timeout."""
+"""Multi-process runs of the real CLI (gloo on CPU), each under a hard timeout: under the elastic agent
+(--nproc-per-node), or batched in one set of rank processes per world size as under torchrun (run_cli_on_ranks)."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from dptrain import config
-from tests.conftest import read_events
+from tests.conftest import REPO, log_tail, read_events
+from tests.distributed import run_cli_on_ranks
 from tests.idx_files import write_idx_dataset
 
 pytestmark = pytest.mark.slow
 
 SYNTHETIC = ["--data.name", "synthetic", "--data.synthetic_train_size", "1000", "--data.synthetic_test_size", "101"]
 
+# The same 30 steps at world sizes 1, 2 and 4: same global batch of 32, same seed, no dropout.
+CURVE = [*SYNTHETIC, "--model.dropout", "false", "--train.max_steps", "30", "--train.global_batch_size", "32",
+         "--train.log_every", "1"]
+FLOAT64_ENV = {"PYTHONPATH": f"{Path(__file__).parent / 'float64'}{os.pathsep}{REPO}"}  # every rank computes in float64
+UNIT_ROUNDOFF = 2.0**-24  # float32: u ~ 6.0e-8
+
+# Each run's options, the world sizes it runs at, and its precision. A world size's runs of one precision
+# share one set of rank processes (run_cli_on_ranks), made the first time a test needs one of them.
+PLAN: dict[str, tuple[list[str], tuple[int, ...], str]] = {
+    # The defaults (Adam, channels_last): exact in float64 only, see test_world_sizes_1_2_4_train_the_same_weights_in_float64.
+    "adam": (CURVE, (1, 2, 4), "float64"),
+    # fp32 with SGD, whose rounding differences add up instead of growing: see test_world_sizes_1_2_4_follow_the_same_loss_curve.
+    "sgd": ([*CURVE, "--optim.name", "sgd", "--optim.lr", "0.01"], (1, 2, 4), "fp32"),
+    "user": (["--data.name", "tests.user_code:PatternDataset", "--model.name", "tests.user_code:TinyNet",
+              "--train.global_batch_size", "10"], (2,), "fp32"),
+    "uneven": (["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "101",
+                "--train.global_batch_size", "12", "--train.eval_batch_size", "10", "--train.epochs", "2"], (3,), "fp32"),
+}
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """batched(name, world) -> the run directory of that finished run of PLAN."""
+    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, exit code)
+
+    def get(name: str, world: int) -> Path:
+        if (name, world) not in made:
+            precision = PLAN[name][2]
+            names = [n for n, (_, worlds, p) in PLAN.items() if world in worlds and p == precision]
+            root = tmp_path_factory.mktemp(f"{precision}-world{world}")
+            argvs = [["train", *PLAN[n][0], "--launch.timeout_s", "60", "--output.dir", str(root / n)] for n in names]
+            codes = run_cli_on_ranks(world, argvs, str(root), env=FLOAT64_ENV if precision == "float64" else None)
+            made.update({(n, world): (root / n, code) for n, code in zip(names, codes)})
+        run_dir, code = made[(name, world)]
+        assert code == 0, f"run {name} on {world} ranks failed: " + log_tail(run_dir)
+        return run_dir
+
+    return get
+
 
 def step_losses(run_dir) -> list[float]:
     return [e["loss"] for e in read_events(run_dir, "step")]
 
 
-def test_world_sizes_1_2_4_follow_the_same_loss_curve(cli, tmp_path):
-    """Same global batch and seed, no dropout, fp32: every step's global loss agrees to 1e-5 relative."""
-    curves = {}
-    for world in (1, 2, 4):
-        run_dir = tmp_path / f"w{world}"
-        result = cli("train", "--nproc-per-node", str(world), *SYNTHETIC, "--model.dropout", "false",
-                     "--train.max_steps", "30", "--train.global_batch_size", "32", "--train.log_every", "1",
-                     "--output.dir", str(run_dir), timeout=240)
-        assert result.returncode == 0, result.stderr[-3000:]
-        curves[world] = step_losses(run_dir)
-        assert len(curves[world]) == 30
+# fp32 bound on a step's global loss, world N against world 1. The runs do the same arithmetic in
+# another order (per-rank partial sums, other kernel blocking for other per-rank batch sizes), so
+# the difference is reassociation rounding only (u = 2^-24):
+#   - this step's loss: a sum of 32 positive per-sample losses, in any order within gamma_31 ~ 31u
+#     of exact (Higham, Accuracy and Stability of Numerical Algorithms, sec. 4.2), on either side: 62u;
+#   - the weights' rounding carried from the earlier steps: SGD (lr 0.01) passes each step's
+#     gradient rounding through without amplifying it, so the N = 30 steps add up, at most 3u each
+#     on the loss (the measured worst single-step difference, on AVX-512, is 3u): 90u.
+# 62u + 90u = 152u ~ 9.1e-6. Measured worst, worlds 2 and 4 on AVX-512: 1.8e-7 (3u).
+# Not Adam, the default: it divides each update by the gradient's own running scale, so a weight
+# whose gradient is near zero turns rounding noise into lr-sized steps and the difference grows
+# without a rounding bound (measured on AVX-512, world 4 with channels_last: 1e-7 until step 20,
+# then 2.0e-6, 1.75e-5 at step 27, 4.15e-5 at step 28). Adam is checked in float64 instead.
+FP32_LOSS_BOUND = (2 * 31 + 30 * 3) * UNIT_ROUNDOFF
+
+
+def test_world_sizes_1_2_4_follow_the_same_loss_curve(batched):
+    """Same global batch and seed, no dropout, fp32 SGD: every step's global loss agrees to fp32 rounding."""
+    curves = {world: step_losses(batched("sgd", world)) for world in (1, 2, 4)}
+    assert all(len(curve) == 30 for curve in curves.values())
     assert curves[1][-1] < curves[1][0]  # it trains
     for world in (2, 4):
         for step, (ref, got) in enumerate(zip(curves[1], curves[world]), start=1):
-            assert abs(got - ref) <= 1e-5 * abs(ref), f"world {world}, step {step}: {got} vs {ref}"
+            assert abs(got - ref) <= FP32_LOSS_BOUND * abs(ref), f"world {world}, step {step}: {got} vs {ref}"
 
 
-def test_eval_counts_every_test_sample_once_with_an_uneven_split(cli, tmp_path):
+# In float64 the default run (Adam, channels_last) is exact: world N's final weights are world 1's to
+# 1e-10 of each tensor's largest value. Float64 rounding (2^-53 ~ 1.1e-16) amplified by Adam over
+# 30 steps ends at 1.4e-12 (measured on AVX-512), 70x below the bound; a logic error (a wrong shard,
+# a wrong mean) moves the weights by 1e-3 of their scale or more.
+FLOAT64_WEIGHT_BOUND = 1e-10
+# The logged loss is not float64: train.py takes the cross-entropy of logits.float(), so each rank
+# sums its per-sample losses in float32. Both sides sum 32 positive float32 terms in some order
+# (gamma_31 ~ 31u each), and a float64 logit that rounds to the other neighbouring float32 on one
+# side changes one per-sample loss by at most 2u of the sum: 64u ~ 3.8e-6 (measured: 1.4e-7), not growing
+# with the steps, since the weights agree to 1e-10.
+FLOAT64_LOSS_BOUND = 64 * UNIT_ROUNDOFF
+
+
+def test_world_sizes_1_2_4_train_the_same_weights_in_float64(batched):
+    runs = {world: batched("adam", world) for world in (1, 2, 4)}
+    curves = {world: step_losses(run) for world, run in runs.items()}
+    assert all(len(curve) == 30 for curve in curves.values())
+    assert curves[1][-1] < curves[1][0]  # it trains
+    reference = torch.load(runs[1] / "model.pt")
+    for world in (2, 4):
+        for step, (ref, got) in enumerate(zip(curves[1], curves[world]), start=1):
+            assert abs(got - ref) <= FLOAT64_LOSS_BOUND * abs(ref), f"world {world}, step {step}: {got} vs {ref}"
+        weights = torch.load(runs[world] / "model.pt")
+        assert weights.keys() == reference.keys()
+        for name, ref in reference.items():
+            assert ref.dtype == weights[name].dtype == torch.float64, name  # the float64 mode really took
+            diff = (weights[name] - ref).abs().max().item()
+            assert diff <= FLOAT64_WEIGHT_BOUND * ref.abs().max().item(), f"world {world}, {name}: max diff {diff:.2e}"
+
+
+def test_eval_counts_every_test_sample_once_with_an_uneven_split(batched):
     """101 test samples on 3 ranks, 100 training samples in global batches of 12 (last one: 4 over 3 ranks)."""
-    run_dir = tmp_path / "w3"
-    result = cli("train", "--nproc-per-node", "3", "--data.name", "synthetic", "--data.synthetic_train_size", "100",
-                 "--data.synthetic_test_size", "101", "--train.global_batch_size", "12", "--train.eval_batch_size", "10",
-                 "--train.epochs", "2", "--output.dir", str(run_dir), timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    epochs = read_events(run_dir, "epoch")
+    epochs = read_events(batched("uneven", 3), "epoch")
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert all(e["eval_count"] == 101 for e in epochs)
     assert all(e["train_samples"] == 100 for e in epochs)
@@ -75,13 +152,8 @@ def test_two_workers_train_on_real_format_files_end_to_end(cli, tmp_path):
     assert (run_dir / "logs" / "rank0.log").exists() and (run_dir / "logs" / "rank1.log").exists()
 
 
-def test_a_users_dataset_and_model_train_through_the_sampler_path(cli, tmp_path):
-    run_dir = tmp_path / "user"
-    result = cli("train", "--nproc-per-node", "2", "--data.name", "tests.user_code:PatternDataset",
-                 "--model.name", "tests.user_code:TinyNet", "--train.global_batch_size", "10",
-                 "--output.dir", str(run_dir), timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    epochs = read_events(run_dir, "epoch")
+def test_a_users_dataset_and_model_train_through_the_sampler_path(batched):
+    epochs = read_events(batched("user", 2), "epoch")
     assert [e["eval_count"] for e in epochs] == [37, 37] and [e["train_samples"] for e in epochs] == [96, 96]
 
 

@@ -1,12 +1,14 @@
-"""Snapshots through torch.distributed.checkpoint, written atomically, found and verified on resume.
+"""Snapshots through torch.distributed.checkpoint, written atomically, found, verified and loaded safely.
 
 A snapshot is a folder checkpoints/step-00000120/ holding the DCP shards of the model and the
 optimizer (or, for zero1 and ps, whose optimizers DCP cannot see into, the whole optimizer state
-in optimizer.pt, written by rank 0), one rank<R>.pt per rank (its RNG states and its partial-epoch metric sums), extra.pt
-(scheduler and loop position) and manifest.json (world size, strategy, model, config hash, torch
-version, every file with its size and sha256). It is written under .tmp-step-..., flushed, then
-renamed, and only then does checkpoints/latest (a one-line file, replaced atomically) point at it:
-a crash at any moment leaves the previous snapshot whole and found.
+in optimizer.pt, written by rank 0), one rank<R>.pt per rank (its RNG states and its partial-epoch
+sums), extra.pt (the loop's TrainState and the scheduler) and manifest.json (world size, strategy,
+model, the options that change the computation, torch version, every file with its size and
+sha256). It is written under .tmp-step-..., flushed, then renamed, and only then does
+checkpoints/latest (a one-line file, replaced atomically) point at it: a crash at any moment
+leaves the previous snapshot whole and found. Every file is read back through safe_load's
+allow-lists: a snapshot holds data, never code.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ import torch.distributed as dist
 from dptrain import config as config_mod
 from dptrain import faults, runtime
 from dptrain.config import ConfigError, RunConfig
+from dptrain.safe_load import UnsafeFileError, check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private, read_metadata
+from dptrain.train_state import TrainState
 
 log = logging.getLogger("dptrain")
 
 PREFIX = "step-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
+EXTRA = "extra.pt"  # the loop's TrainState and the scheduler
 WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot shard (zero1, ps)
 # Options that may change between a snapshot and its resume: how long to run, where data and logs
 # live, how often to save, how evaluation is batched, which device. Every other option changes the
@@ -90,7 +95,10 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG this rank draws from, as tensors and plain values (loadable with weights_only=True)."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+             "numpy_pos": int(pos), "numpy_gauss": (int(has_gauss), float(gauss)), "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -98,84 +106,115 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], *state["numpy_gauss"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
 class Snapshotter:
-    """Writes a run's snapshots; with async_save the DCP shards are written in a background thread.
+    """Saves and restores a run's named stateful parts, and decides when a snapshot is due.
 
-    Asynchronous: the state is copied to CPU memory at the step (DCP's staging), then written while
-    training goes on, over a gloo group of its own so that its collectives never interleave with
-    the training's. Only once every rank's shards are written does rank 0 commit the snapshot
-    (manifest, rename, latest), at a later step boundary or before the next snapshot. The cost:
-    one more copy of the model and optimizer state in CPU memory while a write is under way.
+    The parts: the loop's TrainState, the scheduler, the model and optimizer through the strategy
+    (DCP shards, or the whole optimizer on rank 0 where DCP cannot see into it), each rank's RNG
+    streams and partial-epoch sums. The loop calls save_if_due() after every step and after every
+    evaluation; the rule of when lives in due() alone.
+
+    With async_save the DCP shards are copied to CPU memory at the step (DCP's staging), then
+    written in the background over a gloo group of their own, so that their collectives never
+    interleave with the training's; rank 0 commits the snapshot (manifest, rename, latest) once
+    every rank's shards are written, at a later step boundary or before the next snapshot. The
+    cost: one more copy of the model and optimizer state in CPU memory while a write is under way.
     """
 
-    def __init__(self, keep_last: int, async_save: bool) -> None:
-        self.keep_last = keep_last
-        self.is_main = dist.get_rank() == 0
-        self.group = dist.new_group(backend="gloo") if async_save else None  # a collective: every rank builds it
+    def __init__(self, cfg: RunConfig, env: Any, device: torch.device, strategy: Any, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, total_steps: int, steps_per_epoch: int) -> None:
+        self.cfg, self.env, self.device = cfg, env, device
+        self.strategy, self.optimizer, self.scheduler = strategy, optimizer, scheduler
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.root = cfg.output.run_dir / "checkpoints"
+        self.group = None  # the background writes' own gloo group, made by start() (a collective)
         self.pending: tuple[Any, Path, Path] | None = None  # (future, tmp folder, final folder)
+        self.last_step: int | None = None
 
-    def save(self, run: Any) -> Path:
-        """Snapshot `run` at this step boundary (every rank calls this at the same step); returns its folder."""
-        self.wait()
-        root = run.cfg.output.run_dir / "checkpoints"
-        name = f"{PREFIX}{run.step:08d}"
-        final, tmp = root / name, root / f".tmp-{name}"
-        if final.is_dir():  # this step is already saved (a run resumed from it and stopped again)
-            return final
-        if run.env.is_main:
+    def start(self) -> None:
+        """Once every rank is here (a collective with async_save)."""
+        if self.cfg.checkpoint.async_save:
+            self.group = dist.new_group(backend="gloo")
+
+    def due(self, state: TrainState, after_evaluation: bool) -> bool:
+        """The one rule of when to save. An epoch's last step is saved after its evaluation, so that a resume
+        neither repeats nor loses the epoch's event; the run's last step is saved by the end of fit()."""
+        every_steps, every_epochs = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.every_epochs
+        on_step = bool(every_steps) and state.step % every_steps == 0
+        if not after_evaluation:
+            return on_step and state.step < self.total_steps and not state.epoch_done(self.steps_per_epoch)
+        on_epoch = bool(every_epochs) and (state.epoch + 1) % every_epochs == 0
+        return state.epoch_done(self.steps_per_epoch) and (on_epoch or on_step)
+
+    def save_if_due(self, state: TrainState, after_evaluation: bool = False) -> None:
+        """At a step boundary (or after an evaluation): save if due(), else commit a finished background write."""
+        if self.due(state, after_evaluation):
+            self.save(state)
+        elif self.pending is not None and self.pending[0].done():  # no collective, no waiting
+            self.wait()
+
+    def save(self, state: TrainState, wait: bool = False) -> Path:
+        """A snapshot of this step boundary (every rank calls this at the same step); with wait, also written whole."""
+        final = self.root / f"{PREFIX}{state.step:08d}"
+        if self.last_step != state.step and not final.is_dir():  # a run resumed from this step may stop at it again
+            self.wait()
+            self._write(state, final)
+            self.last_step = state.step
+        if wait:
+            self.wait()
+        return final
+
+    def _write(self, state: TrainState, final: Path) -> None:
+        tmp = final.parent / f".tmp-{final.name}"
+        run_dir = self.cfg.output.run_dir
+        if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
             tmp.mkdir(parents=True)
         runtime.barrier()
         # Everything but the shards is written now, before the (maybe background) DCP write: once
         # DCP's coordinator has finished, every rank's files are therefore complete.
-        torch.save({"rng": _rng_state(run.device), "epoch_sums": run.epoch_sums.cpu()}, tmp / f"rank{run.env.global_rank}.pt")
-        whole_optimizer = run.strategy.whole_optimizer_state(run.optimizer)
-        if run.env.is_main:
+        rank_state = {"rng": _rng_state(self.device), "epoch_sums": state.epoch_sums.cpu() if state.epoch_sums is not None else None}
+        _save_file(rank_state, tmp / f"rank{self.env.global_rank}.pt", run_dir)
+        whole_optimizer = self.strategy.whole_optimizer_state(self.optimizer)
+        if self.env.is_main:
             if whole_optimizer is not None:
-                torch.save(whole_optimizer, tmp / WHOLE_OPTIMIZER)
-            torch.save({"scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
-                        "batches_consumed": run.batches_consumed, "epoch_reported": run.epoch_reported,
-                        "epoch_elapsed": run.epoch_elapsed, "epoch_seen": run.epoch_seen}, tmp / "extra.pt")
-            manifest = {"world_size": run.env.world_size, "strategy": run.cfg.strategy.name, "model": run.cfg.model.name,
-                        "config_hash": config_hash(run.cfg), "config": computation_options(run.cfg),
-                        "schedule_steps": run.total_steps, "torch": torch.__version__, "step": run.step}
+                _save_file(whole_optimizer, tmp / WHOLE_OPTIMIZER, run_dir)
+            _save_file({"loop": state.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp / EXTRA, run_dir)
+            manifest = {"world_size": self.env.world_size, "strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
+                        "config_hash": config_hash(self.cfg), "config": computation_options(self.cfg),
+                        "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step}
             (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
-        state = run.strategy.snapshot_state(run.optimizer)
+        shards = self.strategy.snapshot_state(self.optimizer)
         if self.group is None:
             from torch.distributed.checkpoint import save as dcp_save
 
-            dcp_save(state, checkpoint_id=str(tmp))
+            _writing(lambda: dcp_save(shards, checkpoint_id=str(tmp)), tmp, run_dir)
             runtime.barrier()
             self._commit(tmp, final)
             runtime.barrier()
         else:
             from torch.distributed.checkpoint import async_save as dcp_async_save
 
-            self.pending = (dcp_async_save(_frozen_copy(state), checkpoint_id=str(tmp), process_group=self.group), tmp, final)
-        return final
-
-    def poll(self) -> None:
-        """At a step boundary: commit a background write that has finished (no collective, no waiting)."""
-        if self.pending is not None and self.pending[0].done():
-            self.wait()
+            self.pending = (dcp_async_save(_frozen_copy(shards), checkpoint_id=str(tmp), process_group=self.group), tmp, final)
 
     def wait(self) -> None:
         """Wait for a background write and commit it (before the next snapshot, at the end, on a stop)."""
         if self.pending is not None:
             future, tmp, final = self.pending
             self.pending = None
-            future.result()  # raises what the background write raised
+            _writing(future.result, tmp, self.cfg.output.run_dir)  # raises what the background write raised
             self._commit(tmp, final)
 
     def _commit(self, tmp: Path, final: Path) -> None:
         """Rank 0: manifest with every file's size and sha256, fsync, rename, then move `latest`."""
-        if not self.is_main:
+        if not self.env.is_main:
             return
         head = tmp / ".manifest-head.json"
         manifest = json.loads(head.read_text())
@@ -183,6 +222,7 @@ class Snapshotter:
         manifest["files"] = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                              for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        make_private(tmp)  # a umask of 002 would let the group plant files, and verify() would refuse the snapshot
         _fsync_tree(tmp)
         faults.crash_before_rename(final.name)
         os.replace(tmp, final)
@@ -190,8 +230,83 @@ class Snapshotter:
         pointer.write_text(final.name + "\n")
         os.replace(pointer, final.parent / LATEST)
         _fsync_dir(final.parent)
-        _prune(final.parent, self.keep_last)
+        _prune(final.parent, self.cfg.checkpoint.keep_last, manifest["config_hash"])
         log.info("snapshot %s written", final)
+
+    def load(self, path: Path, state: TrainState) -> None:
+        """Restore every part from snapshot `path`: weights, optimizer, scheduler, position, every rank's RNG."""
+        manifest = verify(path)
+        check_compatible(manifest, self.cfg, path, self.total_steps)
+        shards = self.strategy.snapshot_state(self.optimizer)
+        dcp_load(shards, path)
+        self.strategy.restore_snapshot_state(self.optimizer, shards)
+        if not self.strategy.optimizer_in_dcp:
+            self.strategy.restore_whole_optimizer_state(self.optimizer, load_tensors(path / WHOLE_OPTIMIZER))
+        extra = load_tensors(path / EXTRA)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        state.load_state_dict(extra["loop"])
+        world = manifest["world_size"]
+        if world == self.env.world_size:
+            mine = load_tensors(path / f"rank{self.env.global_rank}.pt")
+            state.epoch_sums = _on(mine["epoch_sums"], self.device)
+            _set_rng_state(mine["rng"], self.device)
+        else:
+            # Another world size: DCP has resharded the weights and optimizer, and the loader's position is
+            # global. The partial-epoch sums are reduced over ranks at the epoch's end, so rank 0 carries
+            # them all; per-rank RNG streams have no counterpart, so each rank keeps its fresh seed.
+            sums = [load_tensors(path / f"rank{r}.pt")["epoch_sums"] for r in range(world)]
+            if sums[0] is not None:
+                total = torch.stack(sums).sum(0)
+                state.epoch_sums = (total if self.env.is_main else torch.zeros_like(total)).to(self.device)
+            else:
+                state.epoch_sums = None
+            log.info("resharding snapshot %s from world size %d to %d", path, world, self.env.world_size)
+        state.roll_over(self.steps_per_epoch)
+        self.last_step = manifest["step"]
+        log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, state.step, state.epoch + 1, state.batches_consumed)
+
+
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def _save_file(obj: Any, path: Path, run_dir: Path) -> None:
+    _writing(lambda: torch.save(obj, path), path.parent, run_dir)
+
+
+def _writing(write: Any, tmp: Path, run_dir: Path) -> Any:
+    """Run a write of a snapshot; a full disk or a refused write becomes one sentence and leaves no temporary folder."""
+    try:
+        return write()
+    except BaseException as exc:  # OSError, or DCP's CheckpointException (a BaseException) wrapping one per rank
+        reason = write_failure(exc)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SnapshotError(f"could not write a snapshot into {run_dir / 'checkpoints'} ({reason}); "
+                            f"free space or fix permissions there, then run the same command to resume from the last snapshot.") from exc
+
+
+def write_failure(exc: BaseException | None) -> str | None:
+    """Why a write failed, when the cause is the disk or its permissions ('No space left on device'); else None.
+
+    The OSError may be exc itself, its cause or context, or inside DCP's per-rank failures; torch.save on a
+    full disk raises a RuntimeError of its own ('unexpected pos ...')."""
+    for _ in range(10):
+        if exc is None:
+            return None
+        if isinstance(exc, OSError):
+            return exc.strerror or str(exc)
+        if "unexpected pos" in str(exc) or "No space left" in str(exc):
+            return "No space left on device"
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                found = write_failure(failure[0] if isinstance(failure, tuple) else failure)  # DCP: (exception, traceback)
+                if found is not None:
+                    return found
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _frozen_copy(state: Any) -> Any:
@@ -209,31 +324,86 @@ def _frozen_copy(state: Any) -> Any:
     return state
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    snapshots = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())
-    for old in snapshots[:-keep_last]:
+def _prune(root: Path, keep_last: int, config_hash_: str) -> None:
+    """Delete the oldest snapshots of this run beyond keep_last. Only folders whose manifest says this run's
+    configuration wrote them are counted or deleted: a damaged snapshot, or one from elsewhere, is left alone."""
+    ours = []
+    for path in sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()):
+        try:
+            if json.loads((path / MANIFEST).read_text()).get("config_hash") == config_hash_:
+                ours.append(path)
+        except (OSError, ValueError, AttributeError):
+            continue
+    for old in ours[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """The manifest of a whole snapshot; SnapshotError naming the first missing or damaged file."""
+def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-        fields_present = all(key in manifest for key in ("world_size", "strategy", "model", "config_hash", "step"))
+        well_formed = (all(key in manifest for key in ("world_size", "strategy", "model", "config_hash", "step"))
+                       and isinstance(files, dict) and isinstance(manifest["step"], int) and isinstance(manifest["world_size"], int)
+                       and all(isinstance(m, dict) and "bytes" in m and "sha256" in m for m in files.values()))
     except (json.JSONDecodeError, KeyError, TypeError):
-        fields_present = False
-    if not fields_present or not isinstance(files, dict):
+        well_formed = False
+    if not well_formed:
         raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.")
-    for name, meta in files.items():
-        file = path / name
-        if not file.is_file():
+    return manifest
+
+
+def _required_files(path: Path, manifest: dict[str, Any]) -> set[str]:
+    """Every file the loader will read: DCP's metadata and the shards it names, the loop state, each rank's file,
+    and the whole optimizer where the strategy keeps it outside DCP."""
+    from dptrain.strategies import STRATEGIES
+
+    required = {".metadata", EXTRA, *(f"rank{r}.pt" for r in range(manifest["world_size"]))}
+    strategy = STRATEGIES.get(manifest["strategy"])
+    if strategy is not None and not strategy.optimizer_in_dcp:
+        required.add(WHOLE_OPTIMIZER)
+    if (path / ".metadata").is_file():
+        required |= data_files(read_metadata(path))
+    return required
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a whole snapshot that is safe to load; SnapshotError naming the first thing wrong.
+
+    Safe: the folder is the user's own and nobody else may write to it. Whole: the manifest lists exactly
+    the files the folder holds, those include every file the loader reads, each has its recorded size and
+    sha256, and the step agrees with the folder's name and with the loop state inside.
+    """
+    if not (path / MANIFEST).is_file():
+        raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
+    try:
+        check_private(path, "snapshot")
+        manifest = _read_manifest(path)
+        listed = set(manifest["files"])
+        present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+        for name in sorted(listed - present):
             raise SnapshotError(f"snapshot {path} lacks {name}: it is incomplete.")
-        if file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
-            raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
+        for name in sorted(present - listed):
+            raise SnapshotError(f"snapshot {path} holds {name}, which its manifest does not list; it was changed after it was written.")
+        for name, meta in sorted(manifest["files"].items()):
+            file = path / name
+            if file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
+                raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
+        for name in sorted(_required_files(path, manifest) - listed):
+            raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
+        # Plain data only, in every file and entry, even those this command will not read (eval reads only the model).
+        for name in sorted(n for n in listed if n.endswith(".pt")):
+            load_tensors(path / name, mmap=True)
+        check_plain_entries(path, read_metadata(path))
+        named_step = path.name.removeprefix(PREFIX)
+        loop_step = load_tensors(path / EXTRA)["loop"]["step"]
+        if (path.name.startswith(PREFIX) and named_step.isdigit() and int(named_step) != manifest["step"]) or loop_step != manifest["step"]:
+            raise SnapshotError(f"snapshot {path} says step {manifest['step']} in its manifest but holds the state of step "
+                                f"{loop_step}; it is damaged.")
+    except UnsafeFileError as exc:
+        raise SnapshotError(str(exc)) from None
+    except (KeyError, TypeError) as exc:
+        raise SnapshotError(f"snapshot {path} holds a loop state without {exc}; it is damaged.") from None
     return manifest
 
 
@@ -250,11 +420,16 @@ def list_snapshots(root: Path) -> list[tuple[Path, str]]:
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest snapshot that verifies; each skipped one is named in one log line."""
-    for path, status in list_snapshots(root):
+    """The newest snapshot that verifies; each newer one skipped is named in one log line. None if there are none;
+    SnapshotError if there are snapshots and none verifies (a resume from step 0 would throw their work away)."""
+    rows = list_snapshots(root)
+    for path, status in rows:
         if status.startswith("ok"):
             return path
         log.warning("skipping %s", status)
+    if rows:
+        raise SnapshotError(f"no snapshot in {root} can be used ({rows[0][1].rstrip('.')}); repair or remove the damaged ones, "
+                            f"or use another --output.name to start afresh.")
     return None
 
 
@@ -281,32 +456,34 @@ def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total
                           f"or use another --output.name to start afresh.")
 
 
-def load(run: Any, path: Path) -> None:
-    """Restore `run` from snapshot `path`: weights, optimizer, scheduler, position, every rank's RNG."""
-    from torch.distributed.checkpoint import load as dcp_load
+def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
+    """The snapshot train.resume names: auto (the newest valid one in the run directory), a folder, or never (None)."""
+    choice = cfg.train.resume
+    if choice == "never":
+        return None
+    if choice != "auto":
+        return Path(choice)
+    # Rank 0 chooses for everyone: on a shared file system other ranks may not see the newest files yet.
+    found: list[Any] = [None, None]
+    if is_main:
+        try:
+            latest = find_latest(cfg.output.run_dir / "checkpoints")
+            found[0] = str(latest) if latest is not None else None
+        except SnapshotError as exc:
+            found[1] = str(exc)
+    if world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[1] is not None:
+        raise SnapshotError(found[1])
+    return Path(found[0]) if found[0] is not None else None
 
-    manifest = verify(path)
-    check_compatible(manifest, run.cfg, path, run.total_steps)
-    state = run.strategy.snapshot_state(run.optimizer)
-    dcp_load(state, checkpoint_id=str(path))
-    run.strategy.restore_snapshot_state(run.optimizer, state)
-    if not run.strategy.optimizer_in_dcp:
-        run.strategy.restore_whole_optimizer_state(run.optimizer, torch.load(path / WHOLE_OPTIMIZER, weights_only=False))
-    extra = torch.load(path / "extra.pt", weights_only=False)
-    run.scheduler.load_state_dict(extra["scheduler"])
-    run.step, run.epoch, run.batches_consumed = extra["step"], extra["epoch"], extra["batches_consumed"]
-    run.epoch_reported, run.epoch_elapsed, run.epoch_seen = extra["epoch_reported"], extra["epoch_elapsed"], extra["epoch_seen"]
-    if manifest["world_size"] == run.env.world_size:
-        mine = torch.load(path / f"rank{run.env.global_rank}.pt", weights_only=False)
-        run.epoch_sums = mine["epoch_sums"].to(run.device)
-        _set_rng_state(mine["rng"], run.device)
-    else:
-        # Another world size: DCP has resharded the weights and optimizer, and the loader's position is
-        # global. The partial-epoch sums are reduced over ranks at the epoch's end, so rank 0 carries
-        # them all; per-rank RNG streams have no counterpart, so each rank keeps its fresh seed.
-        others = [torch.load(path / f"rank{r}.pt", weights_only=False)["epoch_sums"] for r in range(manifest["world_size"])]
-        run.epoch_sums = (torch.stack(others).sum(0) if run.env.is_main else torch.zeros_like(others[0])).to(run.device)
-        log.info("resharding snapshot %s from world size %d to %d", path, manifest["world_size"], run.env.world_size)
-    if run.batches_consumed >= len(run.train_loader) and run.epoch_reported:  # a finished epoch: go on with the next
-        run.epoch, run.batches_consumed, run.epoch_sums = run.epoch + 1, 0, None
-    log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, run.step, run.epoch + 1, run.batches_consumed)
+
+def find_snapshot(path: Path) -> Path:
+    """A snapshot folder as given, or the newest valid one of a run directory."""
+    if (path / MANIFEST).is_file():
+        return path
+    found = find_latest(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+    if found is None:
+        raise SnapshotError(f"{path} is neither a snapshot nor a run directory with a valid snapshot; "
+                            f"give a folder that dptrain checkpoint list shows as ok.")
+    return found

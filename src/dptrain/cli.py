@@ -1,19 +1,24 @@
-"""`dptrain train`: parse, check, then run here or start local workers. Nothing else lives here.
+"""The `dptrain` commands: parse, check, then run here or start local workers. Nothing else lives here.
 
     $ dptrain train --nproc-per-node 2 --train.epochs 3 --optim.lr 3e-4
     $ dptrain train --config run.toml --strategy.name single
+    $ dptrain eval --checkpoint runs/run --nproc-per-node 2
+    $ dptrain checkpoint list runs/run
+    $ dptrain config --optim.lr 3e-4 > run.toml
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from dptrain import checkpoint
 from dptrain import config as config_mod
-from dptrain.config import ConfigError, RunConfig, check_world
+from dptrain.config import ConfigError, RunConfig
 from dptrain.data import DataError, describe
 from dptrain.checkpoint import SnapshotError
 from dptrain.launch.env import DistEnv, LaunchError
@@ -55,25 +60,18 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
     """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model."""
     import torch
 
+    from dptrain.strategies import check_world  # imports torch.distributed: only once a run is wanted
+
     if cfg.launch.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
-    check_strategy_runs_here(cfg, not wants_cuda(cfg.launch.device), str(torch.__version__))
+    check_output_dir(cfg.output.run_dir)
     check_resume_target(cfg)
     info = describe(cfg.data)
-    check_world(cfg, world_size, info.train_size)
+    check_world(cfg, world_size, info.train_size, on_cpu=not wants_cuda(cfg.launch.device), torch_version=str(torch.__version__))
     if config_mod.is_import_path(cfg.model.name):
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
-
-
-def check_strategy_runs_here(cfg: RunConfig, on_cpu: bool, torch_version: str) -> None:
-    """FSDP2 runs on the CPU (gloo) from torch 2.7 on; 2.6 fails in the first step ('Stream' has no record_event)."""
-    from torch.torch_version import TorchVersion
-
-    if cfg.strategy.name == "fsdp" and on_cpu and TorchVersion(torch_version) < (2, 7):
-        raise ConfigError(f"strategy fsdp on the CPU needs torch 2.7 or newer, and this is torch {torch_version}; "
-                          f"use --strategy.name ddp or zero1, or upgrade torch.")
 
 
 def check_resume_target(cfg: RunConfig) -> None:
@@ -87,49 +85,69 @@ def check_resume_target(cfg: RunConfig) -> None:
                           f"choose another --output.name, or delete {snapshots} to start afresh there.")
 
 
-def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    cfg = resolve_config(args, extra)
+def check_output_dir(run_dir: Path) -> None:
+    """The run directory is a folder this user can write in, or can be made as one; nothing is created here."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"the run directory {run_dir} is a file; choose another --output.name or --output.dir.")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"the run directory {run_dir} cannot be made: {existing} is a file; "
+                          f"choose another --output.name or --output.dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
+                          f"choose another --output.dir, or fix its permissions.")
+
+
+def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world_size: int, launched_outside: bool,
+              log_dir: Path | None = None) -> None:
+    """Run `entrypoint(*args)` here when a launcher (torchrun, srun) started this process or one process suffices;
+    else start world_size local workers through the elastic agent (which restarts them, if asked)."""
+    if launched_outside or (world_size == 1 and cfg.launch.max_restarts == 0):  # restarts need the agent
+        entrypoint(*args)
+        return
+    from dptrain.launch.local import launch_local
+
+    launch_local(entrypoint, args, world_size, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir)
+
+
+def world_size_here(cfg: RunConfig) -> tuple[int, bool]:
+    """(the world size, whether a launcher outside dptrain started this process)."""
     env = DistEnv.from_environ()
     launched_outside = env.source != "none"
-    world_size = env.world_size if launched_outside else cfg.launch.nproc_per_node
+    return (env.world_size if launched_outside else cfg.launch.nproc_per_node), launched_outside
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from dptrain.worker import train_worker
+
+    cfg = resolve_config(args, extra)
+    world_size, launched_outside = world_size_here(cfg)
     preflight(cfg, world_size)
-    tree = config_mod.to_dict(cfg)
-    from dptrain.launch.worker import run_worker
-
-    if launched_outside or (world_size == 1 and cfg.launch.max_restarts == 0):  # restarts need the agent
-        run_worker(tree)
-    else:
-        from dptrain.launch.local import launch_local
-
-        launch_local(run_worker, (tree,), world_size, cfg.launch.timeout_s, cfg.launch.max_restarts)
+    run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.run_dir / "logs")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     """Evaluate a snapshot on the test split, sharded over the workers, with the run's own configuration."""
-    from dptrain.evaluate import find_snapshot, run_eval_worker
+    from dptrain.worker import eval_worker
 
-    snapshot = find_snapshot(Path(args.checkpoint))
+    predictions = str(Path(args.predictions).resolve()) if args.predictions else None
+    if predictions:
+        check_predictions_path(Path(predictions))
+    snapshot = checkpoint.find_snapshot(Path(args.checkpoint))
     saved = snapshot.parent.parent / "config.toml"
     if not saved.is_file():
         raise ConfigError(f"{saved} is missing: eval rebuilds the model and data from the run's configuration; "
                           f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
-    overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1))]
+    overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1)),
+                 ("launch.max_restarts", "0")]
     cfg = config_mod.load(saved, overrides)
-    env = DistEnv.from_environ()
-    launched_outside = env.source != "none"
-    world_size = env.world_size if launched_outside else cfg.launch.nproc_per_node
+    world_size, launched_outside = world_size_here(cfg)
     describe(cfg.data)  # the test split is there, before any worker starts
-    predictions = str(Path(args.predictions).resolve()) if args.predictions else None
-    if predictions:
-        check_predictions_path(Path(predictions))
-    worker_args = (config_mod.to_dict(cfg), str(snapshot), predictions)
-    if launched_outside or world_size == 1:
-        run_eval_worker(*worker_args)
-    else:
-        from dptrain.launch.local import launch_local
-
-        launch_local(run_eval_worker, worker_args, world_size, cfg.launch.timeout_s)
+    checkpoint.verify(snapshot)  # safe and whole, before any worker starts
+    run_ranks(eval_worker, (config_mod.to_dict(cfg), str(snapshot), predictions), cfg, world_size, launched_outside)
     return 0
 
 
@@ -165,23 +183,44 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
+    """Print the config that `dptrain train` with the same arguments would run, as TOML that --config reads back."""
+    print(config_mod.to_toml(resolve_config(args, extra)), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of image classifiers.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train",
-        help="train a model",
-        description="Train a model. Any config option can be set as --section.option VALUE "
-        "(sections: data, model, optim, train, strategy, checkpoint, launch, output).",
-    )
-    train.add_argument("--config", help="TOML file with [section] tables of options")
-    train.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")
+
+    def add_run_options(command: argparse.ArgumentParser) -> None:
+        """--config, --nproc-per-node, and, for --help only, every --section.option (split_overrides parses those)."""
+        command.add_argument("--config", help="TOML file with [section] tables of options")
+        command.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")
+        for section, text in config_mod.options_help().items():
+            command.add_argument_group(f"[{section}] options", text)
+
+    overrides = ("Every option below can be set in the --config file's [section] table, or as\n"
+                 "--section.option VALUE (or --section.option=VALUE), which wins over the file.")
+    train = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description=f"Train a model.\n{overrides}")
+    add_run_options(train)
     train.set_defaults(func=cmd_train)
+    resolved = sub.add_parser(
+        "config",
+        help="print the resolved config as TOML",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Print as TOML the config that `dptrain train` would run with these arguments;\n"
+        f"start nothing. Save it and run it with --config.\n{overrides}",
+    )
+    add_run_options(resolved)
+    resolved.set_defaults(func=cmd_config)
     evaluation = sub.add_parser(
         "eval",
         help="evaluate a snapshot on the test split",
         description="Evaluate a snapshot on the test split, sharded over the workers with exact counts. "
-        "Options of the run's config.toml can be overridden as --section.option VALUE (for example --data.root).",
+        "Options of the run's config.toml can be overridden as --section.option VALUE (for example --data.root); "
+        "dptrain train --help lists them all.",
     )
     evaluation.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
     evaluation.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")

@@ -1,15 +1,23 @@
 """RunConfig: one typed tree of dataclasses, loaded from TOML and dotted CLI overrides.
 
 Every section is a frozen dataclass whose field docstrings are the reference for the option
-of the same dotted name (`--optim.lr 3e-4` sets `OptimConfig.lr`). Checks that need nothing
-but the config live in `__post_init__`; checks that need the world size or the dataset size
-live in `check_world()`, which the launcher calls before any worker starts.
+of the same dotted name (`--optim.lr 3e-4` sets `OptimConfig.lr`); `options()` reads them for
+`dptrain train --help`. Checks of one value against its declared type (a `Literal`'s members, a
+float's finiteness) live in `_coerce`, which every TOML value and CLI string passes through;
+checks of a value's range, or of several options together, live in `__post_init__`; checks that
+need the world size, the dataset size or the torch version live with the strategies
+(`dptrain.strategies.check_world()`), which the launcher calls before any worker starts.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import math
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,9 +34,16 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; its message is one sentence saying what to change."""
 
 
-def _choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+def _choice(value: Any, name: str, choices: tuple[Any, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name} = {value!r} is not one of {', '.join(choices)}; pick one of them.")
+        raise ConfigError(f"{name} = {value!r} is not one of {', '.join(map(str, choices))}; pick one of them.")
+
+
+def _name_or_import_path(value: str, name: str, choices: tuple[str, ...]) -> None:
+    """A built-in name, or a user's `package.module:Name` (imported, and so checked, by preflight)."""
+    if not is_import_path(value) and value not in choices:
+        raise ConfigError(f"{name} = {value!r} is not one of {', '.join(choices)}, nor an import path "
+                          f"package.module:Name; pick one of them or give an import path.")
 
 
 def _positive(value: float, name: str) -> None:
@@ -36,8 +51,14 @@ def _positive(value: float, name: str) -> None:
         raise ConfigError(f"{name} = {value} must be greater than 0.")
 
 
+def _not_negative(value: float, name: str) -> None:
+    if value < 0:
+        raise ConfigError(f"{name} = {value} must be 0 or more.")
+
+
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
 MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
+MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take seconds: a shorter bound fails healthy runs
 
 
 def is_import_path(name: str) -> bool:
@@ -68,16 +89,14 @@ class DataConfig:
     """DataLoader workers per rank; used only for a user's Dataset (built-in data lives on the device)."""
 
     def __post_init__(self) -> None:
-        if not is_import_path(self.name):
-            _choice(self.name, "data.name", DATASET_NAMES)
+        _name_or_import_path(self.name, "data.name", DATASET_NAMES)
         _positive(self.synthetic_train_size, "data.synthetic_train_size")
         _positive(self.synthetic_test_size, "data.synthetic_test_size")
         if len(self.synthetic_shape) != 3 or min(self.synthetic_shape) <= 0:
             raise ConfigError(f"data.synthetic_shape = {list(self.synthetic_shape)} must be three positive sizes [C, H, W].")
         if self.synthetic_num_classes < 2:
             raise ConfigError(f"data.synthetic_num_classes = {self.synthetic_num_classes} must be at least 2.")
-        if self.num_workers < 0:
-            raise ConfigError(f"data.num_workers = {self.num_workers} must be 0 or more.")
+        _not_negative(self.num_workers, "data.num_workers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +107,7 @@ class ModelConfig:
     """False replaces every nn.Dropout by identity (for exact cross-world-size comparisons)."""
 
     def __post_init__(self) -> None:
-        if not is_import_path(self.name):
-            _choice(self.name, "model.name", MODEL_NAMES)
+        _name_or_import_path(self.name, "model.name", MODEL_NAMES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,10 +128,11 @@ class OptimConfig:
     """For schedule "step": factor applied at each drop."""
 
     def __post_init__(self) -> None:
-        _choice(self.name, "optim.name", ("sgd", "adam", "adamw"))
-        _choice(self.schedule, "optim.schedule", ("constant", "cosine", "onecycle", "step"))
         _positive(self.lr, "optim.lr")
+        _not_negative(self.momentum, "optim.momentum")
+        _not_negative(self.weight_decay, "optim.weight_decay")
         _positive(self.step_epochs, "optim.step_epochs")
+        _positive(self.gamma, "optim.gamma")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,10 +177,6 @@ class TrainConfig:
             _positive(self.grad_clip, "train.grad_clip")
 
 
-STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "ps", "dp", "single")
-ONE_PROCESS_STRATEGIES = ("single", "dp")
-
-
 @dataclass(frozen=True, kw_only=True)
 class StrategyConfig:
     name: Literal["ddp", "fsdp", "zero1", "ps", "dp", "single"] = "ddp"
@@ -181,17 +196,9 @@ class StrategyConfig:
     """ps: rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
 
     def __post_init__(self) -> None:
-        _choice(self.name, "strategy.name", STRATEGY_NAMES)
-        _choice(self.comm_hook, "strategy.comm_hook", ("allreduce", "fp16", "bf16", "powersgd", "ring"))
         _positive(self.powersgd_rank, "strategy.powersgd_rank")
-        for option in ("param_dtype", "reduce_dtype"):
-            _choice(getattr(self, option), f"strategy.{option}", ("auto", "float32", "bfloat16", "float16"))
         if self.comm_hook != "allreduce" and self.name not in ("ddp", "zero1"):
             raise ConfigError(f"strategy.comm_hook {self.comm_hook} applies to ddp and zero1 only, not {self.name}; drop it or use --strategy.name ddp.")
-
-    def data_world_size(self, world_size: int) -> int:
-        """How many ranks take a share of each batch."""
-        return world_size - 1 if self.name == "ps" and self.dedicated_server else world_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,16 +208,17 @@ class LaunchConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda:<local_rank> when CUDA is available, else cpu."""
     timeout_s: float = 300.0
-    """Upper bound for rendezvous and for any collective; a missing peer fails the run after this."""
+    """Seconds (at least 1) bounding rendezvous and any collective; a missing peer fails the run after this."""
     max_restarts: int = 0
     """Times the elastic agent restarts the local workers after one fails; each restart resumes from the newest snapshot."""
 
     def __post_init__(self) -> None:
         _positive(self.nproc_per_node, "launch.nproc_per_node")
-        if self.max_restarts < 0:
-            raise ConfigError("launch.max_restarts must be 0 or more.")
-        _choice(self.device, "launch.device", ("auto", "cpu", "cuda"))
-        _positive(self.timeout_s, "launch.timeout_s")
+        _not_negative(self.max_restarts, "launch.max_restarts")
+        if self.timeout_s < MIN_TIMEOUT_S:
+            raise ConfigError(f"launch.timeout_s = {self.timeout_s:g} is below the minimum of {MIN_TIMEOUT_S:g} s: it bounds "
+                              f"the rendezvous and every collective, and starting the workers alone takes longer than that; "
+                              f"set {MIN_TIMEOUT_S:g} or more (the default is 300).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,8 +233,8 @@ class CheckpointConfig:
     """Write the shards in the background (after a copy to CPU memory) while training goes on."""
 
     def __post_init__(self) -> None:
-        if self.every_steps < 0 or self.every_epochs < 0:
-            raise ConfigError("checkpoint.every_steps and checkpoint.every_epochs must be 0 or more.")
+        _not_negative(self.every_steps, "checkpoint.every_steps")
+        _not_negative(self.every_epochs, "checkpoint.every_epochs")
         _positive(self.keep_last, "checkpoint.keep_last")
 
 
@@ -281,7 +289,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], name)
     if origin is Literal:
-        return _coerce(value, type(args[0]), name)
+        value = _coerce(value, type(args[0]), name)
+        _choice(value, name, args)
+        return value
     if origin is tuple:
         items = value
         if isinstance(value, str):
@@ -306,9 +316,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{name} expects a number, got {value!r}.")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} expects a number, got {value!r}.") from None
+        if not math.isfinite(number):  # nan passes every `<=` check; 1e400 reads as inf
+            reads_as = "" if str(value).strip().lower() == str(number) else f" (it reads as {number})"
+            raise ConfigError(f"{name} = {value}{reads_as} is not a finite number; give a finite value.")
+        return number
     if tp is str:
         return str(value)
     raise AssertionError(f"unsupported config type {tp} for {name}")
@@ -399,28 +413,87 @@ def to_toml(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- checks that need the world
+# ---------------------------------------------------------------- the options, as --help lists them
 
 
-def check_world(cfg: RunConfig, world_size: int, train_size: int) -> None:
-    """Refuse settings impossible for this world size and dataset, before any worker starts."""
-    if cfg.strategy.name in ONE_PROCESS_STRATEGIES and world_size > 1:
-        hint = "dp drives every GPU from one process" if cfg.strategy.name == "dp" else "it runs one process"
-        raise ConfigError(
-            f"strategy {cfg.strategy.name} cannot run on {world_size} processes ({hint}); "
-            "start one process, or use --strategy.name ddp."
-        )
-    if cfg.strategy.name == "ps" and cfg.strategy.dedicated_server and world_size < 2:
-        raise ConfigError("strategy ps with dedicated_server needs at least 2 processes (a server and a worker); start more workers.")
-    data_world = cfg.strategy.data_world_size(world_size)
-    gb = cfg.train.global_batch_size
-    if gb % data_world:
-        who = "the world size" if data_world == world_size else "the number of training ranks"
-        raise ConfigError(
-            f"train.global_batch_size {gb} is not divisible by {who} {data_world}; "
-            f"choose a multiple of {data_world}, for example {max(data_world, gb - gb % data_world)}."
-        )
-    if data_world > train_size:
-        raise ConfigError(
-            f"world size {data_world} is larger than the training split ({train_size} samples); use fewer workers."
-        )
+@dataclass(frozen=True)
+class Option:
+    """One --section.option: its value as typed on the command line, its default so typed, its field docstring."""
+
+    section: str
+    name: str
+    metavar: str
+    default: str
+    doc: str
+
+
+def _metavar(tp: Any) -> str:
+    """What _coerce accepts for this type: INT, FLOAT, TEXT, {a,b}, INT,INT,INT, with |none where None is allowed."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _metavar(inner[0]) + ("|none" if type(None) in args else "")
+    if origin is Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if origin is tuple:
+        return ",".join(_metavar(a) for a in args)
+    if tp is bool:
+        return "{true,false}"
+    return {int: "INT", float: "FLOAT", str: "TEXT"}[tp]
+
+
+def _cli_value(value: Any) -> str:
+    """A value as typed after --section.option; _coerce reads it back to the same value."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+@functools.cache
+def _docs_by_class() -> dict[str, dict[str, str]]:
+    """Class name -> field -> the field's attribute docstring (the string literal after the field), which Python
+    keeps nowhere at run time; this module's source is parsed once (getsource per class would parse it per class)."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    except (OSError, TypeError):  # no source shipped (a frozen app): --help lists the options without their docs
+        return {}
+    return {
+        cls.name: {
+            node.target.id: inspect.cleandoc(doc.value.value)
+            for node, doc in zip(cls.body, cls.body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+        }
+        for cls in tree.body if isinstance(cls, ast.ClassDef)
+    }
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field -> docstring of a section dataclass of this module."""
+    return _docs_by_class().get(cls.__name__, {})
+
+
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """Every option of every section, in declaration order."""
+    defaults = to_dict(RunConfig())
+    return tuple(
+        Option(section, name, _metavar(tp), _cli_value(defaults[section][name]), field_docs(cls).get(name, ""))
+        for section, cls in _field_types(RunConfig).items()
+        for name, tp in _field_types(cls).items()
+    )
+
+
+def options_help(width: int = 72) -> dict[str, str]:
+    """Section -> its options as --help lists them: `--section.option METAVAR  (default: X)`, then the docstring."""
+    text: dict[str, list[str]] = {}
+    for opt in options():
+        lines = text.setdefault(opt.section, [])
+        lines.append(f"--{opt.section}.{opt.name} {opt.metavar}  (default: {opt.default})")
+        lines += textwrap.wrap(" ".join(opt.doc.split()), width, initial_indent="    ", subsequent_indent="    ",
+                               break_long_words=False, break_on_hyphens=False)
+    return {section: "\n".join(lines) for section, lines in text.items()}

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import ipaddress
 import logging
 import os
 import random
 import re
+import socket
 import time
 from typing import Iterator
 
@@ -15,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain.launch.env import DistEnv, check_master_resolves
+from dptrain.launch.env import DistEnv, LaunchError, check_master_resolves
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +154,11 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     kwargs = {"device_id": device} if device.type == "cuda" else {}  # binds nccl to this rank's GPU, no guessing
     if env.world_size == 1 and env.source == "none":
         # One process, no launcher: an in-memory store, no port needed.
+        keep_collectives_on_loopback("127.0.0.1")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
         return None
     check_master_resolves(env.master_addr)
+    keep_collectives_on_loopback(env.master_addr)
     store = join_store(env, timeout_s)
     dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return store
@@ -177,37 +182,109 @@ def join_store(env: DistEnv, timeout_s: float) -> dist.Store:
     that rank 0 can say which ranks never came, and the others that rank 0 is not there.
     Under torchrun with TORCHELASTIC_USE_AGENT_STORE the agent already hosts the store on
     MASTER_PORT and every rank joins it as a client, as env:// would.
+    One deadline, timeout_s from the call, covers both reaching the store and waiting for every rank.
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=env.global_rank == 0 and not agent_hosts_store, timeout=timeout, wait_for_workers=False)
-    except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
-        if env.global_rank == 0 and not agent_hosts_store:
-            raise
-        raise RuntimeError(f"could not reach the store of rank 0 at {env.master_addr}:{env.master_port} within {timeout_s:g} s: "
-                           f"rank 0 is missing or unreachable ({_one_line(exc)})") from exc
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    if env.global_rank == 0 and not agent_hosts_store:
+        store = listening_store(env.master_addr, env.master_port, timeout_s)
+    else:
+        unreachable = (f"could not reach the store of rank 0 at {env.master_addr}:{env.master_port} within {timeout_s:g} s: "
+                       f"rank 0 is missing or unreachable")
+        # First wait, up to the deadline, until rank 0's port accepts: torch's client retries a refused
+        # connection with a back-off and gives each try the whole timeout (seen: 44 s for a timeout of 20 s).
+        while True:
+            try:
+                socket.create_connection((env.master_addr, env.master_port), timeout=max(0.05, min(1.0, left()))).close()
+                break
+            except OSError as exc:  # refused: nobody listens yet; timed out: the host drops the packets
+                if left() <= 0:
+                    raise RuntimeError(f"{unreachable} ({exc.strerror or exc})") from exc
+                time.sleep(min(0.1, left()))
+        try:  # the port answers: a second at least for torch's handshake, even at the deadline's very end
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=max(1.0, left())))
+        except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
+            raise RuntimeError(f"{unreachable} ({_one_line(exc)})") from exc
+        store.set_timeout(timeout)  # the store's later waits (gloo's rendezvous, the roll call) get the whole timeout_s
     # Keys are per restart of the elastic agent, whose store may outlive a round.
     prefix = f"dptrain/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{prefix}{env.global_rank}", "1")
     if env.global_rank == 0:
-        deadline = time.monotonic() + timeout_s
         while missing := [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]:
-            if time.monotonic() > deadline:
+            if left() <= 0:
                 shown = ", ".join(map(str, missing[:16])) + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
                 raise RuntimeError(f"rank{'s' if len(missing) > 1 else ''} {shown} of {env.world_size} never joined within "
                                    f"{timeout_s:g} s; check that every rank was started with the same MASTER_ADDR:MASTER_PORT")
             time.sleep(0.05)
         store.set(f"{prefix}all", "1")
     else:
-        try:
-            store.wait([f"{prefix}all"], timeout)
+        try:  # never a zero timeout: to torch's store that means no timeout at all
+            store.wait([f"{prefix}all"], datetime.timedelta(seconds=max(0.05, left())))
         except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
             raise RuntimeError(f"rank 0 did not see every rank join within {timeout_s:g} s (it names the missing ones)") from exc
     return store
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether addr resolves to this host's loopback only (every rank of the run is on this host)."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(addr, None))
+    except (socket.gaierror, ValueError):
+        return False
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name ('lo' on Linux, 'lo0' on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), "lo")
+
+
+def keep_collectives_on_loopback(master_addr: str) -> None:
+    """A run whose master is loopback has every rank here: gloo's and nccl's sockets listen on loopback only
+    (by default gloo binds the address of the host name, reachable from the network). A user's setting wins."""
+    if is_loopback(master_addr):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
+
+
+def listening_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server listening on addr's interface only: loopback for a local run, the master's address on a
+    cluster (torch's own listens on every interface). It has no authentication: see the README's security notes."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        raise LaunchError(f"master address {addr!r} does not resolve on {socket.gethostname()}; set MASTER_ADDR to "
+                          f"the first node's IP address or add it to /etc/hosts.") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(f"port {port} on {addr} is taken by another program; choose another MASTER_PORT.") from None
+        raise LaunchError(f"rank 0 cannot listen on {addr}:{port} ({exc.strerror}): MASTER_ADDR must be an address of "
+                          f"rank 0's host {socket.gethostname()}; set it to that host's address.") from None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    port = sock.getsockname()[1]  # the one picked, for port 0
+    fd = sock.detach()  # the store owns the socket from now on
+    try:
+        return dist.TCPStore(addr, port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+    except (RuntimeError, NotImplementedError):  # a libuv store without listen-fd support (older torch): the classic one
+        return dist.TCPStore(addr, port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd, use_libuv=False)
+
+
 def destroy_process_group() -> None:
+    """Leave the world. First a short sleep without the GIL: gloo's worker threads free the last finished work,
+    whose tensors they can only release holding the GIL; a group destroyed meanwhile (its destructor joins those
+    threads while holding the GIL) deadlocks. Seen after a snapshot's final barrier: a rank hung at exit."""
     if dist.is_initialized():
+        time.sleep(0.05)
         dist.destroy_process_group()

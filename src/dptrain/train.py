@@ -12,15 +12,15 @@ import os
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain import faults
-from dptrain.config import RunConfig, check_world
+from dptrain import checkpoint, faults
+from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
 from dptrain.evaluate import evaluate, sync
@@ -29,12 +29,17 @@ from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_m
 from dptrain.models import build_model
 from dptrain.runtime import Phase
 from dptrain.checkpoint import Snapshotter
+from dptrain.train_state import TrainState
 from dptrain.step_graph import StepGraph
 from dptrain.stopping import Stopped, StopRequest
-from dptrain.strategies import Strategy, build_strategy
+from dptrain.strategies import Strategy, build_strategy, check_world
 from dptrain.strategies.base import OptimizerSpec
 
 log = logging.getLogger("dptrain")
+
+
+class OutputError(RuntimeError):
+    """The run directory could not be written; the message names the path and the cause."""
 
 
 
@@ -79,19 +84,9 @@ class Run:
     events: EventLog
     phase: Phase
     total_steps: int
-    step: int = 0
-    # Where the run stands, for snapshots: the epoch, batches of it done, this rank's partial sums.
-    epoch: int = 0
-    batches_consumed: int = 0
-    epoch_sums: torch.Tensor | None = None
-    epoch_elapsed: float = 0.0
-    """Seconds of training in this epoch so far, before a resume too (the epoch's time covers all of it)."""
-    epoch_seen: int = 0
-    """Samples over all ranks trained in this epoch so far."""
-    epoch_reported: bool = False
-    """Whether this epoch's event (training metrics and evaluation) has been emitted."""
-    last_snapshot_step: int | None = None
-    snapshotter: Snapshotter | None = None
+    snapshots: Snapshotter
+    state: TrainState = field(default_factory=TrainState)
+    """Where the loop stands; the snapshots save and restore it."""
     stop: StopRequest | None = None
     """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
     step_graph: StepGraph | None = None
@@ -100,33 +95,34 @@ class Run:
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
         progress = ProgressBar(enabled=self.env.is_main)
-        epochs = self.cfg.train.epochs
+        state, epochs = self.state, self.cfg.train.epochs
         last: dict = {}
-        if self.step >= self.total_steps and (self.epoch_reported or self.epoch_sums is None):
+        if state.step >= self.total_steps and (state.epoch_reported or state.epoch_sums is None):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
-                     "or use another --output.name to start afresh", self.step)
+                     "or use another --output.name to start afresh", state.step)
         completed = False
         try:
-            for epoch in range(self.epoch, epochs):
-                resumed = epoch == self.epoch and self.epoch_sums is not None
+            for epoch in range(state.epoch, epochs):
+                resumed = epoch == state.epoch and state.epoch_sums is not None
                 # A resumed epoch whose steps are all done may still owe its event (stopped before evaluation).
-                if self.step >= self.total_steps and (not resumed or self.epoch_reported):
+                if state.step >= self.total_steps and (not resumed or state.epoch_reported):
                     break
                 if not resumed:
-                    self._start_epoch(epoch)
-                remaining = min(len(self.train_loader) - self.batches_consumed, self.total_steps - self.step)
+                    state.start_epoch(epoch, self.device)
+                remaining = min(len(self.train_loader) - state.batches_consumed, self.total_steps - state.step)
                 progress.start_epoch(epoch + 1, epochs, remaining)
                 train = self._run_epoch(epoch, progress)
                 with self.phase(f"evaluation after epoch {epoch + 1}"):
                     evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
-                last = self.events.emit("epoch", epoch=epoch + 1, step=self.step, **train, **evaluation)
-                self.epoch_reported = True
-                if self.batches_consumed == len(self.train_loader) and self._snapshot_due_at_epoch_end(epoch):
-                    self._snapshot()
+                last = self.events.emit("epoch", epoch=epoch + 1, step=state.step, **train, **evaluation)
+                state.epoch_reported = True
+                with self.phase(f"snapshot after epoch {epoch + 1}"):
+                    self.snapshots.save_if_due(state, after_evaluation=True)
             progress.stop()
             with self.phase("saving the final weights"):
                 self._save_weights(self.cfg.output.run_dir / "model.pt")
-            self._snapshot(wait=True)
+            with self.phase(f"snapshot at step {state.step}"):
+                self.snapshots.save(state, wait=True)
             completed = True
         finally:
             progress.stop()
@@ -134,84 +130,64 @@ class Run:
                 self.stop.close(wait=completed)
         return last
 
-    def _snapshot_due_at_epoch_end(self, epoch: int) -> bool:
-        """checkpoint.every_epochs, and checkpoint.every_steps landing on the epoch's last step: a snapshot
-        at an epoch's end comes after its evaluation, so that a resume neither repeats nor loses the epoch's event."""
-        every_epochs, every_steps = self.cfg.checkpoint.every_epochs, self.cfg.checkpoint.every_steps
-        return bool(every_epochs and (epoch + 1) % every_epochs == 0) or bool(every_steps and self.step % every_steps == 0)
-
-    def _start_epoch(self, epoch: int) -> None:
-        self.epoch, self.batches_consumed = epoch, 0
-        self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        self.epoch_elapsed, self.epoch_seen, self.epoch_reported = 0.0, 0, False
-
-    def _snapshot(self, wait: bool = False) -> None:
-        """A snapshot at this step boundary; with wait, also the end of a background write."""
-        assert self.snapshotter is not None
-        with self.phase(f"snapshot at step {self.step}"):
-            if self.last_snapshot_step != self.step:
-                self.snapshotter.save(self)
-                self.last_snapshot_step = self.step
-            if wait:
-                self.snapshotter.wait()
-
     def _save_weights(self, path: Path) -> None:
         """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
         state = self.strategy.full_state_dict()
         if self.env.is_main:
-            tmp = path.with_suffix(".pt.tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, path)
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                torch.save(state, tmp)
+                os.replace(tmp, path)
+            except Exception as exc:
+                reason = checkpoint.write_failure(exc)
+                if reason is None:
+                    raise
+                tmp.unlink(missing_ok=True)
+                raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
+                                  f"there, then run the same command: it resumes from the last snapshot.") from exc
 
     def _run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
+        """Train the rest of this epoch: one screen, in order: train, count, log, snapshot if due, stop if asked."""
         self.model.train()
-        assert self.epoch_sums is not None
-        # Sums on the device (loss, correct, samples of this rank); read once at the epoch's end (a host sync).
-        sums = self.epoch_sums
+        state = self.state
         steps = 0  # in this process's part of the epoch
         sync(self.device)
-        start = time.perf_counter() - self.epoch_elapsed  # a resumed epoch's clock goes on from the snapshot
-        for batch in self.train_loader.epoch_batches(epoch, self.batches_consumed):
-            with self.phase(f"step {self.step + 1}"):
+        start = time.perf_counter() - state.epoch_elapsed  # a resumed epoch's clock goes on from the snapshot
+        for batch in self.train_loader.epoch_batches(epoch, state.batches_consumed):
+            with self.phase(f"step {state.step + 1}"):
                 loss_sum, correct = self._run_batch(batch)
-            # In place, from device values and a Python int: a tensor made from len(labels) would be a
-            # host-to-device copy, which waits for the GPU every step and costs ~30% of a step on an H100.
-            sums[0] += loss_sum
-            sums[1] += correct
-            sums[2] += len(batch.labels)
-            self.epoch_seen += batch.global_count
-            self.step += 1
+            state.count_step(loss_sum, correct, len(batch.labels), batch.global_count)
             steps += 1
-            self.batches_consumed += 1
-            self.epoch_elapsed = time.perf_counter() - start  # host clock, no sync: what a snapshot records
-            step_loss = self._log_step(epoch, loss_sum, batch.global_count) if self.step % self.cfg.train.log_every == 0 else None
+            state.epoch_elapsed = time.perf_counter() - start  # host clock, no sync: what a snapshot records
+            step_loss = self._log_step(epoch, loss_sum, batch.global_count) if state.step % self.cfg.train.log_every == 0 else None
             progress.advance(step_loss)
-            faults.signal_if_due(self.env.global_rank, self.step)
-            every = self.cfg.checkpoint.every_steps
-            end_of_epoch = self.batches_consumed == len(self.train_loader)  # snapshot after the evaluation instead
-            if every and self.step % every == 0 and self.step < self.total_steps and not end_of_epoch:
-                self._snapshot()
-            elif self.snapshotter is not None and self.snapshotter.pending is not None:
-                with self.phase(f"snapshot after step {self.step}"):
-                    self.snapshotter.poll()
-            with self.phase(f"signal exchange after step {self.step}"):
-                signal_name = self.stop.agreed() if self.stop is not None else None
-            if signal_name:
-                self._snapshot(wait=True)
-                raise Stopped.after_step(signal_name, self.step)
-            if self.step >= self.total_steps:
+            faults.signal_if_due(self.env.global_rank, state.step)
+            with self.phase(f"snapshot after step {state.step}"):
+                self.snapshots.save_if_due(state)
+            self._stop_if_asked()
+            if state.step >= self.total_steps:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
-            totals = self.strategy.all_reduce(sums.clone())  # also waits for every rank: the time covers the slowest
-            elapsed = self.epoch_elapsed = time.perf_counter() - start
+            assert state.epoch_sums is not None
+            totals = self.strategy.all_reduce(state.epoch_sums.clone())  # also waits for every rank: the time covers the slowest
+            elapsed = state.epoch_elapsed = time.perf_counter() - start
             peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
             accounting = self._accounting(steps)
         loss, correct, count = totals.tolist()
         return {
             "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
-            "epoch_time_s": elapsed, "samples_per_s": self.epoch_seen / elapsed,
+            "epoch_time_s": elapsed, "samples_per_s": state.epoch_seen / elapsed,
             "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting,
         }
+
+    def _stop_if_asked(self) -> None:
+        """Once every rank has agreed on a stop signal: a whole snapshot of this step, then Stopped."""
+        with self.phase(f"signal exchange after step {self.state.step}"):
+            signal_name = self.stop.agreed() if self.stop is not None else None
+        if signal_name:
+            with self.phase(f"snapshot at step {self.state.step}"):
+                self.snapshots.save(self.state, wait=True)
+            raise Stopped.after_step(signal_name, self.state.step)
 
     def _accounting(self, steps: int) -> dict[str, list[int]]:
         """Per rank: bytes of parameters, gradients and optimizer state held, and bytes sent per step."""
@@ -238,7 +214,8 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
             logits = self.model(images)
-        loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+        # The loss in at least float32 (bf16 logits are summed in float32), float64 stays float64 (the tests' exact mode).
+        loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
         self.strategy.backward(loss_sum, global_count)
         if self.cfg.train.grad_clip is not None:
             self.strategy.clip_grad_norm(self.model, self.cfg.train.grad_clip)
@@ -252,7 +229,7 @@ class Run:
         """The global mean loss of this step: one all-reduce and one host sync, on log steps only."""
         total = self.strategy.all_reduce(loss_sum.double().reshape(1).clone())
         loss = total.item() / global_count
-        self.events.emit("step", epoch=epoch + 1, step=self.step, loss=finite_or_none(loss), lr=self._lr())
+        self.events.emit("step", epoch=epoch + 1, step=self.state.step, loss=finite_or_none(loss), lr=self._lr())
         return loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -271,7 +248,7 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
             cfg.data, device=device, global_batch=cfg.train.global_batch_size, eval_batch=cfg.train.eval_batch_size,
             rank=data_rank, world_size=data_world, seed=cfg.train.seed, channels_last=cfg.train.channels_last,
         )
-        check_world(cfg, env.world_size, info.train_size)
+        check_world(cfg, env.world_size, info.train_size, on_cpu=device.type == "cpu", torch_version=str(torch.__version__))
     with phase("model set-up"):
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, info.image_shape, info.num_classes)
@@ -287,10 +264,14 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
-    run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase, total_steps)
+    snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
+    run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase,
+              total_steps, snapshots)
     with phase("resume"):
-        resume(run)
-    run.snapshotter = Snapshotter(cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+        path = checkpoint.choose(cfg, env.is_main, env.world_size)
+        if path is not None:
+            snapshots.load(path, run.state)
+    snapshots.start()
     run.stop = StopRequest(env.world_size)
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
         step = lambda images, labels: run._train_step(images, labels, len(labels))  # noqa: E731 - one device: the batch is global
@@ -310,23 +291,3 @@ def use_step_graph(cfg: RunConfig, device: torch.device, strategy: Strategy) -> 
                     strategy.name)
         return False
     return True
-
-
-def resume(run: Run) -> None:
-    """Continue from the snapshot train.resume names: auto (the newest valid one here), a folder, or never."""
-    from dptrain import checkpoint
-
-    choice = run.cfg.train.resume
-    if choice == "never":
-        return
-    if choice == "auto":
-        # Rank 0 chooses for everyone: on a shared file system other ranks may not see the newest files yet.
-        found = [checkpoint.find_latest(run.cfg.output.run_dir / "checkpoints") if run.env.is_main else None]
-        if run.env.world_size > 1:
-            torch.distributed.broadcast_object_list(found, src=0)
-        path = found[0]
-        if path is None:
-            return
-    else:
-        path = Path(choice)
-    checkpoint.load(run, path)

@@ -1,7 +1,8 @@
-"""One rank's life: join the world, build the run, fit, leave. Every failure names the rank and phase."""
+"""One rank's life, for training and for evaluation: join the world, do the work, leave. Failures name the rank and phase."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -45,6 +46,7 @@ def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(fmt)
     console.setLevel(logging.INFO if env.is_main else logging.WARNING)
+    console.addFilter(lambda record: not getattr(record, "file_only", False))
     root.addHandler(console)
 
 
@@ -80,39 +82,112 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
     return device, threads
 
 
-def run_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every rank (called in this process, by the elastic agent, or under torchrun/srun)."""
-    cfg = config_mod.from_dict(cfg_tree)
+@contextlib.contextmanager
+def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, Phase, torch.device, int]]:
+    """Start-up and teardown shared by every kind of rank: logging, device, process group; then leave the world.
+
+    Yields (env, phase, device, CPU threads). A failure is logged as its one line in this rank's log, then re-raised.
+    """
     env = DistEnv.from_environ()
     phase = Phase(env.global_rank)
-    run_dir = cfg.output.run_dir
-    setup_logging(run_dir, env)
-    events = EventLog([JsonlSink(run_dir / "metrics.jsonl"), MetricLineSink()] if env.is_main else [])
+    setup_logging(log_dir, env)
     try:
         device, threads = join_world(cfg, env, phase)
-        if env.is_main:
-            log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
-                     env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
-        from dptrain.train import build
-
-        run = build(cfg, env, device, events, phase)
-        if env.is_main:  # only now: a refused resume leaves the run directory as it was
-            (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-            (run_dir / "env.json").write_text(json.dumps(environment_record(env, device, threads), indent=2) + "\n")
-        events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
-                    data=run.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=run.total_steps, device=str(device))
-        last = run.fit()
-        events.emit("run_end", step=run.step)
-        return last
-    except Stopped as exc:
-        events.emit("stopped", step=run.step, message=str(exc))
-        log.warning("%s", exc)  # in every rank's log: which rank saw the signal
-        if env.is_main:
-            print(f"dptrain: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
+        yield env, phase, device, threads
+    except Stopped:
+        raise
     except Exception as exc:
-        log.error("%s", exc)  # the one line, also in this rank's log file
+        # In this rank's log file only: the launcher (or the CLI) prints the one sentence once for all ranks.
+        log.error("%s", exc, extra={"file_only": True})
         raise
     finally:
-        events.close()
         destroy_process_group()
+
+
+def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of every training rank (called in this process, by the elastic agent, or under torchrun/srun)."""
+    from dptrain.train import build
+
+    cfg = config_mod.from_dict(cfg_tree)
+    run_dir = cfg.output.run_dir
+    events = EventLog([])
+    step = 0
+    try:
+        with rank_life(cfg, run_dir) as (env, phase, device, threads):
+            if env.is_main:
+                events = EventLog([JsonlSink(run_dir / "metrics.jsonl"), MetricLineSink()])
+                log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
+                         env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
+            run = build(cfg, env, device, events, phase)
+            step = run.state.step
+            if env.is_main:  # only now: a refused resume leaves the run directory as it was
+                (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+                (run_dir / "env.json").write_text(json.dumps(environment_record(env, device, threads), indent=2) + "\n")
+            events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
+                        data=run.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=run.total_steps,
+                        device=str(device))
+            try:
+                last = run.fit()
+            finally:
+                step = run.state.step
+            events.emit("run_end", step=step)
+            return last
+    except Stopped as exc:
+        events.emit("stopped", step=step, message=str(exc))
+        log.warning("%s", exc)  # in every rank's log: which rank saw the signal
+        if DistEnv.from_environ().is_main:
+            print(f"dptrain: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
+    finally:
+        events.close()
+
+
+def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str | None) -> dict[str, Any]:
+    """Entry point of every rank of `dptrain eval`: the snapshot's weights in a plain model, on the test split only."""
+    from dptrain import checkpoint
+    from dptrain.data import build_test_loader
+    from dptrain.evaluate import evaluate, write_predictions
+    from dptrain.metrics import metric_line
+    from dptrain.models import build_model
+    from dptrain.safe_load import dcp_load
+
+    cfg = config_mod.from_dict(cfg_tree)
+    with rank_life(cfg, None) as (env, phase, device, _):
+        with phase("loading the test split"):
+            info, loader = build_test_loader(cfg.data, device=device, eval_batch=cfg.train.eval_batch_size,
+                                             rank=env.global_rank, world_size=env.world_size, seed=cfg.train.seed,
+                                             channels_last=cfg.train.channels_last)
+        with phase(f"loading the weights of {snapshot}"):
+            manifest = checkpoint.verify(Path(snapshot))
+            if manifest["model"] != cfg.model.name:
+                raise checkpoint.SnapshotError(f"snapshot {snapshot} holds model {manifest['model']}, not {cfg.model.name}.")
+            model = build_model(cfg.model, info.image_shape, info.num_classes).to(device)
+            if cfg.train.channels_last and device.type == "cuda":
+                model = model.to(memory_format=torch.channels_last)
+            state = {"model": model.state_dict()}
+            dcp_load(state, Path(snapshot))  # only the model's entries; fsdp shards come back whole
+            model.load_state_dict(state["model"])
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.bf16)  # noqa: E731
+        rows: list[torch.Tensor] | None = [] if predictions_path else None
+        with phase("evaluation"):
+            result = evaluate(model, loader, autocast, _all_reduce, rows)
+        if rows is not None and predictions_path is not None:
+            with phase("gathering predictions"):
+                mine = torch.cat(rows) if rows else torch.empty(0, 3, dtype=torch.long)
+                everyone: list[Any] = [None] * env.world_size
+                torch.distributed.all_gather_object(everyone, mine)
+                if env.is_main:
+                    table = torch.cat(everyone)
+                    write_predictions(table[table[:, 0].argsort()], Path(predictions_path))
+        if env.is_main:
+            record = {"event": "eval", "snapshot": snapshot, "step": manifest["step"], "world_size": env.world_size, **result}
+            log.info(metric_line(record))
+            if predictions_path:
+                log.info("predictions for %d test samples written to %s", result["eval_count"], predictions_path)
+        return result
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import logging
 import os
 import signal
 import uuid
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from dptrain.launch.env import LaunchError
+from dptrain.runtime import listening_store
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -15,22 +20,29 @@ from dptrain.stopping import EXIT_STOPPED, Stopped
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: int, timeout_s: float, max_restarts: int = 0) -> None:
-    """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks."""
+def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: int, timeout_s: float, max_restarts: int = 0,
+                 log_dir: Path | None = None) -> None:
+    """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks.
+
+    The agent's own log (restarts, tracebacks of failed workers) goes to log_dir/launcher.log, not to the
+    console: the user sees the one sentence of the LaunchError, the details stay in the run's logs.
+    """
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for key, value in AGENT_ENV.items():
         os.environ.setdefault(key, value)
+    _register_loopback_rendezvous()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc_per_node,
         run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # port 0: the agent picks a free port; no hard-coded MASTER_PORT
+        rdzv_backend=LOOPBACK_RENDEZVOUS,
+        rdzv_endpoint="127.0.0.1:0",  # port 0: a free port; no hard-coded MASTER_PORT
         rdzv_configs={"join_timeout": timeout_s},
+        local_addr="127.0.0.1",  # the workers' MASTER_ADDR: rank 0's store listens on loopback too
         max_restarts=max_restarts,
         monitor_interval=0.1,  # how soon the end (or a failure) of a worker is seen; the poll costs nothing noticeable
         start_method="spawn",
@@ -42,7 +54,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
 
     previous = signal.signal(signal.SIGUSR1, forward)
     try:
-        elastic_launch(config, entrypoint)(*args)
+        with _agent_log_to(log_dir):
+            elastic_launch(config, entrypoint)(*args)
     except SignalException as exc:
         raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
                       f"boundary (workers still starting up stop without one); run the same command to resume.") from None
@@ -55,13 +68,68 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         signal.signal(signal.SIGUSR1, previous)
 
 
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+@contextlib.contextmanager
+def _agent_log_to(log_dir: Path | None) -> Iterator[None]:
+    """Send the elastic agent's log records to log_dir/launcher.log (or nowhere) instead of the console."""
+    handler: logging.Handler = logging.NullHandler()
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_dir / "launcher.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    saved = []
+    for name in AGENT_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate))
+        logger.propagate = False  # torch's own console handler sits on the "torch" logger above these
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
+
+
+LOOPBACK_RENDEZVOUS = "dptrain-loopback"
+
+
+def _register_loopback_rendezvous() -> None:
+    """torch's c10d rendezvous, on a store that listens on 127.0.0.1 only (torch's listens on every interface,
+    where anyone on the network could read and write the run's keys)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
+
+
+def _loopback_rendezvous(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks that the handler's backend has the requested name
+            return LOOPBACK_RENDEZVOUS
+
+    join_s = float(params.config.get("join_timeout", 600))
+    store = listening_store("127.0.0.1", 0, join_s)
+    return DynamicRendezvousHandler.from_backend(params.run_id, store, LoopbackBackend(store, params.run_id),
+                                                 params.min_nodes, params.max_nodes, local_addr="127.0.0.1",
+                                                 timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s)))
+
+
 def describe_failure(exc: Any) -> str:
     """The first failure's own message (they say 'rank R failed during PHASE: ...'), plus who else died."""
     failures = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)  # {global rank: ProcessFailure}
     rank, first = failures[0]
     raw = first.message.get("message", "") if isinstance(first.message, dict) else first.message
     message = _first_line(raw) if isinstance(raw, str) else ""
-    if not message or message.startswith("To enable traceback"):
+    if first.exitcode < 0:  # killed by a signal: the agent's text names only a pid
+        message = f"rank {rank} was killed by {first.signal_name()} (pid {first.pid})"
+    elif not message or message.startswith("To enable traceback"):
         message = f"rank {rank} exited with code {first.exitcode}"
     others = [str(r) for r, _ in failures[1:]]
     if others:

@@ -1,0 +1,100 @@
+"""The local launcher: every socket of a local run (agent, rank 0's store, gloo) listens on loopback only."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dptrain.runtime import listening_store
+from tests.conftest import start_cli
+
+
+def _listening_inodes() -> dict[int, str]:
+    """inode -> local address of every listening TCP socket on this host (IPv4 and IPv6)."""
+    out = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, state, inode = fields[1], fields[3], int(fields[9])
+            if state != "0A":  # LISTEN
+                continue
+            host_hex = address.split(":")[0]
+            raw = bytes.fromhex(host_hex)
+            # /proc writes each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
+            out[inode] = str(ipaddress.ip_address(words))
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    pids, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child in Path(f"/proc/{parent}/task").glob("*/children"):
+            for token in child.read_text().split():
+                pids.append(int(token))
+                frontier.append(int(token))
+    return pids
+
+
+def _listening_addresses(pids: list[int]) -> dict[int, set[str]]:
+    """pid -> addresses its listening sockets are bound to."""
+    listening = _listening_inodes()
+    found: dict[int, set[str]] = {}
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except (FileNotFoundError, PermissionError):
+            continue
+        for link in links:
+            if link.startswith("socket:["):
+                inode = int(link[8:-1])
+                if inode in listening:
+                    found.setdefault(pid, set()).add(listening[inode])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket tables of Linux's /proc")
+def test_a_local_run_listens_on_loopback_only(tmp_path):
+    proc = start_cli(["train", "--nproc-per-node", "2", "--data.name", "synthetic", "--train.epochs", "3",
+                      "--output.dir", str(tmp_path / "run"), "--checkpoint.every_epochs", "0"], tmp_path)
+    seen: dict[int, set[str]] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid, addresses in _listening_addresses(_tree(proc.pid)).items():
+                seen.setdefault(pid, set()).update(addresses)
+            if len(seen) >= 3:  # the agent and both workers listen
+                break
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert len(seen) >= 3, f"expected the agent and two workers to listen, saw {seen}"
+    addresses = set().union(*seen.values())
+    assert addresses and all(ipaddress.ip_address(a).is_loopback for a in addresses), seen
+
+
+def test_a_store_for_a_master_address_that_is_not_this_host_is_one_sentence():
+    from dptrain.launch.env import LaunchError
+
+    with pytest.raises(LaunchError, match=r"rank 0 cannot listen on 192\.0\.2\.1:\d+ .*MASTER_ADDR must be an address of rank 0's host"):
+        listening_store("192.0.2.1", 0, 5)  # TEST-NET-1: never an address of this host
+
+
+def test_a_taken_port_is_one_sentence():
+    import socket
+
+    from dptrain.launch.env import LaunchError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is taken by another program; choose another MASTER_PORT."):
+            listening_store("127.0.0.1", port, 5)
