@@ -167,7 +167,7 @@ def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path,
     [
         (["--optim.lr", "1e400"], "optim.lr = 1e400 (it reads as inf) is not a finite number; give a finite value."),
         (["--optim.lrr", "1"], "unknown option optim.lrr; valid options in [optim] are: name, lr, momentum, weight_decay, "
-                               "schedule, step_epochs, gamma."),
+                               "schedule, step_epochs, gamma, warmup_steps, scale_lr_with, reference_batch_size."),
         (["--launch.device=tpu"], "launch.device = 'tpu' is not one of auto, cpu, cuda; pick one of them."),
         (["--config", "absent.toml"], "config file absent.toml does not exist; check the path given to --config."),
     ],

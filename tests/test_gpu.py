@@ -29,6 +29,12 @@ def test_a_graphed_step_trains_as_the_eager_step(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     assert "training step captured after 3 eager steps" in (tmp_path / "graph" / "logs" / "rank0.log").read_text()
     eager, graph = (read_events(tmp_path / name, "step") for name in ("eager", "graph"))
+    # Not bit-identical, and not a derived rounding bound: the replayed (capturable) Adam reads each step's
+    # learning rate from a float32 GPU tensor, the eager one gets the schedule's Python float, so every update
+    # differs by the float32 rounding of the lr (at most u/2 = 2^-25 ~ 3e-8 relative), which Adam can amplify for
+    # weights whose gradient is near zero (see FP32_LOSS_BOUND in test_train_distributed.py). 1e-5 is an allowance
+    # for that, not measured in this session (no GPU); a real error (a graph stuck at the first lr under the
+    # cosine schedule, a replayed stale batch) moves the losses by far more.
     assert len(eager) == len(graph) == 64
     for a, b in zip(eager, graph):  # under a cosine schedule: a graph stuck at the first lr would drift away
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
@@ -46,6 +52,8 @@ def test_a_graphed_run_resumes_bit_identical(tmp_path):
         result = run_cli(["train", *graph, "--output.dir", str(part), "--train.max_steps", steps], tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
     ww, wp = weights(tmp_path / "whole"), weights(part)
+    # Exact: deterministic kernels, the same capture on both sides, and a snapshot restores every state
+    # (weights, Adam's moments and step, the dropout generator) bit for bit, so no rounding differs.
     assert all(torch.equal(ww[k], wp[k]) for k in ww)
 
 
@@ -56,3 +64,10 @@ def test_a_task_bound_to_one_gpu_uses_it_whatever_its_local_rank(tmp_path):
     result = run_cli(["train", *RUN, "--output.dir", str(tmp_path / "bound"), "--train.max_steps", "3"], tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_events(tmp_path / "bound", "run_start")[0]["device"] == "cuda:0"
+
+
+def test_auto_workers_are_one_per_visible_gpu():
+    from dptrain.config import LaunchConfig
+    from dptrain.launch.local import local_workers
+
+    assert local_workers(LaunchConfig()) == torch.cuda.device_count()

@@ -180,3 +180,11 @@ def test_snapshots_are_written_without_group_write_even_under_umask_002(tmp_path
     snapshot = checkpoint.find_latest(tmp_path / "run" / "checkpoints")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [snapshot, *snapshot.iterdir()]}
     assert all(not mode & 0o022 for mode in modes.values()), modes
+
+
+def test_a_link_inside_a_snapshot_is_refused(snapshots, tmp_path):
+    """A link to /dev/zero listed with 0 bytes would make the sha256 check read forever."""
+    snapshot = copy_run(snapshots["single"], tmp_path)
+    (snapshot / "zeros").symlink_to("/dev/zero")
+    with pytest.raises(SnapshotError, match="holds .*zeros, which is a link or a device, not a plain file"):
+        checkpoint.verify(snapshot)

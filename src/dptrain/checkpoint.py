@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dptrain import config as config_mod
 from dptrain import faults, runtime
 from dptrain.config import ConfigError, RunConfig
+from dptrain.data import input_record
 from dptrain.safe_load import UnsafeFileError, check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private, read_metadata
 from dptrain.train_state import TrainState
 
@@ -46,7 +47,8 @@ WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot sh
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
                      ("train", "deterministic"), ("train", "cuda_graph"), ("train", "eval_batch_size"),
                      ("data", "root"), ("data", "download"), ("data", "mirror"), ("data", "num_workers"),
-                     ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"), ("launch", "device"),
+                     ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"), ("launch", "device"), ("launch", "backend"),
+                     ("train", "eval_every_epochs"),
                      ("output", "name"), ("output", "dir")}
 # Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
 LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
@@ -189,7 +191,8 @@ class Snapshotter:
             _save_file({"loop": state.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp / EXTRA, run_dir)
             manifest = {"world_size": self.env.world_size, "strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
                         "config_hash": config_hash(self.cfg), "config": computation_options(self.cfg),
-                        "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step}
+                        "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step,
+                        "input": input_record(self.cfg.data)}  # what `dptrain predict` feeds the model (None: a user's Dataset)
             (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
         shards = self.strategy.snapshot_state(self.optimizer)
         if self.group is None:

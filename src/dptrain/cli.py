@@ -64,6 +64,7 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
 
     if cfg.launch.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
+    check_backend(cfg.launch.backend, wants_cuda(cfg.launch.device))
     check_output_dir(cfg.output.run_dir)
     check_resume_target(cfg)
     info = describe(cfg.data)
@@ -83,6 +84,17 @@ def check_resume_target(cfg: RunConfig) -> None:
     if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
         raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
                           f"choose another --output.name, or delete {snapshots} to start afresh there.")
+
+
+def check_backend(backend: str, on_cuda: bool) -> None:
+    """nccl runs on CUDA devices only, and only where torch was built with it."""
+    import torch.distributed as dist
+
+    if backend == "nccl" and not on_cuda:
+        raise ConfigError("launch.backend = nccl needs CUDA devices, and this run would use the CPU; "
+                          "use --launch.backend gloo or auto.")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ConfigError("launch.backend = nccl but this torch build has no nccl; use --launch.backend gloo or auto.")
 
 
 def check_output_dir(run_dir: Path) -> None:
@@ -114,9 +126,11 @@ def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world
 
 def world_size_here(cfg: RunConfig) -> tuple[int, bool]:
     """(the world size, whether a launcher outside dptrain started this process)."""
+    from dptrain.launch.local import local_workers
+
     env = DistEnv.from_environ()
     launched_outside = env.source != "none"
-    return (env.world_size if launched_outside else cfg.launch.nproc_per_node), launched_outside
+    return (env.world_size if launched_outside else local_workers(cfg.launch)), launched_outside
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -125,6 +139,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = resolve_config(args, extra)
     world_size, launched_outside = world_size_here(cfg)
     preflight(cfg, world_size)
+    if args.dry_run:
+        from dptrain.dry_run import dry_run
+
+        print(dry_run(cfg, world_size, launched_outside))
+        return 0
     run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.run_dir / "logs")
     return 0
 
@@ -164,6 +183,31 @@ def check_predictions_path(path: Path) -> None:
             raise ConfigError(f"--predictions {path} exists and is not a predictions file; choose another path.")
 
 
+def cmd_predict(args: argparse.Namespace, extra: list[str]) -> int:
+    """Class probabilities of new inputs from a snapshot, sharded over the workers; one CSV row per input, in order."""
+    from dptrain.predict import check_output_path, open_inputs, snapshot_input
+    from dptrain.worker import predict_worker
+
+    output = Path(args.output).resolve()
+    check_output_path(output)
+    snapshot = checkpoint.find_snapshot(Path(args.checkpoint))
+    saved = snapshot.parent.parent / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"{saved} is missing: predict rebuilds the model from the run's configuration; "
+                          f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
+    overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1)),
+                 ("launch.max_restarts", "0")]
+    cfg = config_mod.load(saved, overrides)
+    world_size, launched_outside = world_size_here(cfg)
+    manifest = checkpoint.verify(snapshot)  # safe and whole, before any worker starts
+    spec = snapshot_input(manifest, cfg, snapshot)
+    input_path = Path(args.input).resolve()
+    open_inputs(input_path, spec)  # a missing, damaged or wrong-shaped input file is refused here
+    run_ranks(predict_worker, (config_mod.to_dict(cfg), str(snapshot), str(input_path), spec.record(), str(output),
+                               args.skip_bad), cfg, world_size, launched_outside)
+    return 0
+
+
 def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain checkpoint --help.")
@@ -196,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add_run_options(command: argparse.ArgumentParser) -> None:
         """--config, --nproc-per-node, and, for --help only, every --section.option (split_overrides parses those)."""
         command.add_argument("--config", help="TOML file with [section] tables of options")
-        command.add_argument("--nproc-per-node", type=int, help="local workers to start (same as --launch.nproc_per_node)")
+        command.add_argument("--nproc-per-node", help="local workers to start, or auto (same as --launch.nproc_per_node)")
         for section, text in config_mod.options_help().items():
             command.add_argument_group(f"[{section}] options", text)
 
@@ -205,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
                            description=f"Train a model.\n{overrides}")
     add_run_options(train)
+    train.add_argument("--dry-run", action="store_true",
+                       help="check everything (config, world, data, model on one batch, output folder, snapshot to resume "
+                            "from), print what the run would do, and exit without writing anything")
     train.set_defaults(func=cmd_train)
     resolved = sub.add_parser(
         "config",
@@ -226,6 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
     evaluation.add_argument("--predictions", help="write index,label,predicted for every test sample to this CSV file")
     evaluation.set_defaults(func=cmd_eval)
+    prediction = sub.add_parser(
+        "predict",
+        help="predict the classes of new inputs with a snapshot",
+        description="Write class probabilities for new inputs (an IDX images file, a .npy array of pixel values 0..255, "
+        "or a folder of PNG/JPEG images, resized), normalised as the training data was, sharded over the workers: "
+        "one row per input, in input order. Options of the run's config.toml can be overridden as --section.option VALUE.",
+    )
+    prediction.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
+    prediction.add_argument("--input", required=True, help="an IDX images file (.gz or raw), a .npy array, or a folder of PNG/JPEG images")
+    prediction.add_argument("--output", required=True, help="the CSV file to write: index,source,predicted,prob_0..prob_K-1,error")
+    prediction.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
+    prediction.add_argument("--skip-bad", action="store_true",
+                            help="predict the readable inputs and mark unreadable ones in the error column (default: refuse)")
+    prediction.set_defaults(func=cmd_predict)
     ckpt = sub.add_parser("checkpoint", help="list or verify snapshots")
     ckpt.add_argument("action", choices=("list", "verify"), help="list: every snapshot of a run; verify: check one")
     ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify: a snapshot folder")

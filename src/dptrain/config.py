@@ -87,6 +87,10 @@ class DataConfig:
     """Classes of the synthetic dataset."""
     num_workers: int = 0
     """DataLoader workers per rank; used only for a user's Dataset (built-in data lives on the device)."""
+    augment: Literal["none", "crop-flip"] = "none"
+    """Training augmentation on the device: none, or crop-flip (random crop of the 4-pixel zero-padded image,
+    then a horizontal flip half the time; each draw a function of train.seed, epoch and sample index, so
+    the same whatever the world size and after a resume). Evaluation never augments."""
 
     def __post_init__(self) -> None:
         _name_or_import_path(self.name, "data.name", DATASET_NAMES)
@@ -115,7 +119,7 @@ class OptimConfig:
     name: Literal["sgd", "adam", "adamw"] = "adam"
     """Optimizer."""
     lr: float = 1e-3
-    """Peak learning rate, for the global batch (not scaled by world size)."""
+    """Peak learning rate, for the global batch (not scaled by world size; see scale_lr_with)."""
     momentum: float = 0.9
     """SGD momentum."""
     weight_decay: float = 0.0
@@ -126,9 +130,19 @@ class OptimConfig:
     """For schedule "step": epochs between learning-rate drops."""
     gamma: float = 0.1
     """For schedule "step": factor applied at each drop."""
+    warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly from 0 to the schedule's, on top of any schedule;
+    counted in the run's steps (0: no warm-up)."""
+    scale_lr_with: Literal["none", "linear", "sqrt"] = "none"
+    """Scale optim.lr by global_batch_size / reference_batch_size (linear) or its square root (sqrt): the
+    large-batch recipe, so that one lr serves several batch sizes."""
+    reference_batch_size: int = 256
+    """The global batch size optim.lr is meant for, when scale_lr_with scales it."""
 
     def __post_init__(self) -> None:
         _positive(self.lr, "optim.lr")
+        _not_negative(self.warmup_steps, "optim.warmup_steps")
+        _positive(self.reference_batch_size, "optim.reference_batch_size")
         _not_negative(self.momentum, "optim.momentum")
         _not_negative(self.weight_decay, "optim.weight_decay")
         _positive(self.step_epochs, "optim.step_epochs")
@@ -165,9 +179,13 @@ class TrainConfig:
     """Store activations NHWC; faster convolutions on most CPUs and GPUs, same results to float tolerance."""
     resume: str = "auto"
     """auto: continue from the newest valid snapshot in the run directory; never; or a snapshot folder."""
+    eval_every_epochs: int = 1
+    """Evaluate on the test split after every this many epochs (0: only at the end); the run's last epoch, or the
+    partial epoch a train.max_steps stop ends in, is always evaluated."""
 
     def __post_init__(self) -> None:
         _positive(self.epochs, "train.epochs")
+        _not_negative(self.eval_every_epochs, "train.eval_every_epochs")
         if self.max_steps is not None:
             _positive(self.max_steps, "train.max_steps")
         _positive(self.global_batch_size, "train.global_batch_size")
@@ -203,17 +221,22 @@ class StrategyConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    nproc_per_node: int = 1
-    """Local workers started through torch's elastic agent (ignored under torchrun or srun)."""
+    nproc_per_node: int | Literal["auto"] = "auto"
+    """Local workers started through torch's elastic agent (ignored under torchrun or srun); auto: one per visible
+    GPU (as the tutorials' world_size = torch.cuda.device_count()), one on a machine without (it uses every core)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda:<local_rank> when CUDA is available, else cpu."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend: auto is nccl on GPUs and gloo on the CPU; gloo on GPUs is the fallback to try when nccl
+    misbehaves (slower: it stages tensors through host memory for some collectives)."""
     timeout_s: float = 300.0
     """Seconds (at least 1) bounding rendezvous and any collective; a missing peer fails the run after this."""
     max_restarts: int = 0
     """Times the elastic agent restarts the local workers after one fails; each restart resumes from the newest snapshot."""
 
     def __post_init__(self) -> None:
-        _positive(self.nproc_per_node, "launch.nproc_per_node")
+        if self.nproc_per_node != "auto":
+            _positive(self.nproc_per_node, "launch.nproc_per_node")
         _not_negative(self.max_restarts, "launch.max_restarts")
         if self.timeout_s < MIN_TIMEOUT_S:
             raise ConfigError(f"launch.timeout_s = {self.timeout_s:g} is below the minimum of {MIN_TIMEOUT_S:g} s: it bounds "
@@ -287,7 +310,15 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name)
+        refusals = []
+        for member in inner:  # the first type that takes the value, in the order declared
+            try:
+                return _coerce(value, member, name)
+            except ConfigError as exc:
+                refusals.append(exc)
+        if len(inner) == 1:
+            raise refusals[0]
+        raise ConfigError(f"{name} expects {' or '.join(map(_type_words, inner))}, got {value!r}.")
     if origin is Literal:
         value = _coerce(value, type(args[0]), name)
         _choice(value, name, args)
@@ -326,6 +357,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if tp is str:
         return str(value)
     raise AssertionError(f"unsupported config type {tp} for {name}")
+
+
+def _type_words(tp: Any) -> str:
+    """How an error message names a type: 'an integer', 'auto'."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(str, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(tp, str(tp))
 
 
 def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
@@ -432,7 +470,7 @@ def _metavar(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return _metavar(inner[0]) + ("|none" if type(None) in args else "")
+        return "|".join(_metavar(a).strip("{}") for a in inner) + ("|none" if type(None) in args else "")
     if origin is Literal:
         return "{" + ",".join(map(str, args)) + "}"
     if origin is tuple:

@@ -143,15 +143,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> dist.Store | None:
-    """Join the world with a bounded timeout; nccl for CUDA, gloo for CPU.
+def pick_backend(requested: str, device: torch.device) -> str:
+    """launch.backend resolved: auto is nccl for CUDA devices and gloo for the CPU."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return requested
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float, backend: str = "auto") -> dist.Store | None:
+    """Join the world with a bounded timeout, on launch.backend (auto: nccl for CUDA, gloo for CPU).
 
     torch's default waits 30 minutes on a dead peer; here every collective and the rendezvous
     fail after timeout_s instead. Returns the world's store (None for one process without a launcher).
     """
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = pick_backend(backend, device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}  # binds nccl to this rank's GPU, no guessing
+    kwargs = {"device_id": device} if backend == "nccl" else {}  # binds nccl to this rank's GPU, no guessing
     if env.world_size == 1 and env.source == "none":
         # One process, no launcher: an in-memory store, no port needed.
         keep_collectives_on_loopback("127.0.0.1")

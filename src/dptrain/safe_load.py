@@ -33,7 +33,10 @@ def check_private(folder: Path, what: str) -> None:
     """Refuse `folder` (and everything in it) if it is not ours or if group or others may write to it."""
     me = os.geteuid()
     for path in [folder, *sorted(folder.rglob("*"))]:
-        info = path.stat()
+        info = path.lstat()
+        if path != folder and not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            raise UnsafeFileError(f"{what} {folder} holds {path}, which is a link or a device, not a plain file; "
+                                  f"a snapshot holds plain files only, so it is not read.")
         if info.st_uid != me:
             raise UnsafeFileError(f"{what} {folder} holds {path}, owned by user id {info.st_uid}, not by you ({me}); "
                                   f"a file written by someone else could run code on load, so it is not read.")

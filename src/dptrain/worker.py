@@ -74,7 +74,7 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
         threads = set_cpu_threads(env.local_world_size)
         seed_everything(cfg.train.seed)
     with phase("rendezvous"):
-        store = init_process_group(env, device, cfg.launch.timeout_s)
+        store = init_process_group(env, device, cfg.launch.timeout_s, cfg.launch.backend)
     if store is not None and env.world_size > 1:  # from now on a failed collective names the silent ranks
         phase.world = (store, env, min(5.0, cfg.launch.timeout_s))
     with phase("first collective"):
@@ -144,12 +144,9 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
 
 def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str | None) -> dict[str, Any]:
     """Entry point of every rank of `dptrain eval`: the snapshot's weights in a plain model, on the test split only."""
-    from dptrain import checkpoint
     from dptrain.data import build_test_loader
     from dptrain.evaluate import evaluate, write_predictions
     from dptrain.metrics import metric_line
-    from dptrain.models import build_model
-    from dptrain.safe_load import dcp_load
 
     cfg = config_mod.from_dict(cfg_tree)
     with rank_life(cfg, None) as (env, phase, device, _):
@@ -158,15 +155,7 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
                                              rank=env.global_rank, world_size=env.world_size, seed=cfg.train.seed,
                                              channels_last=cfg.train.channels_last)
         with phase(f"loading the weights of {snapshot}"):
-            manifest = checkpoint.verify(Path(snapshot))
-            if manifest["model"] != cfg.model.name:
-                raise checkpoint.SnapshotError(f"snapshot {snapshot} holds model {manifest['model']}, not {cfg.model.name}.")
-            model = build_model(cfg.model, info.image_shape, info.num_classes).to(device)
-            if cfg.train.channels_last and device.type == "cuda":
-                model = model.to(memory_format=torch.channels_last)
-            state = {"model": model.state_dict()}
-            dcp_load(state, Path(snapshot))  # only the model's entries; fsdp shards come back whole
-            model.load_state_dict(state["model"])
+            model, manifest = snapshot_model(cfg, Path(snapshot), info.image_shape, info.num_classes, device)
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.bf16)  # noqa: E731
         rows: list[torch.Tensor] | None = [] if predictions_path else None
         with phase("evaluation"):
@@ -185,6 +174,56 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
             if predictions_path:
                 log.info("predictions for %d test samples written to %s", result["eval_count"], predictions_path)
         return result
+
+
+def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, input_record: dict[str, Any], output: str,
+                   skip_bad: bool) -> None:
+    """Entry point of every rank of `dptrain predict`: this rank's share of the inputs, gathered once by rank 0."""
+    from dptrain.data import DataError
+    from dptrain.predict import InputSpec, merge_shares, open_inputs, predict_share, unreadable_sentence, write_predictions
+
+    cfg = config_mod.from_dict(cfg_tree)
+    spec = InputSpec.from_record(input_record, f"snapshot {snapshot}")
+    with rank_life(cfg, None) as (env, phase, device, _):
+        with phase(f"loading the weights of {snapshot}"):
+            model, _ = snapshot_model(cfg, Path(snapshot), spec.shape, spec.num_classes, device)
+        with phase(f"opening {input_path}"):
+            inputs = open_inputs(Path(input_path), spec)
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.bf16)  # noqa: E731
+        with phase("prediction"):
+            share = predict_share(model, inputs, spec, rank=env.global_rank, world_size=env.world_size,
+                                  batch_size=cfg.train.eval_batch_size, device=device, autocast=autocast)
+        with phase("gathering predictions"):  # the one collective: every rank's share to rank 0
+            shares: list[Any] | None = [None] * env.world_size if env.is_main else None
+            torch.distributed.gather_object(share, shares, dst=0)
+        if not env.is_main:
+            return
+        probs, errors = merge_shares(shares or [], len(inputs), spec.num_classes)
+        if errors and not skip_bad:  # raised outside a phase: the user reads this sentence alone
+            raise DataError(unreadable_sentence(inputs, errors, Path(input_path)))
+        with phase(f"writing {output}"):
+            write_predictions(inputs, probs, errors, Path(output))
+        log.info("predictions for %d inputs written to %s%s", len(inputs), output,
+                 f" ({len(errors)} unreadable, marked in the error column)" if errors else "")
+
+
+def snapshot_model(cfg: RunConfig, snapshot: Path, image_shape: tuple[int, ...], num_classes: int | None,
+                   device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(the run's model with the snapshot's weights, whole whatever the sharding; the snapshot's manifest)."""
+    from dptrain import checkpoint
+    from dptrain.models import build_model
+    from dptrain.safe_load import dcp_load
+
+    manifest = checkpoint.verify(snapshot)
+    if manifest["model"] != cfg.model.name:
+        raise checkpoint.SnapshotError(f"snapshot {snapshot} holds model {manifest['model']}, not {cfg.model.name}.")
+    model = build_model(cfg.model, image_shape, num_classes).to(device)
+    if cfg.train.channels_last and device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    state = {"model": model.state_dict()}
+    dcp_load(state, snapshot)  # only the model's entries; fsdp shards come back whole
+    model.load_state_dict(state["model"])
+    return model, manifest
 
 
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from dptrain.config import DataConfig
+from dptrain.config import ConfigError, DataConfig
 from dptrain.data import DataError, build_loaders, describe
+from dptrain.data.augment import PAD, draws
 from dptrain.data.catalog import DATASETS, Split
 from dptrain.data.loader import Batch, DatasetLoader, DeviceLoader, GlobalBatchSampler
 from dptrain.data.sharding import epoch_permutation
@@ -283,3 +284,122 @@ def test_describe_synthetic_and_missing(tmp_path):
         describe(DataConfig(name="mnist", root=str(tmp_path)))
     info = describe(DataConfig(name="mnist", root=str(tmp_path), download=True))  # the workers will fetch it
     assert info.train_size == 60000
+
+
+# ---------------------------------------------------------------- augmentation in the training loaders
+
+
+def crop_flipped(images: torch.Tensor, ids: torch.Tensor, seed: int, epoch: int) -> torch.Tensor:
+    """The reference, one sample at a time: pad with zeros (black), crop at the drawn offsets, flip if drawn."""
+    dy, dx, flip = draws(ids, seed, epoch)
+    out = []
+    for image, y, x, f in zip(images, dy.tolist(), dx.tolist(), flip.tolist()):
+        h, w = image.shape[-2:]
+        crop = torch.nn.functional.pad(image, (PAD,) * 4)[:, PAD + y : PAD + y + h, PAD + x : PAD + x + w]
+        out.append(crop.flip(-1) if f else crop)
+    return torch.stack(out) if out else images[:0]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("spec", [MNIST, CIFAR], ids=["mnist", "cifar10"])
+def test_augmented_batches_are_the_normalised_crops_of_their_samples(spec, channels_last):
+    split = id_split(shape=spec.shape)
+    for batch in device_loader(split, spec, rank=1, world=2, augment="crop-flip", channels_last=channels_last).epoch_batches(3):
+        # padded before normalisation: the border is black (-mean/std), as torchvision's recipe has it
+        assert close(batch.images, normalised(crop_flipped(split.images[batch.indices], batch.indices, 7, 3), spec))
+        assert batch.images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        assert torch.equal(batch.labels, batch.indices)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_augmented_global_batches_are_the_same_at_every_world_size(world):
+    split = id_split(shape=(3, 32, 32))
+    reference = list(device_loader(split, CIFAR, augment="crop-flip", channels_last=True).epoch_batches(1))
+    per_rank = [list(device_loader(split, CIFAR, rank=r, world=world, augment="crop-flip", channels_last=True).epoch_batches(1))
+                for r in range(world)]
+    for k, ref in enumerate(reference):
+        shares = [batches[k] for batches in per_rank]
+        assert torch.equal(torch.cat([s.images for s in shares]), ref.images)  # exactly: same ops per sample
+        assert torch.equal(torch.cat([s.labels for s in shares]), ref.labels)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_augmented_resume_equals_the_uninterrupted_epoch(world):
+    split = id_split()
+    for rank in range(world):
+        full = list(device_loader(split, rank=rank, world=world, augment="crop-flip").epoch_batches(2))
+        for k in (1, 5, 8):
+            resumed = device_loader(split, rank=rank, world=world, augment="crop-flip")  # a fresh process's loader
+            tail = list(resumed.epoch_batches(2, start_batch=k))
+            assert len(tail) == len(full) - k
+            assert all(torch.equal(got.images, want.images) for got, want in zip(tail, full[k:]))
+
+
+def test_a_sample_gets_other_crops_in_another_epoch_and_the_same_in_the_same():
+    split = id_split(n=300)
+    loader = device_loader(split, gb=300, augment="crop-flip")
+    plain = device_loader(split, gb=300)
+
+    def by_sample(ldr, epoch):
+        batch = next(ldr.epoch_batches(epoch))
+        return batch.images[torch.argsort(batch.indices)]
+
+    e0, e1 = by_sample(loader, 0), by_sample(loader, 1)
+    assert torch.equal(e0, by_sample(loader, 0))
+    differs = (e0 != e1).flatten(1).any(dim=1)
+    assert differs.float().mean() > 0.95  # the same crop and flip twice: 1 / 162
+    assert (e0 != by_sample(plain, 0)).flatten(1).any(dim=1).float().mean() > 0.95
+
+
+def test_augment_none_leaves_batches_untouched():
+    split = id_split()
+    default = list(device_loader(split, rank=1, world=2).epoch_batches(0))
+    none = list(device_loader(split, rank=1, world=2, augment="none").epoch_batches(0))
+    assert all(torch.equal(a.images, b.images) and torch.equal(a.indices, b.indices) for a, b in zip(default, none))
+    for batch in none:
+        assert close(batch.images, normalised(split.images[batch.indices], MNIST))
+
+
+def test_augmented_empty_shares_keep_their_shape():
+    split = id_split(n=97, shape=(3, 32, 32))
+    lasts = [list(device_loader(split, CIFAR, rank=r, world=4, augment="crop-flip", channels_last=True).epoch_batches(0))[-1]
+             for r in range(4)]
+    assert [tuple(b.images.shape) for b in lasts] == [(1, 3, 32, 32)] + [(0, 3, 32, 32)] * 3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dataset_loader_augments_a_users_images_as_they_come(world):
+    split = id_split(shape=(3, 12, 10))
+    for rank in range(world):
+        dl = DatasetLoader(UserDataset(split), CPU, global_batch=GB, rank=rank, world_size=world, seed=7, shuffle=True,
+                           num_workers=0, channels_last=True, augment="crop-flip")
+        dev = device_loader(split, CIFAR, rank=rank, world=world, augment="crop-flip", channels_last=True)
+        for got, want in zip(dl.epoch_batches(4, 2), dev.epoch_batches(4, 2)):
+            assert torch.equal(got.indices, want.indices)
+            # not normalised by dptrain: the raw crops, as float, padded with 0; the same draws as the DeviceLoader's
+            assert got.images.dtype == torch.float32 and got.images.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(got.images, crop_flipped(split.images[got.indices], got.indices, 7, 4).float())
+            assert close(want.images, normalised(crop_flipped(split.images[want.indices], want.indices, 7, 4), CIFAR))
+
+
+def test_dataset_loader_refuses_to_augment_images_without_channels_at_the_start():
+    flat = TensorDataset(torch.zeros(10, 28, 28), torch.zeros(10, dtype=torch.long))
+    with pytest.raises(ConfigError, match=r"data.augment crop-flip needs images of shape \[C, H, W\].*\[28, 28\]"):
+        DatasetLoader(flat, CPU, global_batch=4, rank=0, world_size=1, seed=0, shuffle=True, num_workers=0, augment="crop-flip")
+    DatasetLoader(flat, CPU, global_batch=4, rank=0, world_size=1, seed=0, shuffle=True, num_workers=0)  # without: fine
+
+
+def test_build_loaders_augments_the_train_loader_only():
+    cfg = DataConfig(name="synthetic", synthetic_train_size=40, synthetic_test_size=20, synthetic_shape=(3, 8, 8), augment="crop-flip")
+    plain_cfg = DataConfig(name="synthetic", synthetic_train_size=40, synthetic_test_size=20, synthetic_shape=(3, 8, 8))
+    _, train_split, test_split = synthetic_dataset(cfg)
+    _, train, test = build_loaders(cfg, device=CPU, global_batch=40, eval_batch=20, rank=0, world_size=1, seed=5, channels_last=False)
+    _, plain_train, plain_test = build_loaders(plain_cfg, device=CPU, global_batch=40, eval_batch=20, rank=0, world_size=1, seed=5, channels_last=False)
+    spec = synthetic_spec(cfg)
+    batch = next(train.epoch_batches(1))
+    assert close(batch.images, normalised(crop_flipped(train_split.images[batch.indices], batch.indices, 5, 1), spec))
+    assert not torch.equal(batch.images, next(plain_train.epoch_batches(1)).images)
+    for epoch in (0, 1):  # the test loader never augments
+        got, want = next(test.epoch_batches(epoch)), next(plain_test.epoch_batches(epoch))
+        assert torch.equal(got.images, want.images)
+        assert close(got.images, normalised(test_split.images[got.indices], spec))

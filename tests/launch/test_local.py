@@ -98,3 +98,30 @@ def test_a_taken_port_is_one_sentence():
         port = taken.getsockname()[1]
         with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is taken by another program; choose another MASTER_PORT."):
             listening_store("127.0.0.1", port, 5)
+
+
+def test_auto_workers_are_one_per_gpu_or_one_on_the_cpu():
+    from dptrain.config import LaunchConfig
+    from dptrain.launch.local import local_workers
+
+    assert local_workers(LaunchConfig(nproc_per_node="auto", device="cpu")) == 1
+    assert local_workers(LaunchConfig(nproc_per_node=3, device="cpu")) == 3  # a number always wins
+    import torch
+
+    expected = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert local_workers(LaunchConfig(nproc_per_node="auto", device="auto")) == max(1, expected)
+
+
+def test_backend_choice(capsys):
+    import torch
+
+    from dptrain.cli import main
+    from dptrain.runtime import pick_backend
+
+    assert pick_backend("auto", torch.device("cpu")) == "gloo"
+    assert pick_backend("auto", torch.device("cuda", 0)) == "nccl"
+    assert pick_backend("gloo", torch.device("cuda", 0)) == "gloo"
+    if not torch.cuda.is_available():
+        assert main(["train", "--data.name", "synthetic", "--launch.backend", "nccl"]) == 2
+        assert capsys.readouterr().err == ("dptrain: error: launch.backend = nccl needs CUDA devices, and this run would "
+                                           "use the CPU; use --launch.backend gloo or auto.\n")

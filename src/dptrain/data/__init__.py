@@ -13,6 +13,7 @@ from dptrain.config import ConfigError, DataConfig, is_import_path
 from dptrain.data.catalog import DATASETS, DatasetSpec, idx_file, load, locate
 from dptrain.data.formats import DataError, read_idx
 from dptrain.data.loader import DatasetLoader, DeviceLoader, Loader
+from dptrain.data.synthetic import synthetic_spec
 from dptrain.imports import import_object
 
 
@@ -51,13 +52,15 @@ def build_loaders(
     cfg: DataConfig, *, device: torch.device, global_batch: int, eval_batch: int, rank: int | None, world_size: int,
     seed: int, channels_last: bool,
 ) -> tuple[DataInfo, Loader, Loader]:
-    """(info, train loader, test loader); the test loader covers every test sample exactly once over the ranks."""
+    """(info, train loader, test loader); the test loader covers every test sample exactly once over the ranks.
+
+    Only the train loader augments (cfg.augment); the test loader never does."""
     share = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
     info, train, test, spec = _read(cfg)
     if spec is None:
-        return (info, DatasetLoader(train, global_batch=global_batch, shuffle=True, num_workers=cfg.num_workers, **share),
+        return (info, DatasetLoader(train, global_batch=global_batch, shuffle=True, num_workers=cfg.num_workers, augment=cfg.augment, **share),
                 _test_loader(cfg, test, None, eval_batch, share))
-    return (info, DeviceLoader(train, spec, global_batch=global_batch, shuffle=True, **share),
+    return (info, DeviceLoader(train, spec, global_batch=global_batch, shuffle=True, augment=cfg.augment, **share),
             _test_loader(cfg, test, spec, eval_batch, share))
 
 
@@ -106,8 +109,20 @@ def describe(cfg: DataConfig) -> DataInfo:
     return DataInfo(spec.name, spec.shape, spec.num_classes, spec.train_size, 0)
 
 
+def input_record(cfg: DataConfig) -> dict[str, Any] | None:
+    """What the model takes, from the config alone (no data file is read): the image shape, the normalisation
+    (mean and std per channel, on pixel values / 255), the number of classes and the dataset's name. A snapshot's
+    manifest keeps it, so that `dptrain predict` prepares new inputs as the training data was. None for a user's
+    Dataset: dptrain neither normalises its images nor knows their shape without reading them."""
+    if is_import_path(cfg.name):
+        return None
+    spec = synthetic_spec(cfg) if cfg.name == "synthetic" else DATASETS[cfg.name]
+    return {"shape": list(spec.shape), "mean": list(spec.mean), "std": list(spec.std), "num_classes": spec.num_classes,
+            "dataset": spec.name}
+
+
 def _labels(folder: Path, prefix: str) -> torch.Tensor:
     return read_idx(idx_file(folder, f"{prefix}-labels-idx1-ubyte"), 1)
 
 
-__all__ = ["DataInfo", "DataError", "build_loaders", "build_test_loader", "describe"]
+__all__ = ["DataInfo", "DataError", "build_loaders", "build_test_loader", "describe", "input_record"]

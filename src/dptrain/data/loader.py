@@ -4,6 +4,8 @@ DeviceLoader keeps a whole split on the device as uint8 and normalises batch-wis
 processes, no per-sample Python, no host-to-device copy per step. DatasetLoader serves a user's
 map-style torch Dataset through a DataLoader and GlobalBatchSampler, with the same sample order.
 Both report the global batch size of every batch, which the loss needs for an exact mean.
+Training loaders may augment (augment.py): each sample's crop and flip depend on (seed, epoch, sample
+index) only, so the global batches stay the same whatever the world size and after a resume.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from dptrain.config import ConfigError
+from dptrain.data.augment import AUGMENTS, Augment, crop_flip
 from dptrain.data.spec import DatasetSpec, Split
 from dptrain.data.sharding import epoch_permutation, num_batches, rank_batch_positions
 
@@ -57,7 +61,9 @@ class DeviceLoader:
         seed: int,
         shuffle: bool,
         channels_last: bool = False,
+        augment: Augment = "none",
     ) -> None:
+        assert augment in AUGMENTS, augment
         self.images = split.images.to(device)  # uint8: a quarter of the float32 footprint
         self.labels = split.labels.to(device)
         shape = (1, len(spec.mean), 1, 1)
@@ -67,11 +73,19 @@ class DeviceLoader:
         self.shift = -torch.tensor(spec.mean, device=device).view(shape) / std
         self.device = device
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.augment = seed, shuffle, augment
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def __len__(self) -> int:
         return num_batches(len(self.labels), self.global_batch)
+
+    def _pixels(self, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The batch's uint8 images, augmented if asked. Augmenting before normalisation pads with pixel 0,
+        black, as torchvision's RandomCrop(padding=4) before Normalize does (after it, 0 would be the mean
+        colour), and the crop's gather then moves uint8, a quarter of float32's bytes, straight from the split."""
+        if self.augment == "none":
+            return self.images[idx]
+        return crop_flip(self.images, idx, idx, seed=self.seed, epoch=epoch, memory_format=self.memory_format)
 
     def epoch_batches(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
         n = len(self.labels)
@@ -79,7 +93,7 @@ class DeviceLoader:
         for k in range(start_batch, len(self)):
             start, stop, global_count = rank_batch_positions(n, self.global_batch, k, self.rank, self.world_size)
             idx = order[start:stop]
-            images = torch.addcmul(self.shift, self.images[idx].float(), self.scale)
+            images = torch.addcmul(self.shift, self._pixels(idx, epoch).float(), self.scale)
             yield Batch(images.contiguous(memory_format=self.memory_format), self.labels[idx], global_count, idx)
 
 
@@ -131,16 +145,22 @@ class DatasetLoader:
         shuffle: bool,
         num_workers: int,
         channels_last: bool = False,
+        augment: Augment = "none",
     ) -> None:
+        assert augment in AUGMENTS, augment
+        image_shape = tuple(torch.as_tensor(dataset[0][0]).shape)
+        if augment != "none" and len(image_shape) != 3:
+            raise ConfigError(f"data.augment {augment} needs images of shape [C, H, W], but this Dataset's first image "
+                              f"has shape {list(image_shape)}; give each image a channel dimension, or set data.augment none.")
         self.sampler = GlobalBatchSampler(
             len(dataset), global_batch=global_batch, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle  # type: ignore[arg-type]  # map-style datasets have __len__
         )
         self.loader = DataLoader(
             dataset, batch_sampler=self.sampler, num_workers=num_workers,
-            collate_fn=functools.partial(_collate, tuple(torch.as_tensor(dataset[0][0]).shape)),
+            collate_fn=functools.partial(_collate, image_shape),
             pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
         )
-        self.device = device
+        self.device, self.augment = device, augment
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def __len__(self) -> int:
@@ -150,7 +170,12 @@ class DatasetLoader:
         self.sampler.set_epoch(epoch, start_batch)
         # The sampler is deterministic: iterating it again beside the DataLoader gives the same indices.
         for (images, labels), indices, count in zip(self.loader, iter(self.sampler), self.sampler.global_counts()):
-            images = images.to(self.device, non_blocking=True).float()
+            ids = torch.tensor(indices, dtype=torch.long, device=self.device)
+            images = images.to(self.device, non_blocking=True)
+            if self.augment != "none":  # on the images as the Dataset gives them (dptrain does not normalise them)
+                rows = torch.arange(len(ids), device=self.device)
+                images = crop_flip(images, rows, ids, seed=self.sampler.seed, epoch=epoch, memory_format=self.memory_format)
+            images = images.float()
             if images.dim() == 4:
                 images = images.contiguous(memory_format=self.memory_format)
-            yield Batch(images, labels.to(self.device, non_blocking=True), count, torch.tensor(indices, dtype=torch.long, device=self.device))
+            yield Batch(images, labels.to(self.device, non_blocking=True), count, ids)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dptrain.launch.env import LaunchError
-from dptrain.runtime import listening_store
+from dptrain.config import LaunchConfig
+from dptrain.runtime import listening_store, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -66,6 +67,18 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         raise LaunchError(describe_failure(exc)) from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def local_workers(launch: LaunchConfig) -> int:
+    """launch.nproc_per_node resolved: a number as given; auto: one per visible GPU where the run uses GPUs, else one
+    (on the CPU one worker uses every core: a second one would only split them, and add its gradient traffic)."""
+    if launch.nproc_per_node != "auto":
+        return int(launch.nproc_per_node)
+    if wants_cuda(launch.device):
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 1
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")

@@ -1,0 +1,115 @@
+"""`dptrain train --dry-run`: every check a run makes before it trains, and what it would do; nothing is written.
+
+The command line's own checks (config, world, data files, model import, output folder) have run
+already; this adds what needs the data and the model: one forward pass on one real batch (on the
+CPU, in this process: no workers, no process group) and the snapshot a resume would start from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dptrain import checkpoint
+from dptrain.config import ConfigError, RunConfig
+from dptrain.data import build_loaders, describe
+from dptrain.data.catalog import DATASETS, locate
+from dptrain.data.formats import DataError
+from dptrain.models import build_model
+from dptrain.runtime import pick_backend, wants_cuda
+from dptrain.schedule import peak_lr
+from dptrain.strategies import STRATEGIES
+
+
+def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool) -> str:
+    """The checks that need data and model, then a summary of the run; raises ConfigError (or DataError,
+    SnapshotError) with one sentence if the run would fail."""
+    info = describe(cfg.data)
+    strategy = STRATEGIES[cfg.strategy.name]
+    data_world = strategy.data_world_size(cfg.strategy, world_size)
+    steps_per_epoch = -(-info.train_size // cfg.train.global_batch_size)
+    total_steps = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps is not None:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    model, batch_shape = _forward_one_batch(cfg, data_world)
+    parameters = sum(p.numel() for p in model.parameters())
+    resume = _resume_plan(cfg, total_steps)
+    on_cuda = wants_cuda(cfg.launch.device)
+    device = "cuda:<local rank>" if on_cuda else "cpu"
+    workers = "ranks of the launcher that started this process" if launched_outside else "local workers"
+    lines = [
+        "dry run: nothing was written; the run would do this:",
+        f"  world      {world_size} {workers} on {device}, backend {pick_backend(cfg.launch.backend, torch.device(device.split(':')[0]))}, "
+        f"strategy {cfg.strategy.name}" + (f" ({data_world} of them take data)" if data_world != world_size else ""),
+        f"  data       {info.name}: {info.train_size} training and {info.test_size} test samples of shape "
+        f"{'x'.join(map(str, info.image_shape))}",
+        f"  batches    global {cfg.train.global_batch_size} = {cfg.train.global_batch_size // data_world} per rank; "
+        f"{steps_per_epoch} steps per epoch, {total_steps} in all ({cfg.train.epochs} epochs"
+        + (f", stopped at step {cfg.train.max_steps}" if cfg.train.max_steps is not None else "") + ")",
+        f"  model      {cfg.model.name}: {parameters:,} parameters; one batch {'x'.join(map(str, batch_shape))} "
+        f"ran forward on the CPU",
+        f"  optimizer  {cfg.optim.name}, peak lr {peak_lr(cfg):g}, schedule {cfg.optim.schedule}"
+        + (f", warm-up {cfg.optim.warmup_steps} steps" if cfg.optim.warmup_steps else ""),
+        f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, logs/, checkpoints/, model.pt)",
+        f"  resume     {resume}",
+    ]
+    return "\n".join(lines)
+
+
+def _forward_one_batch(cfg: RunConfig, data_world: int) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """The model, after one forward pass on rank 0's share of the first global batch (zeros if the data is yet to be
+    downloaded: a dry run downloads nothing)."""
+    rank_batch = cfg.train.global_batch_size // data_world
+    info = describe(cfg.data)
+    images = None
+    if _data_present(cfg):
+        _, train, _ = build_loaders(cfg.data, device=torch.device("cpu"), global_batch=cfg.train.global_batch_size,
+                                    eval_batch=1, rank=0, world_size=data_world, seed=cfg.train.seed,
+                                    channels_last=cfg.train.channels_last)
+        images = next(iter(train.epoch_batches(0))).images
+    if images is None:
+        images = torch.zeros(rank_batch, *info.image_shape)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, info.image_shape, info.num_classes)
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(images)
+    except Exception as exc:  # a user's model: any error in its forward is the finding
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"model {cfg.model.name} fails on one batch of shape {tuple(images.shape)} ({first}); "
+                          f"fix the model or the data options.") from None
+    if logits.dim() != 2 or logits.shape[0] != len(images):
+        raise ConfigError(f"model {cfg.model.name} returns shape {tuple(logits.shape)} for a batch of {len(images)}; "
+                          f"it must return one row of class scores per image.")
+    if info.num_classes is not None and logits.shape[1] != info.num_classes:
+        raise ConfigError(f"model {cfg.model.name} returns {logits.shape[1]} class scores but {info.name} has "
+                          f"{info.num_classes} classes.")
+    return model, tuple(images.shape)
+
+
+def _data_present(cfg: RunConfig) -> bool:
+    if cfg.data.name not in DATASETS:  # synthetic and a user's Dataset: nothing to download
+        return True
+    try:
+        locate(DATASETS[cfg.data.name], Path(cfg.data.root))
+        return True
+    except DataError:
+        return False  # describe() passed, so data.download is on: the workers would fetch it
+
+
+def _resume_plan(cfg: RunConfig, total_steps: int) -> str:
+    """Which snapshot the run would start from, checked as a resume checks it (read only)."""
+    if cfg.train.resume == "never":
+        return "never (a fresh start)"
+    if cfg.train.resume == "auto":
+        folder = cfg.output.run_dir / "checkpoints"
+        path = checkpoint.find_latest(folder) if folder.is_dir() else None  # SnapshotError if none can be used
+        if path is None:
+            return "nothing to resume from: a fresh start"
+    else:
+        path = Path(cfg.train.resume)
+    manifest = checkpoint.verify(path)
+    checkpoint.check_compatible(manifest, cfg, path, total_steps)
+    return f"from {path} (step {manifest['step']}, written by {manifest['world_size']} ranks)"

@@ -1,0 +1,75 @@
+"""The learning rate over a run: the peak (optim.lr, maybe scaled to the global batch), a schedule, a warm-up.
+
+    peak = optim.lr * scale, scale = 1 (none), B / B_ref (linear) or sqrt(B / B_ref) (sqrt),
+           B = train.global_batch_size, B_ref = optim.reference_batch_size
+    lr(s) = peak * shape(s) * min(1, s / optim.warmup_steps)      after s optimizer steps
+
+shape is the schedule's (constant, cosine, onecycle, step) over the run's total steps: the warm-up
+steps are counted in that total, and the warm-up scales the first of them linearly from 0 (the
+first step runs at lr 0: Adam's moments see one gradient before any update).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dptrain.config import RunConfig
+
+
+def peak_lr(cfg: RunConfig) -> float:
+    """optim.lr, scaled to the global batch as optim.scale_lr_with says (the large-batch recipe)."""
+    o = cfg.optim
+    ratio = cfg.train.global_batch_size / o.reference_batch_size
+    return o.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[o.scale_lr_with]
+
+
+def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int) -> "Schedule":
+    """Stepped once per optimizer step; total_steps is the run's, so cosine and one-cycle end at the end."""
+    o = cfg.optim
+    if o.schedule == "onecycle":
+        shape: Any = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr(cfg), total_steps=total_steps)
+    else:
+        factor = {
+            "constant": lambda s: 1.0,
+            "cosine": lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
+            "step": lambda s: o.gamma ** (s // (o.step_epochs * steps_per_epoch)),
+        }[o.schedule]
+        shape = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return Schedule(shape, o.warmup_steps)
+
+
+class Schedule:
+    """A torch schedule with a linear warm-up on top: the learning rate the schedule sets, times min(1, s / warmup).
+
+    Every schedule here computes its rate from the step count alone (LambdaLR from the base rates, OneCycleLR in
+    closed form), never from the rate it set before, so scaling what it sets changes nothing it computes later.
+    Its state is the inner schedule's: a resume restores the step count, and the warm-up follows from it.
+    """
+
+    def __init__(self, shape: Any, warmup_steps: int) -> None:
+        self.shape, self.warmup_steps = shape, warmup_steps
+        self.optimizer = shape.optimizer
+        self._warm()
+
+    def step(self) -> None:
+        self.shape.step()
+        self._warm()
+
+    def _warm(self) -> None:
+        steps = self.shape.last_epoch  # optimizer steps done: the rate set now is for step steps + 1
+        factor = min(1.0, steps / self.warmup_steps) if self.warmup_steps else 1.0
+        for group, lr in zip(self.optimizer.param_groups, self.shape.get_last_lr()):
+            group["lr"] = lr * factor
+
+    def get_last_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.shape.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shape.load_state_dict(state)
+        self._warm()
