@@ -1,14 +1,18 @@
-"""Shared helpers: run the real `dptrain` CLI in a subprocess under a hard timeout."""
+"""Shared helpers: run the real `dptrain` CLI in a subprocess under a hard timeout, or planned runs batched on ranks."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
+
+from tests.distributed import run_cli_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,3 +49,49 @@ def cli(tmp_path: Path):
         return run_cli(list(args), tmp_path, timeout, env)
 
     return call
+
+
+# CLI runs shared across test modules. A module declares its multi-rank runs at import (plan_runs), so
+# that by the first test every collected module's runs are known; the first test that needs one run of a
+# world size and precision then makes all of them at once, in one set of rank processes (run_cli_on_ranks):
+# each set of ranks costs a Python + torch start per rank, a run in it only its own work. (A collected module's
+# runs are made even if -k deselects their tests: a few seconds each, for one start instead of several.)
+FLOAT64_ENV = {"PYTHONPATH": f"{Path(__file__).parent / 'float64'}{os.pathsep}{REPO}"}  # every rank computes in float64
+Precision = Literal["fp32", "float64"]
+PLANNED: dict[str, tuple[tuple[str, ...], tuple[int, ...], Precision]] = {}
+
+
+def plan_runs(runs: dict[str, tuple[list[str], tuple[int, ...]]], precision: Precision = "fp32") -> None:
+    """Declare `dptrain ARGV` runs by name (unique over the test suite): ARGV without --output.dir, its world sizes."""
+    for name, (argv, worlds) in runs.items():
+        planned = (tuple(argv), tuple(worlds), precision)
+        assert PLANNED.setdefault(name, planned) == planned, f"two different runs are both named {name}"
+
+
+@pytest.fixture(scope="session")
+def planned_run(tmp_path_factory):
+    """planned_run(name, world) -> the run directory of that run of PLANNED, finished with exit code 0."""
+    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, rank 0's exit code)
+    broken: dict[tuple[str, int], str] = {}  # (precision, world) -> why that set of ranks failed as a whole
+
+    def get(name: str, world: int) -> Path:
+        precision = PLANNED[name][2]
+        if (precision, world) in broken:  # fail at once, not after running the whole batch again
+            pytest.fail(broken[(precision, world)])
+        if (name, world) not in made:
+            names = [n for n, (_, worlds, p) in PLANNED.items() if world in worlds and p == precision]
+            root = tmp_path_factory.mktemp(f"{precision}-world{world}")
+            dirs = [root / n.replace("/", "-") for n in names]
+            argvs = [[*PLANNED[n][0], "--output.dir", str(d)] for n, d in zip(names, dirs)]
+            try:  # a minute a run at most: a hang fails the batch, not the suite
+                codes = run_cli_on_ranks(world, argvs, str(root), timeout=min(900, 60 * len(argvs)),
+                                         env=FLOAT64_ENV if precision == "float64" else None)
+            except (AssertionError, queue.Empty) as exc:  # a rank raised, or a rank went silent
+                broken[(precision, world)] = f"the {precision} runs on {world} ranks failed: {exc!r}"[:3000]
+                raise
+            made.update({(n, world): (d, code) for n, d, code in zip(names, dirs, codes)})
+        run_dir, code = made[(name, world)]
+        assert code == 0, f"run {name} on {world} ranks failed: " + log_tail(run_dir)
+        return run_dir
+
+    return get

@@ -6,12 +6,13 @@ import csv
 
 import pytest
 
-from tests.conftest import read_events, run_cli
+from dptrain.cli import main
+from tests.conftest import plan_runs, read_events, run_cli
 
 pytestmark = pytest.mark.slow
 
 # 53 test samples: not divisible by 2 or 3 workers, nor by the eval batch of 8 per worker.
-TRAIN = ["--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "128",
+TRAIN = ["--data.name", "synthetic", "--data.synthetic_train_size", "128",
          "--data.synthetic_test_size", "53", "--train.global_batch_size", "32", "--train.epochs", "1",
          "--train.eval_batch_size", "8", "--strategy.name", "fsdp"]
 
@@ -21,21 +22,28 @@ def metric_fields(stdout: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split("[METRIC]")[1].split())
 
 
+# Trained on 2 ranks with the other modules' 2-rank runs, in one set of rank processes (planned_run).
+plan_runs({"eval/trained": (["train", *TRAIN, "--launch.timeout_s", "60"], (2,))})
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(planned_run):
     """A run directory trained with fsdp on 2 workers (its snapshot holds sharded weights)."""
-    run_dir = tmp_path_factory.mktemp("eval") / "run"
-    result = run_cli(["train", *TRAIN, "--output.dir", str(run_dir)], run_dir.parent, 300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return planned_run("eval/trained", 2)
 
 
 @pytest.mark.parametrize("workers", [1, 3])
-def test_eval_counts_every_test_sample_once_and_matches_training(cli, tmp_path, trained, workers):
+def test_eval_counts_every_test_sample_once_and_matches_training(tmp_path, capsys, trained, workers):
     predictions = tmp_path / "predictions.csv"
-    result = cli("eval", "--checkpoint", str(trained), "--nproc-per-node", str(workers), "--predictions", str(predictions))
-    assert result.returncode == 0, result.stderr[-3000:]
-    fields = metric_fields(result.stdout)
+    args = ["eval", "--checkpoint", str(trained), "--nproc-per-node", str(workers), "--predictions", str(predictions)]
+    if workers == 1:  # one worker runs in this process, no launch
+        code = main(args)
+        stdout, stderr = capsys.readouterr()
+    else:  # through the elastic agent, in a process of its own (the agent takes over its process's signals)
+        result = run_cli(args, tmp_path)
+        code, stdout, stderr = result.returncode, result.stdout, result.stderr
+    assert code == 0, stderr[-3000:]
+    fields = metric_fields(stdout)
     final = read_events(trained, "epoch")[-1]  # the training run's own evaluation of the same weights
     assert int(fields["eval_count"]) == 53 and int(fields["world_size"]) == workers
     # The line prints 6 significant digits (<= 5e-6 relative); the same weights' per-sample losses summed
@@ -52,8 +60,7 @@ def test_eval_counts_every_test_sample_once_and_matches_training(cli, tmp_path, 
     assert correct / 53 == pytest.approx(final["eval_acc"], abs=1e-9)
 
 
-def test_eval_of_a_path_without_snapshot_is_one_sentence(cli, tmp_path):
-    result = cli("eval", "--checkpoint", str(tmp_path))
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"dptrain: error: {tmp_path} is neither a snapshot nor a run directory with a valid "
-                                     f"snapshot; give a folder that dptrain checkpoint list shows as ok.")
+def test_eval_of_a_path_without_snapshot_is_one_sentence(tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: {tmp_path} is neither a snapshot nor a run directory "
+                                               f"with a valid snapshot; give a folder that dptrain checkpoint list shows as ok.")

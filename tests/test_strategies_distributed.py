@@ -6,14 +6,13 @@ float32, are compared with one process directly, without the CLI, in tests/strat
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, log_tail, read_events, run_cli
-from tests.distributed import run_cli_on_ranks, run_on_ranks
+from tests.conftest import plan_runs, read_events
+from tests.distributed import run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +37,9 @@ EXACT = {
 }
 
 
-# Every multi-rank run of this module, by name: its options and the world sizes it runs at. Each
-# world size's runs are made together, in one set of rank processes, the first time a test needs one
-# (run_cli_on_ranks): a launch per run would cost most of this module's time in start-up.
+# Every run of this module, by name: its options and the world sizes it runs at. Each world size's
+# runs are made together, with those of the other modules, in one set of rank processes, the first
+# time a test needs one (planned_run in conftest.py): a launch per run would cost most of the time in start-up.
 SHARDING = ["--model.name", "tests.user_code:EvenMLP", "--train.max_steps", "3", "--optim.name", "adam"]
 CLIP = ["--train.grad_clip", "0.05"]
 PLAN: dict[str, tuple[list[str], tuple[int, ...]]] = {
@@ -50,6 +49,11 @@ PLAN: dict[str, tuple[list[str], tuple[int, ...]]] = {
     "fsdp-bf16": (["--strategy.name", "fsdp", "--strategy.param_dtype", "bfloat16", "--strategy.reduce_dtype", "float32"], (2,)),
     **{f"held-{strategy}": (["--strategy.name", strategy, *SHARDING], (2, 4)) for strategy in ("ddp", "zero1", "fsdp", "ps")},
 }
+plan_runs({f"strategies/{name}": (["train", *COMMON, *args, "--launch.timeout_s", "60"], worlds)
+           for name, (args, worlds) in PLAN.items()})
+# One process (a world of 1 under torchrun's variables): the reference of every comparison.
+plan_runs({"strategies/reference": (["train", "--strategy.name", "ddp", *COMMON], (1,)),
+           "strategies/clipped": (["train", "--strategy.name", "ddp", *COMMON, *CLIP], (1,))})
 
 
 def results(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
@@ -58,34 +62,21 @@ def results(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], list[d
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(planned_run):
     """runs(name, world) -> results() of that run of PLAN."""
-    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, exit code)
+    made: dict[tuple[str, int], tuple[list[float], dict[str, torch.Tensor], list[dict]]] = {}
 
     def get(name: str, world: int):
         if (name, world) not in made:
-            names = [n for n, (_, worlds) in PLAN.items() if world in worlds]
-            root = tmp_path_factory.mktemp(f"world{world}")
-            argvs = [["train", *COMMON, *PLAN[n][0], "--launch.timeout_s", "60", "--output.dir", str(root / n)] for n in names]
-            codes = run_cli_on_ranks(world, argvs, str(root), timeout=900)
-            made.update({(n, world): (root / n, code) for n, code in zip(names, codes)})
-        run_dir, code = made[(name, world)]
-        assert code == 0, f"run {name} on {world} ranks failed: " + log_tail(run_dir)
-        return results(run_dir)
+            made[(name, world)] = results(planned_run(f"strategies/{name}", world))
+        return made[(name, world)]
 
     return get
 
 
-def one_process(tmp_path_factory, name: str, *args: str) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
-    run_dir = tmp_path_factory.mktemp(name) / "w1"
-    result = run_cli(["train", "--strategy.name", "ddp", *COMMON, *args, "--output.dir", str(run_dir)], run_dir.parent, 300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return results(run_dir)
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return one_process(tmp_path_factory, "reference")
+def reference(planned_run):
+    return results(planned_run("strategies/reference", 1))
 
 
 # Final weights within 1e-5 of each tensor's scale, with one measured exception: fsdp on 4 ranks.
@@ -117,8 +108,8 @@ def assert_same_training(reference, run, weight_bound: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def clipped_reference(tmp_path_factory, reference):
-    clipped = one_process(tmp_path_factory, "clipped", *CLIP)
+def clipped_reference(planned_run, reference):
+    clipped = results(planned_run("strategies/clipped", 1))
     assert clipped[0][5:] != reference[0][5:]  # the bound really clips
     return clipped
 
@@ -138,23 +129,20 @@ def test_fsdp_mixed_precision_gathers_bfloat16_and_stays_close(runs, reference):
     assert epochs[-1]["comm_bytes_per_step"] == [(2 * full * 2 + full * 4) // 2] * 2
 
 
-FLOAT64 = Path(__file__).parent / "float64"  # its sitecustomize makes every process compute in float64
-
-
-FLOAT64_ENV = {"PYTHONPATH": f"{FLOAT64}{os.pathsep}{REPO}"}
+# In float64 (tests/float64's sitecustomize makes every rank compute in it), sharing rank processes with
+# the float64 runs of test_train_distributed.py: one process (ddp), and fsdp on 4 ranks with either reshard setting.
+plan_runs({"strategies/float64-w1": (["train", *COMMON, "--strategy.name", "ddp"], (1,)),
+           **{f"strategies/float64-fsdp-{reshard}": (["train", *COMMON, "--strategy.name", "fsdp",
+                                                      "--strategy.reshard_after_forward", reshard], (4,))
+              for reshard in ("true", "false")}}, precision="float64")
 
 
 @pytest.fixture(scope="module")
-def float64_runs(tmp_path_factory):
+def float64_runs(planned_run):
     """The final weights of one process (ddp) and of fsdp on 4 ranks with either reshard setting, all in float64."""
-    root = tmp_path_factory.mktemp("float64")
-    one = run_cli(["train", *COMMON, "--strategy.name", "ddp", "--output.dir", str(root / "w1")], root, 300, FLOAT64_ENV)
-    assert one.returncode == 0, one.stderr[-3000:]
-    names = ("true", "false")
-    argvs = [["train", *COMMON, "--strategy.name", "fsdp", "--strategy.reshard_after_forward", reshard,
-              "--output.dir", str(root / f"fsdp-{reshard}")] for reshard in names]
-    assert run_cli_on_ranks(4, argvs, str(root), env=FLOAT64_ENV) == [0, 0]
-    return {name: torch.load(root / name / "model.pt") for name in ("w1", "fsdp-true", "fsdp-false")}
+    dirs = {"w1": planned_run("strategies/float64-w1", 1),
+            **{f"fsdp-{reshard}": planned_run(f"strategies/float64-fsdp-{reshard}", 4) for reshard in ("true", "false")}}
+    return {name: torch.load(run_dir / "model.pt") for name, run_dir in dirs.items()}
 
 
 @pytest.mark.parametrize("reshard", ["true", "false"])

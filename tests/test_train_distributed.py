@@ -1,18 +1,16 @@
 """Multi-process runs of the real CLI (gloo on CPU), each under a hard timeout: under the elastic agent
-(--nproc-per-node), or batched in one set of rank processes per world size as under torchrun (run_cli_on_ranks)."""
+(--nproc-per-node), or batched in one set of rank processes per world size as under torchrun (planned_run)."""
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from dptrain import config
-from tests.conftest import REPO, log_tail, read_events
-from tests.distributed import run_cli_on_ranks
+from tests.conftest import plan_runs, read_events
 from tests.idx_files import write_idx_dataset
 
 pytestmark = pytest.mark.slow
@@ -22,11 +20,11 @@ SYNTHETIC = ["--data.name", "synthetic", "--data.synthetic_train_size", "1000", 
 # The same 30 steps at world sizes 1, 2 and 4: same global batch of 32, same seed, no dropout.
 CURVE = [*SYNTHETIC, "--model.dropout", "false", "--train.max_steps", "30", "--train.global_batch_size", "32",
          "--train.log_every", "1"]
-FLOAT64_ENV = {"PYTHONPATH": f"{Path(__file__).parent / 'float64'}{os.pathsep}{REPO}"}  # every rank computes in float64
 UNIT_ROUNDOFF = 2.0**-24  # float32: u ~ 6.0e-8
 
 # Each run's options, the world sizes it runs at, and its precision. A world size's runs of one precision
-# share one set of rank processes (run_cli_on_ranks), made the first time a test needs one of them.
+# share one set of rank processes with those of the other modules (planned_run in conftest.py), made the
+# first time a test needs one of them.
 PLAN: dict[str, tuple[list[str], tuple[int, ...], str]] = {
     # The defaults (Adam, channels_last): exact in float64 only, see test_world_sizes_1_2_4_train_the_same_weights_in_float64.
     "adam": (CURVE, (1, 2, 4), "float64"),
@@ -39,24 +37,15 @@ PLAN: dict[str, tuple[list[str], tuple[int, ...], str]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def batched(tmp_path_factory):
+for _precision in ("fp32", "float64"):
+    plan_runs({f"train/{name}": (["train", *args, "--launch.timeout_s", "60"], worlds)
+               for name, (args, worlds, precision) in PLAN.items() if precision == _precision}, _precision)
+
+
+@pytest.fixture
+def batched(planned_run):
     """batched(name, world) -> the run directory of that finished run of PLAN."""
-    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, exit code)
-
-    def get(name: str, world: int) -> Path:
-        if (name, world) not in made:
-            precision = PLAN[name][2]
-            names = [n for n, (_, worlds, p) in PLAN.items() if world in worlds and p == precision]
-            root = tmp_path_factory.mktemp(f"{precision}-world{world}")
-            argvs = [["train", *PLAN[n][0], "--launch.timeout_s", "60", "--output.dir", str(root / n)] for n in names]
-            codes = run_cli_on_ranks(world, argvs, str(root), env=FLOAT64_ENV if precision == "float64" else None)
-            made.update({(n, world): (root / n, code) for n, code in zip(names, codes)})
-        run_dir, code = made[(name, world)]
-        assert code == 0, f"run {name} on {world} ranks failed: " + log_tail(run_dir)
-        return run_dir
-
-    return get
+    return lambda name, world: planned_run(f"train/{name}", world)
 
 
 def step_losses(run_dir) -> list[float]:
@@ -164,29 +153,33 @@ def test_a_failing_rank_is_named_with_its_phase(cli, tmp_path):
     assert result.stderr.strip().splitlines()[-1] == "dptrain: error: rank 1 failed during step 3: injected failure"
 
 
-@pytest.mark.parametrize("present", [0, 1])
-def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(cli, tmp_path, present):
-    """One rank of a 2-rank world under torchrun-style variables; the other never starts."""
+def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(tmp_path, monkeypatch, capsys):
+    """Rank 0 of a 2-rank world under torchrun-style variables, through the CLI in this process; rank 1 never starts.
+
+    The other side (rank 1 without rank 0) and the one deadline are tested on join_store itself, in test_runtime.py.
+    """
     import socket
     import time
+
+    from dptrain.cli import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    world = {"RANK": str(present), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+    world = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in world.items():
+        monkeypatch.setenv(key, value)
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the worker sets them: put them back afterwards
+        monkeypatch.delenv(key, raising=False)
     start = time.monotonic()
-    result = cli("train", *SYNTHETIC, "--launch.timeout_s", "5", "--output.dir", str(tmp_path / "alone"), env=world, timeout=120)
+    code = main(["train", *SYNTHETIC, "--launch.timeout_s", "3", "--output.dir", str(tmp_path / "alone")])
     elapsed = time.monotonic() - start
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
-    if present == 0:
-        assert last == ("dptrain: error: rank 0 failed during rendezvous: rank 1 of 2 never joined within 5 s; "
-                        "check that every rank was started with the same MASTER_ADDR:MASTER_PORT")
-    else:
-        assert last.startswith(f"dptrain: error: rank 1 failed during rendezvous: could not reach the store of rank 0 "
-                               f"at 127.0.0.1:{port} within 5 s: rank 0 is missing or unreachable")
-    assert elapsed < 60  # bounded by launch.timeout_s, not torch's 30-minute default
+    assert code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("dptrain: error: rank 0 failed during rendezvous: rank 1 of 2 never joined within 3 s; "
+                    "check that every rank was started with the same MASTER_ADDR:MASTER_PORT")
+    assert elapsed < 30  # bounded by launch.timeout_s, not torch's 30-minute default
 
 
 def test_a_rank_that_dies_unseen_by_any_agent_is_named_by_the_survivor(tmp_path):

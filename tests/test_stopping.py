@@ -1,0 +1,78 @@
+"""StopRequest directly: a signal on any rank stops every rank at the same step, and the handlers are given back."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from dptrain.stopping import StopRequest
+from tests.distributed import run_on_ranks
+
+
+def test_one_process_stops_at_the_next_boundary_and_gives_the_handlers_back():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    stop = StopRequest(1)
+    try:
+        assert stop.agreed() is None
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets the flag
+        assert stop.agreed() == "SIGUSR1"
+    finally:
+        stop.close()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def _steps_until_agreed(rank: int, world: int, signals: dict[int, tuple[int, str]]) -> tuple[int, str, str | None]:
+    """The loop's use: agreed() at each step's start. signals: rank -> (after which step, which signal) it gets one.
+
+    Returns (the step at whose start the stop was agreed, the answer, this rank's own signal).
+    """
+    stop = StopRequest(world)
+    try:
+        for step in range(1, 20):
+            answer = stop.agreed()
+            if answer is not None:
+                return step, answer, stop.signal_name
+            if rank in signals and signals[rank][0] == step:
+                os.kill(os.getpid(), getattr(signal, signals[rank][1]))
+        raise AssertionError("no stop agreed in 19 steps")
+    finally:
+        stop.close()  # finishes the last exchange, which every rank started
+
+
+SCENARIOS = {
+    "one rank": {1: (3, "SIGUSR1")},  # rank 1 only, as a stray signal would
+    "both ranks": {0: (2, "SIGTERM"), 1: (3, "SIGUSR1")},  # both, at different steps
+}
+
+
+def _every_scenario(rank: int, world: int) -> dict[str, tuple[int, str, str | None]]:
+    return {name: _steps_until_agreed(rank, world, signals) for name, signals in SCENARIOS.items()}
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks():
+    """{scenario: [rank 0's, rank 1's (step, answer, own signal)]}: every scenario in one set of 2 rank processes."""
+    by_rank = run_on_ranks(_every_scenario, 2, timeout=90)
+    return {name: [by_rank[0][name], by_rank[1][name]] for name in SCENARIOS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_signal_on_one_rank_stops_both_ranks_at_the_same_step(on_two_ranks):
+    """SIGUSR1 to rank 1 during step 3: step 4 starts the exchange that carries it, step 5's start reads it, on both."""
+    (step0, answer0, own0), (step1, answer1, own1) = on_two_ranks["one rank"]
+    assert step0 == step1 == 5
+    assert (answer1, own1) == ("SIGUSR1", "SIGUSR1")
+    assert (answer0, own0) == ("a signal on another rank", None)  # rank 0 got none: it learns of it only from rank 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_signals_on_both_ranks_at_different_steps_stop_both_at_the_first_ones_step(on_two_ranks):
+    """SIGTERM to rank 0 during step 2, SIGUSR1 to rank 1 during step 3: both stop where rank 0's signal says, each
+    naming its own."""
+    results = on_two_ranks["both ranks"]
+    assert [step for step, _, _ in results] == [4, 4]
+    assert [answer for _, answer, _ in results] == ["SIGTERM", "SIGUSR1"]
