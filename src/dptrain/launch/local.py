@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import signal
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,13 +29,16 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     The agent's own log (restarts, tracebacks of failed workers) goes to log_dir/launcher.log, not to the
     console: the user sees the one sentence of the LaunchError, the details stay in the run's logs.
     """
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for key, value in AGENT_ENV.items():
         os.environ.setdefault(key, value)
     _register_loopback_rendezvous()
+    # The agent's own per-worker folders (error files, maybe logs) in a folder of ours, removed after the
+    # run: by default torch leaves a /tmp/torchelastic_* folder behind for every launch.
+    agent_dir = tempfile.TemporaryDirectory(prefix="dptrain-agent-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -47,6 +51,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         max_restarts=max_restarts,
         monitor_interval=0.1,  # how soon the end (or a failure) of a worker is seen; the poll costs nothing noticeable
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=agent_dir.name),
     )
     # The agent forwards SIGTERM to the workers by itself; SIGUSR1 (SLURM's --signal) it must be
     # taught: raising SignalException here makes it send SIGUSR1 on to the workers and wait for them.
@@ -67,6 +72,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         raise LaunchError(describe_failure(exc)) from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        agent_dir.cleanup()
 
 
 def local_workers(launch: LaunchConfig) -> int:
