@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dptrain import config as config_mod
 from dptrain.launch.env import DistEnv
-from dptrain.launch.worker import join_world
+from dptrain.worker import join_world
 from dptrain.metrics import EventLog, ProgressBar
 from dptrain.runtime import Phase
 from dptrain.train import build
@@ -48,7 +48,7 @@ def main() -> None:
     run = build(cfg, env, device, EventLog([]), phase)
     progress = ProgressBar(enabled=False)
     for epoch in range(3):
-        run._start_epoch(epoch)
+        run.state.start_epoch(epoch, device)
         result = run._run_epoch(epoch, progress)
         print(f"dptrain epoch {epoch + 1}: {result['epoch_time_s']:.3f} s, {result['samples_per_s']:.0f} images/s "
               f"({len(run.train_loader)} steps, {result['epoch_time_s'] / len(run.train_loader) * 1e3:.2f} ms/step)")
@@ -59,8 +59,8 @@ def main() -> None:
         ms = bare_ms_per_step(model, batch.images, batch.labels, fused)
         print(f"bare eager step ({'fused' if fused else 'foreach'} Adam): {ms:.2f} ms/step, epoch ~{ms * len(run.train_loader) / 1e3:.3f} s")
 
-    run._start_epoch(3)
-    run.total_steps = run.step + 50
+    run.state.start_epoch(3, device)
+    run.total_steps = run.state.step + 50
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -48,7 +48,7 @@ RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "res
                      ("train", "deterministic"), ("train", "cuda_graph"), ("train", "eval_batch_size"),
                      ("data", "root"), ("data", "download"), ("data", "mirror"), ("data", "num_workers"),
                      ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"), ("launch", "device"), ("launch", "backend"),
-                     ("train", "eval_every_epochs"),
+                     ("train", "eval_every_epochs"), ("train", "progress_every_s"),
                      ("output", "name"), ("output", "dir")}
 # Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
 LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")

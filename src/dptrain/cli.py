@@ -5,6 +5,7 @@
     $ dptrain eval --checkpoint runs/run --nproc-per-node 2
     $ dptrain checkpoint list runs/run
     $ dptrain config --optim.lr 3e-4 > run.toml
+    $ dptrain tensorboard runs/run
 """
 
 from __future__ import annotations
@@ -233,6 +234,15 @@ def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_tensorboard(args: argparse.Namespace, extra: list[str]) -> int:
+    """TensorBoard on 127.0.0.1 over one or more run directories' tb/ folders, until Ctrl-C."""
+    from dptrain.metrics.tensorboard import serve
+
+    if extra:
+        raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain tensorboard --help.")
+    return serve([Path(p) for p in args.run_dirs], args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of image classifiers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,6 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("action", choices=("list", "verify"), help="list: every snapshot of a run; verify: check one")
     ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify: a snapshot folder")
     ckpt.set_defaults(func=cmd_checkpoint)
+    board = sub.add_parser(
+        "tensorboard",
+        help="watch runs in TensorBoard (on 127.0.0.1; prints the ssh tunnel line)",
+        description="Start TensorBoard on 127.0.0.1 over the runs' tb/ folders, reloading every second, and print its "
+        "URL and the ssh command that reaches it from a laptop. Runs until Ctrl-C.",
+    )
+    board.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, such as runs/run")
+    board.add_argument("--port", type=int, help="the port to listen on (default: a free one)")
+    board.set_defaults(func=cmd_tensorboard)
     return parser
 
 

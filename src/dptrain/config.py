@@ -175,6 +175,9 @@ class TrainConfig:
     """Clip the global gradient norm to this value (None: no clipping)."""
     log_every: int = 50
     """Optimizer steps between step events; each one costs a host sync and a collective."""
+    progress_every_s: float = 30.0
+    """When stdout is not a terminal (a SLURM output file, a pipe), rank 0 logs a plain progress line this often:
+    epoch, step of the run's total, images/s, ETA (0: none). A terminal shows a live bar instead."""
     channels_last: bool = True
     """Store activations NHWC; faster convolutions on most CPUs and GPUs, same results to float tolerance."""
     resume: str = "auto"
@@ -191,6 +194,7 @@ class TrainConfig:
         _positive(self.global_batch_size, "train.global_batch_size")
         _positive(self.eval_batch_size, "train.eval_batch_size")
         _positive(self.log_every, "train.log_every")
+        _not_negative(self.progress_every_s, "train.progress_every_s")
         if self.grad_clip is not None:
             _positive(self.grad_clip, "train.grad_clip")
 

@@ -51,7 +51,7 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool) -> str:
         f"ran forward on the CPU",
         f"  optimizer  {cfg.optim.name}, peak lr {peak_lr(cfg):g}, schedule {cfg.optim.schedule}"
         + (f", warm-up {cfg.optim.warmup_steps} steps" if cfg.optim.warmup_steps else ""),
-        f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, logs/, checkpoints/, model.pt)",
+        f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/, model.pt)",
         f"  resume     {resume}",
     ]
     return "\n".join(lines)

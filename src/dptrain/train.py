@@ -24,7 +24,7 @@ from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
 from dptrain.evaluate import evaluate, sync
 from dptrain.launch.env import DistEnv
-from dptrain.metrics import EventLog, ProgressBar, finite_or_none, peak_memory_mb
+from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, finite_or_none, peak_memory_mb, per_rank
 from dptrain.models import build_model
 from dptrain.runtime import Phase
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -80,11 +80,15 @@ class Run:
     """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
     step_graph: StepGraph | None = None
     """train.cuda_graph: replays the captured training step (None: every step runs eagerly)."""
+    utilisation: UtilisationSampler | None = None
+    """This rank's CPU, memory and GPU use, sampled on a thread while fit() runs (None: no utilisation fields)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
-        progress = ProgressBar(enabled=self.env.is_main)
         state, epochs = self.state, self.cfg.train.epochs
+        progress = ProgressBar(enabled=self.env.is_main, every_s=self.cfg.train.progress_every_s,
+                               total_steps=self.total_steps, start_step=state.step)
+        sampler = self.utilisation = UtilisationSampler(self.device)  # a daemon thread, closed below
         last: dict = {}
         if state.step >= self.total_steps and (state.epoch_reported or state.epoch_sums is None):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
@@ -117,6 +121,7 @@ class Run:
             completed = True
         finally:
             progress.stop()
+            sampler.close()  # joins the sampler thread, on failure too
             if self.stop is not None:
                 self.stop.close(wait=completed)
         return last
@@ -150,6 +155,8 @@ class Run:
         steps = 0  # in this process's part of the epoch
         sync(self.device)
         start = time.perf_counter() - state.epoch_elapsed  # a resumed epoch's clock goes on from the snapshot
+        if self.utilisation is not None:
+            self.utilisation.restart()
         for batch in self.train_loader.epoch_batches(epoch, state.batches_consumed):
             with self.phase(f"step {state.step + 1}"):
                 loss_sum, correct = self._run_batch(batch)
@@ -157,7 +164,7 @@ class Run:
             steps += 1
             state.epoch_elapsed = time.perf_counter() - start  # host clock, no sync: what a snapshot records
             step_loss = self._log_step(epoch, loss_sum, batch.global_count) if state.step % self.cfg.train.log_every == 0 else None
-            progress.advance(step_loss)
+            progress.advance(step_loss, state.step, batch.global_count)
             faults.signal_if_due(self.env.global_rank, state.step)
             with self.phase(f"snapshot after step {state.step}"):
                 self.snapshots.save_if_due(state)
@@ -170,11 +177,12 @@ class Run:
             elapsed = state.epoch_elapsed = time.perf_counter() - start
             peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
             accounting = self._accounting(steps)
+            utilisation = self._utilisation()
         loss, correct, count = totals.tolist()
         return {
             "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
             "epoch_time_s": elapsed, "samples_per_s": state.epoch_seen / elapsed,
-            "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting,
+            "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting, **utilisation,
         }
 
     def _stop_if_asked(self) -> None:
@@ -195,6 +203,13 @@ class Run:
         columns = self.strategy.all_reduce(table).long().t().tolist()
         names = ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "comm_bytes_per_step")
         return dict(zip(names, columns))
+
+    def _utilisation(self) -> dict[str, list[float]]:
+        """Per rank: CPU use and resident memory over this epoch's training, and its GPU's use where NVML is there."""
+        if self.utilisation is None:
+            return {}
+        return per_rank(self.utilisation.take(), self.env.world_size, self.env.global_rank, self.strategy.all_reduce,
+                        self.device)
 
     def _run_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (sum of this rank's losses, its correct predictions), on the device."""

@@ -17,7 +17,7 @@ import torch
 from dptrain import config as config_mod
 from dptrain.config import RunConfig
 from dptrain.launch.env import DistEnv
-from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink
+from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
 from dptrain.runtime import (Phase, barrier, destroy_process_group, init_process_group, pick_device, seed_everything,
                              set_cpu_threads, use_deterministic_kernels)
 from dptrain.stopping import EXIT_STOPPED, Stopped
@@ -122,7 +122,12 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             step = run.state.step
             if env.is_main:  # only now: a refused resume leaves the run directory as it was
                 (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-                (run_dir / "env.json").write_text(json.dumps(environment_record(env, device, threads), indent=2) + "\n")
+                record = environment_record(env, device, threads)
+                (run_dir / "env.json").write_text(json.dumps(record, indent=2) + "\n")
+                # runs/<name>/tb/: continues the curves of an earlier process from this run's step on
+                board = tensorboard.open_sink(run_dir, step, config_mod.to_dict(cfg), config_mod.to_toml(cfg), record)
+                if board is not None:
+                    events.sinks.append(board)
             events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
                         data=run.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=run.total_steps,
                         device=str(device))

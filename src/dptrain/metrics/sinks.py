@@ -1,4 +1,4 @@
-"""One event stream -> sinks: metrics.jsonl, `[METRIC] key=value` log lines, a rich progress bar.
+"""One event stream -> sinks: metrics.jsonl and `[METRIC] key=value` lines (TensorBoard: tensorboard.py).
 
 An event is one flat dict with stable keys (`event`, `epoch`, `step`, `train_loss`, ...). Only the
 global rank 0 gets sinks; the numbers it writes are already reduced over every rank.
@@ -9,15 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 log = logging.getLogger("dptrain")
 
@@ -58,11 +54,22 @@ def metric_line(event: dict[str, Any]) -> str:
 
 
 class MetricLineSink:
-    """One `[METRIC]` log line per epoch event."""
+    """One `[METRIC]` line per epoch event, always one line: grep-based collectors read it line by line."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or CONSOLE
 
     def write(self, event: dict[str, Any]) -> None:
-        if event["event"] == "epoch":
-            log.info(metric_line(event))
+        if event["event"] != "epoch":
+            return
+        line = metric_line(event)
+        if not self.console.is_terminal:  # files and pipes: the plain log handler writes it as it is
+            log.info(line)
+            return
+        # rich's log handler would wrap it over many lines at the terminal's width: the log files get the
+        # record, the terminal the line itself, unwrapped (soft_wrap: the terminal folds it, no newlines added).
+        log.info(line, extra={"file_only": True})
+        self.console.print(line, soft_wrap=True, markup=False, highlight=False, emoji=False)
 
     def close(self) -> None:
         pass
@@ -81,44 +88,6 @@ class EventLog:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
-
-
-class ProgressBar:
-    """Rank 0's live bar in a terminal; silent when output goes to a file (SLURM logs, CI)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and CONSOLE.is_terminal
-        self.progress: Progress | None = None
-        self.task = None
-
-    def start_epoch(self, epoch: int, num_epochs: int, total: int, done: int = 0) -> None:
-        if not self.enabled:
-            return
-        if self.progress is None:
-            self.progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=CONSOLE,
-            )
-            self.progress.start()
-        self.task = self.progress.add_task(f"epoch {epoch}/{num_epochs}", total=total, completed=done, loss="")
-
-    def advance(self, loss: float | None = None) -> None:
-        if self.progress is not None:
-            fields = {"loss": f"loss {loss:.4f}"} if loss is not None else {}
-            self.progress.update(self.task, advance=1, **fields)
-
-    def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated device memory on CUDA; peak resident memory of this process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss_kb / 1024 if sys.platform != "darwin" else rss_kb / 2**20
 
 
 def finite_or_none(x: float) -> float | None:

@@ -1,0 +1,169 @@
+"""TensorBoard: rank 0's event files in runs/<name>/tb/, and `dptrain tensorboard RUN_DIR...` to watch them.
+
+    $ dptrain tensorboard runs/run                 # http://127.0.0.1:PORT/, and the ssh tunnel line to reach it
+    $ dptrain tensorboard runs/a runs/b --port 6006
+
+Every point's x value is the run's global optimizer step, so a resumed run continues the same curves: its writer
+purges whatever an earlier process wrote after the snapshot's step (SummaryWriter's purge_step), so that no step
+has two points. tensorboard is imported only here, when a run starts on rank 0 (~0.2 s), or by the command.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from dptrain.config import ConfigError
+from dptrain.metrics.utilisation import FIELDS as UTILISATION_FIELDS
+
+log = logging.getLogger("dptrain")
+
+STEP_SCALARS = ("loss", "lr")
+"""A step event's scalars, as train/<key>."""
+EPOCH_SCALARS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "lr", "samples_per_s", "epoch_time_s",
+                 "eval_time_s", "peak_mem_mb")
+"""An epoch event's scalars, as epoch/<key>; its per-rank utilisation lists go to util/<key>/rank<R>."""
+FINAL_METRICS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "samples_per_s")
+"""The last epoch's values shown next to the run's hyperparameters (HPARAMS tab), as hparams/<key>."""
+
+
+def _markdown_code(text: str) -> str:
+    # TensorBoard's text tab renders markdown: indented lines keep their layout.
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def flat_hparams(tree: dict[str, Any]) -> dict[str, bool | int | float | str]:
+    """{"optim": {"lr": 0.1}} -> {"optim.lr": 0.1}: the values the hparams plugin takes (None and lists as text)."""
+    flat: dict[str, bool | int | float | str] = {}
+    for section, options in tree.items():
+        for key, value in options.items():
+            flat[f"{section}.{key}"] = value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+    return flat
+
+
+class TensorBoardSink:
+    """Rank 0's TensorBoard writer: step loss and lr, each epoch's metrics and utilisation, the config and the
+    environment as text, and at the run's end its hyperparameters with the final metrics.
+
+    Flushed after every epoch, at the end and every `flush_every_s` seconds in between (step events), so that a
+    `dptrain tensorboard` started beside the run shows it live.
+    """
+
+    def __init__(self, log_dir: Path, start_step: int, config: dict[str, Any], config_toml: str,
+                 environment: dict[str, Any], flush_every_s: float = 5.0) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard and protobuf, on rank 0 only
+
+        # purge_step: points at steps after the snapshot this run resumes from (written by a process that went on
+        # after it, then died) are dropped from the earlier files, so every step keeps one point.
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1, flush_secs=flush_every_s)
+        self.start_step, self.hparams = start_step, flat_hparams(config)
+        self.last_epoch: dict[str, Any] = {}
+        self.writer.add_text("config", _markdown_code(config_toml), start_step)
+        self.writer.add_text("environment", _markdown_code(json.dumps(environment, indent=2)), start_step)
+        self.writer.flush()
+
+    def write(self, event: dict[str, Any]) -> None:
+        kind, step = event["event"], event.get("step", self.start_step)
+        if kind == "step":
+            for key in STEP_SCALARS:
+                if event.get(key) is not None:  # a diverged loss is null
+                    self.writer.add_scalar(f"train/{key}", event[key], step)
+        elif kind == "epoch":
+            self.last_epoch = event
+            for key in EPOCH_SCALARS:
+                if event.get(key) is not None:
+                    self.writer.add_scalar(f"epoch/{key}", event[key], step)
+            for key in UTILISATION_FIELDS:
+                for rank, value in enumerate(event.get(key, ())):
+                    self.writer.add_scalar(f"util/{key}/rank{rank}", value, step)
+            self.writer.flush()
+        elif kind == "run_end":
+            self._write_hparams(step)
+            self.writer.flush()
+        elif kind == "stopped":
+            self.writer.flush()
+
+    def _write_hparams(self, step: int) -> None:
+        """The run's options and final metrics in the HPARAMS tab (its metric values are the hparams/* scalars)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        metrics = {f"hparams/{k}": self.last_epoch[k] for k in FINAL_METRICS if self.last_epoch.get(k) is not None}
+        if not metrics:  # nothing trained in this process (an already complete run)
+            return
+        for summary in hparams(self.hparams, metrics):
+            self.writer.file_writer.add_summary(summary, step)
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_sink(run_dir: Path, start_step: int, config: dict[str, Any], config_toml: str,
+              environment: dict[str, Any]) -> TensorBoardSink | None:
+    """The sink for runs/<name>/tb/, or None with one warning line when tensorboard cannot be imported."""
+    started = time.perf_counter()
+    try:
+        sink = TensorBoardSink(run_dir / "tb", start_step, config, config_toml, environment)
+    except ImportError as exc:
+        log.warning("no TensorBoard files: %s (pip install tensorboard)", exc)
+        return None
+    log.info("TensorBoard files in %s (%.2f s to start the writer); watch them with: dptrain tensorboard %s",
+             run_dir / "tb", time.perf_counter() - started, run_dir)
+    return sink
+
+
+def logdir_args(run_dirs: list[Path]) -> list[str]:
+    """TensorBoard's --logdir for one run's tb/, or --logdir_spec name:path,... for several (names made unique)."""
+    for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory such as runs/run.")
+        if not (run_dir / "tb").is_dir():
+            raise ConfigError(f"{run_dir} has no tb/ folder: no run with TensorBoard files has been written there yet.")
+        if "," in str(run_dir.resolve()):
+            raise ConfigError(f"{run_dir}: TensorBoard cannot take several run directories whose paths hold a comma; "
+                              f"rename it or show it alone.")
+    if len(run_dirs) == 1:
+        return ["--logdir", str(run_dirs[0] / "tb")]
+    names: dict[str, Path] = {}
+    for run_dir in run_dirs:
+        name, n = run_dir.resolve().name, 2
+        while name in names:
+            name, n = f"{run_dir.resolve().name}-{n}", n + 1
+        names[name] = run_dir / "tb"
+    return ["--logdir_spec", ",".join(f"{name}:{path.resolve()}" for name, path in names.items())]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(run_dirs: list[Path], port: int | None = None) -> int:
+    """TensorBoard on 127.0.0.1 only (reached from elsewhere through an ssh tunnel), reloading every second,
+    until Ctrl-C."""
+    args = logdir_args(run_dirs)
+    from tensorboard import program  # lazy: ~1 s of imports
+
+    # At INFO its data server logs every reload (once a second); warnings and errors still show.
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)
+    board = program.TensorBoard()
+    board.configure(argv=["tensorboard", *args, "--host", "127.0.0.1", "--port", str(port or free_port()),
+                          "--reload_interval", "1"])
+    url = board.launch()  # the server runs on its own thread
+    bound = url.rstrip("/").rsplit(":", 1)[-1]
+    print(f"TensorBoard for {', '.join(map(str, run_dirs))} at {url} (reloads every second; Ctrl-C stops it)", flush=True)
+    print(f"from your laptop: ssh -N -L {bound}:127.0.0.1:{bound} {getpass.getuser()}@{socket.gethostname()}  "
+          f"then open http://127.0.0.1:{bound}/", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:  # the way to stop it, not a failure
+        print("TensorBoard stopped", flush=True)
+        return 0

@@ -1,0 +1,118 @@
+"""TensorBoard: rank 0's event files continue across resumes with one point per step; `dptrain tensorboard` serves them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dptrain.cli import main
+from dptrain.metrics.tensorboard import free_port, logdir_args
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",
+         "--strategy.name", "single", "--train.global_batch_size", "32", "--train.log_every", "1", "--train.epochs", "5"]
+
+
+def read_board(tb_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tb_dir))
+    board.Reload()
+    return board
+
+
+def test_a_resumed_run_continues_the_curves_with_one_point_per_step(tmp_path, monkeypatch):
+    """4 steps an epoch. A: steps 1-6. B resumes from A's step-4 snapshot (A's steps 5, 6 must go) to step 8.
+    C resumes from B's end to step 10. Every step tag then has exactly one point per step."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "run"
+    assert main(["train", *SMALL, "--train.max_steps", "6"]) == 0
+    assert main(["train", *SMALL, "--train.max_steps", "8", "--train.resume", str(run / "checkpoints" / "step-00000004")]) == 0
+    assert main(["train", *SMALL, "--train.max_steps", "10"]) == 0
+    board = read_board(run / "tb")
+    scalars = board.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "epoch/train_loss", "epoch/eval_acc", "epoch/samples_per_s", "epoch/epoch_time_s",
+            "epoch/peak_mem_mb", "epoch/lr", "util/cpu_util_pct/rank0", "util/rss_max_mb/rank0"} <= set(scalars)
+    for tag in ("train/loss", "train/lr"):
+        assert [e.step for e in board.Scalars(tag)] == list(range(1, 11)), tag
+    # Epoch events: epoch 1 at 4 (A), A's partial epoch 2 at 6 purged, epoch 2 at 8 (B), partial epoch 3 at 10 (C).
+    assert [e.step for e in board.Scalars("epoch/train_loss")] == [4, 8, 10]
+    # The curves hold what metrics.jsonl holds, at the same steps (B's and C's step events, A's up to step 4).
+    jsonl = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last_loss = {e["step"]: e["loss"] for e in jsonl if e["event"] == "step"}
+    curve = board.Scalars("train/loss")
+    assert [e.value for e in curve] == pytest.approx([last_loss[e.step] for e in curve], rel=1e-6)
+    # The config and the environment as text, once per process at the step it started from; hparams at each end.
+    texts = board.Tensors("config/text_summary")
+    assert [t.step for t in texts] == [0, 4, 8]
+    assert "global_batch_size = 32" in texts[0].tensor_proto.string_val[0].decode()
+    assert "torch" in board.Tensors("environment/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert [e.step for e in board.Scalars("hparams/eval_acc")] == [8, 10]  # A's, at step 6, went with B's purge
+
+
+def test_logdir_for_one_run_and_a_spec_for_several(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name / "tb").mkdir(parents=True)
+    (tmp_path / "x" / "a" / "tb").mkdir(parents=True)
+    assert logdir_args([tmp_path / "a"]) == ["--logdir", str(tmp_path / "a" / "tb")]
+    flag, spec = logdir_args([tmp_path / "a", tmp_path / "b", tmp_path / "x" / "a"])
+    assert flag == "--logdir_spec"
+    assert spec == f"a:{tmp_path}/a/tb,b:{tmp_path}/b/tb,a-2:{tmp_path}/x/a/tb"
+
+
+def test_a_missing_run_dir_or_one_without_tb_is_one_sentence(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["tensorboard", str(tmp_path / "nope")]) == 2
+    assert main(["tensorboard", str(tmp_path / "empty")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"dptrain: error: the run directory {tmp_path / 'nope'} does not exist; give a run directory such as runs/run.",
+                     f"dptrain: error: {tmp_path / 'empty'} has no tb/ folder: no run with TensorBoard files has been "
+                     f"written there yet."]
+
+
+def _get(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+
+
+def test_the_tensorboard_command_serves_the_runs_on_loopback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *SMALL, "--train.max_steps", "3"]) == 0
+    assert main(["train", *SMALL, "--train.max_steps", "2", "--output.name", "other"]) == 0
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dptrain", "tensorboard", "runs/run", "runs/other", "--port", str(port)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, tags = time.monotonic() + 60, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            tags = _get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags")
+            if tags and {"run/.", "other/."} <= set(tags):  # logdir_spec names each run name/<folder under it>
+                break
+            time.sleep(0.5)
+        assert tags and {"run/.", "other/."} <= set(tags), (tags, proc.poll())
+        assert "train/loss" in tags["run/."] and "epoch/eval_acc" in tags["other/."]
+        points = _get(f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=run/.&tag=train/loss")
+        assert [step for _, step, _ in points] == [1, 2, 3]
+    finally:
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"at http://127.0.0.1:{port}/" in out
+    assert f"ssh -N -L {port}:127.0.0.1:{port} " in out
+    assert "TensorBoard stopped" in out
