@@ -25,6 +25,20 @@ def lrs(schedule: str, steps: int, *pairs: tuple[str, str], steps_per_epoch: int
     return out
 
 
+def test_learning_rate_schedules():
+    assert lrs("constant", 10) == [0.1] * 10
+    # approx: float64 closed forms of a few operations, ~1e-16 off, within approx's default rel 1e-6.
+    # The < bounds are shapes, not rounding: cosine's 10th lr is 0.05 (1 + cos(0.9 pi)) = 2.4e-3; onecycle
+    # starts at lr / 25 = 4e-3 and ends at lr / 25 / 1e4 = 4e-7 (torch's div_factor and final_div_factor).
+    cosine = lrs("cosine", 10)
+    assert cosine[0] == pytest.approx(0.1) and cosine[5] == pytest.approx(0.05) and cosine[-1] < 0.003
+    onecycle = lrs("onecycle", 20)
+    peak = max(range(20), key=onecycle.__getitem__)
+    assert onecycle[0] < 0.01 and 3 <= peak <= 8 and onecycle[-1] < 1e-3
+    step = lrs("step", 12, ("optim.step_epochs", "2"), ("optim.gamma", "0.5"), steps_per_epoch=4)
+    assert step == pytest.approx([0.1] * 8 + [0.05] * 4)
+
+
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "step", "onecycle"])
 def test_warmup_scales_every_schedule_linearly_from_zero(schedule):
     plain = lrs(schedule, 20)

@@ -61,34 +61,6 @@ def test_deterministic_kernels_change_no_result_and_no_snapshot(tmp_path, monkey
     assert [e["step"] for e in read_events(tmp_path / "runs" / "det", "run_end")] == [4, 6]
 
 
-def lrs(schedule: str, steps: int, steps_per_epoch: int = 4, **extra: str) -> list[float]:
-    from dptrain.train import build_scheduler
-
-    cfg = config.load(None, [("optim.schedule", schedule), ("optim.lr", "0.1"), *[(f"optim.{k}", v) for k, v in extra.items()]])
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    sched = build_scheduler(cfg, opt, steps, steps_per_epoch)
-    out = []
-    for _ in range(steps):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
-
-
-def test_learning_rate_schedules():
-    assert lrs("constant", 10) == [0.1] * 10
-    # approx: float64 closed forms of a few operations, ~1e-16 off, within approx's default rel 1e-6.
-    # The < bounds are shapes, not rounding: cosine's 10th lr is 0.05 (1 + cos(0.9 pi)) = 2.4e-3; onecycle
-    # starts at lr / 25 = 4e-3 and ends at lr / 25 / 1e4 = 4e-7 (torch's div_factor and final_div_factor).
-    cosine = lrs("cosine", 10)
-    assert cosine[0] == pytest.approx(0.1) and cosine[5] == pytest.approx(0.05) and cosine[-1] < 0.003
-    onecycle = lrs("onecycle", 20)
-    peak = max(range(20), key=onecycle.__getitem__)
-    assert onecycle[0] < 0.01 and 3 <= peak <= 8 and onecycle[-1] < 1e-3
-    step = lrs("step", 12, steps_per_epoch=4, step_epochs="2", gamma="0.5")
-    assert step == [0.1] * 8 + [0.05] * 4
-
-
 def test_dp_without_gpus_says_it_runs_as_one_device_and_trains_like_single(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("single", "dp"):

@@ -6,6 +6,8 @@
     $ dptrain checkpoint list runs/run
     $ dptrain config --optim.lr 3e-4 > run.toml
     $ dptrain tensorboard runs/run
+    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
+    $ dptrain report bench/fmnist
 """
 
 from __future__ import annotations
@@ -156,19 +158,25 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     predictions = str(Path(args.predictions).resolve()) if args.predictions else None
     if predictions:
         check_predictions_path(Path(predictions))
+    snapshot, cfg, _ = snapshot_and_its_run(args, extra, "eval")
+    world_size, launched_outside = world_size_here(cfg)
+    describe(cfg.data)  # the test split is there, before any worker starts
+    run_ranks(eval_worker, (config_mod.to_dict(cfg), str(snapshot), predictions), cfg, world_size, launched_outside)
+    return 0
+
+
+def snapshot_and_its_run(args: argparse.Namespace, extra: list[str], command: str) -> tuple[Path, RunConfig, dict[str, Any]]:
+    """(the snapshot --checkpoint names, the run's configuration with this command's overrides, its manifest),
+    verified safe and whole before any worker starts."""
     snapshot = checkpoint.find_snapshot(Path(args.checkpoint))
     saved = snapshot.parent.parent / "config.toml"
     if not saved.is_file():
-        raise ConfigError(f"{saved} is missing: eval rebuilds the model and data from the run's configuration; "
+        raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
                           f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
     overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1)),
                  ("launch.max_restarts", "0")]
     cfg = config_mod.load(saved, overrides)
-    world_size, launched_outside = world_size_here(cfg)
-    describe(cfg.data)  # the test split is there, before any worker starts
-    checkpoint.verify(snapshot)  # safe and whole, before any worker starts
-    run_ranks(eval_worker, (config_mod.to_dict(cfg), str(snapshot), predictions), cfg, world_size, launched_outside)
-    return 0
+    return snapshot, cfg, checkpoint.verify(snapshot)
 
 
 def check_predictions_path(path: Path) -> None:
@@ -191,16 +199,8 @@ def cmd_predict(args: argparse.Namespace, extra: list[str]) -> int:
 
     output = Path(args.output).resolve()
     check_output_path(output)
-    snapshot = checkpoint.find_snapshot(Path(args.checkpoint))
-    saved = snapshot.parent.parent / "config.toml"
-    if not saved.is_file():
-        raise ConfigError(f"{saved} is missing: predict rebuilds the model from the run's configuration; "
-                          f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
-    overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1)),
-                 ("launch.max_restarts", "0")]
-    cfg = config_mod.load(saved, overrides)
+    snapshot, cfg, manifest = snapshot_and_its_run(args, extra, "predict")
     world_size, launched_outside = world_size_here(cfg)
-    manifest = checkpoint.verify(snapshot)  # safe and whole, before any worker starts
     spec = snapshot_input(manifest, cfg, snapshot)
     input_path = Path(args.input).resolve()
     open_inputs(input_path, spec)  # a missing, damaged or wrong-shaped input file is refused here
@@ -241,6 +241,37 @@ def cmd_tensorboard(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain tensorboard --help.")
     return serve([Path(p) for p in args.run_dirs], args.port)
+
+
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    """A scaling sweep of real runs (workers x strategies x repeats), then its CSVs; 1 when a point failed."""
+    from dptrain.bench.collect import write_results
+    from dptrain.bench.sweep import build, run_sweep
+
+    sweep, notes = build(config_path=args.config, pairs=split_overrides(extra), workers=args.workers,
+                         strategies=args.strategies, repeats=args.repeats, warmup_epochs=args.warmup_epochs,
+                         engines=args.engines, run_timeout_s=args.run_timeout_s)
+    for note in notes:
+        log.info(f"bench: {note}")
+    failures = run_sweep(sweep)
+    rows, summary = write_results(sweep.bench_dir)
+    log.info(f"bench: {len(rows)} runs in {sweep.bench_dir / 'results.csv'}, {len(summary)} points in "
+             f"{sweep.bench_dir / 'summary.csv'}; plots: dptrain report {sweep.bench_dir}")
+    if failures:
+        print(f"dptrain: {len(failures)} of the sweep's runs failed: "
+              + "; ".join(f"{p.name}: {e}" for p, e in failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    """Plots and report.md from a sweep's results.csv (rebuilt from its runs when missing)."""
+    from dptrain.bench.report import write_report
+
+    if extra:
+        raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain report --help.")
+    print(write_report(Path(args.bench_dir)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,6 +341,34 @@ def build_parser() -> argparse.ArgumentParser:
     board.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, such as runs/run")
     board.add_argument("--port", type=int, help="the port to listen on (default: a free one)")
     board.set_defaults(func=cmd_tensorboard)
+    bench = sub.add_parser(
+        "bench",
+        help="measure scaling: one run per worker count, strategy and repeat",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run `dptrain train` once per point of workers x strategies x repeats, one at a time, under\n"
+        "OUTPUT_DIR/runs/<engine>-<strategy>-w<W>-r<R>/, then write OUTPUT_DIR/results.csv and summary.csv.\n"
+        "Running it again runs only the points not yet finished. --output.dir is the sweep's folder\n"
+        "(default bench/<data.name>); every other --section.option VALUE goes to every run (see dptrain train --help).",
+    )
+    bench.add_argument("--config", help="TOML file with [section] tables of options, for every run")
+    bench.add_argument("--workers", help="comma-separated worker counts (default 1,2,4,8, without those above the "
+                       "machine's CPU cores, or GPUs on a GPU run)")
+    bench.add_argument("--strategies", default="ddp,fsdp", help="comma-separated strategies (default ddp,fsdp)")
+    bench.add_argument("--repeats", type=int, default=1, help="runs of every point (default 1; 3 or more for error bars)")
+    bench.add_argument("--warmup-epochs", type=int, help="leading epochs of each run left out of the timing "
+                       "(default 1 when train.epochs > 1, else 0)")
+    bench.add_argument("--engines", default="dptrain", help="comma-separated engines (default dptrain)")
+    bench.add_argument("--run-timeout-s", type=float, default=3600.0,
+                       help="seconds one run may take before it is stopped and recorded as failed (default 3600)")
+    bench.set_defaults(func=cmd_bench)
+    report = sub.add_parser(
+        "report",
+        help="plots and report.md of a bench sweep",
+        description="Write BENCH_DIR/{epoch_time,speedup,validation,memory}.png and BENCH_DIR/report.md (which embeds "
+        "them with the summary table) from BENCH_DIR/results.csv, rebuilt from BENCH_DIR/runs when missing.",
+    )
+    report.add_argument("bench_dir", metavar="BENCH_DIR", help="the --output.dir of a `dptrain bench` sweep")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

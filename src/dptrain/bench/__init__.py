@@ -1,0 +1,9 @@
+"""Scaling benchmarks: a sweep of real runs over worker counts and strategies, their CSVs, and a report.
+
+    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
+    $ dptrain report bench/fmnist
+
+sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), collect.py (run directories ->
+results.csv and summary.csv), report.py (CSV -> PNGs and report.md). This package reads run directories and the
+config only: it never imports train or worker code.
+"""

@@ -1,0 +1,207 @@
+"""BENCH/results.csv -> four PNGs and BENCH/report.md that embeds them with the summary table.
+
+    $ dptrain report bench/fmnist
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from dptrain.bench.collect import SUMMARY_COLUMNS, as_number, collect, read_csv, summarize, write_csv, write_results
+from dptrain.config import ConfigError
+
+PLOTS = {
+    "epoch_time.png": "Time per epoch",
+    "speedup.png": "Speedup and parallel efficiency",
+    "validation.png": "Validation loss and accuracy",
+    "memory.png": "Peak memory per worker",
+}
+
+HOW_TO_READ = (
+    "How to read them: each line is one engine and strategy; each point is the mean over its repeats, the bars one "
+    "standard deviation (none with a single repeat). With perfect scaling the time per epoch halves each time the "
+    "workers double, following the dashed line drawn from the line's smallest worker count, and the speedup equals "
+    "the ratio of worker counts (efficiency 1.0); communication, synchronisation and, on the CPU, workers sharing "
+    "memory bandwidth pull the points above the dashed line. The global batch is the same at every worker count, so "
+    "each worker's share shrinks as workers are added and the optimizer sees the same batches: the validation loss "
+    "and accuracy should stay flat, and a drift there means the runs are not equivalent. The peak memory is per "
+    "worker (allocated CUDA memory on GPUs, resident memory of the process on the CPU): strategies that shard "
+    "parameters, gradients and optimizer state (fsdp) should use less per worker as workers are added."
+)
+
+
+def load_rows(bench_dir: Path) -> list[dict[str, Any]]:
+    """results.csv, or, when there is none, rebuilt from BENCH/runs (and written)."""
+    if not bench_dir.is_dir():
+        raise ConfigError(f"{bench_dir} does not exist; give the --output.dir of a `dptrain bench` sweep.")
+    results = bench_dir / "results.csv"
+    if results.is_file():
+        return read_csv(results)
+    if collect(bench_dir):
+        return write_results(bench_dir)[0]
+    return []
+
+
+def write_report(bench_dir: Path) -> Path:
+    """The PNGs and report.md in bench_dir; the path of report.md."""
+    rows = load_rows(bench_dir)
+    summary = [s for s in summarize(rows) if as_number(s["epoch_time_s_mean"]) is not None]
+    if not summary:
+        raise ConfigError(f"{bench_dir} holds no finished runs (no results.csv, and no run under {bench_dir / 'runs'} "
+                          f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
+    write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summarize(rows))
+    plot_all(summary, bench_dir)
+    path = bench_dir / "report.md"
+    path.write_text(markdown(rows, summary))
+    return path
+
+
+def _lines(summary: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in sorted(summary, key=lambda r: r["workers"]):
+        lines.setdefault((row["engine"], row["strategy"]), []).append(row)
+    return lines
+
+
+def _values(points: list[dict[str, Any]], measure: str) -> tuple[list[int], list[float], list[float]]:
+    """(workers, means, stds) where the mean exists; a missing std is 0 (no bar)."""
+    xs, ys, errs = [], [], []
+    for p in points:
+        mean = as_number(p.get(f"{measure}_mean"))
+        if mean is not None:
+            xs.append(p["workers"])
+            ys.append(mean)
+            errs.append(as_number(p.get(f"{measure}_std")) or 0.0)
+    return xs, ys, errs
+
+
+def _speedups(points: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float], int]:
+    """Speedup over the line's smallest worker count, its std from the two relative errors; and that count."""
+    xs, ts, errs = _values(points, "epoch_time_s")
+    base_t, base_err = ts[0], errs[0]
+    speedups = [base_t / t for t in ts]
+    spread = [s * math.hypot(base_err / base_t, e / t) for s, t, e in zip(speedups, ts, errs)]
+    return xs, speedups, spread, xs[0]
+
+
+def plot_all(summary: list[dict[str, Any]], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display: set before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    lines = _lines(summary)
+    workers = sorted({r["workers"] for r in summary})
+
+    def axes_for_workers(ax: Any, ylabel: str, log_y: bool = False) -> None:
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_xticks(workers, [str(w) for w in workers])
+        ax.minorticks_off()
+        ax.set_xlabel("workers")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for (engine, strategy), points in lines.items():
+        xs, ys, errs = _values(points, "epoch_time_s")
+        drawn = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"{engine} {strategy}")
+        ideal = [ys[0] * xs[0] / w for w in xs]
+        ax.plot(xs, ideal, linestyle="--", color=drawn[0].get_color(), alpha=0.6, label=f"{engine} {strategy} ideal")
+    axes_for_workers(ax, "time per epoch (s)", log_y=True)
+    ax.set_title("Time per epoch (timed epochs, training only)")
+    ax.legend(fontsize="small")
+    _save(fig, out_dir / "epoch_time.png", plt)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for (engine, strategy), points in lines.items():
+        xs, speedups, spread, base = _speedups(points)
+        drawn = left.errorbar(xs, speedups, yerr=spread, marker="o", capsize=3, label=f"{engine} {strategy}")
+        left.plot(xs, [w / base for w in xs], linestyle="--", color=drawn[0].get_color(), alpha=0.6)
+        right.errorbar(xs, [s * base / w for s, w in zip(speedups, xs)], yerr=[e * base / w for e, w in zip(spread, xs)],
+                       marker="o", capsize=3, label=f"{engine} {strategy}")
+    right.axhline(1.0, linestyle="--", color="grey", alpha=0.6, label="ideal")
+    axes_for_workers(left, "speedup (dashed: ideal)")
+    axes_for_workers(right, "parallel efficiency")
+    right.set_ylim(bottom=0)
+    left.set_title("Speedup over the smallest worker count")
+    right.set_title("Parallel efficiency")
+    left.legend(fontsize="small")
+    right.legend(fontsize="small")
+    _save(fig, out_dir / "speedup.png", plt)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for (engine, strategy), points in lines.items():
+        left.errorbar(*_values(points, "eval_loss"), marker="o", capsize=3, label=f"{engine} {strategy}")
+        right.errorbar(*_values(points, "eval_acc"), marker="o", capsize=3, label=f"{engine} {strategy}")
+    axes_for_workers(left, "validation loss")
+    axes_for_workers(right, "validation accuracy")
+    left.set_title("Validation loss (last evaluation)")
+    right.set_title("Validation accuracy (last evaluation)")
+    left.legend(fontsize="small")
+    _save(fig, out_dir / "validation.png", plt)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for (engine, strategy), points in lines.items():
+        ax.errorbar(*_values(points, "peak_mem_mb"), marker="o", capsize=3, label=f"{engine} {strategy}")
+    axes_for_workers(ax, "peak memory per worker (MiB)")
+    ax.set_title("Peak memory per worker (largest rank)")
+    ax.legend(fontsize="small")
+    _save(fig, out_dir / "memory.png", plt)
+
+
+def _save(fig: Any, path: Path, plt: Any) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pm(row: dict[str, Any], measure: str, fmt: str) -> str:
+    mean, std = as_number(row.get(f"{measure}_mean")), as_number(row.get(f"{measure}_std"))
+    if mean is None:
+        return "-"
+    return format(mean, fmt) + (f" ± {format(std, fmt)}" if std is not None else "")
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    head = ("| engine | strategy | workers | runs | epoch time (s) | images/s | speedup | efficiency | eval loss | "
+            "eval acc | peak mem / worker (MiB) |")
+    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    for r in sorted(summary, key=lambda r: (r["engine"], r["strategy"], r["workers"])):
+        speedup, efficiency = as_number(r.get("speedup")), as_number(r.get("efficiency"))
+        lines.append(f"| {r['engine']} | {r['strategy']} | {r['workers']} | {r['runs']} | {_pm(r, 'epoch_time_s', '.3f')} | "
+                     f"{_pm(r, 'images_per_s', '.0f')} | {'-' if speedup is None else f'{speedup:.2f}'} | "
+                     f"{'-' if efficiency is None else f'{efficiency:.2f}'} | {_pm(r, 'eval_loss', '.4f')} | "
+                     f"{_pm(r, 'eval_acc', '.4f')} | {_pm(r, 'peak_mem_mb', '.0f')} |")
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
+    ok = [r for r in rows if r["status"] == "ok"]
+    facts = sorted({f"torch {r['torch']} on {r['host']}" for r in ok if r.get("torch")})
+    batches = sorted({str(r["global_batch_size"]) for r in ok if r.get("global_batch_size") not in ("", None)})
+    timed = sorted({str(r["epochs_timed"]) for r in ok})
+    parts = ["# Scaling benchmark", "",
+             f"{len(ok)} finished runs ({'; '.join(facts) or 'versions unknown'}), global batch "
+             f"{', '.join(batches) or '?'} at every worker count, {', '.join(timed)} timed epochs per run (warm-up "
+             f"epochs left out). Per-run numbers: [results.csv](results.csv); means and standard deviations: "
+             f"[summary.csv](summary.csv).", ""]
+    lowest = {(r["engine"], r["strategy"]): min(p["workers"] for p in summary
+                                                if (p["engine"], p["strategy"]) == (r["engine"], r["strategy"]))
+              for r in summary}
+    no_single = sorted(f"{e} {s} (from {w} workers)" for (e, s), w in lowest.items() if w != 1)
+    if no_single:
+        parts += [f"No 1-worker point for {', '.join(no_single)}: speedup, efficiency and the ideal lines are "
+                  f"relative to the smallest worker count measured.", ""]
+    for name, title in PLOTS.items():
+        parts += [f"## {title}", "", f"![{title}]({name})", ""]
+    parts += ["## Summary", "", table(summary), "", HOW_TO_READ, ""]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        parts += ["## Runs that did not finish", ""]
+        parts += [f"- `{Path(r['run_dir']).name}` ({r['status']}): {r.get('error') or 'no error recorded'}" for r in failed]
+        parts.append("")
+    return "\n".join(parts)
