@@ -4,6 +4,7 @@
     $ dptrain report bench/fmnist
 
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), collect.py (run directories ->
-results.csv and summary.csv), report.py (CSV -> PNGs and report.md). This package reads run directories and the
+results.csv and summary.csv), report.py (CSV -> PNGs and report.md), tutorial.py (the `tutorial` engine:
+the tutorials' plain loop, run under torchrun, writing the same metrics.jsonl events). This package reads run directories and the
 config only: it never imports train or worker code.
 """

@@ -36,14 +36,15 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     if not match:
         return None
     row: dict[str, Any] = {"engine": match["engine"], "strategy": match["strategy"], "nodes": 1,
-                           "workers": int(match["workers"]), "repeat": int(match["repeat"]), "run_dir": str(run_dir)}
+                           "workers": int(match["workers"]), "repeat": int(match["repeat"]),
+                           "run_dir": f"runs/{run_dir.name}"}  # relative to the bench folder, which may move
     events = read_events(run_dir)
     env = _read_json(run_dir / "env.json")
     row["torch"], row["host"] = env.get("torch", ""), env.get("host", "")
     start = next((e for e in events if e.get("event") == "run_start"), {})
     row["global_batch_size"] = start.get("global_batch_size", "")
-    if not any(e.get("event") == "run_end" for e in events):
-        error_file = run_dir / ERROR_FILE
+    error_file = run_dir / ERROR_FILE
+    if error_file.is_file() or not any(e.get("event") == "run_end" for e in events):
         row["status"] = "failed" if error_file.is_file() else "unfinished"
         row["error"] = error_file.read_text().strip() if error_file.is_file() else "no run_end event (interrupted?)"
         return row

@@ -19,16 +19,17 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dptrain import config as config_mod
+from dptrain.bench import tutorial
 from dptrain.config import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("dptrain",)
-NOT_YET_ENGINES = ("lightning", "deepspeed", "tutorial")
+ENGINES = ("dptrain", "tutorial")  # tutorial: the tutorials' plain loop (tutorial.py), the baseline
+NOT_YET_ENGINES = ("lightning", "deepspeed")
 DEFAULT_WORKERS = (1, 2, 4, 8)
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
 SWEEP_FILE = "sweep.json"  # the sweep's config, so that a resumed sweep runs the same runs and collect knows the warm-up
@@ -141,7 +142,9 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
     check_engines(engine_names)
     strategy_names = split_list(strategies, "--strategies")
     for name in strategy_names:  # every strategy with the shared options: a mistake is one sentence now, not N failures
-        config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
+        point_cfg = config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
+        if "tutorial" in engine_names:
+            tutorial.check(point_cfg)
     cfg = config_mod.load(config_path, train_pairs)
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats} is below 1; give 1 or more.")
@@ -199,11 +202,12 @@ def read_events(run_dir: Path) -> list[dict]:
 
 
 def is_done(run_dir: Path) -> bool:
-    return any(e.get("event") == "run_end" for e in read_events(run_dir))
+    """Ended with a run_end event, and its command exited 0 (no bench_error.txt)."""
+    return not (run_dir / ERROR_FILE).exists() and any(e.get("event") == "run_end" for e in read_events(run_dir))
 
 
 def sweep_record(sweep: Sweep) -> dict:
-    """What makes two sweeps comparable: the shared config (per-point options left out) and the engines' code."""
+    """What makes two sweeps comparable: the shared config, per-point options left out; and the warm-up."""
     tree = json.loads(json.dumps(config_mod.to_dict(sweep.config)))
     tree["strategy"].pop("name")
     tree["launch"].pop("nproc_per_node")
@@ -237,21 +241,33 @@ def read_warmup(bench_dir: Path) -> int | None:
 
 
 def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
-    # no snapshots: saving is not what is measured (the user's --checkpoint.every_epochs, given later, wins)
+    """The command that runs one point (for the tutorial engine, after writing the point's config.toml)."""
+    if point.engine == "tutorial":
+        cfg = sweep.config
+        cfg = replace(cfg, strategy=replace(cfg.strategy, name=point.strategy),
+                      launch=replace(cfg.launch, nproc_per_node=point.workers), output=replace(cfg.output, dir=str(run_dir)))
+        (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(point.workers),
+                "-m", "dptrain.bench.tutorial", str(run_dir)]
+    # no epoch snapshots: saving is not what is measured (the user's --checkpoint.every_epochs, given later, wins)
     return [sys.executable, "-m", "dptrain", "train", "--nproc-per-node", str(point.workers),
             "--checkpoint.every_epochs", "0", *sweep.train_args,
             "--strategy.name", point.strategy, "--output.dir", str(run_dir)]
 
 
 def first_error(output: str, returncode: int) -> str:
-    """The line that says why a run failed: dptrain's own `dptrain: error: ...`, else the last exception line."""
+    """The line that says why a run failed: dptrain's own `dptrain: error: ...`; else the first exception raised in a
+    worker; else torchrun's root cause (a signal, say); else the exit status."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in lines:
         if line.startswith("dptrain:"):
             return line
-    for line in reversed(lines):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception|Failure)\b", line):
+    for line in lines:
+        if re.match(r"^[A-Za-z_.]*(Error|Exception|Failure)\b", line) and "ChildFailedError" not in line:
             return line
+    causes = [m[1] for line in lines if (m := re.match(r"^traceback\s*:\s*(.+)", line))]
+    if causes:  # torchrun's summary lists the root cause (the first observed failure) last
+        return f"worker failed: {causes[-1]}"
     return f"exit status {returncode}" + (f"; last output: {lines[-1]}" if lines else "")
 
 

@@ -1,0 +1,120 @@
+"""`dptrain bench` and `dptrain report` end to end: real runs (gloo on CPU, tiny synthetic data), resumed and failed."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from dptrain.bench.collect import RESULT_COLUMNS, SUMMARY_COLUMNS
+from dptrain.bench.report import PLOTS
+from dptrain.bench.sweep import ERROR_FILE, LOG_FILE
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
+        "--train.epochs", "2", "--train.global_batch_size", "32", "--train.progress_every_s", "0"]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(working folder, bench folder) of a 2-point sweep: workers 1,2 x ddp, one repeat."""
+    cwd = tmp_path_factory.mktemp("bench")
+    proc = run_cli(["bench", "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY], cwd, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd, cwd / "out"
+
+
+@pytest.mark.timeout(120)
+def test_sweep_writes_one_row_per_run_and_a_summary(sweep):
+    _, bench = sweep
+    rows = read_rows(bench / "results.csv")
+    assert tuple(rows[0]) == RESULT_COLUMNS
+    assert [(r["engine"], r["strategy"], r["workers"], r["status"]) for r in rows] == [
+        ("dptrain", "ddp", "1", "ok"), ("dptrain", "ddp", "2", "ok")]
+    for row in rows:
+        assert row["nodes"] == "1" and row["global_batch_size"] == "32" and row["epochs_timed"] == "1"  # 1 warm-up epoch
+        assert float(row["epoch_time_s"]) > 0 and float(row["images_per_s"]) > 0
+        assert 0 <= float(row["eval_acc"]) <= 1 and float(row["eval_loss"]) > 0
+        assert float(row["peak_mem_mb"]) > 0 and float(row["rss_max_mb"]) > 0 and float(row["cpu_util_pct"]) > 0
+        assert row["torch"].startswith("2.") and row["host"] and row["run_dir"].startswith("runs/dptrain-ddp-w")
+        run_dir = bench / row["run_dir"]
+        assert (run_dir / LOG_FILE).read_text().startswith("$ ")  # the command, then its output
+        assert len(list((run_dir / "checkpoints").glob("step-*"))) == 1  # epoch snapshots off; the run's end writes one
+    summary = read_rows(bench / "summary.csv")
+    assert tuple(summary[0]) == SUMMARY_COLUMNS
+    assert [(s["workers"], s["runs"], s["failed"]) for s in summary] == [("1", "1", "0"), ("2", "1", "0")]
+    assert float(summary[0]["speedup"]) == 1.0 and summary[0]["epoch_time_s_std"] == ""  # one repeat: no std
+
+
+@pytest.mark.timeout(60)
+def test_report_writes_pngs_and_markdown(sweep):
+    cwd, bench = sweep
+    (bench / "results.csv").rename(bench / "kept.csv")  # report rebuilds it from the runs
+    proc = run_cli(["report", "out"], cwd, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert read_rows(bench / "results.csv") == read_rows(bench / "kept.csv")
+    text = (bench / "report.md").read_text()
+    for name in PLOTS:
+        data = (bench / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+        assert f"]({name})" in text  # embedded by a relative path
+    assert "| dptrain | ddp | 2 | 1 |" in text and "How to read them" in text
+
+
+@pytest.mark.timeout(120)
+def test_resumed_sweep_runs_only_the_missing_point(sweep):
+    cwd, bench = sweep
+    done, cut = bench / "runs" / "dptrain-ddp-w1-r1", bench / "runs" / "dptrain-ddp-w2-r1"
+    kept = (done / LOG_FILE).stat().st_mtime_ns
+    metrics = cut / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if '"run_end"' not in line))
+    (cut / "stale").write_text("from the interrupted run")
+    proc = run_cli(["bench", "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY], cwd, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 done already, 1 to run" in proc.stderr
+    assert (done / LOG_FILE).stat().st_mtime_ns == kept
+    assert '"run_end"' in metrics.read_text() and not (cut / "stale").exists()  # redone in a fresh folder
+    assert [r["status"] for r in read_rows(bench / "results.csv")] == ["ok", "ok"]
+
+
+@pytest.mark.timeout(60)
+def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path):
+    # strategy single refuses 2 processes inside the run: a real failure of one point, found in seconds
+    proc = run_cli(["bench", "--workers", "2", "--strategies", "single", "--output.dir", "out", *TINY], tmp_path,
+                   timeout=60)
+    assert proc.returncode == 1
+    assert "1 of the sweep's runs failed: dptrain-single-w2-r1: dptrain: error: strategy single" in proc.stderr
+    [row] = read_rows(tmp_path / "out" / "results.csv")
+    assert row["status"] == "failed" and row["error"].startswith("dptrain: error: strategy single cannot run")
+    assert (tmp_path / "out" / "runs" / "dptrain-single-w2-r1" / ERROR_FILE).is_file()
+
+
+@pytest.mark.timeout(60)
+def test_report_without_results_is_one_sentence(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_cli(["report", "empty"], tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("dptrain: error: empty holds no finished runs") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_tutorial_engine_writes_the_same_event_shape(tmp_path):
+    proc = run_cli(["bench", "--workers", "2", "--strategies", "ddp", "--engines", "tutorial", "--output.dir", "out",
+                    *TINY], tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = read_rows(tmp_path / "out" / "results.csv")
+    assert (row["engine"], row["workers"], row["status"], row["global_batch_size"], row["epochs_timed"]) == (
+        "tutorial", "2", "ok", "32", "1")
+    assert float(row["epoch_time_s"]) > 0 and float(row["eval_loss"]) > 0 and float(row["peak_mem_mb"]) > 0
+    events = [json.loads(line) for line in (tmp_path / "out" / "runs" / "tutorial-ddp-w2-r1" / "metrics.jsonl").open()]
+    assert [e["event"] for e in events] == ["run_start", "epoch", "epoch", "run_end"]
+    assert events[1]["train_samples"] == 256 and events[1]["eval_count"] == 64 and len(events[1]["cpu_util_pct"]) == 2
