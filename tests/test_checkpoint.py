@@ -91,7 +91,15 @@ def test_a_crash_between_shards_and_rename_leaves_the_previous_snapshot(cli, tmp
     assert weights_equal(run_dir, reference)
 
 
-def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli, tmp_path):
+def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli, tmp_path, capsys):
+    """The run and its resume go through the launcher; the refusals run in this process (the refusals made
+    in a worker with one worker, a resume at another world size, which checks the options first)."""
+    from dptrain.cli import main
+
+    def refused(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        return code, capsys.readouterr().err.strip()
+
     strategy = "ddp"
     run_dir = tmp_path / "bad"
     args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
@@ -101,9 +109,8 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    verify = cli("checkpoint", "verify", str(newest))
-    assert verify.returncode == 2
-    assert verify.stderr.strip() == f"dptrain: error: snapshot {newest} has a damaged {shard.name} (size or sha256 differs from the manifest)."
+    assert refused("checkpoint", "verify", str(newest)) == (
+        2, f"dptrain: error: snapshot {newest} has a damaged {shard.name} (size or sha256 differs from the manifest).")
     resumed = cli("train", *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipping snapshot {newest} has a damaged {shard.name}" in resumed.stdout + resumed.stderr
@@ -111,22 +118,18 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     saved_config = (run_dir / "config.toml").read_text()
     how_to = "use the snapshot's setting, or another --output.name to start afresh."
-    mismatch = cli("train", *args, "--model.name", "tests.user_code:TinyNet")
-    assert mismatch.returncode == 1
-    last = mismatch.stderr.strip().splitlines()[-1]
-    assert last.startswith("dptrain: error: rank ") and " failed during resume: snapshot " in last
-    assert last.endswith(f"was written with model mnist-cnn but this run has tests.user_code:TinyNet; {how_to}")
-    other_lr = cli("train", *args, "--optim.lr", "0.01")
-    assert other_lr.returncode == 1
-    assert other_lr.stderr.strip().splitlines()[-1].endswith(
-        f"was written with optim.lr = 0.001 but this run has 0.01; {how_to}")
-    never = cli("train", *args, "--train.resume", "never")  # refused before any worker starts
-    assert never.returncode == 2
-    assert never.stderr.strip() == (f"dptrain: error: {run_dir} holds snapshots of an earlier run and train.resume is never; "
-                                    f"choose another --output.name, or delete {run_dir / 'checkpoints'} to start afresh there.")
-    missing = cli("train", *args, "--train.resume", str(tmp_path / "nowhere"))
-    assert missing.returncode == 2
-    assert missing.stderr.strip() == f"dptrain: error: snapshot {tmp_path / 'nowhere'} has no manifest.json: it is incomplete."
+    one_worker = [*args, "--nproc-per-node", "1"]
+    code, err = refused("train", *one_worker, "--model.name", "tests.user_code:TinyNet")
+    assert code == 1 and len(err.splitlines()) == 1
+    assert err.startswith("dptrain: error: rank ") and " failed during resume: snapshot " in err
+    assert err.endswith(f"was written with model mnist-cnn but this run has tests.user_code:TinyNet; {how_to}")
+    code, err = refused("train", *one_worker, "--optim.lr", "0.01")
+    assert code == 1 and err.endswith(f"was written with optim.lr = 0.001 but this run has 0.01; {how_to}")
+    assert refused("train", *args, "--train.resume", "never") == (  # refused before any worker starts
+        2, f"dptrain: error: {run_dir} holds snapshots of an earlier run and train.resume is never; "
+           f"choose another --output.name, or delete {run_dir / 'checkpoints'} to start afresh there.")
+    assert refused("train", *args, "--train.resume", str(tmp_path / "nowhere")) == (
+        2, f"dptrain: error: snapshot {tmp_path / 'nowhere'} has no manifest.json: it is incomplete.")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing deleted
     assert (run_dir / "config.toml").read_text() == saved_config  # nor overwritten by the refused runs
 

@@ -56,11 +56,13 @@ def test_sweep_writes_one_row_per_run_and_a_summary(sweep):
 
 
 @pytest.mark.timeout(60)
-def test_report_writes_pngs_and_markdown(sweep):
+def test_report_writes_pngs_and_markdown(sweep, monkeypatch, capsys):
+    from dptrain.cli import main
+
     cwd, bench = sweep
     (bench / "results.csv").rename(bench / "kept.csv")  # report rebuilds it from the runs
-    proc = run_cli(["report", "out"], cwd, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.chdir(cwd)
+    assert main(["report", "out"]) == 0, capsys.readouterr().err
     assert read_rows(bench / "results.csv") == read_rows(bench / "kept.csv")
     text = (bench / "report.md").read_text()
     for name in PLOTS:
@@ -99,11 +101,14 @@ def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_report_without_results_is_one_sentence(tmp_path):
+def test_report_without_results_is_one_sentence(tmp_path, monkeypatch, capsys):
+    from dptrain.cli import main
+
     (tmp_path / "empty").mkdir()
-    proc = run_cli(["report", "empty"], tmp_path, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("dptrain: error: empty holds no finished runs") and proc.stderr.count("\n") == 1
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "empty"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dptrain: error: empty holds no finished runs") and err.count("\n") == 1
 
 
 @pytest.mark.timeout(60)
