@@ -23,32 +23,54 @@ def weights_equal(a, b) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """strategy -> the run directory of the uninterrupted 2-epoch run; all four made together on first use."""
-    root = tmp_path_factory.mktemp("ref")
-    strategies = ("ddp", "fsdp", "zero1", "ps")
-    codes: dict[str, int] = {}
+STRATEGIES = ("ddp", "fsdp", "zero1", "ps")
 
-    def get(strategy: str):
-        if not codes:  # one set of 2 rank processes for the four runs (see run_cli_on_ranks)
-            argvs = [["train", *RUN, "--strategy.name", s, "--output.dir", str(root / s)] for s in strategies]
-            codes.update(zip(strategies, run_cli_on_ranks(2, argvs, str(root))))
-        assert codes[strategy] == 0, f"the uninterrupted {strategy} run failed: " + log_tail(root / strategy)
-        return root / strategy
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """name -> (run directory, exit code) of every plain run of this module, all made on first use in one set of
+    2 rank processes (see run_cli_on_ranks): per strategy the uninterrupted 2-epoch run ("ref/<s>"), and a run
+    stopped by train.max_steps 9, 2 batches into epoch 2, then run again to the end ("stopped/<s>", two runs)."""
+    root = tmp_path_factory.mktemp("batch")
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if not made:
+            argvs, names = [], []
+            for s in STRATEGIES:
+                argvs.append(["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "ref" / s)])
+                names.append(f"ref/{s}")
+            for s in STRATEGIES:
+                stopped = ["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "stopped" / s)]
+                argvs += [[*stopped, "--train.max_steps", "9"], stopped]
+                names += [f"stopped/{s}/first", f"stopped/{s}"]
+            asynchronous = ["--strategy.name", "ddp", "--checkpoint.async_save", "true", "--checkpoint.keep_last", "5"]
+            argvs += [["train", *RUN, *asynchronous, "--output.dir", str(root / "async"), "--train.max_steps", "9"],
+                      ["train", *RUN, "--strategy.name", "ddp", "--output.dir", str(root / "from5"),
+                       "--train.resume", str(root / "async" / "checkpoints" / "step-00000005")]]
+            names += ["async", "from5"]
+            for name_, code in zip(names, run_cli_on_ranks(2, argvs, str(root))):
+                made[name_] = (root / name_.removesuffix("/first"), code)
+        run_dir, code = made[name]
+        assert code == 0, f"the run {name} failed: " + log_tail(run_dir)
+        return run_dir
 
     return get
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "ps"])
-def test_a_run_stopped_mid_epoch_resumes_bit_identical(cli, tmp_path, uninterrupted, strategy):
+@pytest.fixture(scope="module")
+def uninterrupted(batch):
+    """strategy -> the run directory of the uninterrupted 2-epoch run."""
+    return lambda strategy: batch(f"ref/{strategy}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_run_stopped_mid_epoch_resumes_bit_identical(batch, uninterrupted, strategy):
     reference = uninterrupted(strategy)
-    run_dir = tmp_path / "stopped"
-    args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
-    assert cli("train", *args, "--train.max_steps", "9").returncode == 0  # stops 2 batches into epoch 2
-    result = cli("train", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "step-00000009 at step 9 (epoch 2, 2 batches into it)" in result.stdout
+    batch(f"stopped/{strategy}/first")  # stopped 2 batches into epoch 2
+    run_dir = batch(f"stopped/{strategy}")
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "resumed from" in log and "step-00000009 at step 9 (epoch 2, 2 batches into it)" in log
     assert weights_equal(run_dir, reference)
     # Snapshots at 5, 7 (epoch end), 9 (the stop), then 10 and 14 (the end): keep_last 3 keeps the newest three.
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [f"step-{s:08d}" for s in (9, 10, 14)]
@@ -56,21 +78,18 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical(cli, tmp_path, uninterrup
     assert read_events(run_dir, "epoch")[-1]["train_loss"] == read_events(reference, "epoch")[-1]["train_loss"]
 
 
-def test_asynchronous_snapshots_are_whole_and_resume_bit_identical(cli, tmp_path, uninterrupted):
-    run_dir = tmp_path / "async"
-    args = [*RUN, "--strategy.name", "ddp", "--output.dir", str(run_dir), "--checkpoint.async_save", "true",
-            "--checkpoint.keep_last", "5"]
-    assert cli("train", *args, "--train.max_steps", "9").returncode == 0
-    listing = cli("checkpoint", "list", str(run_dir)).stdout
+def test_asynchronous_snapshots_are_whole_and_resume_bit_identical(batch, uninterrupted, capsys):
+    from dptrain.cli import main
+
+    run_dir = batch("async")
+    assert main(["checkpoint", "list", str(run_dir)]) == 0
+    listing = capsys.readouterr().out
     for step in (5, 7, 9):  # every 5 steps, the epoch's end, the stop: each committed whole
         assert f"step-{step:08d}{'  (latest)' if step == 9 else ''}: ok: step {step}" in listing
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     # Step 5's snapshot was written in the background while steps 6 and 7 ran: it must hold step 5.
-    other = tmp_path / "from5"
-    resumed = cli("train", *RUN, "--strategy.name", "ddp", "--output.dir", str(other),
-                  "--train.resume", str(run_dir / "checkpoints" / "step-00000005"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step-00000005 at step 5" in resumed.stdout
+    other = batch("from5")
+    assert "step-00000005 at step 5" in (other / "logs" / "rank0.log").read_text()
     assert weights_equal(other, uninterrupted("ddp"))
 
 
