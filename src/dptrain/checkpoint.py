@@ -356,7 +356,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _required_files(path: Path, manifest: dict[str, Any]) -> set[str]:
+def _required_files(manifest: dict[str, Any], metadata: Any) -> set[str]:
     """Every file the loader will read: DCP's metadata and the shards it names, the loop state, each rank's file,
     and the whole optimizer where the strategy keeps it outside DCP."""
     from dptrain.strategies import STRATEGIES
@@ -365,8 +365,8 @@ def _required_files(path: Path, manifest: dict[str, Any]) -> set[str]:
     strategy = STRATEGIES.get(manifest["strategy"])
     if strategy is not None and not strategy.optimizer_in_dcp:
         required.add(WHOLE_OPTIMIZER)
-    if (path / ".metadata").is_file():
-        required |= data_files(read_metadata(path))
+    if metadata is not None:
+        required |= data_files(metadata)
     return required
 
 
@@ -392,14 +392,14 @@ def verify(path: Path) -> dict[str, Any]:
             file = path / name
             if file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
                 raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
-        for name in sorted(_required_files(path, manifest) - listed):
+        metadata = read_metadata(path) if ".metadata" in listed else None
+        for name in sorted(_required_files(manifest, metadata) - listed):
             raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
         # Plain data only, in every file and entry, even those this command will not read (eval reads only the model).
-        for name in sorted(n for n in listed if n.endswith(".pt")):
-            load_tensors(path / name, mmap=True)
-        check_plain_entries(path, read_metadata(path))
+        loaded = {name: load_tensors(path / name, mmap=True) for name in sorted(n for n in listed if n.endswith(".pt"))}
+        check_plain_entries(path, metadata)
         named_step = path.name.removeprefix(PREFIX)
-        loop_step = load_tensors(path / EXTRA)["loop"]["step"]
+        loop_step = loaded[EXTRA]["loop"]["step"]
         if (path.name.startswith(PREFIX) and named_step.isdigit() and int(named_step) != manifest["step"]) or loop_step != manifest["step"]:
             raise SnapshotError(f"snapshot {path} says step {manifest['step']} in its manifest but holds the state of step "
                                 f"{loop_step}; it is damaged.")

@@ -274,6 +274,12 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def add_snapshot_options(command: argparse.ArgumentParser) -> None:
+    """The options of the commands that run a snapshot's model (eval, predict); snapshot_and_its_run reads them."""
+    command.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
+    command.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of image classifiers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -310,8 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Options of the run's config.toml can be overridden as --section.option VALUE (for example --data.root); "
         "dptrain train --help lists them all.",
     )
-    evaluation.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
-    evaluation.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
+    add_snapshot_options(evaluation)
     evaluation.add_argument("--predictions", help="write index,label,predicted for every test sample to this CSV file")
     evaluation.set_defaults(func=cmd_eval)
     prediction = sub.add_parser(
@@ -321,10 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or a folder of PNG/JPEG images, resized), normalised as the training data was, sharded over the workers: "
         "one row per input, in input order. Options of the run's config.toml can be overridden as --section.option VALUE.",
     )
-    prediction.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
+    add_snapshot_options(prediction)
     prediction.add_argument("--input", required=True, help="an IDX images file (.gz or raw), a .npy array, or a folder of PNG/JPEG images")
     prediction.add_argument("--output", required=True, help="the CSV file to write: index,source,predicted,prob_0..prob_K-1,error")
-    prediction.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
     prediction.add_argument("--skip-bad", action="store_true",
                             help="predict the readable inputs and mark unreadable ones in the error column (default: refuse)")
     prediction.set_defaults(func=cmd_predict)

@@ -186,6 +186,11 @@ class TrainConfig:
     """Evaluate on the test split after every this many epochs (0: only at the end); the run's last epoch, or the
     partial epoch a train.max_steps stop ends in, is always evaluated."""
 
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's optimizer steps: every epoch's, cut at max_steps."""
+        total = self.epochs * steps_per_epoch
+        return total if self.max_steps is None else min(total, self.max_steps)
+
     def __post_init__(self) -> None:
         _positive(self.epochs, "train.epochs")
         _not_negative(self.eval_every_epochs, "train.eval_every_epochs")

@@ -16,6 +16,7 @@ from dptrain.config import ConfigError, RunConfig
 from dptrain.data import build_loaders, describe
 from dptrain.data.catalog import DATASETS, locate
 from dptrain.data.formats import DataError
+from dptrain.data.sharding import num_batches
 from dptrain.models import build_model
 from dptrain.runtime import pick_backend, wants_cuda
 from dptrain.schedule import peak_lr
@@ -28,10 +29,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool) -> str:
     info = describe(cfg.data)
     strategy = STRATEGIES[cfg.strategy.name]
     data_world = strategy.data_world_size(cfg.strategy, world_size)
-    steps_per_epoch = -(-info.train_size // cfg.train.global_batch_size)
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps is not None:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    steps_per_epoch = num_batches(info.train_size, cfg.train.global_batch_size)  # as the loaders count them
+    total_steps = cfg.train.total_steps(steps_per_epoch)
     model, batch_shape = _forward_one_batch(cfg, data_world)
     parameters = sum(p.numel() for p in model.parameters())
     resume = _resume_plan(cfg, total_steps)

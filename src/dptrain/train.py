@@ -270,9 +270,7 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         graphed = use_step_graph(cfg, device, strategy)
         optimizer = strategy.build_optimizer(strategy.eval_module, optimizer_spec(cfg, capturable=graphed))
         steps_per_epoch = len(train_loader)
-        total_steps = cfg.train.epochs * steps_per_epoch
-        if cfg.train.max_steps is not None:
-            total_steps = min(total_steps, cfg.train.max_steps)
+        total_steps = cfg.train.total_steps(steps_per_epoch)
         scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
