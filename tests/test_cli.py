@@ -110,6 +110,8 @@ def _shown(value) -> str:
     """A default as --help shows it: the text one would type after --section.option."""
     if value is None or isinstance(value, bool):
         return str(value).lower()
+    if value == ():  # an empty list of lines
+        return "[]"
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 

@@ -61,7 +61,7 @@ class SnapshotError(ValueError):
 def computation_options(cfg: RunConfig) -> dict[str, Any]:
     """Every option that changes the computation, as dotted names: what a resume must keep."""
     tree = config_mod.to_dict(cfg)
-    options = {f"{s}.{k}": v for s, opts in tree.items() if s != "checkpoint"
+    options = {f"{s}.{k}": v for s, opts in tree.items() if s not in ("checkpoint", "slurm")
                for k, v in opts.items() if (s, k) not in RESUMABLE_CHANGES}
     return json.loads(json.dumps(options, default=str))  # as the manifest holds them: tuples become lists
 
@@ -169,8 +169,11 @@ class Snapshotter:
             self.wait()
             self._write(state, final)
             self.last_step = state.step
-        if wait:
+        if wait and self.pending is not None:
             self.wait()
+            # Every rank returns only once rank 0 has committed: a rank that then exits first (after a stop signal)
+            # makes srun --kill-on-bad-exit, or the elastic agent, kill the others, rank 0 among them.
+            runtime.barrier()
         return final
 
     def _write(self, state: TrainState, final: Path) -> None:

@@ -5,6 +5,7 @@
     $ dptrain eval --checkpoint runs/run --nproc-per-node 2
     $ dptrain checkpoint list runs/run
     $ dptrain config --optim.lr 3e-4 > run.toml
+    $ dptrain submit --nodes 2 --gpus-per-node 4 --time 02:00:00 --partition gpu --config run.toml
     $ dptrain tensorboard runs/run
     $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
     $ dptrain report bench/fmnist
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -24,7 +26,7 @@ from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import DataError, describe
 from dptrain.checkpoint import SnapshotError
-from dptrain.launch.env import DistEnv, LaunchError
+from dptrain.launch.env import DistEnv, LaunchError, Nodes
 from dptrain.imports import import_object
 from dptrain.models import check_input
 from dptrain.runtime import WorkerFailure, wants_cuda
@@ -59,19 +61,22 @@ def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
     return config_mod.load(args.config, overrides)
 
 
-def preflight(cfg: RunConfig, world_size: int) -> None:
-    """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model."""
+def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) -> None:
+    """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model.
+    job_on_cuda: whether a job submitted from here runs on GPUs (None: the run is here, on what this machine has)."""
     import torch
 
     from dptrain.strategies import check_world  # imports torch.distributed: only once a run is wanted
 
-    if cfg.launch.device == "cuda" and not torch.cuda.is_available():
+    on_cuda = wants_cuda(cfg.launch.device) if job_on_cuda is None else job_on_cuda
+    if job_on_cuda is None and cfg.launch.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
-    check_backend(cfg.launch.backend, wants_cuda(cfg.launch.device))
+    if job_on_cuda is None:
+        check_backend(cfg.launch.backend, on_cuda)
     check_output_dir(cfg.output.run_dir)
     check_resume_target(cfg)
     info = describe(cfg.data)
-    check_world(cfg, world_size, info.train_size, on_cpu=not wants_cuda(cfg.launch.device), torch_version=str(torch.__version__))
+    check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
     if config_mod.is_import_path(cfg.model.name):
         import_object(cfg.model.name, "model.name")
     else:
@@ -116,39 +121,89 @@ def check_output_dir(run_dir: Path) -> None:
 
 
 def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world_size: int, launched_outside: bool,
-              log_dir: Path | None = None) -> None:
+              log_dir: Path | None = None, nodes: Nodes | None = None) -> None:
     """Run `entrypoint(*args)` here when a launcher (torchrun, srun) started this process or one process suffices;
-    else start world_size local workers through the elastic agent (which restarts them, if asked)."""
+    else start this node's workers through the elastic agent (which restarts them, if asked), meeting the other
+    nodes' agents where nodes says."""
     if launched_outside or (world_size == 1 and cfg.launch.max_restarts == 0):  # restarts need the agent
         entrypoint(*args)
         return
     from dptrain.launch.local import launch_local
 
-    launch_local(entrypoint, args, world_size, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir)
+    per_node = world_size // (nodes.count if nodes else 1)
+    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir, nodes)
 
 
-def world_size_here(cfg: RunConfig) -> tuple[int, bool]:
+def world_size_here(cfg: RunConfig, nodes: Nodes | None = None) -> tuple[int, bool]:
     """(the world size, whether a launcher outside dptrain started this process)."""
     from dptrain.launch.local import local_workers
 
+    if nodes is not None:  # dptrain's agent starts the ranks, even inside an srun task (one agent per node)
+        return nodes.count * local_workers(cfg.launch), False
     env = DistEnv.from_environ()
     launched_outside = env.source != "none"
     return (env.world_size if launched_outside else local_workers(cfg.launch)), launched_outside
+
+
+def nodes_of(args: argparse.Namespace) -> Nodes | None:
+    """The multi-node options of `dptrain train`, checked together."""
+    return Nodes.from_options(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.worker import train_worker
 
     cfg = resolve_config(args, extra)
-    world_size, launched_outside = world_size_here(cfg)
+    nodes = nodes_of(args)
+    world_size, launched_outside = world_size_here(cfg, nodes)
     preflight(cfg, world_size)
     if args.dry_run:
         from dptrain.dry_run import dry_run
 
         print(dry_run(cfg, world_size, launched_outside))
         return 0
-    run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.run_dir / "logs")
+    run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.run_dir / "logs",
+              nodes)
     return 0
+
+
+def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
+    """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id."""
+    from dptrain.launch import slurm
+
+    cfg = config_mod.load(args.config, [*split_overrides(extra), *submit_overrides(args)])
+    lines = {name: tuple(getattr(args, name)) for name in ("setup", "sbatch") if getattr(args, name)}
+    if lines:  # lines on the command line replace the file's list
+        cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
+    on_gpus = cfg.slurm.gpus_per_node > 0
+    if cfg.launch.device == "cuda" and not on_gpus:
+        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N, or use "
+                          "--launch.device auto.")
+    workdir = Path.cwd()
+    job = slurm.job_for(cfg, workdir)
+    preflight(cfg, job.world_size, job_on_cuda=on_gpus and cfg.launch.device != "cpu")
+    script = slurm.render(cfg, job, workdir, slurm.python_for(cfg.slurm))
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    job.config.write_text(config_mod.to_toml(cfg))
+    job.script.write_text(script)
+    job_id = slurm.submit(job.script)
+    print(f"dptrain: submitted job {job_id} ({job.nodes} x {job.ranks_per_node} ranks, {job.mode}): {job.script}\n"
+          f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
+    return 0
+
+
+SUBMIT_OPTIONS = ("nodes", "gpus_per_node", "cpus_per_node", "ranks_per_node", "mode", "time", "partition", "account",
+                  "qos", "constraint", "mem", "signal_lead_s", "master_addr", "python")
+
+
+def submit_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """`dptrain submit`'s own options as slurm.* overrides (they win over the file's [slurm] table)."""
+    pairs = [(f"slurm.{name}", str(getattr(args, name))) for name in SUBMIT_OPTIONS if getattr(args, name) is not None]
+    pairs += [(f"slurm.{flag}", "true") for flag in ("exclusive", "requeue") if getattr(args, flag)]
+    return pairs
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -299,7 +354,46 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="check everything (config, world, data, model on one batch, output folder, snapshot to resume "
                             "from), print what the run would do, and exit without writing anything")
+    nodes = train.add_argument_group("several nodes (torchrun's options, same meaning; run the same command on every node)")
+    nodes.add_argument("--nnodes", type=int, help="nodes of the run; each starts --nproc-per-node workers")
+    nodes.add_argument("--node-rank", type=int, help="this node's index, 0 on the node at --master-addr (default under "
+                       "srun: SLURM_NODEID)")
+    nodes.add_argument("--master-addr", help="node 0's address, reachable from every node; its agent hosts the rendezvous there")
+    nodes.add_argument("--master-port", type=int, help="the rendezvous port on node 0 (default 29500)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="--master-addr and --master-port in one")
     train.set_defaults(func=cmd_train)
+    submit = sub.add_parser(
+        "submit",
+        help="write the run's SLURM job script and submit it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Check the run as `dptrain train` would, write RUN_DIR/job.sbatch and RUN_DIR/job.toml, submit the\n"
+        "script with sbatch and print the job id. The options below set the [slurm] table's options of\n"
+        "the same name (--slurm.OPTION VALUE works too); every other --section.option goes to the run.\n"
+        "With slurm.signal_lead_s (default 120) the ranks write a snapshot before the time limit; with\n"
+        f"--requeue the job then queues itself again and resumes.\n{overrides}",
+    )
+    submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
+    submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
+    job = submit.add_argument_group("the job (sbatch's options)")
+    job.add_argument("--nodes", type=int, help="nodes (default 1)")
+    job.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 0: a CPU job, gloo)")
+    job.add_argument("--cpus-per-node", type=int, help="cores per node, shared out among its ranks as threads")
+    job.add_argument("--ranks-per-node", help="ranks per node (default: one per GPU, one on CPUs)")
+    job.add_argument("--mode", choices=("per-rank", "agent"), help="one srun task per rank (default), or one elastic "
+                     "agent per node")
+    job.add_argument("--time", help="time limit, e.g. 02:00:00")
+    for name in ("partition", "account", "qos", "constraint", "mem"):
+        job.add_argument(f"--{name}", help=f"sbatch --{name}")
+    job.add_argument("--exclusive", action="store_true", help="whole nodes")
+    job.add_argument("--signal-lead-s", type=int, help="seconds before the time limit for the snapshot signal (default 120)")
+    job.add_argument("--requeue", action="store_true", help="queue the job again after that snapshot, and resume")
+    job.add_argument("--master-addr", help="the address ranks reach the first node by (default: its NodeAddr)")
+    job.add_argument("--python", help="the Python that runs dptrain in the job (default: this one)")
+    job.add_argument("--setup", action="append", default=[], metavar="LINE",
+                     help="a shell line run before training, e.g. 'module load pytorch' (repeatable)")
+    job.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                     help="an extra #SBATCH option, e.g. --mail-type=END (repeatable)")
+    submit.set_defaults(func=cmd_submit)
     resolved = sub.add_parser(
         "config",
         help="print the resolved config as TOML",

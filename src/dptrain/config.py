@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import re
 import sys
 import textwrap
 import types
@@ -253,6 +254,86 @@ class LaunchConfig:
                               f"set {MIN_TIMEOUT_S:g} or more (the default is 300).")
 
 
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """The job `dptrain submit` writes and submits (sbatch's own option names, with _ for -)."""
+
+    nodes: int = 1
+    """Nodes of the job."""
+    gpus_per_node: int = 0
+    """GPUs per node (0: a CPU job on gloo)."""
+    cpus_per_node: int = 0
+    """CPU cores per node the job asks for (0: the partition's default); each rank gets its share as threads."""
+    ranks_per_node: int | Literal["auto"] = "auto"
+    """Ranks (training processes) per node; auto: one per GPU, or one on a CPU job (it uses every core asked for)."""
+    mode: Literal["per-rank", "agent"] = "per-rank"
+    """per-rank: one srun task per rank, placed by SLURM; agent: one srun task per node running torch's elastic
+    agent, which starts that node's ranks (rendezvous on the first node; launch.max_restarts applies)."""
+    time: str | None = None
+    """Time limit, as sbatch takes it (02:00:00, 1-12:00:00, ...; none: the partition's default)."""
+    partition: str | None = None
+    """Partition (none: the cluster's default)."""
+    account: str | None = None
+    """Account charged for the job."""
+    qos: str | None = None
+    """Quality of service."""
+    constraint: str | None = None
+    """Node features the job needs (sbatch --constraint)."""
+    mem: str | None = None
+    """Memory per node (sbatch --mem, e.g. 32G)."""
+    exclusive: bool = False
+    """Ask for whole nodes, shared with no other job."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit at which SLURM sends SIGUSR1: the ranks write a snapshot at their next step
+    boundary and stop (0: no signal; the job then loses the steps since its last periodic snapshot)."""
+    requeue: bool = False
+    """After that signal's snapshot, rank 0 requeues the job (scontrol requeue); the rerun resumes from the snapshot.
+    Also lets SLURM requeue the job after a preemption or a node failure."""
+    master_addr: str | None = None
+    """Address the ranks reach the first node by (none: its NodeAddr from scontrol; set it to use another network,
+    e.g. the name of its InfiniBand interface)."""
+    setup: tuple[str, ...] = ()
+    """Shell lines run before training, e.g. ["module load pytorch", "source ~/venv/bin/activate"]."""
+    sbatch: tuple[str, ...] = ()
+    """Extra #SBATCH lines, e.g. ["--mail-type=END", "--reservation=course"]."""
+    python: str | None = None
+    """The Python that runs dptrain in the job (none: the one running `dptrain submit`; with setup lines that
+    activate an environment, python)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.nodes, "slurm.nodes")
+        _not_negative(self.gpus_per_node, "slurm.gpus_per_node")
+        _not_negative(self.cpus_per_node, "slurm.cpus_per_node")
+        _not_negative(self.signal_lead_s, "slurm.signal_lead_s")
+        if self.ranks_per_node != "auto":
+            _positive(self.ranks_per_node, "slurm.ranks_per_node")
+        ranks = self.ranks_here
+        if self.cpus_per_node and ranks > self.cpus_per_node:
+            raise ConfigError(f"slurm.ranks_per_node = {ranks} is more than slurm.cpus_per_node = {self.cpus_per_node}; "
+                              f"give every rank a core at least.")
+        if self.time is not None and not SLURM_TIME.fullmatch(self.time):
+            raise ConfigError(f"slurm.time = {self.time!r} is not a time sbatch reads; write it as HH:MM:SS or D-HH:MM:SS.")
+        if self.requeue and not self.signal_lead_s:
+            raise ConfigError("slurm.requeue needs slurm.signal_lead_s above 0: the signal is what makes the ranks write "
+                              "the snapshot the rerun resumes from.")
+        texts = {"setup": self.setup, "sbatch": self.sbatch}
+        texts.update({name: (getattr(self, name) or "",) for name in ("time", "partition", "account", "qos", "constraint",
+                                                                       "mem", "master_addr", "python")})
+        for name, lines in texts.items():
+            if any("\n" in line or "\r" in line for line in lines):
+                raise ConfigError(f"slurm.{name} holds a line break; give one line per list item.")
+
+    @property
+    def ranks_here(self) -> int:
+        """ranks_per_node resolved."""
+        if self.ranks_per_node != "auto":
+            return int(self.ranks_per_node)
+        return self.gpus_per_node or 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     every_steps: int = 0
@@ -292,6 +373,7 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
         if self.train.cuda_graph and self.optim.name == "sgd":
@@ -334,7 +416,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         return value
     if origin is tuple:
         items = value
-        if isinstance(value, str):
+        if isinstance(value, str) and args[0] is str:  # a list of lines: a string on the command line is one line
+            items = [value] if value.strip() not in ("", "[]") else []
+        elif isinstance(value, str):
             items = [v for v in value.strip("[]()").replace(",", " ").split() if v]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{name} expects a list like [1, 28, 28], got {value!r}.")
@@ -482,6 +566,8 @@ def _metavar(tp: Any) -> str:
         return "|".join(_metavar(a).strip("{}") for a in inner) + ("|none" if type(None) in args else "")
     if origin is Literal:
         return "{" + ",".join(map(str, args)) + "}"
+    if origin is tuple and args[-1] is Ellipsis:  # a list of lines (TOML); on the command line, one
+        return "LINE"
     if origin is tuple:
         return ",".join(_metavar(a) for a in args)
     if tp is bool:
@@ -495,6 +581,8 @@ def _cli_value(value: Any) -> str:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value == ():
+        return "[]"
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     return str(value)

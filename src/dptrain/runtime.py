@@ -126,13 +126,22 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def set_cpu_threads(local_world_size: int) -> int:
-    """Split this node's cores across its local ranks; oversubscribed ranks slow each other down."""
+def set_cpu_threads(env: DistEnv) -> int:
+    """Split the cores this process may use across the ranks sharing them; oversubscribed ranks slow each other down.
+
+    Under SLURM the cores are the task's (--cpus-per-task; the CPU set may show the whole node where the cluster
+    does not bind tasks): a task per rank keeps them all, an agent's task shares them among its node's ranks.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
         cores = os.cpu_count() or 1
-    threads = max(1, cores // local_world_size)
+    task_cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    counted = task_cpus.isdigit() and int(task_cpus) > 0
+    if counted:
+        cores = min(cores, int(task_cpus))
+    sharing = 1 if env.source == "slurm" and counted else env.local_world_size
+    threads = max(1, cores // sharing)
     torch.set_num_threads(threads)
     return threads
 
@@ -161,11 +170,11 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float, bac
     kwargs = {"device_id": device} if backend == "nccl" else {}  # binds nccl to this rank's GPU, no guessing
     if env.world_size == 1 and env.source == "none":
         # One process, no launcher: an in-memory store, no port needed.
-        keep_collectives_on_loopback("127.0.0.1")
+        pin_collective_interface("127.0.0.1")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
         return None
     check_master_resolves(env.master_addr)
-    keep_collectives_on_loopback(env.master_addr)
+    pin_collective_interface(env.master_addr)
     store = join_store(env, timeout_s)
     dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return store
@@ -192,7 +201,6 @@ def join_store(env: DistEnv, timeout_s: float) -> dist.Store:
     One deadline, timeout_s from the call, covers both reaching the store and waiting for every rank.
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    timeout = datetime.timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
 
     def left() -> float:
@@ -201,24 +209,7 @@ def join_store(env: DistEnv, timeout_s: float) -> dist.Store:
     if env.global_rank == 0 and not agent_hosts_store:
         store = listening_store(env.master_addr, env.master_port, timeout_s)
     else:
-        unreachable = (f"could not reach the store of rank 0 at {env.master_addr}:{env.master_port} within {timeout_s:g} s: "
-                       f"rank 0 is missing or unreachable")
-        # First wait, up to the deadline, until rank 0's port accepts: torch's client retries a refused
-        # connection with a back-off and gives each try the whole timeout (seen: 44 s for a timeout of 20 s).
-        while True:
-            try:
-                socket.create_connection((env.master_addr, env.master_port), timeout=max(0.05, min(1.0, left()))).close()
-                break
-            except OSError as exc:  # refused: nobody listens yet; timed out: the host drops the packets
-                if left() <= 0:
-                    raise RuntimeError(f"{unreachable} ({exc.strerror or exc})") from exc
-                time.sleep(min(0.1, left()))
-        try:  # the port answers: a second at least for torch's handshake, even at the deadline's very end
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=max(1.0, left())))
-        except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
-            raise RuntimeError(f"{unreachable} ({_one_line(exc)})") from exc
-        store.set_timeout(timeout)  # the store's later waits (gloo's rendezvous, the roll call) get the whole timeout_s
+        store = reach_store(env.master_addr, env.master_port, timeout_s, "the store of rank 0", "rank 0")
     # Keys are per restart of the elastic agent, whose store may outlive a round.
     prefix = f"dptrain/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(f"{prefix}{env.global_rank}", "1")
@@ -238,6 +229,37 @@ def join_store(env: DistEnv, timeout_s: float) -> dist.Store:
     return store
 
 
+def reach_store(addr: str, port: int, timeout_s: float, what: str, owner: str) -> dist.TCPStore:
+    """A client of the store at addr:port, waiting up to timeout_s for it to accept; LaunchError naming what, where
+    and whose (owner) it is when it does not.
+
+    First wait until the port accepts: torch's client retries a refused connection with a back-off and gives each
+    try the whole timeout (seen: 44 s for a timeout of 20 s). The store's later waits get the whole timeout_s.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    unreachable = f"could not reach {what} at {addr}:{port} within {timeout_s:g} s: {owner} is missing or unreachable"
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left()))).close()
+            break
+        except socket.gaierror:  # an OSError too, but no wait makes a name resolve
+            check_master_resolves(addr)
+        except OSError as exc:  # refused: nobody listens yet; timed out: the host drops the packets
+            if left() <= 0:
+                raise LaunchError(f"{unreachable} ({exc.strerror or exc})") from exc
+            time.sleep(min(0.1, left()))
+    try:  # the port answers: a second at least for torch's handshake, even at the deadline's very end
+        store = dist.TCPStore(addr, port, None, is_master=False, timeout=datetime.timedelta(seconds=max(1.0, left())))
+    except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions
+        raise LaunchError(f"{unreachable} ({_one_line(exc)})") from exc
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def is_loopback(addr: str) -> bool:
     """Whether addr resolves to this host's loopback only (every rank of the run is on this host)."""
     try:
@@ -252,12 +274,39 @@ def loopback_interface() -> str:
     return next((name for name in ("lo", "lo0") if name in names), "lo")
 
 
-def keep_collectives_on_loopback(master_addr: str) -> None:
-    """A run whose master is loopback has every rank here: gloo's and nccl's sockets listen on loopback only
-    (by default gloo binds the address of the host name, reachable from the network). A user's setting wins."""
+def pin_collective_interface(master_addr: str) -> None:
+    """The network interface gloo's sockets use: loopback when the master is loopback (every rank is on this host;
+    nccl's bootstrap too); else the interface this host reaches the master through. By default gloo binds the
+    address its host name resolves to, which on many machines is 127.0.1.1 (Debian's /etc/hosts) or a management
+    network that the other nodes cannot reach: the run then hangs until its timeout. A user's setting wins."""
     if is_loopback(master_addr):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
+        return
+    interface = interface_of(address_towards(master_addr))
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+
+
+def address_towards(host: str) -> str:
+    """This host's address on the route to host (the source address the kernel would pick; nothing is sent)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(sockaddr)
+        except OSError:  # no route: let gloo fall back to its own choice
+            return "127.0.0.1" if is_loopback(host) else socket.gethostname()
+        return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface holding address, or None."""
+    import psutil
+
+    for name, entries in psutil.net_if_addrs().items():
+        if any(entry.address.split("%")[0] == address for entry in entries):
+            return name
+    return None
 
 
 def listening_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:

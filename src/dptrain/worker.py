@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import platform
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import torch
 
 from dptrain import config as config_mod
 from dptrain.config import RunConfig
+from dptrain.launch import slurm
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
 from dptrain.runtime import (Phase, barrier, destroy_process_group, init_process_group, pick_device, seed_everything,
@@ -71,7 +73,7 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
         if cfg.train.deterministic:
             use_deterministic_kernels()
         device = pick_device(cfg.launch.device, env.local_rank)
-        threads = set_cpu_threads(env.local_world_size)
+        threads = set_cpu_threads(env)
         seed_everything(cfg.train.seed)
     with phase("rendezvous"):
         store = init_process_group(env, device, cfg.launch.timeout_s, cfg.launch.backend)
@@ -130,7 +132,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                     events.sinks.append(board)
             events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
                         data=run.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=run.total_steps,
-                        device=str(device))
+                        device=str(device), step=step, **restart_counts())
             try:
                 last = run.fit()
             finally:
@@ -142,9 +144,36 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
         log.warning("%s", exc)  # in every rank's log: which rank saw the signal
         if DistEnv.from_environ().is_main:
             print(f"dptrain: {exc}", file=sys.stderr, flush=True)
+            requeue_after_stop(events, step)
         raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
     finally:
         events.close()
+
+
+def requeue_after_stop(events: EventLog, step: int) -> None:
+    """In a job that `dptrain submit` wrote with requeue: put it back in the queue once the stop's snapshot is whole
+    (every rank has passed its last barrier); the rerun resumes from it. SLURM then ends this job's processes."""
+    job_id = os.environ.get(slurm.JOB_ID)
+    if os.environ.get(slurm.REQUEUE_VAR) != "1" or not job_id:
+        return
+    refused = slurm.requeue(job_id)
+    if refused is None:
+        log.warning("requeued job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
+        events.emit("requeued", step=step, job_id=job_id)
+    else:
+        log.error("could not requeue job %s (%s); resubmit its job.sbatch to resume", job_id, refused)
+
+
+def restart_counts() -> dict[str, int]:
+    """How many times this run's processes were started again: by SLURM (a requeue) and by the elastic agent."""
+    counts = {}
+    for field, var in (("slurm_restarts", "SLURM_RESTART_COUNT"), ("agent_restarts", "TORCHELASTIC_RESTART_COUNT")):
+        if os.environ.get(var, "").isdigit():
+            counts[field] = int(os.environ[var])
+    if job_id := os.environ.get(slurm.JOB_ID):
+        counts.setdefault("slurm_restarts", 0)
+        counts["slurm_job_id"] = job_id
+    return counts
 
 
 def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str | None) -> dict[str, Any]:

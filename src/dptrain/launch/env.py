@@ -133,3 +133,64 @@ def check_master_resolves(addr: str) -> None:
             f"master address {addr!r} does not resolve on {socket.gethostname()}; "
             "set MASTER_ADDR to the first node's IP address or add it to /etc/hosts."
         ) from None
+
+
+DEFAULT_MASTER_PORT = 29500  # the tutorials' and torchrun's; a multi-node run's every node must name the same one
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """A run over several nodes without a scheduler (or with one elastic agent per node under srun): how many
+    nodes, this one's index, and where node 0 hosts the agents' rendezvous (torchrun's options, same meaning)."""
+
+    count: int
+    rank: int
+    host: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_options(cls, nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                     rdzv_endpoint: str | None, environ: Mapping[str, str] | None = None) -> "Nodes | None":
+        """The options of `dptrain train` checked together; None for a run on this node alone."""
+        env = os.environ if environ is None else environ
+        given = [name for name, value in (("--node-rank", node_rank), ("--master-addr", master_addr),
+                                          ("--master-port", master_port), ("--rdzv-endpoint", rdzv_endpoint)) if value is not None]
+        if nnodes is None:
+            if given:
+                raise LaunchError(f"{given[0]} is for a run over several nodes; give --nnodes too (the number of nodes).")
+            return None
+        if nnodes < 1:
+            raise LaunchError(f"--nnodes {nnodes} must be 1 or more.")
+        if "RANK" in env and "WORLD_SIZE" in env:
+            raise LaunchError("--nnodes starts this node's workers, but a launcher (torchrun) already started this process "
+                              "as a rank; drop --nnodes, or run dptrain without torchrun.")
+        if rdzv_endpoint is not None and (master_addr is not None or master_port is not None):
+            raise LaunchError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both.")
+        if rdzv_endpoint is not None:
+            host, sep, port_text = rdzv_endpoint.rpartition(":")
+            if not sep or not host or not port_text.isdigit():
+                raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT; write it as node1:29500.")
+            master_addr, master_port = host.strip("[]"), int(port_text)
+        if node_rank is None and env.get("SLURM_NODEID", "").isdigit():
+            node_rank = int(env["SLURM_NODEID"])  # one agent per node under srun: the task's node
+        if nnodes == 1 and master_addr is None:
+            return None  # this node alone: the local launch, on loopback
+        if nnodes == 1:
+            node_rank = 0 if node_rank is None else node_rank
+        if node_rank is None:
+            raise LaunchError(f"--node-rank is needed with --nnodes {nnodes}: 0 on the node at the master address, "
+                              f"1 to {nnodes - 1} on the others.")
+        if not 0 <= node_rank < nnodes:
+            raise LaunchError(f"--node-rank {node_rank} is outside 0 to {nnodes - 1} (--nnodes {nnodes}).")
+        if master_addr is None:
+            raise LaunchError(f"--master-addr is needed with --nnodes {nnodes}: the address of node 0, which every node "
+                              f"can reach (or --rdzv-endpoint HOST:PORT).")
+        port = DEFAULT_MASTER_PORT if master_port is None else master_port
+        if not 0 < port < 65536:
+            raise LaunchError(f"--master-port {port} is not a TCP port; pick one from 1024 to 65535.")
+        check_master_resolves(master_addr)
+        return cls(nnodes, node_rank, master_addr, port)

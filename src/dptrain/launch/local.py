@@ -8,13 +8,12 @@ import logging
 import os
 import signal
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dptrain.launch.env import LaunchError
+from dptrain.launch.env import LaunchError, Nodes
 from dptrain.config import LaunchConfig
-from dptrain.runtime import listening_store, wants_cuda
+from dptrain.runtime import address_towards, listening_store, reach_store, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -23,11 +22,13 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: int, timeout_s: float, max_restarts: int = 0,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None, nodes: Nodes | None = None) -> None:
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks.
 
-    The agent's own log (restarts, tracebacks of failed workers) goes to log_dir/launcher.log, not to the
-    console: the user sees the one sentence of the LaunchError, the details stay in the run's logs.
+    With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
+    listens on that address only); without, everything listens on loopback. The agent's own log (restarts,
+    tracebacks of failed workers) goes to log_dir/launcher.log, not to the console: the user sees the one
+    sentence of the LaunchError, the details stay in the run's logs.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -35,19 +36,23 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
 
     for key, value in AGENT_ENV.items():
         os.environ.setdefault(key, value)
-    _register_loopback_rendezvous()
+    _register_rendezvous()
     # The agent's own per-worker folders (error files, maybe logs) in a folder of ours, removed after the
     # run: by default torch leaves a /tmp/torchelastic_* folder behind for every launch.
     agent_dir = tempfile.TemporaryDirectory(prefix="dptrain-agent-")
+    if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
+        nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
         nproc_per_node=nproc_per_node,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend=LOOPBACK_RENDEZVOUS,
-        rdzv_endpoint="127.0.0.1:0",  # port 0: a free port; no hard-coded MASTER_PORT
-        rdzv_configs={"join_timeout": timeout_s},
-        local_addr="127.0.0.1",  # the workers' MASTER_ADDR: rank 0's store listens on loopback too
+        run_id="dptrain",  # the rendezvous store serves this run alone
+        rdzv_backend=RENDEZVOUS,
+        rdzv_endpoint=nodes.endpoint,
+        rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0},
+        # The workers' MASTER_ADDR, where the node that gets global rank 0 is this one: this node's address on the
+        # route to node 0, which every node reaches (the host name may resolve to 127.0.1.1 or another network).
+        local_addr=address_towards(nodes.host),
         max_restarts=max_restarts,
         monitor_interval=0.1,  # how soon the end (or a failure) of a worker is seen; the poll costs nothing noticeable
         start_method="spawn",
@@ -113,30 +118,35 @@ def _agent_log_to(log_dir: Path | None) -> Iterator[None]:
         handler.close()
 
 
-LOOPBACK_RENDEZVOUS = "dptrain-loopback"
+RENDEZVOUS = "dptrain"
 
 
-def _register_loopback_rendezvous() -> None:
-    """torch's c10d rendezvous, on a store that listens on 127.0.0.1 only (torch's listens on every interface,
-    where anyone on the network could read and write the run's keys)."""
+def _register_rendezvous() -> None:
+    """torch's c10d rendezvous, on a store that listens on the rendezvous address only (torch's listens on every
+    interface, where anyone on the network could read and write the run's keys), hosted by node 0 (torch guesses
+    the host by matching host names, which fails where a node's name does not resolve to its address)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
+    rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous)
 
 
-def _loopback_rendezvous(params: Any) -> Any:
+def _rendezvous(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
-    class LoopbackBackend(C10dRendezvousBackend):
+    class Backend(C10dRendezvousBackend):
         @property
         def name(self) -> str:  # the registry checks that the handler's backend has the requested name
-            return LOOPBACK_RENDEZVOUS
+            return RENDEZVOUS
 
     join_s = float(params.config.get("join_timeout", 600))
-    store = listening_store("127.0.0.1", 0, join_s)
-    return DynamicRendezvousHandler.from_backend(params.run_id, store, LoopbackBackend(store, params.run_id),
-                                                 params.min_nodes, params.max_nodes, local_addr="127.0.0.1",
+    host, _, port = params.endpoint.rpartition(":")
+    if params.get_as_bool("is_host", False):
+        store = listening_store(host, int(port), join_s)
+    else:
+        store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
+    return DynamicRendezvousHandler.from_backend(params.run_id, store, Backend(store, params.run_id),
+                                                 params.min_nodes, params.max_nodes, local_addr=params.local_addr,
                                                  timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s)))
 
 

@@ -1,0 +1,181 @@
+"""SLURM jobs: the sbatch script `dptrain submit` writes for a run, and its submission.
+
+What the script does, in order: ask for the nodes, tasks, GPUs and cores; run the user's set-up lines; take the
+first node's address from the scheduler (a node's name need not resolve on the others) and a port from the job
+id (two jobs sharing a node never pick the same one); start the ranks with srun, one task per rank (SLURM places
+them, dptrain reads SLURM_PROCID and friends) or one task per node running torch's elastic agent. SIGUSR1 some
+minutes before the time limit makes every rank write a snapshot at its next step boundary; with requeue, rank 0
+then puts the job back in the queue (scontrol requeue) and the rerun resumes from that snapshot.
+
+Everything the script knows about SLURM (option names, variables) sits in the tables below.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dptrain.config import RunConfig, SlurmConfig
+from dptrain.launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
+
+# slurm.<field> -> the sbatch option it becomes, for the options passed through as given.
+SBATCH_OPTIONS = {
+    "time": "--time",
+    "partition": "--partition",
+    "account": "--account",
+    "qos": "--qos",
+    "constraint": "--constraint",
+    "mem": "--mem",
+}
+# Variables the job reads (set by SLURM in the batch shell and in every srun task).
+JOB_ID = "SLURM_JOB_ID"
+NODE_LIST = "SLURM_JOB_NODELIST"
+NODE_COUNT = "SLURM_JOB_NUM_NODES"
+# Exported by the script: rank 0 requeues the job after a signal's snapshot (see worker.requeue_after_stop).
+REQUEUE_VAR = "DPTRAIN_REQUEUE"
+SCRIPT_NAME = "job.sbatch"
+CONFIG_NAME = "job.toml"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run's job: its script's path, its config's path, and the shape of its world."""
+
+    run_dir: Path
+    nodes: int
+    ranks_per_node: int
+    mode: str
+
+    @property
+    def script(self) -> Path:
+        return self.run_dir / SCRIPT_NAME
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / CONFIG_NAME
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def output(self, job_id: str = "%j") -> Path:
+        return self.run_dir / "logs" / f"slurm-{job_id}.out"
+
+
+def job_for(cfg: RunConfig, workdir: Path) -> Job:
+    """The job of cfg's run, with its run directory made absolute against workdir (where the job will run)."""
+    run_dir = cfg.output.run_dir if cfg.output.run_dir.is_absolute() else workdir / cfg.output.run_dir
+    return Job(run_dir, cfg.slurm.nodes, cfg.slurm.ranks_here, cfg.slurm.mode)
+
+
+def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
+    """The sbatch script, as text: readable, commented, and the same for the same inputs (golden tests compare it)."""
+    s = cfg.slurm
+    per_rank = s.mode == "per-rank"
+    tasks_per_node = job.ranks_per_node if per_rank else 1
+    host_role = "rank 0" if per_rank else "the agents' rendezvous"
+    lines = [
+        "#!/bin/bash",
+        f"# dptrain training of {shown(job.run_dir, workdir)}: {job.nodes} node{'s' if job.nodes > 1 else ''} x {job.ranks_per_node} "
+        f"rank{'s' if job.ranks_per_node > 1 else ''} ({'one srun task per rank' if per_rank else 'one elastic agent per node'}"
+        f", {'nccl on GPUs' if s.gpus_per_node else 'gloo on CPUs'}).",
+        "# Written by `dptrain submit`; submit it again with: sbatch " + shlex.quote(str(job.script)),
+        f"#SBATCH --job-name=dptrain-{job.run_dir.name}",
+        f"#SBATCH --nodes={job.nodes}",
+        f"#SBATCH --ntasks-per-node={tasks_per_node}",
+    ]
+    if s.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
+    if s.cpus_per_node:
+        lines.append(f"#SBATCH --cpus-per-task={s.cpus_per_node // tasks_per_node}")
+    for name, option in SBATCH_OPTIONS.items():
+        value = getattr(s, name)
+        if value is not None:
+            lines.append(f"#SBATCH {option}={value}")
+    if s.exclusive:
+        lines.append("#SBATCH --exclusive")
+    lines += [
+        f"#SBATCH --chdir={workdir}",
+        f"#SBATCH --output={job.output()}",
+        f"#SBATCH --error={job.run_dir / 'logs' / 'slurm-%j.err'}",
+        "#SBATCH --open-mode=append",  # a requeued job keeps writing to the same files
+    ]
+    if s.signal_lead_s:
+        lines.append(f"#SBATCH --signal=USR1@{s.signal_lead_s}")
+    if s.requeue:
+        lines.append("#SBATCH --requeue")
+    lines += [f"#SBATCH {extra if extra.startswith('-') else '--' + extra}" for extra in s.sbatch]
+    lines += ["", "set -e"]
+    if s.setup:
+        lines += ["", *s.setup]
+    lines += [
+        "",
+        f"# The first node hosts {host_role}, at its address as the scheduler knows it (its name may not resolve on",
+        "# the other nodes), on a port derived from the job id, so that two jobs sharing a node never collide.",
+    ]
+    if s.master_addr:
+        lines.append(f"export MASTER_ADDR={shlex.quote(s.master_addr)}")
+    else:
+        lines += [
+            f'head_node=$(scontrol show hostnames "${NODE_LIST}" | head -n 1)',
+            "export MASTER_ADDR=$(scontrol show node -o \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+        ]
+    lines.append(f"export MASTER_PORT=$(( {SLURM_PORT_BASE} + {JOB_ID} % {SLURM_PORT_SPAN} ))")
+    if s.requeue:
+        lines.append(f"export {REQUEUE_VAR}=1  # after a signal's snapshot, rank 0 runs: scontrol requeue ${JOB_ID}")
+    train = [python, "-m", "dptrain", "train", "--config", str(job.config)]
+    lines += ["", "# --kill-on-bad-exit: a rank that fails stops the others at once, instead of at their timeout."]
+    if per_rank:
+        lines.append("srun --kill-on-bad-exit=1 " + shlex.join(train))
+    else:
+        lines += [
+            "# Each node's agent starts its ranks; the agents meet at MASTER_ADDR:MASTER_PORT, hosted by node 0",
+            "# (--node-rank defaults to the task's SLURM_NODEID).",
+            "srun --kill-on-bad-exit=1 " + shlex.join(train) + f' --nnodes "${NODE_COUNT}" --nproc-per-node '
+            f'{job.ranks_per_node} --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def shown(path: Path, workdir: Path) -> str:
+    """path relative to workdir where it lies inside it (as the user named the run), else as it is."""
+    try:
+        return str(path.relative_to(workdir))
+    except ValueError:
+        return str(path)
+
+
+def python_for(s: SlurmConfig) -> str:
+    """The interpreter the job runs: as configured; python when set-up lines provide one; else this one."""
+    if s.python:
+        return s.python
+    return "python" if s.setup else sys.executable
+
+
+def submit(script: Path) -> str:
+    """sbatch the script; its job id. LaunchError in one sentence where sbatch is missing or refuses."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise LaunchError(f"sbatch is not on PATH here; run dptrain submit on a SLURM login node, or submit {script} "
+                          f"with sbatch yourself.")
+    done = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        reason = next((line.strip() for line in done.stderr.splitlines() if line.strip()), f"exit code {done.returncode}")
+        raise LaunchError(f"sbatch refused the job ({reason.removeprefix('sbatch: error: ')}); the script is kept in "
+                          f"{script}: fix the slurm options and submit again.")
+    return done.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+
+
+def requeue(job_id: str) -> str | None:
+    """Put a running job back in the queue; None, or why it could not be done (one line)."""
+    try:
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"scontrol could not run ({exc})"
+    if done.returncode != 0:
+        return done.stderr.strip().splitlines()[0] if done.stderr.strip() else f"scontrol exited with {done.returncode}"
+    return None

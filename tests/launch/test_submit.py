@@ -1,0 +1,173 @@
+"""`dptrain submit`: the job scripts as text (golden files for the seeds' GPU and CPU clusters), the options'
+checks, and the CLI around them. Jobs on a real scheduler are in test_slurm_jobs.py.
+
+To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/launch/test_submit.py, then
+read the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dptrain import config as config_mod
+from dptrain.config import ConfigError
+from dptrain.launch import slurm
+from dptrain.launch.env import DistEnv
+from dptrain.runtime import set_cpu_threads
+
+GOLDEN = Path(__file__).parent / "golden"
+WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as the script's --chdir
+PYTHON = "/home/ada/project/.venv/bin/python"
+DATA = ["--data.name", "synthetic"]  # preflight reads the dataset: the synthetic one needs no files
+
+# name -> `dptrain submit` options (the seeds' clusters)
+CASES = {
+    "gpu-1node-4gpus": ["--gpus-per-node", "4", "--time", "00:20:00", "--partition", "gpu"],
+    "gpu-2nodes-4gpus": ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-node", "32", "--time", "02:00:00",
+                         "--partition", "gpu", "--account", "proj123", "--strategy.name", "fsdp"],
+    "gpu-2nodes-4gpus-agent": ["--nodes", "2", "--gpus-per-node", "4", "--mode", "agent", "--time", "02:00:00",
+                               "--partition", "gpu", "--setup", "module load pytorch/2.6", "--requeue",
+                               "--launch.max_restarts", "2"],
+    "cpu-4nodes": ["--nodes", "4", "--cpus-per-node", "16", "--ranks-per-node", "2", "--partition", "small",
+                   "--time", "1-00:00:00", "--mem", "900M", "--sbatch", "mail-type=END"],
+}
+
+
+@pytest.fixture
+def submit(tmp_path, monkeypatch, capsys):
+    """`dptrain submit ARGS` in this process, from tmp_path: (exit code, stdout, stderr). A subprocess would
+    cost a Python and torch start per call, and these calls start no rank."""
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def call(*args: str) -> tuple[int, str, str]:
+        code = main(["submit", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+
+def rendered(options: list[str]) -> str:
+    """The script `dptrain submit OPTIONS` writes, as from WORKDIR with PYTHON."""
+    from dptrain.cli import build_parser, split_overrides, submit_overrides
+
+    args, extra = build_parser().parse_known_args(["submit", *options])
+    cfg = config_mod.load(None, [*split_overrides(extra), *submit_overrides(args)])
+    if args.setup or args.sbatch:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, setup=tuple(args.setup), sbatch=tuple(args.sbatch)))
+    script = slurm.render(cfg, slurm.job_for(cfg, WORKDIR), WORKDIR, slurm.python_for(cfg.slurm))
+    return script.replace(sys.executable, PYTHON)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_job_scripts_match_the_golden_files(name):
+    script = rendered(CASES[name])
+    golden = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("DPTRAIN_REGOLD") == "1":
+        golden.write_text(script)
+    assert script == golden.read_text()
+
+
+def test_the_cli_writes_what_its_dry_run_prints_and_the_dry_run_writes_nothing(submit, tmp_path, monkeypatch):
+    options = CASES["cpu-4nodes"]
+    code, dry, err = submit("--dry-run", *options, *DATA)
+    assert code == 0, err
+    assert not (tmp_path / "runs").exists()  # nothing written
+    expected = (GOLDEN / "cpu-4nodes.sbatch").read_text().replace(PYTHON, sys.executable).replace(str(WORKDIR), str(tmp_path))
+    assert dry == expected
+    # Without sbatch on PATH the script and its config are kept, and one sentence says what to do.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    code, _, err = submit(*options, *DATA)
+    assert code == 1
+    assert err.strip().splitlines() == [f"dptrain: error: sbatch is not on PATH here; run dptrain submit on a "
+                                                f"SLURM login node, or submit {tmp_path / 'runs/run/job.sbatch'} with sbatch "
+                                                f"yourself."]
+    assert (tmp_path / "runs/run/job.sbatch").read_text() == dry
+    job_cfg = config_mod.load(tmp_path / "runs/run/job.toml")
+    assert (job_cfg.slurm.nodes, job_cfg.slurm.cpus_per_node, job_cfg.slurm.ranks_here) == (4, 16, 2)
+    assert job_cfg.data.name == "synthetic"
+
+
+def test_the_slurm_table_of_the_config_file_is_read_and_the_command_line_wins(submit, tmp_path):
+    (tmp_path / "run.toml").write_text('[slurm]\nnodes = 4\npartition = "long"\nsetup = ["module load a", "module load b"]\n')
+    _, out, _ = submit("--dry-run", "--config", "run.toml", "--partition", "short", *DATA)
+    assert "#SBATCH --nodes=4\n" in out and "#SBATCH --partition=short\n" in out
+    assert "\nmodule load a\nmodule load b\n" in out
+    _, out, _ = submit("--dry-run", "--config", "run.toml", "--setup", "source ~/venv/bin/activate", *DATA)
+    assert "module load" not in out and "\nsource ~/venv/bin/activate\n" in out
+    assert " python -m dptrain train " in out  # set-up lines provide the interpreter
+
+
+@pytest.mark.parametrize("options, sentence", [
+    (["--time", "2h"], "slurm.time = '2h' is not a time sbatch reads; write it as HH:MM:SS or D-HH:MM:SS."),
+    (["--requeue", "--signal-lead-s", "0"], "slurm.requeue needs slurm.signal_lead_s above 0"),
+    (["--cpus-per-node", "2", "--ranks-per-node", "4"], "slurm.ranks_per_node = 4 is more than slurm.cpus_per_node = 2"),
+    (["--nodes", "0"], "slurm.nodes = 0 must be greater than 0."),
+    (["--launch.device", "cuda"], "launch.device = cuda but the job asks for no GPUs"),
+    (["--slurm.setup", "a\nb"], "slurm.setup holds a line break"),
+])
+def test_bad_job_options_are_refused_in_one_sentence_before_anything_is_written(submit, tmp_path, options, sentence):
+    code, _, err = submit(*options, *DATA)
+    assert code == 2
+    [line] = err.strip().splitlines()
+    assert line.startswith("dptrain: error: ") and sentence in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_world_the_data_cannot_feed_is_refused_for_the_job_world_size(submit):
+    # 8 nodes x 2 ranks = 16 ranks for a global batch of 8: the same check as dptrain train's, for the job's world.
+    code, _, err = submit("--nodes", "8", "--ranks-per-node", "2", "--train.global_batch_size", "8", *DATA)
+    assert code == 2 and "world size 16" in err, err
+
+
+@pytest.mark.parametrize("source, task_cpus, local_ranks, cores, expected", [
+    ("slurm", "6", 4, 64, 6),     # one srun task per rank: the task's cores, even where the CPU set shows the node
+    ("torchrun", "8", 4, 64, 2),  # an agent's task: its cores shared among the node's ranks
+    ("slurm", None, 4, 64, 16),   # no --cpus-per-task: the CPU set, shared among the node's ranks
+    ("slurm", "8", 1, 2, 2),      # never more threads than cores in the CPU set
+])
+def test_threads_per_rank_follow_the_cores_slurm_gives_the_task(monkeypatch, source, task_cpus, local_ranks, cores, expected):
+    import torch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    if task_cpus is None:
+        monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", task_cpus)
+    before = torch.get_num_threads()
+    try:
+        env = DistEnv(0, 0, 8, local_ranks, "127.0.0.1", 0, source)
+        assert set_cpu_threads(env) == expected
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_port_in_the_script_is_the_one_ranks_derive_from_the_job_id(tmp_path):
+    """Two jobs on one node get different ports; the script and DistEnv (srun without MASTER_PORT) agree."""
+    import subprocess
+
+    line = next(l for l in rendered([]).splitlines() if l.startswith("export MASTER_PORT="))
+    ports = set()
+    for job_id in ("1234", "1235"):
+        shell = subprocess.run(["bash", "-c", f"{line}; echo $MASTER_PORT"], env={"SLURM_JOB_ID": job_id},
+                               capture_output=True, text=True, check=True).stdout.strip()
+        env = DistEnv.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+                                    "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": job_id})
+        assert int(shell) == env.master_port
+        ports.add(env.master_port)
+    assert len(ports) == 2
+
+
+def test_setup_lines_cannot_smuggle_a_line_break_through_the_config_file(tmp_path):
+    (tmp_path / "bad.toml").write_text('[slurm]\nsbatch = ["--mail-type=END\\nrm -rf ~"]\n')
+    with pytest.raises(ConfigError, match="slurm.sbatch holds a line break"):
+        config_mod.load(tmp_path / "bad.toml")
