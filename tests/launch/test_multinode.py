@@ -1,0 +1,233 @@
+"""Two hosts on one machine (tests/netns_hosts.py): the fixture itself, then multi-node runs across them."""
+
+from __future__ import annotations
+
+import functools
+import select
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dptrain.launch.env import LaunchError, Nodes
+from tests.conftest import FLOAT64_ENV, REPO, log_tail, plan_runs, read_events
+from tests.netns_hosts import TwoHosts
+
+PY = sys.executable
+PORT = 5000  # each host is a fresh network stack: no other process can hold a port there
+
+
+@functools.lru_cache(maxsize=1)
+def _unavailable() -> str | None:
+    return TwoHosts.unavailable_reason()
+
+
+@pytest.fixture
+def two_hosts():
+    """Fresh hosts node1/node2 (TwoHosts), torn down after the test; skipped, with the reason, where impossible."""
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(f"no network namespaces: {reason}")
+    with TwoHosts() as hosts:
+        yield hosts
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of proc's stdout within `timeout` seconds ("" if it exited first)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output within {timeout} s from {proc.args[-1]!r}"
+    return proc.stdout.readline().strip()
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 20) -> str:
+    """proc's stdout once it exited with 0 (within `timeout`), its stderr in the failure message otherwise."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {out}\nstderr: {err[-3000:]}"
+    return out
+
+
+# A client that retries until the server listens (no readiness signal needed): connect(host, port) or raise.
+CONNECT = """
+import socket, sys, time
+def connect(host, port, deadline=10.0):
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except ConnectionRefusedError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+"""
+
+# Server: one connection; says its hostname, reads the client's and prints it with the client's address.
+ECHO_SERVER = """
+import socket, sys
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((sys.argv[1], int(sys.argv[2])))
+srv.listen()
+srv.settimeout(20)
+conn, peer = srv.accept()
+conn.settimeout(10)
+conn.sendall(socket.gethostname().encode() + b"\\n")
+print(conn.makefile().readline().strip(), peer[0], flush=True)
+"""
+
+
+def test_hosts_have_their_names_and_reach_each_other_by_name(two_hosts):
+    hosts = two_hosts
+    # each host's own name resolves (hosts file) to its own address
+    for i in (0, 1):
+        done = hosts.run(i, [PY, "-c", "import socket; n = socket.gethostname(); print(n, socket.gethostbyname(n))"],
+                         timeout=20)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [hosts.names[i], hosts.addresses[i]]
+    server = hosts.popen(0, [PY, "-c", ECHO_SERVER, hosts.addresses[0], str(PORT)])
+    client = hosts.popen(1, [PY, "-c", CONNECT + """
+conn = connect("node1", int(sys.argv[1]))
+conn.sendall(socket.gethostname().encode() + b"\\n")
+print(conn.makefile().readline().strip(), conn.getpeername()[0])
+""", str(PORT)])
+    assert _finish(client).split() == ["node1", hosts.addresses[0]]  # node1's reply, from node1's address
+    assert _finish(server).split() == ["node2", hosts.addresses[1]]  # node2's name, from node2's address
+
+
+def test_hosts_are_isolated_from_each_other_and_the_machine(two_hosts):
+    """A server listening on every address of node1 is reachable as node1:PORT only, no other host's loopback."""
+    hosts = two_hosts
+    server = hosts.popen(0, [PY, "-c", ECHO_SERVER, "0.0.0.0", str(PORT)])
+    client = hosts.popen(1, [PY, "-c", CONNECT + """
+import errno
+try:  # node2's loopback is node2's own: nothing listens there
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+    print("loopback reached node1's server")
+except ConnectionRefusedError:
+    print("loopback refused")
+conn = connect("node1", int(sys.argv[1]))  # the server was up all along
+conn.sendall(b"node2\\n")
+print(conn.makefile().readline().strip())
+""", str(PORT)])
+    assert _finish(client).splitlines() == ["loopback refused", "node1"]
+    _finish(server)
+    # the machine's own (root namespace) stack reaches neither: its loopback refuses; node1's address goes out
+    # the machine's default route (here a sandbox egress proxy accepts any TCP connection), never to node1
+    server = hosts.popen(0, [PY, "-c", ECHO_SERVER, "0.0.0.0", str(PORT)])
+    time.sleep(0.5)  # it listens by now (a python start); the connects below must fail regardless
+    assert server.poll() is None, server.communicate()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", PORT), timeout=1).close()
+    assert _greeting(hosts.addresses[0], PORT) != b"node1\n"
+
+
+def _greeting(address: str, port: int) -> bytes | None:
+    """The first bytes a server at address:port sends within a second of connecting; None if none connects."""
+    try:
+        with socket.create_connection((address, port), timeout=1) as conn:
+            return conn.recv(100)
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------ dptrain across the two hosts
+
+# SGD without dropout in float64 (tests/float64's sitecustomize): the two hosts' run and the one-host run differ
+# only in the order of float64 sums (each host's rank uses both cores, the one-host ranks one each).
+MULTINODE = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
+             "--model.dropout", "false", "--train.max_steps", "8", "--train.global_batch_size", "32", "--train.log_every", "1",
+             "--optim.name", "sgd", "--optim.lr", "0.01", "--train.channels_last", "false", "--launch.timeout_s", "60"]
+plan_runs({"multinode/one-host": (MULTINODE, (2,))}, precision="float64")
+
+
+def start_node(hosts: TwoHosts, index: int, argv: list[str], cwd, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`dptrain ARGV --nnodes 2 --node-rank INDEX --master-addr node1` on host INDEX, one worker there."""
+    env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    nodes = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(index), "--master-addr", "node1",
+             "--master-port", "29500"]
+    return hosts.popen(index, [PY, "-m", "dptrain", *argv, *nodes], env=env, cwd=cwd)
+
+
+@pytest.mark.slow
+def test_two_hosts_train_as_one_host_with_two_workers(two_hosts, planned_run, tmp_path):
+    import torch
+
+    run_dir = tmp_path / "run"  # one folder both hosts see, as an NFS share would be
+    argv = [*MULTINODE, "--output.dir", str(run_dir)]
+    procs = [start_node(two_hosts, i, argv, tmp_path, FLOAT64_ENV) for i in (0, 1)]
+    for proc in procs:
+        _finish(proc, timeout=120)
+    reference = planned_run("multinode/one-host", 2)
+    start = read_events(run_dir, "run_start")[0]
+    assert start["world_size"] == 2
+    assert json_env(run_dir)["host"] == "node1"  # rank 0 ran on the host of the rendezvous
+    losses, expected = [e["loss"] for e in read_events(run_dir, "step")], [e["loss"] for e in read_events(reference, "step")]
+    assert len(losses) == len(expected) == 8
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, expected)), (losses, expected)
+    ours, theirs = torch.load(run_dir / "model.pt"), torch.load(reference / "model.pt")
+    for name, ref in theirs.items():
+        assert ours[name].dtype == torch.float64
+        assert (ours[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+
+
+def json_env(run_dir) -> dict:
+    import json
+
+    return json.loads((run_dir / "env.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_cut_link_fails_the_other_host_within_the_timeout_naming_the_lost_rank(two_hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    timeout_s = 12
+    argv = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "100000", "--train.epochs", "1",
+            "--train.global_batch_size", "32", "--train.log_every", "1", "--launch.timeout_s", str(timeout_s),
+            "--output.dir", str(run_dir)]
+    procs = [start_node(two_hosts, i, argv, tmp_path) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "metrics.jsonl").is_file() or not read_events(run_dir, "step"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, log_tail(run_dir)
+            time.sleep(0.2)
+        two_hosts.cut_link()
+        cut = time.monotonic()
+        _, err = procs[0].communicate(timeout=timeout_s + 30)
+        took = time.monotonic() - cut
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert procs[0].returncode == 1, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("dptrain: error: rank 0 failed during step "), err
+    assert "rank 1 did not answer (dead or stuck)" in lines[-1], err
+    assert took <= timeout_s + 15, took
+
+
+# ------------------------------------------------------------------ the options, checked together
+
+def test_the_multinode_options_read_as_torchrun_reads_them():
+    assert Nodes.from_options(None, None, None, None, None, {}) is None  # this node alone
+    assert Nodes.from_options(1, None, None, None, None, {}) is None
+    assert Nodes.from_options(2, 1, "127.0.0.1", None, None, {}) == Nodes(2, 1, "127.0.0.1", 29500)
+    assert Nodes.from_options(2, 0, None, None, "localhost:1234", {}) == Nodes(2, 0, "localhost", 1234)
+    # under srun, one agent per node: the node's index is the task's
+    assert Nodes.from_options(4, None, "127.0.0.1", 20017, None, {"SLURM_NODEID": "3"}) == Nodes(4, 3, "127.0.0.1", 20017)
+
+
+@pytest.mark.parametrize("options, environ, sentence", [
+    ((None, 1, None, None, None), {}, "--node-rank is for a run over several nodes; give --nnodes too"),
+    ((2, None, "127.0.0.1", None, None), {}, "--node-rank is needed with --nnodes 2: 0 on the node at the master address"),
+    ((2, 2, "127.0.0.1", None, None), {}, "--node-rank 2 is outside 0 to 1 (--nnodes 2)."),
+    ((2, 0, None, None, None), {}, "--master-addr is needed with --nnodes 2"),
+    ((2, 0, "127.0.0.1", None, "h:1"), {}, "give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port"),
+    ((2, 0, None, None, "node1"), {}, "--rdzv-endpoint 'node1' is not HOST:PORT"),
+    ((2, 0, "127.0.0.1", 70000, None), {}, "--master-port 70000 is not a TCP port"),
+    ((2, 0, "no-such-host.invalid", None, None), {}, "master address 'no-such-host.invalid' does not resolve"),
+    ((2, 0, "127.0.0.1", None, None), {"RANK": "0", "WORLD_SIZE": "2"}, "a launcher (torchrun) already started this process"),
+])
+def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sentence):
+    with pytest.raises(LaunchError) as refused:
+        Nodes.from_options(*options, environ)
+    assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
