@@ -23,6 +23,25 @@ if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
   fi
 fi
 
+# --dev: the tests of the SLURM launcher start a private SLURM cluster (tests/slurm_cluster.py), which needs root
+# and Debian's SLURM and munge packages; without them those tests are skipped, saying why.
+if [[ -n "$extras" ]]; then
+  slurm_packages=(slurmctld slurmd slurm-client munge)
+  if [[ $(id -u) != 0 ]]; then
+    echo "setup: the SLURM cluster tests will be skipped: they start SLURM daemons, which needs root." >&2
+  elif command -v slurmctld >/dev/null || [[ -x /usr/sbin/slurmctld ]]; then
+    :  # installed already
+  elif command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's ${slurm_packages[*]} for the SLURM cluster tests"
+    apt_slurm=(apt-get install -y -qq --no-install-recommends "${slurm_packages[@]}")
+    DEBIAN_FRONTEND=noninteractive "${apt_slurm[@]}" >/dev/null 2>&1 || {
+      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive "${apt_slurm[@]}" >/dev/null; } ||
+      echo "setup: installing ${slurm_packages[*]} failed; the SLURM cluster tests will be skipped." >&2
+  else
+    echo "setup: the SLURM cluster tests will be skipped: ${slurm_packages[*]} are missing and there is no apt-get." >&2
+  fi
+fi
+
 [[ -x .venv/bin/python ]] || "$python" -m venv .venv || {
   echo "setup: '$python -m venv' failed; on Debian or Ubuntu install it with 'sudo apt-get install python3-venv'." >&2; exit 1; }
 constraint=(-c constraints.txt)

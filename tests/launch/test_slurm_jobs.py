@@ -1,0 +1,147 @@
+"""`dptrain submit` on a real SLURM cluster (tests/slurm_cluster.py: slurmctld and two slurmd nodes, n1 and n2).
+
+Every job of this module is submitted at once, on first use, and the scheduler runs them as the nodes' CPUs
+allow: a job costs its own Python and torch starts, not a wait for the job before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FLOAT64_ENV, read_events
+from tests.launch.test_multinode import MULTINODE
+
+pytestmark = pytest.mark.slow
+
+# fp32, long enough (60 steps) for a signal to land mid-run; a snapshot only at the end (or on the signal).
+LONG = ["--data.name", "synthetic", "--data.synthetic_train_size", "1920", "--data.synthetic_test_size", "64",
+        "--train.global_batch_size", "32", "--train.epochs", "1", "--train.log_every", "1", "--launch.timeout_s", "60"]
+SHORT = [*LONG, "--train.max_steps", "20"]
+# One core per rank (--cpus-per-task 1, so 1 thread each): the jobs run side by side on this machine's 2 cores.
+TWO_NODES = ["--nodes", "2", "--cpus-per-node", "1"]
+# name -> (options of `dptrain submit`, environment of the submission; sbatch passes it on to the job)
+JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "requeued": ([*LONG, *TWO_NODES, "--requeue"], {}),
+    "uninterrupted": ([*LONG, *TWO_NODES], {}),
+    "per-rank": ([*MULTINODE[1:], *TWO_NODES], FLOAT64_ENV),
+    "agent": ([*MULTINODE[1:], *TWO_NODES, "--mode", "agent"], FLOAT64_ENV),
+    # two jobs of 2 ranks on node n1 at once, each with its own port
+    **{f"shared-{x}": ([*SHORT, "--ranks-per-node", "2", "--cpus-per-node", "2", "--sbatch", "nodelist=n1"], {})
+       for x in "ab"},
+    "unresolvable": ([*SHORT, *TWO_NODES, "--master-addr", "no-such-host.invalid"], {}),
+}
+
+
+def submit(cluster, workdir: Path, name: str, options: list[str], env: dict[str, str]) -> int:
+    """`dptrain submit --output.name NAME OPTIONS` in this process, from workdir, on the cluster: the job id."""
+    from dptrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(workdir)
+        for key, value in {**cluster.env, **env}.items():
+            patch.setenv(key, value)
+        code = main(["submit", "--output.name", name, *options])
+    assert code == 0, err.getvalue()
+    return int(re.search(r"submitted job (\d+)", out.getvalue()).group(1))
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory):
+    """name -> (job id, run directory) of every job of JOBS, submitted together; the requeued one is signalled
+    (scancel --signal=USR1, as SLURM's --signal would) once it has trained a few steps."""
+    workdir = tmp_path_factory.mktemp("jobs")
+    ids = {name: submit(slurm_cluster, workdir, name, options, env) for name, (options, env) in JOBS.items()}
+    made = {name: (job_id, workdir / "runs" / name) for name, job_id in ids.items()}
+    run_dir = made["requeued"][1]
+    deadline = time.monotonic() + 120
+    while not steps_done(run_dir) >= 3:
+        job = slurm_cluster.job(ids["requeued"])
+        assert time.monotonic() < deadline and job["JobState"] in ("PENDING", "RUNNING"), (job, job_output(run_dir))
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", str(ids["requeued"])).returncode == 0
+    return made
+
+
+def steps_done(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(read_events(run_dir, "step")) if metrics.is_file() else 0
+
+
+def job_output(run_dir: Path) -> str:
+    """The job's .out and .err files, for a failure message."""
+    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("slurm-*")))
+
+
+def finished(cluster, jobs, name: str, state: str = "COMPLETED") -> tuple[dict[str, str], Path]:
+    job_id, run_dir = jobs[name]
+    job = cluster.wait(job_id, timeout=240)
+    assert job["JobState"] == state, (job, job_output(run_dir))
+    return job, run_dir
+
+
+def losses_and_weights(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return [e["loss"] for e in read_events(run_dir, "step")], torch.load(run_dir / "model.pt")
+
+
+@pytest.mark.parametrize("mode", ["per-rank", "agent"])
+def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, jobs, planned_run, mode):
+    """Through dptrain submit, 2 nodes x 1 rank, gloo: the same curve and weights as 2 local workers (float64)."""
+    _, run_dir = finished(slurm_cluster, jobs, mode)
+    start = read_events(run_dir, "run_start")[0]
+    assert (start["world_size"], start["slurm_restarts"]) == (2, 0)
+    assert "1 CPU threads per rank" in (run_dir / "logs" / "rank0.log").read_text()  # --cpus-per-task 1
+    if mode == "agent":  # the ranks were started by the elastic agent (torchrun's variables), not by srun
+        assert "(torchrun)" in (run_dir / "logs" / "rank0.log").read_text()
+    losses, weights = losses_and_weights(run_dir)
+    ref_losses, ref_weights = losses_and_weights(planned_run("multinode/one-host", 2))
+    assert len(losses) == len(ref_losses) == 8
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        assert weights[name].dtype == torch.float64
+        assert (weights[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+
+
+def test_a_signalled_job_requeues_resumes_and_ends_equal_to_an_uninterrupted_one(slurm_cluster, jobs):
+    job, run_dir = finished(slurm_cluster, jobs, "requeued")
+    assert job["Restarts"] == "1"
+    starts = read_events(run_dir, "run_start")
+    assert [(s["slurm_restarts"], s["step"] > 0) for s in starts] == [(0, False), (1, True)], starts
+    [stopped] = read_events(run_dir, "stopped")
+    [requeued] = read_events(run_dir, "requeued")
+    assert stopped["step"] == requeued["step"] == starts[1]["step"]  # resumed from the signal's snapshot
+    assert "stopped by SIGUSR1" in stopped["message"]
+    _, reference = finished(slurm_cluster, jobs, "uninterrupted")
+    weights, expected = torch.load(run_dir / "model.pt"), torch.load(reference / "model.pt")
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert [e["loss"] for e in read_events(run_dir, "step")][-1] == [e["loss"] for e in read_events(reference, "step")][-1]
+
+
+def test_two_jobs_on_one_node_at_once_do_not_collide(slurm_cluster, jobs):
+    spans, curves = [], []
+    for name in ("shared-a", "shared-b"):
+        job, run_dir = finished(slurm_cluster, jobs, name)
+        assert job["NodeList"] == "n1"
+        start, end = read_events(run_dir, "run_start")[0], read_events(run_dir, "run_end")[0]
+        spans.append((start["time"], end["time"]))
+        curves.append(losses_and_weights(run_dir)[0])
+    (a0, a1), (b0, b1) = spans
+    assert a0 < b1 and b0 < a1, spans  # they trained at the same time
+    assert curves[0] == curves[1]  # each in its own world: the same run, the same losses
+
+
+def test_a_master_that_does_not_resolve_fails_within_30_s_naming_it(slurm_cluster, jobs):
+    job, run_dir = finished(slurm_cluster, jobs, "unresolvable", state="FAILED")
+    took = (datetime.fromisoformat(job["EndTime"]) - datetime.fromisoformat(job["StartTime"])).total_seconds()
+    assert took <= 30, job
+    errors = (run_dir / "logs" / f"slurm-{jobs['unresolvable'][0]}.err").read_text()
+    assert re.search(r"^dptrain: error: rank \d failed during rendezvous: master address 'no-such-host.invalid' does "
+                     r"not resolve on \S+; set MASTER_ADDR", errors, re.M), errors
