@@ -1,4 +1,4 @@
-"""Fetch dataset files once per machine: an exclusive file lock, a temporary name, an md5 check, a rename.
+"""Fetch dataset files once per machine (once per cluster on a shared folder): an exclusive file lock, a temporary name, an md5 check, a rename.
 
 No process group is needed: every process that wants the files calls fetch(); the first one to
 take the lock downloads, the others block on the lock and then find the files in place.
@@ -35,14 +35,17 @@ def md5sum(path: Path) -> str:
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock held across processes on this machine (released if the holder dies)."""
+    """Exclusive lock held across processes, released if the holder dies. A POSIX record lock (lockf), the kind
+    NFS serves across nodes (v4 itself, v3 through lockd), so on a folder every node mounts the download happens
+    once per cluster; flock is emulated with it on Linux NFS clients, but kept node-local by `local_lock=flock`.
+    Even where a lock only holds on one node, each file is renamed into place whole: never a half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with path.open("a") as handle:  # lockf wants a file open for writing
+        fcntl.lockf(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.lockf(handle, fcntl.LOCK_UN)
 
 
 def fetch(dest: Path, files: list[tuple[str, str]], mirrors: list[str]) -> list[Path]:
