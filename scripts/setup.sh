@@ -23,22 +23,25 @@ if [[ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
   fi
 fi
 
-# --dev: the tests of the SLURM launcher start a private SLURM cluster (tests/slurm_cluster.py), which needs root
-# and Debian's SLURM and munge packages; without them those tests are skipped, saying why.
+# --dev: the cluster tests start a private SLURM cluster (tests/slurm_cluster.py) and hosts in network namespaces
+# (tests/netns_hosts.py), which need root, Debian's SLURM and munge packages, and `ip` (iproute2); without them
+# those tests are skipped, saying why.
 if [[ -n "$extras" ]]; then
-  slurm_packages=(slurmctld slurmd slurm-client munge)
-  if [[ $(id -u) != 0 ]]; then
-    echo "setup: the SLURM cluster tests will be skipped: they start SLURM daemons, which needs root." >&2
-  elif command -v slurmctld >/dev/null || [[ -x /usr/sbin/slurmctld ]]; then
+  cluster_packages=()
+  command -v slurmctld >/dev/null || [[ -x /usr/sbin/slurmctld ]] || cluster_packages+=(slurmctld slurmd slurm-client munge)
+  command -v ip >/dev/null || [[ -x /usr/sbin/ip ]] || cluster_packages+=(iproute2)
+  if (( ${#cluster_packages[@]} == 0 )); then
     :  # installed already
+  elif [[ $(id -u) != 0 ]]; then
+    echo "setup: the cluster tests will be skipped: they need root and ${cluster_packages[*]}." >&2
   elif command -v apt-get >/dev/null; then
-    echo "setup: installing Debian's ${slurm_packages[*]} for the SLURM cluster tests"
-    apt_slurm=(apt-get install -y -qq --no-install-recommends "${slurm_packages[@]}")
-    DEBIAN_FRONTEND=noninteractive "${apt_slurm[@]}" >/dev/null 2>&1 || {
-      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive "${apt_slurm[@]}" >/dev/null; } ||
-      echo "setup: installing ${slurm_packages[*]} failed; the SLURM cluster tests will be skipped." >&2
+    echo "setup: installing Debian's ${cluster_packages[*]} for the cluster tests"
+    apt_cluster=(apt-get install -y -qq --no-install-recommends "${cluster_packages[@]}")
+    DEBIAN_FRONTEND=noninteractive "${apt_cluster[@]}" >/dev/null 2>&1 || {
+      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive "${apt_cluster[@]}" >/dev/null; } ||
+      echo "setup: installing ${cluster_packages[*]} failed; the cluster tests will be skipped." >&2
   else
-    echo "setup: the SLURM cluster tests will be skipped: ${slurm_packages[*]} are missing and there is no apt-get." >&2
+    echo "setup: the cluster tests will be skipped: ${cluster_packages[*]} are missing and there is no apt-get." >&2
   fi
 fi
 

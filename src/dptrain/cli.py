@@ -190,7 +190,8 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     job.config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
     job_id = slurm.submit(job.script)
-    print(f"dptrain: submitted job {job_id} ({job.nodes} x {job.ranks_per_node} ranks, {job.mode}): {job.script}\n"
+    print(f"dptrain: submitted job {job_id} ({job.nodes} node{'s' if job.nodes > 1 else ''} x {job.ranks_per_node} "
+          f"rank{'s' if job.ranks_per_node > 1 else ''}, {job.mode}): {job.script}\n"
           f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
     return 0
 

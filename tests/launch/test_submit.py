@@ -122,6 +122,12 @@ def test_bad_job_options_are_refused_in_one_sentence_before_anything_is_written(
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_run_directory_that_sbatch_lines_cannot_carry_is_refused(submit, tmp_path):
+    code, _, err = submit("--output.dir", "runs/my run", *DATA)
+    assert code == 2 and "holds a space, quote or other character that #SBATCH lines cannot carry" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_world_the_data_cannot_feed_is_refused_for_the_job_world_size(submit):
     # 8 nodes x 2 ranks = 16 ranks for a global batch of 8: the same check as dptrain train's, for the job's world.
     code, _, err = submit("--nodes", "8", "--ranks-per-node", "2", "--train.global_batch_size", "8", *DATA)

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dptrain.config import RunConfig, SlurmConfig
+from dptrain.config import ConfigError, RunConfig, SlurmConfig
 from dptrain.launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
 
 # slurm.<field> -> the sbatch option it becomes, for the options passed through as given.
@@ -69,6 +69,10 @@ class Job:
 def job_for(cfg: RunConfig, workdir: Path) -> Job:
     """The job of cfg's run, with its run directory made absolute against workdir (where the job will run)."""
     run_dir = cfg.output.run_dir if cfg.output.run_dir.is_absolute() else workdir / cfg.output.run_dir
+    for what, path in (("the run directory", run_dir), ("the folder dptrain submit runs in", workdir)):
+        if any(c.isspace() or c in "\"'$`\\%" for c in str(path)):
+            raise ConfigError(f"{what} {str(path)!r} holds a space, quote or other character that #SBATCH lines cannot "
+                              f"carry; choose a plain path (--output.dir, or submit from another folder).")
     return Job(run_dir, cfg.slurm.nodes, cfg.slurm.ranks_here, cfg.slurm.mode)
 
 
