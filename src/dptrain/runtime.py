@@ -229,6 +229,9 @@ def join_store(env: DistEnv, timeout_s: float) -> dist.Store:
     return store
 
 
+UNREACHABLE_GRACE_S = 30.0  # how long a host may stay unreachable (no route, no answer) before a rank gives up on it
+
+
 def reach_store(addr: str, port: int, timeout_s: float, what: str, owner: str) -> dist.TCPStore:
     """A client of the store at addr:port, waiting up to timeout_s for it to accept; LaunchError naming what, where
     and whose (owner) it is when it does not.
@@ -242,16 +245,29 @@ def reach_store(addr: str, port: int, timeout_s: float, what: str, owner: str) -
         return max(0.0, deadline - time.monotonic())
 
     unreachable = f"could not reach {what} at {addr}:{port} within {timeout_s:g} s: {owner} is missing or unreachable"
+    # Refused means the host is there and nobody listens yet (rank 0 still importing torch, say): wait for it up to
+    # the deadline. No route, or packets dropped, means the network does not lead there: fail sooner.
+    unreachable_since: float | None = None
     while True:
         try:
             socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left()))).close()
             break
         except socket.gaierror:  # an OSError too, but no wait makes a name resolve
             check_master_resolves(addr)
-        except OSError as exc:  # refused: nobody listens yet; timed out: the host drops the packets
-            if left() <= 0:
-                raise LaunchError(f"{unreachable} ({exc.strerror or exc})") from exc
-            time.sleep(min(0.1, left()))
+            exc = None
+        except OSError as error:
+            exc = error
+            if isinstance(error, ConnectionRefusedError):
+                unreachable_since = None
+            elif unreachable_since is None:
+                unreachable_since = time.monotonic()
+            elif time.monotonic() - unreachable_since >= min(UNREACHABLE_GRACE_S, timeout_s / 2):
+                raise LaunchError(f"{addr}:{port} ({what}) is not reachable from {socket.gethostname()} "
+                                  f"({error.strerror or error}); check that {owner}'s host is up, that its address is "
+                                  f"one this host can reach, and that no firewall blocks the port.") from error
+        if left() <= 0:
+            raise LaunchError(f"{unreachable} ({(exc.strerror or exc) if exc else 'no answer'})") from exc
+        time.sleep(min(0.1, left()))
     try:  # the port answers: a second at least for torch's handshake, even at the deadline's very end
         store = dist.TCPStore(addr, port, None, is_master=False, timeout=datetime.timedelta(seconds=max(1.0, left())))
     except RuntimeError as exc:  # DistStoreError and the timeouts of older torch versions

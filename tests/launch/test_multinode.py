@@ -231,3 +231,17 @@ def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sen
     with pytest.raises(LaunchError) as refused:
         Nodes.from_options(*options, environ)
     assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_a_master_the_network_does_not_lead_to_fails_soon_naming_it(two_hosts):
+    """No route to node1 (the link is down): not the whole timeout of a refused port, but half of it (30 s at most)."""
+    two_hosts.cut_link()
+    code = ("import time; from dptrain.runtime import reach_store; from dptrain.launch.env import LaunchError\n"
+            "start = time.monotonic()\n"
+            "try:\n    reach_store('node1', 29500, 6, 'the store of rank 0', 'rank 0')\n"
+            "except LaunchError as exc:\n    print(round(time.monotonic() - start, 1)); print(exc)\n")
+    out = two_hosts.run(1, [PY, "-c", code], env={"PYTHONPATH": str(REPO)}, timeout=60).stdout.splitlines()
+    took, message = float(out[0]), out[1]
+    assert 2.5 <= took <= 5, took
+    assert message.startswith("node1:29500 (the store of rank 0) is not reachable from node2 (")
+    assert "check that rank 0's host is up" in message
