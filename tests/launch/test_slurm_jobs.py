@@ -1,4 +1,6 @@
 """`dptrain submit` on a real SLURM cluster (tests/slurm_cluster.py: slurmctld and two slurmd nodes, n1 and n2).
+These jobs are also the cluster's own tests: tasks on both nodes, two jobs sharing a node, a requeue, and
+`scancel --signal=USR1` reaching every srun task.
 
 Every job of this module is submitted at once, on first use, and the scheduler runs them as the nodes' CPUs
 allow: a job costs its own Python and torch starts, not a wait for the job before it.
@@ -95,7 +97,8 @@ def losses_and_weights(run_dir: Path) -> tuple[list[float], dict[str, torch.Tens
 @pytest.mark.parametrize("mode", ["per-rank", "agent"])
 def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, jobs, planned_run, mode):
     """Through dptrain submit, 2 nodes x 1 rank, gloo: the same curve and weights as 2 local workers (float64)."""
-    _, run_dir = finished(slurm_cluster, jobs, mode)
+    job, run_dir = finished(slurm_cluster, jobs, mode)
+    assert job["NodeList"] == "n[1-2]"
     start = read_events(run_dir, "run_start")[0]
     assert (start["world_size"], start["slurm_restarts"]) == (2, 0)
     assert "1 CPU threads per rank" in (run_dir / "logs" / "rank0.log").read_text()  # --cpus-per-task 1
