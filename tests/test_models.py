@@ -76,3 +76,26 @@ def test_the_layout_keeping_flatten_changes_no_value_and_keeps_the_gradient_layo
     (ours * weight).sum().backward()
     assert x.grad.is_contiguous(memory_format=memory_format)  # no layout conversion waits in the layer before
     assert torch.equal(x.grad, weight.view(8, 6, 6).expand(4, 8, 6, 6))
+
+
+def test_training_flops_per_sample_count_forward_and_backward_of_every_matmul_and_convolution():
+    """The tutorials' CNN, by hand: conv1 1->32 (3x3, 26x26 out), conv2 32->64 (3x3, 24x24), fc1 9216->128, fc2
+    128->10, 2 operations per multiply-add. Backward computes every weight gradient (as much as the forward) and the
+    input gradient of every layer but conv1, whose input (the image) needs none."""
+    import torch
+
+    from dptrain.config import ModelConfig
+    from dptrain.models import build_model, training_flops_per_sample
+
+    conv1, conv2 = 2 * 32 * 26 * 26 * 1 * 9, 2 * 64 * 24 * 24 * 32 * 9
+    fc1, fc2 = 2 * 9216 * 128, 2 * 128 * 10
+    forward = conv1 + conv2 + fc1 + fc2
+    model = build_model(ModelConfig(), (1, 28, 28), 10)
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    assert training_flops_per_sample(model, (1, 28, 28)) == 3 * forward - conv1
+    # the model, its gradients and the random stream are as they were
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert model.training

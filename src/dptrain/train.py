@@ -25,7 +25,7 @@ from dptrain.data.loader import Batch, Loader
 from dptrain.evaluate import evaluate, sync
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, finite_or_none, peak_memory_mb, per_rank
-from dptrain.models import build_model
+from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import Phase
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.checkpoint import Snapshotter
@@ -82,6 +82,8 @@ class Run:
     """train.cuda_graph: replays the captured training step (None: every step runs eagerly)."""
     utilisation: UtilisationSampler | None = None
     """This rank's CPU, memory and GPU use, sampled on a thread while fit() runs (None: no utilisation fields)."""
+    flops_per_sample: int | None = None
+    """The model's floating-point operations per training sample, forward and backward (counted on rank 0 only)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -182,8 +184,17 @@ class Run:
         return {
             "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
             "epoch_time_s": elapsed, "samples_per_s": state.epoch_seen / elapsed,
+            **self._efficiency(state.epoch_seen / elapsed),
             "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting, **utilisation,
         }
+
+    def _efficiency(self, samples_per_s: float) -> dict[str, float]:
+        """model_flops_per_sample, and achieved_tflops: those operations at the epoch's rate, over every rank
+        (the model's own arithmetic; a strategy's extra work, such as recomputation, is not counted)."""
+        if self.flops_per_sample is None:
+            return {}
+        return {"model_flops_per_sample": self.flops_per_sample,
+                "achieved_tflops": self.flops_per_sample * samples_per_s / 1e12}
 
     def _stop_if_asked(self) -> None:
         """Once every rank has agreed on a stop signal: a whole snapshot of this step, then Stopped."""
@@ -264,6 +275,7 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
     with phase("model set-up"):
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, info.image_shape, info.num_classes)
+        flops = training_flops_per_sample(model, info.image_shape) if env.is_main else None
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
         wrapped = strategy.wrap(model)
@@ -276,7 +288,7 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
     snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
     run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase,
-              total_steps, snapshots)
+              total_steps, snapshots, flops_per_sample=flops)
     with phase("resume"):
         path = checkpoint.choose(cfg, env.is_main, env.world_size)
         if path is not None:

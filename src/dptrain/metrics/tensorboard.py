@@ -26,7 +26,7 @@ log = logging.getLogger("dptrain")
 STEP_SCALARS = ("loss", "lr")
 """A step event's scalars, as train/<key>."""
 EPOCH_SCALARS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "lr", "samples_per_s", "epoch_time_s",
-                 "eval_time_s", "peak_mem_mb")
+                 "eval_time_s", "peak_mem_mb", "achieved_tflops")
 """An epoch event's scalars, as epoch/<key>; its per-rank utilisation lists go to util/<key>/rank<R>."""
 FINAL_METRICS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "samples_per_s")
 """The last epoch's values shown next to the run's hyperparameters (HPARAMS tab), as hparams/<key>."""

@@ -63,3 +63,24 @@ def _remove_dropout(module: nn.Module) -> None:
             setattr(module, name, nn.Identity())
         else:
             _remove_dropout(child)
+
+
+def training_flops_per_sample(model: nn.Module, image_shape: tuple[int, ...]) -> int:
+    """Floating-point operations of one training step per sample: the forward pass and the backward pass (weight
+    gradients, and input gradients of every layer but the first), as torch.utils.flop_counter counts them
+    (matrix products and convolutions, 2 per multiply-add; elementwise work is not counted).
+
+    Counted on a copy on the meta device (shapes only, nothing computed), in eval mode (batch norm then accepts the
+    two samples), with the global random state left as it was: the run's model, gradients and random streams are
+    untouched.
+    """
+    import copy
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    probe = copy.deepcopy(model).to("meta").eval()  # shapes are all the count needs: nothing is computed
+    samples = 2
+    with torch.random.fork_rng(devices=[]), FlopCounterMode(display=False) as counter:
+        probe(torch.zeros(samples, *image_shape, device="meta")).float().sum().backward()
+    return counter.get_total_flops() // samples
