@@ -172,16 +172,12 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.launch import slurm
 
     cfg = config_mod.load(args.config, [*split_overrides(extra), *submit_overrides(args)])
-    lines = {name: tuple(getattr(args, name)) for name in ("setup", "sbatch") if getattr(args, name)}
+    lines = job_lines(args)
     if lines:  # lines on the command line replace the file's list
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
-    on_gpus = cfg.slurm.gpus_per_node > 0
-    if cfg.launch.device == "cuda" and not on_gpus:
-        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N, or use "
-                          "--launch.device auto.")
     workdir = Path.cwd()
     job = slurm.job_for(cfg, workdir)
-    preflight(cfg, job.world_size, job_on_cuda=on_gpus and cfg.launch.device != "cpu")
+    preflight_job(cfg, job.world_size)
     script = slurm.render(cfg, job, workdir, slurm.python_for(cfg.slurm))
     if args.dry_run:
         print(script, end="")
@@ -196,15 +192,39 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+# The job options of add_job_options: valued, flags, repeatable lines.
 SUBMIT_OPTIONS = ("nodes", "gpus_per_node", "cpus_per_node", "ranks_per_node", "mode", "time", "partition", "account",
                   "qos", "constraint", "mem", "signal_lead_s", "master_addr", "python")
+SUBMIT_FLAGS = ("exclusive", "requeue")
+SUBMIT_LINES = ("setup", "sbatch")
 
 
 def submit_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """`dptrain submit`'s own options as slurm.* overrides (they win over the file's [slurm] table)."""
+    """The job options (add_job_options) as slurm.* overrides (they win over the file's [slurm] table)."""
     pairs = [(f"slurm.{name}", str(getattr(args, name))) for name in SUBMIT_OPTIONS if getattr(args, name) is not None]
-    pairs += [(f"slurm.{flag}", "true") for flag in ("exclusive", "requeue") if getattr(args, flag)]
+    pairs += [(f"slurm.{flag}", "true") for flag in SUBMIT_FLAGS if getattr(args, flag)]
     return pairs
+
+
+def job_lines(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """The repeatable job options given (--setup, --sbatch): they replace the file's lists of the same name."""
+    return {name: tuple(getattr(args, name)) for name in SUBMIT_LINES if getattr(args, name)}
+
+
+def job_options_given(args: argparse.Namespace) -> list[str]:
+    """The job options given on the command line, as they were spelled (--nodes, --setup, ...)."""
+    given = [name for name in SUBMIT_OPTIONS if getattr(args, name) is not None]
+    given += [name for name in (*SUBMIT_FLAGS, *SUBMIT_LINES) if getattr(args, name)]
+    return ["--" + name.replace("_", "-") for name in given]
+
+
+def preflight_job(cfg: RunConfig, world_size: int) -> None:
+    """preflight for a job submitted from here: it runs on the GPUs it asks for, if any."""
+    on_gpus = cfg.slurm.gpus_per_node > 0
+    if cfg.launch.device == "cuda" and not on_gpus:
+        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N, or use "
+                          "--launch.device auto.")
+    preflight(cfg, world_size, job_on_cuda=on_gpus and cfg.launch.device != "cpu")
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -300,16 +320,41 @@ def cmd_tensorboard(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
-    """A scaling sweep of real runs (workers x strategies x repeats), then its CSVs; 1 when a point failed."""
+    """A scaling sweep of real runs (workers x strategies x repeats), here or as SLURM jobs, then its CSVs; 1 when a
+    point failed."""
     from dptrain.bench.collect import write_results
-    from dptrain.bench.sweep import build, run_sweep
+    from dptrain.bench.sweep import DEFAULT_RUN_TIMEOUT_S, build, run_sweep
 
-    sweep, notes = build(config_path=args.config, pairs=split_overrides(extra), workers=args.workers,
-                         strategies=args.strategies, repeats=args.repeats, warmup_epochs=args.warmup_epochs,
-                         engines=args.engines, run_timeout_s=args.run_timeout_s)
+    pairs = split_overrides(extra)
+    if args.slurm:
+        if args.run_timeout_s is not None:
+            raise ConfigError("--run-timeout-s limits runs on this machine; with --slurm each job's --time limits "
+                              "its run.")
+    else:
+        given = [*job_options_given(args), *(f"--{key}" for key, _ in pairs if key.startswith("slurm."))]
+        if given:
+            raise ConfigError(f"{given[0]} is a job option; add --slurm to run every point as a SLURM job, or drop it.")
+        if args.dry_run:
+            raise ConfigError("--dry-run prints the jobs a --slurm sweep would submit; add --slurm, or drop it.")
+    sweep, notes = build(config_path=args.config, pairs=pairs, workers=args.workers, strategies=args.strategies,
+                         repeats=args.repeats, warmup_epochs=args.warmup_epochs, engines=args.engines,
+                         run_timeout_s=DEFAULT_RUN_TIMEOUT_S if args.run_timeout_s is None else args.run_timeout_s,
+                         job_pairs=submit_overrides(args) if args.slurm else None, job_lines=job_lines(args))
     for note in notes:
         log.info(f"bench: {note}")
-    failures = run_sweep(sweep)
+    if args.slurm:
+        from dptrain.bench import jobs
+
+        if not args.dry_run:
+            jobs.require_clients()
+        for cfg, world_size in jobs.checks(sweep):  # every job's run, as dptrain submit checks it, before the first
+            preflight_job(cfg, world_size)
+        if args.dry_run:
+            print(jobs.dry_run(sweep), end="")
+            return 0
+        failures = jobs.run_jobs(sweep)
+    else:
+        failures = run_sweep(sweep)
     rows, summary = write_results(sweep.bench_dir)
     log.info(f"bench: {len(rows)} runs in {sweep.bench_dir / 'results.csv'}, {len(summary)} points in "
              f"{sweep.bench_dir / 'summary.csv'}; plots: dptrain report {sweep.bench_dir}")
@@ -334,6 +379,29 @@ def add_snapshot_options(command: argparse.ArgumentParser) -> None:
     """The options of the commands that run a snapshot's model (eval, predict); snapshot_and_its_run reads them."""
     command.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
     command.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
+
+
+def add_job_options(command: argparse.ArgumentParser, title: str, nodes_help: str) -> None:
+    """The job's options (sbatch's), shared by submit and bench --slurm; submit_overrides and job_lines read them."""
+    job = command.add_argument_group(title)
+    job.add_argument("--nodes", type=int, help=nodes_help)
+    job.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 0: a CPU job, gloo)")
+    job.add_argument("--cpus-per-node", type=int, help="cores per node, shared out among its ranks as threads")
+    job.add_argument("--ranks-per-node", help="ranks per node (default: one per GPU, one on CPUs)")
+    job.add_argument("--mode", choices=("per-rank", "agent"), help="one srun task per rank (default), or one elastic "
+                     "agent per node")
+    job.add_argument("--time", help="time limit, e.g. 02:00:00")
+    for name in ("partition", "account", "qos", "constraint", "mem"):
+        job.add_argument(f"--{name}", help=f"sbatch --{name}")
+    job.add_argument("--exclusive", action="store_true", help="whole nodes")
+    job.add_argument("--signal-lead-s", type=int, help="seconds before the time limit for the snapshot signal (default 120)")
+    job.add_argument("--requeue", action="store_true", help="queue the job again after that snapshot, and resume")
+    job.add_argument("--master-addr", help="the address ranks reach the first node by (default: its NodeAddr)")
+    job.add_argument("--python", help="the Python that runs dptrain in the job (default: this one)")
+    job.add_argument("--setup", action="append", default=[], metavar="LINE",
+                     help="a shell line run before training, e.g. 'module load pytorch' (repeatable)")
+    job.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                     help="an extra #SBATCH option, e.g. --mail-type=END (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,25 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
     submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
-    job = submit.add_argument_group("the job (sbatch's options)")
-    job.add_argument("--nodes", type=int, help="nodes (default 1)")
-    job.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 0: a CPU job, gloo)")
-    job.add_argument("--cpus-per-node", type=int, help="cores per node, shared out among its ranks as threads")
-    job.add_argument("--ranks-per-node", help="ranks per node (default: one per GPU, one on CPUs)")
-    job.add_argument("--mode", choices=("per-rank", "agent"), help="one srun task per rank (default), or one elastic "
-                     "agent per node")
-    job.add_argument("--time", help="time limit, e.g. 02:00:00")
-    for name in ("partition", "account", "qos", "constraint", "mem"):
-        job.add_argument(f"--{name}", help=f"sbatch --{name}")
-    job.add_argument("--exclusive", action="store_true", help="whole nodes")
-    job.add_argument("--signal-lead-s", type=int, help="seconds before the time limit for the snapshot signal (default 120)")
-    job.add_argument("--requeue", action="store_true", help="queue the job again after that snapshot, and resume")
-    job.add_argument("--master-addr", help="the address ranks reach the first node by (default: its NodeAddr)")
-    job.add_argument("--python", help="the Python that runs dptrain in the job (default: this one)")
-    job.add_argument("--setup", action="append", default=[], metavar="LINE",
-                     help="a shell line run before training, e.g. 'module load pytorch' (repeatable)")
-    job.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                     help="an extra #SBATCH option, e.g. --mail-type=END (repeatable)")
+    add_job_options(submit, "the job (sbatch's options)", "nodes (default 1)")
     submit.set_defaults(func=cmd_submit)
     resolved = sub.add_parser(
         "config",
@@ -447,7 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run `dptrain train` once per point of workers x strategies x repeats, one at a time, under\n"
         "OUTPUT_DIR/runs/<engine>-<strategy>-w<W>-r<R>/, then write OUTPUT_DIR/results.csv and summary.csv.\n"
         "Running it again runs only the points not yet finished. --output.dir is the sweep's folder\n"
-        "(default bench/<data.name>); every other --section.option VALUE goes to every run (see dptrain train --help).",
+        "(default bench/<data.name>); every other --section.option VALUE goes to every run (see dptrain train --help).\n"
+        "With --slurm every point is a SLURM job (as dptrain submit writes it), all submitted at once, then\n"
+        "waited for; a point of W workers takes R ranks per node (--ranks-per-node, else --gpus-per-node, else 1)\n"
+        "on W/R nodes (W a multiple of R), or W ranks on one node when W < R; --nodes is the most a point may take.",
     )
     bench.add_argument("--config", help="TOML file with [section] tables of options, for every run")
     bench.add_argument("--workers", help="comma-separated worker counts (default 1,2,4,8, without those above the "
@@ -457,8 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup-epochs", type=int, help="leading epochs of each run left out of the timing "
                        "(default 1 when train.epochs > 1, else 0)")
     bench.add_argument("--engines", default="dptrain", help="comma-separated engines (default dptrain)")
-    bench.add_argument("--run-timeout-s", type=float, default=3600.0,
-                       help="seconds one run may take before it is stopped and recorded as failed (default 3600)")
+    bench.add_argument("--run-timeout-s", type=float,
+                       help="seconds one run may take before it is stopped and recorded as failed (default 3600; "
+                       "not with --slurm, where --time limits each job)")
+    bench.add_argument("--slurm", action="store_true", help="run every point as a SLURM job, submitted with sbatch")
+    bench.add_argument("--dry-run", action="store_true", help="with --slurm: print the jobs it would submit; write and "
+                       "submit nothing")
+    add_job_options(bench, "the jobs of --slurm (sbatch's options, as dptrain submit takes them)",
+                    "the most nodes a point may take (default 1)")
     bench.set_defaults(func=cmd_bench)
     report = sub.add_parser(
         "report",

@@ -3,7 +3,8 @@
     $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
     $ dptrain report bench/fmnist
 
-sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), collect.py (run directories ->
+sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
+job per point instead, written and submitted by launch.slurm, then waited for), collect.py (run directories ->
 results.csv and summary.csv), report.py (CSV -> PNGs and report.md), tutorial.py (the `tutorial` engine:
 the tutorials' plain loop, run under torchrun, writing the same metrics.jsonl events). This package reads run directories and the
 config only: it never imports train or worker code.

@@ -1,7 +1,7 @@
 """Run directories -> BENCH/results.csv (one row per run) and BENCH/summary.csv (mean and std per point).
 
-Everything comes from the runs' own files (metrics.jsonl, env.json, bench_error.txt), so `dptrain report` can
-rebuild both CSVs from BENCH/runs alone.
+Everything comes from the runs' own files (metrics.jsonl, env.json, bench_error.txt, and a SLURM point's job.toml),
+so `dptrain report` can rebuild both CSVs from BENCH/runs alone.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import csv
 import json
 import math
 import statistics
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_events, read_warmup
+from dptrain.launch.slurm import CONFIG_NAME
 
 RESULT_COLUMNS = ("engine", "strategy", "nodes", "workers", "repeat", "status", "global_batch_size", "epochs_timed",
                   "epoch_time_s", "images_per_s", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb",
@@ -35,7 +37,7 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     match = POINT_NAME.match(run_dir.name)
     if not match:
         return None
-    row: dict[str, Any] = {"engine": match["engine"], "strategy": match["strategy"], "nodes": 1,
+    row: dict[str, Any] = {"engine": match["engine"], "strategy": match["strategy"], "nodes": run_nodes(run_dir),
                            "workers": int(match["workers"]), "repeat": int(match["repeat"]),
                            "run_dir": f"runs/{run_dir.name}"}  # relative to the bench folder, which may move
     events = read_events(run_dir)
@@ -66,6 +68,14 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     row["peak_mem_mb"] = max(peaks) if peaks else ""
     row["rss_max_mb"] = max(rss) if rss else ""
     return row
+
+
+def run_nodes(run_dir: Path) -> int:
+    """The nodes a point ran on: its SLURM job's (job.toml, the config the job trained from), else 1 (this machine)."""
+    try:
+        return int(tomllib.loads((run_dir / CONFIG_NAME).read_text())["slurm"]["nodes"])
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError):
+        return 1
 
 
 def _read_json(path: Path) -> dict:

@@ -5,7 +5,7 @@
 Every point runs the same config in a subprocess under BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ (its output in
 bench.log there). A point is done when its metrics.jsonl holds a run_end event; running the same command again runs
 the missing points only, after removing half-done folders. A failing point is recorded (bench_error.txt) and the
-sweep goes on.
+sweep goes on. With --slurm (jobs.py) every point is a SLURM job instead, of the shape job_shape gives it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dptrain import config as config_mod
 from dptrain.bench import tutorial
-from dptrain.config import ConfigError, RunConfig
+from dptrain.config import ConfigError, RunConfig, SlurmConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ ENGINES = ("dptrain", "tutorial")  # tutorial: the tutorials' plain loop (tutori
 NOT_YET_ENGINES = ("lightning", "deepspeed")
 DEFAULT_WORKERS = (1, 2, 4, 8)
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
+DEFAULT_RUN_TIMEOUT_S = 3600.0
 SWEEP_FILE = "sweep.json"  # the sweep's config, so that a resumed sweep runs the same runs and collect knows the warm-up
 LOG_FILE = "bench.log"
 ERROR_FILE = "bench_error.txt"
@@ -68,6 +69,11 @@ class Sweep:
     """--section.option VALUE pairs (and --config FILE) passed to every `dptrain train`."""
     config: RunConfig
     """The shared config as resolved here (strategy ddp, one worker), recorded in sweep.json."""
+    config_path: str | None = None
+    train_pairs: tuple[tuple[str, str], ...] = ()
+    """The --section.option VALUE pairs of every run, as given (train_args holds them as arguments)."""
+    job: SlurmConfig | None = None
+    """With --slurm: the job options every point's job starts from (job_shape fits them to its worker count)."""
 
     def run_dir(self, point: Point) -> Path:
         return self.bench_dir / "runs" / point.name
@@ -125,9 +131,48 @@ def cap_workers(workers: tuple[int, ...], cap: int, what: str) -> tuple[tuple[in
                   f"(one worker each); ask for them with --workers to run them oversubscribed")
 
 
+def job_shape(workers: int, job: SlurmConfig) -> SlurmConfig:
+    """The job of a point of `workers` ranks, from the sweep's job options: R ranks per node (--ranks-per-node, else
+    --gpus-per-node, else 1, as dptrain submit) on workers / R nodes; below R workers, one node with that many ranks
+    and their share of its GPUs and cores. --nodes is the most nodes a point may take."""
+    per_node = job.ranks_here
+    if workers < per_node:  # part of one node: each rank keeps the GPUs and cores it has on a full node
+        nodes, ranks = 1, workers
+        gpus = -(-job.gpus_per_node * workers // per_node)
+        cpus = job.cpus_per_node // per_node * workers
+    elif workers % per_node:
+        raise ConfigError(f"{workers} workers do not fill whole nodes of {per_node} ranks (--ranks-per-node, else "
+                          f"--gpus-per-node); give worker counts below {per_node} or multiples of {per_node}.")
+    else:
+        nodes, ranks, gpus, cpus = workers // per_node, per_node, job.gpus_per_node, job.cpus_per_node
+    if nodes > job.nodes:
+        raise ConfigError(f"{workers} workers take {nodes} nodes of {per_node} rank{'s' if per_node > 1 else ''} and "
+                          f"--nodes is {job.nodes}; give --nodes {nodes}, or drop {workers} from --workers.")
+    return replace(job, nodes=nodes, ranks_per_node=ranks, gpus_per_node=gpus, cpus_per_node=cpus)
+
+
+def cap_jobs(workers: tuple[int, ...], job: SlurmConfig) -> tuple[tuple[int, ...], str | None]:
+    """The default worker counts that a job of at most --nodes nodes runs, and one line naming the dropped ones."""
+    kept, dropped = [], []
+    for w in workers:
+        try:
+            job_shape(w, job)
+            kept.append(w)
+        except ConfigError:
+            dropped.append(w)
+    if not dropped:
+        return tuple(kept), None
+    return tuple(kept), (f"dropped workers {','.join(map(str, dropped))}: --nodes {job.nodes} x {job.ranks_here} ranks per "
+                         f"node do not hold them; ask for them with --workers and --nodes")
+
+
 def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str | None, strategies: str,
-          repeats: int, warmup_epochs: int | None, engines: str, run_timeout_s: float) -> tuple[Sweep, list[str]]:
-    """Check the sweep's options and the shared train options once, before any run; (sweep, notes to print)."""
+          repeats: int, warmup_epochs: int | None, engines: str, run_timeout_s: float,
+          job_pairs: list[tuple[str, str]] | None = None,
+          job_lines: dict[str, tuple[str, ...]] | None = None) -> tuple[Sweep, list[str]]:
+    """Check the sweep's options and the shared train options once, before any run; (sweep, notes to print).
+    job_pairs: the job options as slurm.* pairs, for a sweep of SLURM jobs (None: runs here); job_lines: the --setup
+    and --sbatch lines given, which replace the file's."""
     notes: list[str] = []
     bench_dir: Path | None = None
     train_pairs = []
@@ -140,12 +185,17 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
             train_pairs.append((key, value))
     engine_names = split_list(engines, "--engines")
     check_engines(engine_names)
+    if job_pairs is not None and "tutorial" in engine_names:
+        raise ConfigError("--engines tutorial runs under torchrun on this machine only, not as a SLURM job; drop it "
+                          "from --engines, or run it without --slurm.")
     strategy_names = split_list(strategies, "--strategies")
     for name in strategy_names:  # every strategy with the shared options: a mistake is one sentence now, not N failures
         point_cfg = config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
         if "tutorial" in engine_names:
             tutorial.check(point_cfg)
-    cfg = config_mod.load(config_path, train_pairs)
+    cfg = config_mod.load(config_path, [*train_pairs, *(job_pairs or [])])
+    if job_pairs is not None and job_lines:  # lines on the command line replace the file's lists
+        cfg = replace(cfg, slurm=replace(cfg.slurm, **job_lines))
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats} is below 1; give 1 or more.")
     if run_timeout_s <= 0:
@@ -154,13 +204,22 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
     if not 0 <= warmup < cfg.train.epochs:
         raise ConfigError(f"--warmup-epochs {warmup} leaves no timed epoch of train.epochs {cfg.train.epochs}; "
                           f"give fewer warm-up epochs (0 to {cfg.train.epochs - 1}) or more --train.epochs.")
-    if workers is None:
+    if workers is None and job_pairs is not None:
+        counts, dropped = cap_jobs(DEFAULT_WORKERS, cfg.slurm)
+        if dropped:
+            notes.append(dropped)
+        if not counts:
+            job_shape(DEFAULT_WORKERS[0], cfg.slurm)  # one sentence: why not even one worker fits
+    elif workers is None:
         cap, what = worker_cap(cfg.launch.device)
         counts, dropped = cap_workers(DEFAULT_WORKERS, cap, what)
         if dropped:
             notes.append(dropped)
     else:
         counts = parse_workers(workers)
+    if job_pairs is not None:
+        for w in counts:
+            job_shape(w, cfg.slurm)
     gb = cfg.train.global_batch_size
     for w in counts:
         if gb % w:
@@ -171,7 +230,8 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
         train_args += [f"--{key}", value]
     sweep = Sweep(bench_dir=bench_dir or Path("bench") / cfg.data.name, engines=engine_names,
                   strategies=strategy_names, workers=counts, repeats=repeats, warmup_epochs=warmup,
-                  run_timeout_s=run_timeout_s, train_args=tuple(train_args), config=cfg)
+                  run_timeout_s=run_timeout_s, train_args=tuple(train_args), config=cfg, config_path=config_path,
+                  train_pairs=tuple(train_pairs), job=cfg.slurm if job_pairs is not None else None)
     return sweep, notes
 
 
@@ -212,7 +272,9 @@ def sweep_record(sweep: Sweep) -> dict:
     tree["strategy"].pop("name")
     tree["launch"].pop("nproc_per_node")
     tree.pop("output")
-    return {"config": tree, "train_args": list(sweep.train_args), "warmup_epochs": sweep.warmup_epochs}
+    tree["slurm"].pop("nodes")  # the most nodes a point may take: a point's job does not depend on it (job_shape)
+    return {"config": tree, "train_args": list(sweep.train_args), "warmup_epochs": sweep.warmup_epochs,
+            "slurm": sweep.job is not None}
 
 
 def check_and_record(sweep: Sweep) -> None:
@@ -228,6 +290,10 @@ def check_and_record(sweep: Sweep) -> None:
         if isinstance(earlier, dict) and earlier.get("config") != record["config"]:
             raise ConfigError(f"{sweep.bench_dir} holds a sweep with other train options; run it with the same options "
                               f"to resume it, or choose another --output.dir.")
+        if isinstance(earlier, dict) and bool(earlier.get("slurm")) != record["slurm"]:
+            where = ("as SLURM jobs", "without --slurm") if earlier.get("slurm") else ("on this machine", "with --slurm")
+            raise ConfigError(f"{sweep.bench_dir} holds a sweep run {where[0]}; run it {where[1]} to resume it, or "
+                              f"choose another --output.dir.")
     sweep.bench_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
 
@@ -255,9 +321,9 @@ def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
             "--strategy.name", point.strategy, "--output.dir", str(run_dir)]
 
 
-def first_error(output: str, returncode: int) -> str:
+def error_line(output: str) -> str | None:
     """The line that says why a run failed: dptrain's own `dptrain: error: ...`; else the first exception raised in a
-    worker; else torchrun's root cause (a signal, say); else the exit status."""
+    worker; else torchrun's root cause (a signal, say); None when there is none of them."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in lines:
         if line.startswith("dptrain:"):
@@ -268,7 +334,21 @@ def first_error(output: str, returncode: int) -> str:
     causes = [m[1] for line in lines if (m := re.match(r"^traceback\s*:\s*(.+)", line))]
     if causes:  # torchrun's summary lists the root cause (the first observed failure) last
         return f"worker failed: {causes[-1]}"
-    return f"exit status {returncode}" + (f"; last output: {lines[-1]}" if lines else "")
+    return None
+
+
+def last_line(output: str) -> str | None:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def first_error(output: str, returncode: int) -> str:
+    """error_line, else the exit status and the last line of output."""
+    found = error_line(output)
+    if found is not None:
+        return found
+    last = last_line(output)
+    return f"exit status {returncode}" + (f"; last output: {last}" if last else "")
 
 
 def _stop(proc: subprocess.Popen) -> None:

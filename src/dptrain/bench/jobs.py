@@ -1,0 +1,205 @@
+"""A sweep as SLURM jobs (`dptrain bench --slurm`): one job per point, all submitted at once, then waited for.
+
+    $ dptrain bench --slurm --workers 1,2,4,8 --nodes 2 --gpus-per-node 4 --partition gpu --time 00:30:00
+
+Each point's folder BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ is the run directory of its job, written as `dptrain
+submit` writes one (job.sbatch, job.toml: the resolved config, the job's shape from sweep.job_shape), with the id of
+the job submitted for it (job_id.txt); the job's output goes to logs/slurm-<id>.out and .err there. The sweep then
+asks the scheduler (launch.slurm.wait_for) until every job has ended, and records a failed one as the local sweep
+does (bench_error.txt: its first error line). Running the same command again submits only the points that are
+neither done nor still queued or running (it asks the scheduler about job_id.txt's job), and waits for those that are.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dptrain import config as config_mod
+from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, error_line, is_done, job_shape,
+                                 last_line, plan)
+from dptrain.config import RunConfig
+from dptrain.launch import slurm
+from dptrain.launch.env import LaunchError
+
+log = logging.getLogger(__name__)
+
+JOB_ID_FILE = "job_id.txt"  # the id of the job submitted for the point, so that a resumed sweep can ask about it
+
+
+def point_config(sweep: Sweep, point: Point) -> RunConfig:
+    """The config a point's job trains from: the shared options, this point's strategy and run directory (absolute:
+    the job runs it from the submission's folder), no epoch snapshots (as the local sweep), its job's shape."""
+    assert sweep.job is not None, "a sweep of SLURM jobs"
+    run_dir = sweep.run_dir(point).resolve()
+    cfg = config_mod.load(sweep.config_path, [("checkpoint.every_epochs", "0"), *sweep.train_pairs,
+                                              ("strategy.name", point.strategy), ("output.dir", str(run_dir))])
+    return replace(cfg, slurm=job_shape(point.workers, sweep.job))
+
+
+def checks(sweep: Sweep) -> list[tuple[RunConfig, int]]:
+    """(config, world size) of one point per strategy and worker count: what `dptrain submit` would check of each
+    job (the CLI's preflight), before the first is submitted."""
+    first: dict[tuple[str, int], Point] = {}
+    for point in plan(sweep):
+        first.setdefault((point.strategy, point.workers), point)
+    return [(point_config(sweep, point), point.workers) for point in first.values()]
+
+
+def require_clients() -> None:
+    slurm.require_clients("dptrain bench --slurm")
+
+
+def job_of(sweep: Sweep, point: Point) -> tuple[RunConfig, slurm.Job, str]:
+    """(config, job, script) of a point, as `dptrain submit` would write them from this folder."""
+    cfg = point_config(sweep, point)
+    workdir = Path.cwd()
+    job = slurm.job_for(cfg, workdir)
+    return cfg, job, slurm.render(cfg, job, workdir, slurm.python_for(cfg.slurm))
+
+
+def recorded_job(run_dir: Path) -> str | None:
+    """The id of the job last submitted for the point, if any."""
+    try:
+        text = (run_dir / JOB_ID_FILE).read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def triage(sweep: Sweep, points: list[Point]) -> tuple[list[tuple[Point, str | None]], dict[str, tuple[Point, str]],
+                                                         list[Point]]:
+    """(done, with its job id; job id -> (point, state) of the points whose job is still queued or running; the
+    points to submit). The scheduler is asked about the recorded jobs of the points not done."""
+    done: list[tuple[Point, str | None]] = []
+    recorded: dict[str, Point] = {}
+    todo: list[Point] = []
+    for point in points:
+        run_dir = sweep.run_dir(point)
+        job_id = recorded_job(run_dir)
+        if is_done(run_dir):
+            done.append((point, job_id))
+        elif job_id is not None:
+            recorded[job_id] = point
+        else:
+            todo.append(point)
+    states = slurm.job_states(recorded)
+    waiting = {}
+    for job_id, point in recorded.items():
+        state = states.get(job_id)
+        if slurm.has_ended(state):
+            todo.append(point)  # it ended without a run_end (failed, cancelled, or its result was cut short): again
+        else:
+            waiting[job_id] = (point, state)
+    order = {point: i for i, point in enumerate(points)}
+    return done, waiting, sorted(todo, key=order.__getitem__)
+
+
+def dry_run(sweep: Sweep) -> str:
+    """The jobs the sweep would submit, each script after a comment line naming its point; the points it would not
+    submit, as comment lines."""
+    points = plan(sweep)
+    try:
+        done, waiting, todo = triage(sweep, points)
+    except LaunchError:  # no scheduler to ask here: a recorded job counts as ended
+        done = [(p, recorded_job(sweep.run_dir(p))) for p in points if is_done(sweep.run_dir(p))]
+        waiting, todo = {}, [p for p in points if not is_done(sweep.run_dir(p))]
+    text = [f"# {point.name}: done already, not submitted\n" for point, _ in done]
+    text += [f"# {point.name}: job {job_id} is {state}, not submitted again\n" for job_id, (point, state) in waiting.items()]
+    for point in todo:
+        _, job, script = job_of(sweep, point)
+        text.append(f"# {point.name}: {describe(job)}, would be written to {job.script} and submitted\n{script}")
+    return "".join(text)
+
+
+def describe(job: slurm.Job) -> str:
+    return (f"{job.nodes} node{'s' if job.nodes > 1 else ''} x {job.ranks_per_node} "
+            f"rank{'s' if job.ranks_per_node > 1 else ''}")
+
+
+def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm.Job]:
+    """Write the point's job into a fresh run folder and submit it; (job id, job)."""
+    run_dir = sweep.run_dir(point)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a job that ended without a run_end: a fresh start, never a resume from a partial run
+    cfg, job, script = job_of(sweep, point)
+    (job.run_dir / "logs").mkdir(parents=True)
+    job.config.write_text(config_mod.to_toml(cfg))
+    job.script.write_text(script)
+    job_id = slurm.submit(job.script)
+    (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
+    return job_id, job
+
+
+def job_error(run_dir: Path, job_id: str, state: str | None) -> str:
+    """Why a job's point is not done: the first error line of its slurm-<id>.err, then .out (as first_error reads a
+    local run's output); else its end state and last line of output."""
+    job = slurm.Job(run_dir, 1, 1, "per-rank")
+    texts = []
+    for path in (job.errors(job_id), job.output(job_id)):
+        try:
+            texts.append(path.read_text(errors="replace"))
+        except OSError:
+            pass
+    output = "\n".join(texts)
+    found = error_line(output)
+    if found is not None:
+        return found
+    ended = f"ended {state}" if state else "ended (the scheduler no longer knows it)"
+    if state == "COMPLETED":
+        return f"job {job_id} {ended} without a run_end event in metrics.jsonl"
+    last = last_line(output)
+    return f"job {job_id} {ended}" + (f"; last output: {last}" if last else "; no output")
+
+
+def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
+    """Submit every point neither done nor queued or running, wait for all the sweep's jobs; the failures, as
+    (point, error)."""
+    check_and_record(sweep)
+    points = plan(sweep)
+    done, waiting, todo = triage(sweep, points)
+    log.info(f"bench: {len(points)} points ({len(sweep.engines)} engines x {len(sweep.strategies)} strategies x "
+             f"workers {','.join(map(str, sweep.workers))} x {sweep.repeats} repeats) in {sweep.bench_dir} as SLURM "
+             f"jobs; {len(done)} done already, {len(waiting)} queued or running, {len(todo)} to submit")
+    for point, job_id in done:
+        log.info(f"bench: {point.name}: done already{f' (job {job_id})' if job_id else ''}, not submitted")
+    for job_id, (point, state) in waiting.items():
+        log.info(f"bench: {point.name}: job {job_id} is {state}, not submitted again; waiting for it")
+    jobs: dict[str, Point] = {job_id: point for job_id, (point, _) in waiting.items()}
+    started = {job_id: time.monotonic() for job_id in jobs}
+    for point in todo:
+        job_id, job = submit_point(sweep, point)
+        jobs[job_id], started[job_id] = point, time.monotonic()
+        log.info(f"bench: submitted job {job_id} for {point.name} ({describe(job)}): {job.script}")
+    failures: list[tuple[Point, str]] = []
+    if not jobs:
+        return failures
+    log.info(f"bench: waiting for {len(jobs)} job{'s' if len(jobs) > 1 else ''} (squeue every {slurm.POLL_S:g} s); "
+             f"Ctrl-C stops the waiting, not the jobs: run the same command again to wait for them")
+    ended = 0
+
+    def on_end(job_id: str, state: str | None) -> None:
+        nonlocal ended
+        ended += 1
+        point = jobs[job_id]
+        run_dir = sweep.run_dir(point)
+        took = time.monotonic() - started[job_id]
+        prefix = f"bench: [{ended}/{len(jobs)}] {point.name}: job {job_id} {state or 'ended'} after {took:.1f} s"
+        if is_done(run_dir):
+            log.info(prefix)
+            return
+        error = job_error(run_dir, job_id, state)
+        (run_dir / ERROR_FILE).write_text(error + "\n")
+        failures.append((point, error))
+        log.info(f"{prefix}, failed: {error}")
+
+    try:
+        slurm.wait_for(jobs, on_end)
+    except KeyboardInterrupt:
+        log.info("bench: stopped waiting; the jobs go on: run the same command again to wait for them and collect "
+                 "the results")
+        raise
+    return failures

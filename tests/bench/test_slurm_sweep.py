@@ -1,0 +1,335 @@
+"""`dptrain bench --slurm`: one SLURM job per point. The job's shape for a worker count and the refusals (no
+cluster), resuming against a faked scheduler, and a sweep end to end on the private cluster (tests/slurm_cluster.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from dptrain.bench import jobs as jobs_mod
+from dptrain.bench.collect import RESULT_COLUMNS
+from dptrain.bench.sweep import ERROR_FILE, build, job_shape, plan
+from dptrain.config import ConfigError, SlurmConfig
+from dptrain.launch import slurm
+
+TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
+        "--train.epochs", "2", "--train.global_batch_size", "32", "--train.progress_every_s", "0"]
+# Two points side by side on the private cluster: w1 on one node, w2 on both, one core (and thread) per rank.
+SWEEP = ["bench", "--slurm", "--workers", "1,2", "--strategies", "ddp", "--nodes", "2", "--cpus-per-node", "1",
+         "--output.dir", "out", *TINY]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def bench(cwd: Path, argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`dptrain ARGV` in this process, from cwd: (exit code, its log lines, stderr)."""
+    from dptrain.cli import main
+
+    logs, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(logs)
+    logger = logging.getLogger("dptrain")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(err):
+            patch.chdir(cwd)
+            for key, value in (env or {}).items():
+                patch.setenv(key, value)
+            code = main(argv)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return code, logs.getvalue(), err.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- W -> nodes x ranks
+
+@pytest.mark.parametrize("job, shapes", [
+    # CPU job: one rank per node (as dptrain submit), so W workers take W nodes
+    (dict(nodes=2), {1: (1, 1, 0, 0), 2: (2, 1, 0, 0)}),
+    (dict(nodes=2, cpus_per_node=2), {1: (1, 1, 0, 2), 2: (2, 1, 0, 2)}),
+    # one rank per GPU: below a node's GPUs, one node with W ranks and W GPUs (and their share of the cores)
+    (dict(nodes=2, gpus_per_node=4, cpus_per_node=32),
+     {1: (1, 1, 1, 8), 2: (1, 2, 2, 16), 4: (1, 4, 4, 32), 8: (2, 4, 4, 32)}),
+    # --ranks-per-node wins over the GPUs
+    (dict(nodes=4, ranks_per_node=2, cpus_per_node=16), {1: (1, 1, 0, 8), 2: (1, 2, 0, 16), 6: (3, 2, 0, 16)}),
+    (dict(nodes=2, gpus_per_node=4, ranks_per_node=2), {1: (1, 1, 2, 0), 4: (2, 2, 4, 0)}),
+])
+def test_workers_map_to_nodes_times_ranks_per_node(job, shapes):
+    for workers, expected in shapes.items():
+        s = job_shape(workers, SlurmConfig(**job))
+        assert (s.nodes, s.ranks_here, s.gpus_per_node, s.cpus_per_node) == expected, workers
+        assert s.nodes * s.ranks_here == workers
+
+
+@pytest.mark.parametrize("workers, job, sentence", [
+    (6, dict(nodes=2, gpus_per_node=4), "6 workers do not fill whole nodes of 4 ranks (--ranks-per-node, else "
+                                        "--gpus-per-node); give worker counts below 4 or multiples of 4."),
+    (16, dict(nodes=2, gpus_per_node=4), "16 workers take 4 nodes of 4 ranks and --nodes is 2; give --nodes 4, or "
+                                         "drop 16 from --workers."),
+    (2, dict(), "2 workers take 2 nodes of 1 rank and --nodes is 1; give --nodes 2, or drop 2 from --workers."),
+])
+def test_worker_counts_that_do_not_fit_are_refused(workers, job, sentence):
+    with pytest.raises(ConfigError) as refused:
+        job_shape(workers, SlurmConfig(**job))
+    assert str(refused.value) == sentence
+
+
+def make(tmp_path: Path, workers: str | None, job: list[tuple[str, str]], **kw):
+    pairs = [("data.name", "synthetic"), ("train.epochs", "2"), ("output.dir", str(tmp_path / "b"))]
+    return build(config_path=None, pairs=pairs, workers=workers, strategies="ddp", repeats=1, warmup_epochs=None,
+                 engines="dptrain", run_timeout_s=60.0, job_pairs=job, **kw)
+
+
+def test_default_workers_are_those_the_nodes_hold(tmp_path):
+    sweep, notes = make(tmp_path, None, [("slurm.nodes", "2"), ("slurm.gpus_per_node", "4")])
+    assert sweep.workers == (1, 2, 4, 8) and notes == []
+    sweep, notes = make(tmp_path, None, [("slurm.gpus_per_node", "4")])
+    assert sweep.workers == (1, 2, 4)
+    assert notes == ["dropped workers 8: --nodes 1 x 4 ranks per node do not hold them; ask for them with --workers "
+                     "and --nodes"]
+    sweep, _ = make(tmp_path, None, [])
+    assert sweep.workers == (1,) and sweep.job == SlurmConfig()
+
+
+def test_the_job_options_and_lines_reach_every_point(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep, _ = make(tmp_path, "1,4", [("slurm.nodes", "2"), ("slurm.ranks_per_node", "2"), ("slurm.partition", "p")],
+                    job_lines={"setup": ("module load x",)})
+    w4 = next(p for p in plan(sweep) if p.workers == 4)
+    cfg = jobs_mod.point_config(sweep, w4)
+    assert (cfg.slurm.nodes, cfg.slurm.ranks_here, cfg.slurm.partition, cfg.slurm.setup) == (2, 2, "p", ("module load x",))
+    assert (cfg.strategy.name, cfg.checkpoint.every_epochs) == ("ddp", 0)
+    assert cfg.output.run_dir == (tmp_path / "b" / "runs" / "dptrain-ddp-w4-r1").resolve()
+
+
+@pytest.mark.parametrize("options, sentence", [
+    (["--nodes", "2"], "--nodes is a job option; add --slurm to run every point as a SLURM job, or drop it."),
+    (["--setup", "module load x"], "--setup is a job option; add --slurm"),
+    (["--requeue"], "--requeue is a job option; add --slurm"),
+    (["--slurm.partition", "debug"], "--slurm.partition is a job option; add --slurm"),
+    (["--dry-run"], "--dry-run prints the jobs a --slurm sweep would submit; add --slurm, or drop it."),
+    (["--slurm", "--run-timeout-s", "10"], "--run-timeout-s limits runs on this machine; with --slurm each job's --time"),
+    (["--slurm", "--engines", "dptrain,tutorial"], "--engines tutorial runs under torchrun on this machine only"),
+    (["--slurm", "--workers", "1,2"], "2 workers take 2 nodes of 1 rank and --nodes is 1; give --nodes 2"),
+    (["--slurm", "--workers", "4,6", "--gpus-per-node", "4", "--nodes", "2"], "6 workers do not fill whole nodes of 4"),
+    (["--slurm", "--workers", "1", "--time", "2h"], "slurm.time = '2h' is not a time sbatch reads"),
+])
+def test_options_that_make_no_sense_are_one_sentence(tmp_path, options, sentence):
+    code, _, err = bench(tmp_path, ["bench", *options, "--output.dir", "out", *TINY])
+    assert code == 2
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"dptrain: error: {sentence}"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_sbatch_on_path_nothing_is_written(tmp_path):
+    code, _, err = bench(tmp_path, ["bench", "--slurm", "--workers", "1", "--output.dir", "out", *TINY],
+                         env={"PATH": str(tmp_path / "nothing")})
+    assert (code, err) == (1, "dptrain: error: sbatch is not on PATH here; run dptrain bench --slurm on a SLURM login "
+                              "node.\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_every_job_and_writes_nothing(tmp_path, capsys):
+    code, _, err = bench(tmp_path, ["bench", "--slurm", "--dry-run", "--workers", "1,2", "--strategies", "ddp",
+                                    "--nodes", "2", "--cpus-per-node", "2", "--output.dir", "out", *TINY])
+    assert code == 0, err
+    assert not (tmp_path / "out").exists()
+    out = capsys.readouterr().out
+    runs = tmp_path / "out" / "runs"
+    w1, w2 = out.split("#!/bin/bash\n")[1:]
+    assert out.startswith(f"# dptrain-ddp-w1-r1: 1 node x 1 rank, would be written to {runs / 'dptrain-ddp-w1-r1'}/"
+                          f"job.sbatch and submitted\n")
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=2\n" in w1
+    assert f"# dptrain-ddp-w2-r1: 2 nodes x 1 rank, would be written to {runs / 'dptrain-ddp-w2-r1'}/job.sbatch" in w1
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=2\n" in w2
+    assert w2.endswith(f"--config {runs / 'dptrain-ddp-w2-r1' / 'job.toml'}\n")
+
+
+# ---------------------------------------------------------------------------------------------- resuming
+
+def fake_squeue(tmp_path: Path, lines: str, code: int = 0, stderr: str = "") -> dict[str, str]:
+    """A squeue on PATH that prints `lines` (its arguments go to args.txt); the environment that finds it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "squeue"
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args.txt'}\nprintf '{lines}'\nprintf '{stderr}' >&2\n"
+                      f"exit {code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_job_states_asks_squeue_about_ended_jobs_too(tmp_path, monkeypatch):
+    for key, value in fake_squeue(tmp_path, "12|RUNNING\\n13|COMPLETED\\n").items():
+        monkeypatch.setenv(key, value)
+    assert slurm.job_states(["12", "13", "14"]) == {"12": "RUNNING", "13": "COMPLETED"}
+    assert (tmp_path / "args.txt").read_text().split() == ["--noheader", "--states=all", "--format=%i|%T",
+                                                           "--jobs=12,13,14"]
+    assert [slurm.has_ended(s) for s in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED", "TIMEOUT", None)] == [
+        False, False, False, True, True, True]
+    for key, value in fake_squeue(tmp_path, "", 1, "slurm_load_jobs error: Invalid job id specified").items():
+        monkeypatch.setenv(key, value)
+    assert slurm.job_states(["14"]) == {}  # forgotten by the scheduler: ended
+    for key, value in fake_squeue(tmp_path, "", 1, "slurm_load_jobs error: Unable to contact slurm controller").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(slurm.LaunchError, match=r"^squeue failed \(slurm_load_jobs error: Unable to contact slurm "):
+        slurm.job_states(["14"])
+
+
+def finish(run_dir: Path) -> None:
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"event": "run_start"}) + "\n" + json.dumps({"event": "run_end"}) + "\n")
+
+
+def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(tmp_path, monkeypatch, caplog):
+    """w1-r1 done; w2-r1's job still runs (waited for, not submitted again); w2-r2's job failed earlier and
+    w1-r2 never started (both submitted, in plan order); one of them fails now and is recorded."""
+    monkeypatch.chdir(tmp_path)
+    sweep, _ = build(config_path=None, pairs=[("data.name", "synthetic"), ("output.dir", "b")], workers="1,2",
+                     strategies="ddp", repeats=2, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0,
+                     job_pairs=[("slurm.nodes", "2")])
+    names = {p.name: p for p in plan(sweep)}
+    recorded = {"dptrain-ddp-w1-r1": "11", "dptrain-ddp-w2-r1": "12", "dptrain-ddp-w2-r2": "13"}
+    for name, job_id in recorded.items():
+        run_dir = sweep.run_dir(names[name])
+        run_dir.mkdir(parents=True)
+        (run_dir / jobs_mod.JOB_ID_FILE).write_text(job_id + "\n")
+    finish(sweep.run_dir(names["dptrain-ddp-w1-r1"]))
+    (sweep.run_dir(names["dptrain-ddp-w2-r2"]) / "stale").write_text("from the failed job")
+    monkeypatch.setattr(slurm, "job_states", lambda ids: {"12": "RUNNING", "13": "FAILED"})
+    submitted: list[Path] = []
+    monkeypatch.setattr(slurm, "submit", lambda script: submitted.append(script) or str(19 + len(submitted)))
+
+    def wait_for(job_ids, on_end):
+        assert list(job_ids) == ["12", "20", "21"]
+        finish(sweep.run_dir(names["dptrain-ddp-w2-r1"]))
+        on_end("12", "COMPLETED")
+        logs = sweep.run_dir(names["dptrain-ddp-w2-r2"]) / "logs"
+        (logs / "slurm-20.err").write_text("srun: error: n1: task 0: Exited with exit code 2\n"
+                                           "dptrain: error: boom in the job.\n")
+        on_end("20", "FAILED")
+        finish(sweep.run_dir(names["dptrain-ddp-w1-r2"]))
+        on_end("21", None)  # ended and already forgotten by the scheduler
+
+    monkeypatch.setattr(slurm, "wait_for", wait_for)
+    with caplog.at_level(logging.INFO, logger="dptrain"):
+        failures = jobs_mod.run_jobs(sweep)
+    assert [(p.name, e) for p, e in failures] == [("dptrain-ddp-w2-r2", "dptrain: error: boom in the job.")]
+    assert [s.parent.name for s in submitted] == ["dptrain-ddp-w2-r2", "dptrain-ddp-w1-r2"]
+    assert all(s.name == "job.sbatch" and (s.parent / "job.toml").is_file() for s in submitted)
+    failed = sweep.run_dir(names["dptrain-ddp-w2-r2"])
+    assert not (failed / "stale").exists() and (failed / jobs_mod.JOB_ID_FILE).read_text() == "20\n"
+    assert (failed / ERROR_FILE).read_text() == "dptrain: error: boom in the job.\n"
+    text = caplog.text
+    assert "4 points (1 engines x 1 strategies x workers 1,2 x 2 repeats) in b as SLURM jobs; 1 done already, " \
+           "1 queued or running, 2 to submit" in text
+    assert "bench: dptrain-ddp-w1-r1: done already (job 11), not submitted" in text
+    assert "bench: dptrain-ddp-w2-r1: job 12 is RUNNING, not submitted again; waiting for it" in text
+    assert "bench: submitted job 20 for dptrain-ddp-w2-r2 (2 nodes x 1 rank)" in text
+
+
+def test_a_failed_jobs_error_is_its_first_error_line_else_its_end(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert jobs_mod.job_error(tmp_path, "5", None) == "job 5 ended (the scheduler no longer knows it); no output"
+    (logs / "slurm-5.out").write_text("INFO starting\n")
+    (logs / "slurm-5.err").write_text("slurmstepd: error: *** JOB 5 ON n1 CANCELLED AT 2026-11-23T15:32 DUE TO TIME "
+                                      "LIMIT ***\n")
+    assert jobs_mod.job_error(tmp_path, "5", "TIMEOUT") == (
+        "job 5 ended TIMEOUT; last output: INFO starting")  # .err first, then .out: the last line of both
+    assert jobs_mod.job_error(tmp_path, "5", "COMPLETED") == "job 5 ended COMPLETED without a run_end event in metrics.jsonl"
+    (logs / "slurm-5.out").write_text("Traceback (most recent call last):\nRuntimeError: out of memory\n")
+    assert jobs_mod.job_error(tmp_path, "5", "FAILED") == "RuntimeError: out of memory"
+
+
+# ---------------------------------------------------------------------------------------------- on the cluster
+
+@pytest.fixture(scope="module")
+def cluster_sweep(slurm_cluster, tmp_path_factory):
+    """A 2-point sweep on the private cluster, its waiting interrupted (as by Ctrl-C) right after the submission,
+    then run again: (working folder, the cluster's environment, the two runs' outputs)."""
+    cwd = tmp_path_factory.mktemp("bench-slurm")
+    env = slurm_cluster.env
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slurm, "POLL_S", 0.2)
+
+        def interrupted(job_ids, on_end):
+            raise KeyboardInterrupt
+
+        with patch.context() as ctrl_c:
+            ctrl_c.setattr(slurm, "wait_for", interrupted)
+            first = bench(cwd, SWEEP, env)
+        second = bench(cwd, SWEEP, env)
+    return cwd, env, first, second
+
+
+def job_ids(cluster) -> list[str]:
+    return cluster.run("squeue", "--noheader", "--states=all", "--format=%i").stdout.split()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slurm_cluster, cluster_sweep):
+    cwd, _, (code, logs, err), (code2, logs2, err2) = cluster_sweep
+    assert code == 130 and "2 to submit" in logs and "the jobs go on: run the same command again" in logs, logs + err
+    assert code2 == 0, logs2 + err2
+    # the second run found both jobs queued or running and waited for them instead of submitting them again
+    assert "0 done already, 2 queued or running, 0 to submit" in logs2 and "submitted job" not in logs2, logs2
+    assert logs2.count("not submitted again; waiting for it") == 2
+    bench_dir = cwd / "out"
+    rows = read_rows(bench_dir / "results.csv")
+    assert tuple(rows[0]) == RESULT_COLUMNS
+    assert [(r["engine"], r["strategy"], r["nodes"], r["workers"], r["status"]) for r in rows] == [
+        ("dptrain", "ddp", "1", "1", "ok"), ("dptrain", "ddp", "2", "2", "ok")]
+    for row in rows:
+        assert row["epochs_timed"] == "1" and float(row["epoch_time_s"]) > 0 and float(row["eval_loss"]) > 0
+        run_dir = bench_dir / row["run_dir"]
+        script = (run_dir / "job.sbatch").read_text()
+        assert f"#SBATCH --nodes={row['nodes']}\n" in script and "#SBATCH --cpus-per-task=1\n" in script
+        job_id = (run_dir / jobs_mod.JOB_ID_FILE).read_text().strip()
+        start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+        assert (start["event"], start["world_size"], start["slurm_job_id"]) == ("run_start", int(row["workers"]), job_id)
+        assert (run_dir / "logs" / f"slurm-{job_id}.out").is_file()
+    assert [s["workers"] for s in read_rows(bench_dir / "summary.csv")] == ["1", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_running_it_again_submits_nothing(slurm_cluster, cluster_sweep):
+    cwd, env, _, _ = cluster_sweep
+    before = job_ids(slurm_cluster)
+    kept = (cwd / "out" / "results.csv").read_text()
+    code, logs, err = bench(cwd, SWEEP, env)
+    assert code == 0, logs + err
+    assert "2 done already, 0 queued or running, 0 to submit" in logs
+    assert logs.count("done already (job ") == 2 and "waiting for" not in logs
+    assert job_ids(slurm_cluster) == before
+    assert (cwd / "out" / "results.csv").read_text() == kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_job_that_fails_is_recorded_with_its_error_line(slurm_cluster, tmp_path, monkeypatch):
+    monkeypatch.setattr(slurm, "POLL_S", 0.2)
+    code, logs, err = bench(tmp_path, ["bench", "--slurm", "--workers", "1", "--strategies", "ddp", "--cpus-per-node",
+                                       "1", "--setup", "ls /no/such/dir", "--output.dir", "out", *TINY],
+                            slurm_cluster.env)
+    assert code == 1, logs + err
+    [row] = read_rows(tmp_path / "out" / "results.csv")
+    assert row["status"] == "failed" and row["nodes"] == "1"
+    assert row["error"].startswith("job ") and "ended FAILED; last output: ls: cannot access '/no/such/dir'" in row["error"]
+    assert err.startswith("dptrain: 1 of the sweep's runs failed: dptrain-ddp-w1-r1: job ")
+    assert (tmp_path / "out" / "runs" / "dptrain-ddp-w1-r1" / ERROR_FILE).read_text().strip() == row["error"]
