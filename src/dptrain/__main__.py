@@ -1,5 +1,3 @@
-import sys
+from dptrain.cli import run
 
-from dptrain.cli import main
-
-sys.exit(main())
+run()

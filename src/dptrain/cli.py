@@ -29,7 +29,7 @@ from dptrain.checkpoint import SnapshotError
 from dptrain.launch.env import DistEnv, LaunchError, Nodes
 from dptrain.imports import import_object
 from dptrain.models import check_input
-from dptrain.runtime import WorkerFailure, wants_cuda
+from dptrain.runtime import WorkerFailure, leave_now, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -548,5 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `dptrain` program: main(), then leave at once, without Python's teardown (see runtime.leave_now)."""
+    leave_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

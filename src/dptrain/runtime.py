@@ -11,6 +11,7 @@ import os
 import random
 import re
 import socket
+import sys
 import time
 from typing import Iterator
 
@@ -351,6 +352,16 @@ def listening_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
         return dist.TCPStore(addr, port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd)
     except (RuntimeError, NotImplementedError):  # a libuv store without listen-fd support (older torch): the classic one
         return dist.TCPStore(addr, port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd, use_libuv=False)
+
+
+def leave_now(code: int) -> None:
+    """End this process with code, skipping Python's interpreter teardown: freeing torch's objects one by one takes
+    about 0.9 s after a run, for nothing, since the process ends anyway. Callers have closed what is theirs (events,
+    logs, snapshots, TensorBoard's writer, the agent's folder); the log handlers and standard streams are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def destroy_process_group() -> None:
