@@ -78,7 +78,8 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
     with phase("rendezvous"):
         store = init_process_group(env, device, cfg.launch.timeout_s, cfg.launch.backend)
     if store is not None and env.world_size > 1:  # from now on a failed collective names the silent ranks
-        phase.world = (store, env, min(5.0, cfg.launch.timeout_s))
+        # The survivors of a failure check in within moments of each other; a quarter of a short timeout is plenty.
+        phase.world = (store, env, min(5.0, cfg.launch.timeout_s / 4))
     with phase("first collective"):
         barrier()
     return device, threads
