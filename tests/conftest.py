@@ -53,9 +53,9 @@ def cli(tmp_path: Path):
 
 # CLI runs shared across test modules. A module declares its multi-rank runs at import (plan_runs), so
 # that by the first test every collected module's runs are known; the first test that needs one run of a
-# world size and precision then makes all of them at once, in one set of rank processes (run_cli_on_ranks):
-# each set of ranks costs a Python + torch start per rank, a run in it only its own work. (A collected module's
-# runs are made even if -k deselects their tests: a few seconds each, for one start instead of several.)
+# world size and precision then makes all of them at once, on the rank processes of that precision's pool
+# (run_cli_on_ranks, side by side: they are independent), started once for the session: a run there costs only
+# its own work. (A collected module's runs are made even if -k deselects their tests: a few seconds each.)
 FLOAT64_ENV = {"PYTHONPATH": f"{Path(__file__).parent / 'float64'}{os.pathsep}{REPO}"}  # every rank computes in float64
 Precision = Literal["fp32", "float64"]
 PLANNED: dict[str, tuple[tuple[str, ...], tuple[int, ...], Precision]] = {}
@@ -85,7 +85,7 @@ def planned_run(tmp_path_factory):
             argvs = [[*PLANNED[n][0], "--output.dir", str(d)] for n, d in zip(names, dirs)]
             try:  # a minute a run at most: a hang fails the batch, not the suite
                 codes = run_cli_on_ranks(world, argvs, str(root), timeout=min(900, 60 * len(argvs)),
-                                         env=FLOAT64_ENV if precision == "float64" else None)
+                                         env=FLOAT64_ENV if precision == "float64" else None, side_by_side=True)
             except (AssertionError, queue.Empty) as exc:  # a rank raised, or a rank went silent
                 broken[(precision, world)] = f"the {precision} runs on {world} ranks failed: {exc!r}"[:3000]
                 raise

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,20 @@ RUN = ["--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_tr
        "--checkpoint.every_steps", "5", "--checkpoint.keep_last", "3"]
 
 
+def train_on_two_ranks(*args: str) -> str:
+    """`dptrain train ARGS` (a run, or the resume of one) on 2 rank processes of the pool as under torchrun (see
+    run_cli_on_ranks): what it added to rank 0's log, once it ended with exit code 0."""
+    run_dir = Path(args[args.index("--output.dir") + 1])
+    log = run_dir / "logs" / "rank0.log"
+    before = log.stat().st_size if log.exists() else 0
+    [code] = run_cli_on_ranks(2, [["train", *args]], str(run_dir.parent))
+    with log.open("rb") as f:
+        f.seek(before)
+        added = f.read().decode()
+    assert code == 0, added[-3000:]
+    return added
+
+
 def weights_equal(a, b) -> bool:
     wa, wb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -28,29 +44,27 @@ STRATEGIES = ("ddp", "fsdp", "zero1", "ps")
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
-    """name -> (run directory, exit code) of every plain run of this module, all made on first use in one set of
-    2 rank processes (see run_cli_on_ranks): per strategy the uninterrupted 2-epoch run ("ref/<s>"), and a run
-    stopped by train.max_steps 9, 2 batches into epoch 2, then run again to the end ("stopped/<s>", two runs)."""
+    """name -> (run directory, exit code) of every plain run of this module, all made on first use on 2 rank
+    processes of the pool (see run_cli_on_ranks), two runs at a time: per strategy the uninterrupted 2-epoch run
+    ("ref/<s>"), and a run stopped by train.max_steps 9, 2 batches into epoch 2, then run again to the end
+    ("stopped/<s>", two runs: the second in a second wave, after the first wave's runs)."""
     root = tmp_path_factory.mktemp("batch")
     made: dict[str, tuple] = {}
 
     def get(name: str):
         if not made:
-            argvs, names = [], []
+            first, second = {}, {}  # name -> argv; each wave's runs are independent of each other
             for s in STRATEGIES:
-                argvs.append(["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "ref" / s)])
-                names.append(f"ref/{s}")
-            for s in STRATEGIES:
+                first[f"ref/{s}"] = ["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "ref" / s)]
                 stopped = ["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "stopped" / s)]
-                argvs += [[*stopped, "--train.max_steps", "9"], stopped]
-                names += [f"stopped/{s}/first", f"stopped/{s}"]
+                first[f"stopped/{s}/first"], second[f"stopped/{s}"] = [*stopped, "--train.max_steps", "9"], stopped
             asynchronous = ["--strategy.name", "ddp", "--checkpoint.async_save", "true", "--checkpoint.keep_last", "5"]
-            argvs += [["train", *RUN, *asynchronous, "--output.dir", str(root / "async"), "--train.max_steps", "9"],
-                      ["train", *RUN, "--strategy.name", "ddp", "--output.dir", str(root / "from5"),
-                       "--train.resume", str(root / "async" / "checkpoints" / "step-00000005")]]
-            names += ["async", "from5"]
-            for name_, code in zip(names, run_cli_on_ranks(2, argvs, str(root))):
-                made[name_] = (root / name_.removesuffix("/first"), code)
+            first["async"] = ["train", *RUN, *asynchronous, "--output.dir", str(root / "async"), "--train.max_steps", "9"]
+            second["from5"] = ["train", *RUN, "--strategy.name", "ddp", "--output.dir", str(root / "from5"),
+                               "--train.resume", str(root / "async" / "checkpoints" / "step-00000005")]
+            for wave in (first, second):
+                for name_, code in zip(wave, run_cli_on_ranks(2, list(wave.values()), str(root), side_by_side=True)):
+                    made[name_] = (root / name_.removesuffix("/first"), code)
         run_dir, code = made[name]
         assert code == 0, f"the run {name} failed: " + log_tail(run_dir)
         return run_dir
@@ -93,7 +107,11 @@ def test_asynchronous_snapshots_are_whole_and_resume_bit_identical(batch, uninte
     assert weights_equal(other, uninterrupted("ddp"))
 
 
-def test_a_crash_between_shards_and_rename_leaves_the_previous_snapshot(cli, tmp_path, uninterrupted):
+def test_a_crash_between_shards_and_rename_leaves_the_previous_snapshot(cli, tmp_path, uninterrupted, capsys):
+    """The crash goes through the launcher (which names the exit code); the listing runs in this process, the
+    resume on the pool's rank processes."""
+    from dptrain.cli import main
+
     strategy, reference = "ddp", uninterrupted("ddp")  # the file-level protocol does not depend on the strategy
     run_dir = tmp_path / "crash"
     args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
@@ -102,17 +120,16 @@ def test_a_crash_between_shards_and_rename_leaves_the_previous_snapshot(cli, tmp
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / ".tmp-step-00000010").is_dir()  # the shards were written, never renamed
     assert (checkpoints / "latest").read_text().strip() == "step-00000007"
-    listing = cli("checkpoint", "list", str(run_dir))
-    assert "step-00000007  (latest): ok: step 7" in listing.stdout and "step-00000010" not in listing.stdout
-    result = cli("train", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step-00000007 at step 7" in result.stdout
+    assert main(["checkpoint", "list", str(run_dir)]) == 0
+    listing = capsys.readouterr().out
+    assert "step-00000007  (latest): ok: step 7" in listing and "step-00000010" not in listing
+    assert "step-00000007 at step 7" in train_on_two_ranks(*args)
     assert weights_equal(run_dir, reference)
 
 
-def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli, tmp_path, capsys):
-    """The run and its resume go through the launcher; the refusals run in this process (the refusals made
-    in a worker with one worker, a resume at another world size, which checks the options first)."""
+def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(tmp_path, capsys):
+    """The run and its resume run on the pool's 2 rank processes (as under torchrun); the refusals in this process
+    (the refusals made in a worker with one worker, a resume at another world size, which checks the options first)."""
     from dptrain.cli import main
 
     def refused(*argv: str) -> tuple[int, str]:
@@ -122,7 +139,7 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     strategy = "ddp"
     run_dir = tmp_path / "bad"
     args = [*RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]
-    assert cli("train", *args, "--train.max_steps", "12").returncode == 0  # snapshots at 5, 7, 10, 12
+    train_on_two_ranks(*args, "--train.max_steps", "12")  # snapshots at 5, 7, 10, 12
     newest = run_dir / "checkpoints" / "step-00000012"
     shard = next(newest.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -130,10 +147,9 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(cli,
     shard.write_bytes(bytes(data))
     assert refused("checkpoint", "verify", str(newest)) == (
         2, f"dptrain: error: snapshot {newest} has a damaged {shard.name} (size or sha256 differs from the manifest).")
-    resumed = cli("train", *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"skipping snapshot {newest} has a damaged {shard.name}" in resumed.stdout + resumed.stderr
-    assert "step-00000010 at step 10" in resumed.stdout
+    resumed = train_on_two_ranks(*args)
+    assert f"skipping snapshot {newest} has a damaged {shard.name}" in resumed
+    assert "step-00000010 at step 10" in resumed
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     saved_config = (run_dir / "config.toml").read_text()
     how_to = "use the snapshot's setting, or another --output.name to start afresh."
@@ -168,7 +184,8 @@ RESHARDS = [("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 4, 2), ("fsdp", 2, 3), ("zero
 
 
 def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> dict[str, int]:
-    """name -> (world size, options): each world size's runs in one set of rank processes, into root/name.
+    """name -> (world size, options): each world size's runs on the pool's rank processes, into root/name (the runs
+    are independent of each other: side by side, see run_cli_on_ranks).
 
     Returns each run's exit code: a run that fails fails its own test, not its neighbours'.
     """
@@ -176,7 +193,7 @@ def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> dict[str, int
     for world in sorted({w for w, _ in runs.values()}):
         names = [n for n, (w, _) in runs.items() if w == world]
         argvs = [["train", *runs[n][1], "--output.dir", str(root / n)] for n in names]
-        codes.update(zip(names, run_cli_on_ranks(world, argvs, str(root))))
+        codes.update(zip(names, run_cli_on_ranks(world, argvs, str(root), side_by_side=True)))
     return codes
 
 
@@ -216,14 +233,16 @@ def test_a_snapshot_resumes_at_another_world_size(resharded, strategy, before, a
 # kill -9 of rank 1 right after a step. ddp, one run killed three times: after step 3 (before any
 # snapshot: the restart begins afresh), 7 (the epoch's last step, before the epoch-end snapshot:
 # resumes from step 5) and 12 (mid-epoch 2: resumes from 10). fsdp after step 9 (resumes from the
-# epoch-end snapshot of step 7).
+# epoch-end snapshot of step 7). After each kill the survivor's failed collective waits for the dead rank
+# in the roll call (min(5 s, launch.timeout_s / 4)) before the agent restarts the group: launch.timeout_s 10
+# keeps that wait short and still bounds the rendezvous and every collective of these short runs.
 @pytest.mark.parametrize(("strategy", "steps"), [("ddp", (3, 7, 12)), ("fsdp", (9,))])
 def test_a_worker_killed_by_sigkill_is_restarted_and_ends_bit_identical(cli, tmp_path, uninterrupted, strategy, steps):
     run_dir = tmp_path / "killed"
     markers = [tmp_path / f"killed-after-{step}" for step in steps]
     kills = ",".join(f"1:{step}:SIGKILL:self:{marker}" for step, marker in zip(steps, markers))
     result = cli("train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir),
-                 "--launch.max_restarts", str(len(steps)), env={SIGNAL_AT: kills}, timeout=300)
+                 "--launch.max_restarts", str(len(steps)), "--launch.timeout_s", "10", env={SIGNAL_AT: kills}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(marker.exists() for marker in markers)  # every kill happened
     assert len(read_events(run_dir, "run_start")) == 1 + len(steps)  # the first start and a restart per kill
@@ -246,9 +265,7 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_with_the_docum
     assert 3 <= saved_at <= 5 and saved_at < 7  # the next step boundary or the one after, mid-epoch 1
     assert read_events(run_dir, "stopped")[0]["step"] == saved_at
     assert not (run_dir / "model.pt").exists()
-    resumed = cli("train", *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"at step {saved_at}" in resumed.stdout
+    assert f"at step {saved_at}" in train_on_two_ranks(*args)  # the resume, on the pool's rank processes
     assert weights_equal(run_dir, uninterrupted("ddp"))
 
 
@@ -262,8 +279,7 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(cli, tmp_path, 
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000007"
     assert "stopped by SIGUSR1 after step 7" in (run_dir / "logs" / "rank1.log").read_text() + stopped.stderr
     assert read_events(run_dir, "epoch") == []
-    resumed = cli("train", *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    train_on_two_ranks(*args)  # the resume, on the pool's rank processes
     assert weights_equal(run_dir, uninterrupted("ddp"))
     # The resume owes epoch 1 its event, once, with the same numbers as the run never stopped.
     got, expected = read_events(run_dir, "epoch"), read_events(uninterrupted("ddp"), "epoch")

@@ -1,9 +1,14 @@
-"""`dptrain bench` and `dptrain report` end to end: real runs (gloo on CPU, tiny synthetic data), resumed and failed."""
+"""`dptrain bench` and `dptrain report` end to end: real runs (gloo on CPU, tiny synthetic data), resumed and failed.
+
+`dptrain bench` runs in this process (its points are subprocesses of their own either way): a process of its own
+would only add a start of Python and torch to each sweep.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import pytest
 from dptrain.bench.collect import RESULT_COLUMNS, SUMMARY_COLUMNS
 from dptrain.bench.report import PLOTS
 from dptrain.bench.sweep import ERROR_FILE, LOG_FILE
-from tests.conftest import run_cli
+from dptrain.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +29,18 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def run_bench(cwd: Path, *args: str) -> int:
+    """`dptrain bench ARGS` run in this process from the folder cwd; its exit code."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        return main(["bench", *args])
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(working folder, bench folder) of a 2-point sweep: workers 1,2 x ddp, one repeat."""
     cwd = tmp_path_factory.mktemp("bench")
-    proc = run_cli(["bench", "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY], cwd, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_bench(cwd, "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY) == 0
     return cwd, cwd / "out"
 
 
@@ -73,28 +84,26 @@ def test_report_writes_pngs_and_markdown(sweep, monkeypatch, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_resumed_sweep_runs_only_the_missing_point(sweep):
+def test_resumed_sweep_runs_only_the_missing_point(sweep, caplog):
     cwd, bench = sweep
     done, cut = bench / "runs" / "dptrain-ddp-w1-r1", bench / "runs" / "dptrain-ddp-w2-r1"
     kept = (done / LOG_FILE).stat().st_mtime_ns
     metrics = cut / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if '"run_end"' not in line))
     (cut / "stale").write_text("from the interrupted run")
-    proc = run_cli(["bench", "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY], cwd, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 done already, 1 to run" in proc.stderr
+    caplog.set_level(logging.INFO, logger="dptrain")
+    assert run_bench(cwd, "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY) == 0
+    assert "1 done already, 1 to run" in caplog.text
     assert (done / LOG_FILE).stat().st_mtime_ns == kept
     assert '"run_end"' in metrics.read_text() and not (cut / "stale").exists()  # redone in a fresh folder
     assert [r["status"] for r in read_rows(bench / "results.csv")] == ["ok", "ok"]
 
 
 @pytest.mark.timeout(60)
-def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path):
+def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path, capsys):
     # strategy single refuses 2 processes inside the run: a real failure of one point, found in seconds
-    proc = run_cli(["bench", "--workers", "2", "--strategies", "single", "--output.dir", "out", *TINY], tmp_path,
-                   timeout=60)
-    assert proc.returncode == 1
-    assert "1 of the sweep's runs failed: dptrain-single-w2-r1: dptrain: error: strategy single" in proc.stderr
+    assert run_bench(tmp_path, "--workers", "2", "--strategies", "single", "--output.dir", "out", *TINY) == 1
+    assert "1 of the sweep's runs failed: dptrain-single-w2-r1: dptrain: error: strategy single" in capsys.readouterr().err
     [row] = read_rows(tmp_path / "out" / "results.csv")
     assert row["status"] == "failed" and row["error"].startswith("dptrain: error: strategy single cannot run")
     assert (tmp_path / "out" / "runs" / "dptrain-single-w2-r1" / ERROR_FILE).is_file()
@@ -113,9 +122,7 @@ def test_report_without_results_is_one_sentence(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.timeout(60)
 def test_tutorial_engine_writes_the_same_event_shape(tmp_path):
-    proc = run_cli(["bench", "--workers", "2", "--strategies", "ddp", "--engines", "tutorial", "--output.dir", "out",
-                    *TINY], tmp_path, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_bench(tmp_path, "--workers", "2", "--strategies", "ddp", "--engines", "tutorial", "--output.dir", "out", *TINY) == 0
     [row] = read_rows(tmp_path / "out" / "results.csv")
     assert (row["engine"], row["workers"], row["status"], row["global_batch_size"], row["epochs_timed"]) == (
         "tutorial", "2", "ok", "32", "1")
