@@ -165,7 +165,10 @@ class Run:
             state.count_step(loss_sum, correct, len(batch.labels), batch.global_count)
             steps += 1
             state.epoch_elapsed = time.perf_counter() - start  # host clock, no sync: what a snapshot records
-            step_loss = self._log_step(epoch, loss_sum, batch.global_count) if state.step % self.cfg.train.log_every == 0 else None
+            step_loss = None
+            if state.step % self.cfg.train.log_every == 0:  # a collective: a failure in it names the rank and the step
+                with self.phase(f"loss reduction of step {state.step}"):
+                    step_loss = self._log_step(epoch, loss_sum, batch.global_count)
             progress.advance(step_loss, state.step, batch.global_count)
             faults.signal_if_due(self.env.global_rank, state.step)
             with self.phase(f"snapshot after step {state.step}"):
