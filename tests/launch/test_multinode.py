@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
+import os
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -192,19 +196,23 @@ def test_a_cut_link_fails_the_other_host_within_the_timeout_naming_the_lost_rank
             assert time.monotonic() < deadline and procs[0].poll() is None, log_tail(run_dir)
             time.sleep(0.2)
         two_hosts.cut_link()
-        cut = time.monotonic()
-        _, err = procs[0].communicate(timeout=timeout_s + 30)
-        took = time.monotonic() - cut
+        cut = time.time()
+        _, err = procs[0].communicate(timeout=timeout_s + 90)  # the failure, then the agent's shutdown: slow when busy
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
+        for proc in procs:  # the whole process group: the agent's workers hold its output pipes open
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
     assert procs[0].returncode == 1, err
     lines = err.strip().splitlines()
     # during the step, or the reduction of its loss (train.log_every 1): wherever the cut caught it
     assert re.match(r"dptrain: error: rank 0 failed during (loss reduction of )?step \d+: ", lines[-1]), err
     assert "rank 1 did not answer (dead or stuck)" in lines[-1], err
-    assert took <= timeout_s + 15, took
+    # When rank 0 knew: its log line of the failure, timed by its own clock (the process's exit comes later, after
+    # the agent's shutdown, which a busy machine slows down): the collective's timeout plus the roll call's wait.
+    [failed] = [line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines() if "did not answer" in line]
+    known = datetime.datetime.strptime(failed[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert known - cut <= timeout_s + timeout_s / 4 + 5, (known - cut, failed)
 
 
 # ------------------------------------------------------------------ the options, checked together
