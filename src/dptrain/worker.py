@@ -157,12 +157,13 @@ def requeue_after_stop(events: EventLog, step: int) -> None:
     job_id = os.environ.get(slurm.JOB_ID)
     if os.environ.get(slurm.REQUEUE_VAR) != "1" or not job_id:
         return
+    # Said first: once the job is requeued, SLURM ends this process at once, before any line written after.
+    log.warning("requeueing job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
+    events.emit("requeue", step=step, job_id=job_id)
     refused = slurm.requeue(job_id)
-    if refused is None:
-        log.warning("requeued job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
-        events.emit("requeued", step=step, job_id=job_id)
-    else:
+    if refused is not None:
         log.error("could not requeue job %s (%s); resubmit its job.sbatch to resume", job_id, refused)
+        events.emit("requeue_failed", step=step, job_id=job_id, reason=refused)
 
 
 def restart_counts() -> dict[str, int]:

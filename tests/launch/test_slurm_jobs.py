@@ -119,7 +119,8 @@ def test_a_signalled_job_requeues_resumes_and_ends_equal_to_an_uninterrupted_one
     starts = read_events(run_dir, "run_start")
     assert [(s["slurm_restarts"], s["step"] > 0) for s in starts] == [(0, False), (1, True)], starts
     [stopped] = read_events(run_dir, "stopped")
-    [requeued] = read_events(run_dir, "requeued")
+    [requeued] = read_events(run_dir, "requeue")
+    assert read_events(run_dir, "requeue_failed") == []
     assert stopped["step"] == requeued["step"] == starts[1]["step"]  # resumed from the signal's snapshot
     assert "stopped by SIGUSR1" in stopped["message"]
     _, reference = finished(slurm_cluster, jobs, "uninterrupted")
