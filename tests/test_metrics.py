@@ -144,6 +144,7 @@ def test_progress_lines_every_interval_with_rate_and_eta(caplog):
     assert not ProgressBar(True, every_s=30, console=Console(force_terminal=True, file=io.StringIO())).lines
 
 
+@pytest.mark.slow
 def test_a_run_with_stdout_to_a_pipe_prints_progress_lines(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # rich would take stdout for a terminal

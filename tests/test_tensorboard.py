@@ -86,6 +86,7 @@ def _get(url: str) -> dict | None:
         return None
 
 
+@pytest.mark.slow
 def test_the_tensorboard_command_serves_the_runs_on_loopback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *SMALL, "--train.max_steps", "3"]) == 0

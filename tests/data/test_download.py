@@ -157,6 +157,7 @@ print(json.dumps({"start": start, "end": time.time(), "paths": [str(p) for p in 
 """
 
 
+@pytest.mark.slow
 def test_two_processes_download_each_file_once(tmp_path, file_server):
     payloads = {"train-images.gz": os.urandom(200_000), "train-labels.gz": os.urandom(5_000)}
     files = [serve(file_server, name, data) for name, data in payloads.items()]

@@ -100,6 +100,7 @@ print(conn.makefile().readline().strip(), conn.getpeername()[0])
     assert _finish(server).split() == ["node2", hosts.addresses[1]]  # node2's name, from node2's address
 
 
+@pytest.mark.slow
 def test_hosts_are_isolated_from_each_other_and_the_machine(two_hosts):
     """A server listening on every address of node1 is reachable as node1:PORT only, no other host's loopback."""
     hosts = two_hosts
@@ -243,6 +244,7 @@ def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sen
     assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_master_the_network_does_not_lead_to_fails_soon_naming_it(two_hosts):
     """No route to node1 (the link is down): not the whole timeout of a refused port, but half of it (30 s at most)."""
     two_hosts.cut_link()
