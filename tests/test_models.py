@@ -99,3 +99,49 @@ def test_training_flops_per_sample_count_forward_and_backward_of_every_matmul_an
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(rng, torch.get_rng_state())
     assert model.training
+
+
+def _tutorial_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The tutorials' order: ReLU, then max-pool (dropout off)."""
+    f = nn.functional
+    x = f.max_pool2d(f.relu(model.conv2(f.relu(model.conv1(x)))), 2)
+    return model.fc2(f.relu(model.fc1(torch.flatten(x, 1))))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_mnist_cnn_pooling_before_the_relu_computes_the_tutorials_function_and_gradients(channels_last):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="mnist-cnn"), (1, 28, 28), 10).double().eval()
+    x = torch.randn(16, 1, 28, 28, dtype=torch.float64)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    ours, theirs = model(x), _tutorial_forward(model, x)
+    assert torch.equal(ours, theirs)  # relu(max(a)) = max(relu(a)), element by element
+    grads = [torch.autograd.grad(out.square().sum(), list(model.parameters())) for out in (model(x), _tutorial_forward(model, x))]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # float64: only the summation order may differ
+
+
+@pytest.mark.parametrize("p", [0.25, 0.5, 0.3])
+def test_dropout_drops_p_of_the_elements_and_scales_the_rest(p):
+    from dptrain.models.layers import Dropout
+
+    torch.manual_seed(0)
+    layer = Dropout(p)
+    x = torch.ones(64, 64, 12, 12).contiguous(memory_format=torch.channels_last).requires_grad_()
+    out = layer(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    kept = out != 0
+    assert torch.allclose(out[kept], torch.full_like(out[kept], 1 / (1 - p)))
+    n = x.numel()  # 589,824 draws: the dropped fraction's standard deviation is sqrt(p (1 - p) / n) < 0.00066
+    assert abs((~kept).sum().item() / n - p) < 5 * (p * (1 - p) / n) ** 0.5
+    out.sum().backward()
+    assert torch.equal(x.grad, out.detach())  # the gradient passes through the same mask and scale
+    in_memory = kept.permute(0, 2, 3, 1).reshape(8, -1).float().mean(1)  # eighths of the mask, in memory order
+    assert (in_memory - (1 - p)).abs().max() < 5 * (p * (1 - p) / (n / 8)) ** 0.5  # no part of it is stuck
+    layer.eval()
+    assert layer(x) is x or torch.equal(layer(x), x)
+    torch.manual_seed(1)
+    first = layer.train()(x)
+    torch.manual_seed(1)
+    assert torch.equal(layer(x), first)  # seeded: the same mask again

