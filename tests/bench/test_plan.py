@@ -45,8 +45,6 @@ def test_default_workers_are_capped_in_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(engines="lightning"), "--engines lightning is not yet supported"),
-    (dict(engines="deepspeed"), "--engines deepspeed is not yet supported"),
     (dict(engines="nope"), "--engines nope is unknown"),
     (dict(strategies="ddp,zz"), "strategy.name"),
     (dict(workers="1,x"), "--workers 1,x is not a comma-separated list"),

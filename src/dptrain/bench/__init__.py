@@ -5,7 +5,8 @@
 
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
 job per point instead, written and submitted by launch.slurm, then waited for), collect.py (run directories ->
-results.csv and summary.csv), report.py (CSV -> PNGs and report.md), tutorial.py (the `tutorial` engine:
-the tutorials' plain loop, run under torchrun, writing the same metrics.jsonl events). This package reads run directories and the
-config only: it never imports train or worker code.
+results.csv and summary.csv), report.py (CSV -> PNGs and report.md). The peer engines, each run under torchrun and
+writing the same metrics.jsonl events: tutorial.py (the tutorials' plain loop), lightning_engine.py (Lightning's
+Trainer), deepspeed_engine.py (DeepSpeed's engine, ZeRO stages), and peer.py, what they share. This package reads run
+directories and the config; only the peer engines' own processes import the data and models: never train or worker code.
 """

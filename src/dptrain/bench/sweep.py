@@ -21,15 +21,18 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 
 from dptrain import config as config_mod
-from dptrain.bench import tutorial
+from dptrain.bench import deepspeed_engine, lightning_engine, tutorial
 from dptrain.config import ConfigError, RunConfig, SlurmConfig
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("dptrain", "tutorial")  # tutorial: the tutorials' plain loop (tutorial.py), the baseline
-NOT_YET_ENGINES = ("lightning", "deepspeed")
+# The peers of `dptrain train`: a module each, run under torchrun as `python -m MODULE RUN_DIR` (peer.py), whose
+# check(cfg) refuses in one sentence what it cannot run. tutorial: the tutorials' plain loop, the baseline.
+PEERS: dict[str, ModuleType] = {"tutorial": tutorial, "lightning": lightning_engine, "deepspeed": deepspeed_engine}
+ENGINES = ("dptrain", *PEERS)
 DEFAULT_WORKERS = (1, 2, 4, 8)
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
 DEFAULT_RUN_TIMEOUT_S = 3600.0
@@ -98,8 +101,6 @@ def parse_workers(text: str) -> tuple[int, ...]:
 
 def check_engines(engines: tuple[str, ...]) -> None:
     for engine in engines:
-        if engine in NOT_YET_ENGINES:
-            raise ConfigError(f"--engines {engine} is not yet supported; supported engines: {', '.join(ENGINES)}.")
         if engine not in ENGINES:
             raise ConfigError(f"--engines {engine} is unknown; supported engines: {', '.join(ENGINES)}.")
 
@@ -185,14 +186,15 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
             train_pairs.append((key, value))
     engine_names = split_list(engines, "--engines")
     check_engines(engine_names)
-    if job_pairs is not None and "tutorial" in engine_names:
-        raise ConfigError("--engines tutorial runs under torchrun on this machine only, not as a SLURM job; drop it "
-                          "from --engines, or run it without --slurm.")
+    peers = [engine for engine in engine_names if engine in PEERS]
+    if job_pairs is not None and peers:
+        raise ConfigError(f"--engines {peers[0]} runs under torchrun on this machine only, not as a SLURM job; drop it "
+                          f"from --engines, or run it without --slurm.")
     strategy_names = split_list(strategies, "--strategies")
     for name in strategy_names:  # every strategy with the shared options: a mistake is one sentence now, not N failures
         point_cfg = config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
-        if "tutorial" in engine_names:
-            tutorial.check(point_cfg)
+        for engine in peers:
+            PEERS[engine].check(point_cfg)
     cfg = config_mod.load(config_path, [*train_pairs, *(job_pairs or [])])
     if job_pairs is not None and job_lines:  # lines on the command line replace the file's lists
         cfg = replace(cfg, slurm=replace(cfg.slurm, **job_lines))
@@ -307,14 +309,14 @@ def read_warmup(bench_dir: Path) -> int | None:
 
 
 def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
-    """The command that runs one point (for the tutorial engine, after writing the point's config.toml)."""
-    if point.engine == "tutorial":
+    """The command that runs one point (for a peer engine, after writing the point's config.toml)."""
+    if point.engine in PEERS:
         cfg = sweep.config
         cfg = replace(cfg, strategy=replace(cfg.strategy, name=point.strategy),
                       launch=replace(cfg.launch, nproc_per_node=point.workers), output=replace(cfg.output, dir=str(run_dir)))
         (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(point.workers),
-                "-m", "dptrain.bench.tutorial", str(run_dir)]
+                "-m", PEERS[point.engine].__name__, str(run_dir)]
     # no epoch snapshots: saving is not what is measured (the user's --checkpoint.every_epochs, given later, wins)
     return [sys.executable, "-m", "dptrain", "train", "--nproc-per-node", str(point.workers),
             "--checkpoint.every_epochs", "0", *sweep.train_args,
@@ -324,7 +326,8 @@ def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
 def error_line(output: str) -> str | None:
     """The line that says why a run failed: dptrain's own `dptrain: error: ...`; else the first exception raised in a
     worker; else torchrun's root cause (a signal, say); None when there is none of them."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    # torchrun prefixes a worker's lines that reach it with "[rank0]: "
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in output.splitlines() if line.strip()]
     for line in lines:
         if line.startswith("dptrain:"):
             return line
