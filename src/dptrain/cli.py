@@ -131,7 +131,8 @@ def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world
     from dptrain.launch.local import launch_local
 
     per_node = world_size // (nodes.count if nodes else 1)
-    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir, nodes)
+    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir, nodes,
+                 on_cuda=wants_cuda(cfg.launch.device))
 
 
 def world_size_here(cfg: RunConfig, nodes: Nodes | None = None) -> tuple[int, bool]:

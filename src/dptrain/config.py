@@ -173,6 +173,11 @@ class TrainConfig:
     graph and replay it: one launch instead of dozens per step, for small models whose steps are
     launch-bound. Needs optim.name adam or adamw and a schedule other than onecycle; ignored, with a
     warning, on the CPU and for strategies that communicate inside the step."""
+    compile: bool = False
+    """Compile the model's training forward and backward with torch.compile (inductor): fused kernels, fewer
+    launches; the first steps wait for the compiler (tens of seconds). It pays on GPUs; on the CPU inductor's
+    dropout and max-pool kernels made the tutorials' CNN slower than dptrain's eager path here (measure with
+    `python bench/speed.py`). Evaluation stays eager. Not with strategy dp or train.cuda_graph."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value (None: no clipping)."""
     log_every: int = 50
@@ -380,6 +385,12 @@ class RunConfig:
         if self.train.cuda_graph and self.optim.name == "sgd":
             raise ConfigError("train.cuda_graph needs optim.name adam or adamw (their fused, capturable step reads the "
                               "learning rate from the GPU); use one of them, or drop train.cuda_graph.")
+        if self.train.compile and self.train.cuda_graph:
+            raise ConfigError("train.compile and train.cuda_graph are two ways to cut kernel launches and do not "
+                              "combine; keep one of them.")
+        if self.train.compile and self.strategy.name == "dp":
+            raise ConfigError("train.compile cannot compile through nn.DataParallel's per-step replication; use "
+                              "--strategy.name ddp (one process per GPU), or drop train.compile.")
         if self.train.cuda_graph and self.optim.schedule == "onecycle":
             raise ConfigError("train.cuda_graph cannot follow optim.schedule onecycle, which changes Adam's betas every "
                               "step; use cosine, or drop train.cuda_graph.")

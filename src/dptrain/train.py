@@ -282,6 +282,8 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
         wrapped = strategy.wrap(model)
+        if cfg.train.compile:  # compiled on the first step; the eval module and the state dicts stay the eager ones
+            wrapped = torch.compile(wrapped)
         graphed = use_step_graph(cfg, device, strategy)
         optimizer = strategy.build_optimizer(strategy.eval_module, optimizer_spec(cfg, capturable=graphed))
         steps_per_epoch = len(train_loader)

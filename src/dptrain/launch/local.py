@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import importlib
 import logging
 import os
 import signal
@@ -23,9 +24,18 @@ from dptrain.stopping import EXIT_STOPPED, Stopped
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+# What every training rank imports, imported once by the agent before it forks the workers (see start_method).
+WORKER_IMPORTS = ("dptrain.train", "torch.nn.parallel", "torch._dynamo")
+
+
 def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: int, timeout_s: float, max_restarts: int = 0,
-                 log_dir: Path | None = None, nodes: Nodes | None = None) -> None:
+                 log_dir: Path | None = None, nodes: Nodes | None = None, on_cuda: bool = True) -> None:
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks.
+
+    On the CPU (on_cuda False) the agent forks the workers, which then start with everything already imported
+    (WORKER_IMPORTS): with 2 workers on 2 cores the first step comes about 2.5 s sooner than with fresh
+    interpreters, and the pages of the imported code stay shared. CUDA cannot be used in a forked child of
+    a process that has touched it, so GPU workers are spawned.
 
     With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
     listens on that address only); without, everything listens on loopback. The agent's own log (restarts,
@@ -57,7 +67,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         local_addr=address_towards(nodes.host),
         max_restarts=max_restarts,
         monitor_interval=0.1,  # how soon the end (or a failure) of a worker is seen; the poll costs nothing noticeable
-        start_method="spawn",
+        start_method="spawn" if on_cuda else "fork",
         logs_specs=DefaultLogsSpecs(log_dir=agent_dir.name),
     )
     # The agent forwards SIGTERM to the workers by itself; SIGUSR1 (SLURM's --signal) it must be
@@ -65,6 +75,9 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     def forward(signum: int, frame: Any) -> None:  # noqa: ARG001 - the signal module's signature
         raise SignalException(f"process {os.getpid()} got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
+    if not on_cuda:
+        for module in WORKER_IMPORTS:
+            importlib.import_module(module)
     previous = signal.signal(signal.SIGUSR1, forward)
     try:
         with _agent_log_to(log_dir):
@@ -88,6 +101,10 @@ def run_then_leave(entrypoint: Callable[..., Any], *args: Any) -> Any:
     (about 0.9 s of freeing torch's objects, which the agent, and so the user, would wait for). The exit hook runs
     first of all (the last one registered), once the agent has read the result, which it waits for before the
     worker may exit; a failure exits as usual, with its code and error file."""
+    # A forked worker starts with the agent's signal handlers: give it a fresh interpreter's.
+    for sig, handler in ((signal.SIGUSR1, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
+                         (signal.SIGINT, signal.default_int_handler)):
+        signal.signal(sig, handler)
     result = entrypoint(*args)
     atexit.register(leave_now, 0)
     return result
