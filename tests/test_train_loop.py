@@ -123,3 +123,13 @@ def test_compiled_training_follows_the_eager_losses(tmp_path, monkeypatch):
     # through 6 Adam steps of lr 1e-3, the loss by orders of magnitude less than this bound (here: not at all).
     for a, b in zip(losses["eager"], losses["compiled"]):
         assert abs(a - b) <= 1e-5 * a
+
+
+@pytest.mark.parametrize("overrides, sentence", [
+    ([("train.cuda_graph", "true")], "train.compile and train.cuda_graph"),
+    ([("strategy.name", "dp")], "train.compile cannot compile through nn.DataParallel"),
+])
+def test_compile_is_refused_where_it_cannot_apply(overrides, sentence):
+    with pytest.raises(config.ConfigError, match=sentence) as refused:
+        config.load(None, [("train.compile", "true"), *overrides])
+    assert len(str(refused.value).splitlines()) == 1

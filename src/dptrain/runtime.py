@@ -127,6 +127,31 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic = True
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BLOCKS_UP_TO = 32 * 2**20  # glibc's largest mmap threshold on 64-bit machines
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep freed blocks of up to 32 MiB for reuse, instead of giving them back to the kernel.
+
+    By default a block over 128 KiB is mapped fresh for each allocation and unmapped when freed, so every
+    training step page-faults its activations and gradients in again, zeroed by the kernel: for the tutorials'
+    CNN on the CPU, 47 instead of 39 ms of a step (64 images, one thread), mostly in the max-pool's gradient.
+    The cost: the process keeps its peak heap resident instead of shrinking between steps. False where the C
+    library is not glibc (nothing changes there).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BLOCKS_UP_TO)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def set_cpu_threads(env: DistEnv) -> int:
     """Split the cores this process may use across the ranks sharing them; oversubscribed ranks slow each other down.
 

@@ -20,8 +20,8 @@ from dptrain.config import RunConfig
 from dptrain.launch import slurm
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
-from dptrain.runtime import (Phase, barrier, destroy_process_group, init_process_group, pick_device, seed_everything,
-                             set_cpu_threads, use_deterministic_kernels)
+from dptrain.runtime import (Phase, barrier, destroy_process_group, init_process_group, keep_freed_memory, pick_device,
+                             seed_everything, set_cpu_threads, use_deterministic_kernels)
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -74,6 +74,7 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
             use_deterministic_kernels()
         device = pick_device(cfg.launch.device, env.local_rank)
         threads = set_cpu_threads(env)
+        keep_freed_memory()
         seed_everything(cfg.train.seed)
     with phase("rendezvous"):
         store = init_process_group(env, device, cfg.launch.timeout_s, cfg.launch.backend)
