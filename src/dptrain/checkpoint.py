@@ -2,7 +2,8 @@
 
 A snapshot is a folder checkpoints/step-00000120/ holding the DCP shards of the model and the
 optimizer (or, for zero1 and ps, whose optimizers DCP cannot see into, the whole optimizer state
-in optimizer.pt, written by rank 0), one rank<R>.pt per rank (its RNG states and its partial-epoch
+in optimizer.pt, written by rank 0; for deepspeed, the model in DCP and DeepSpeed's own checkpoint,
+as plain data, in deepspeed/), one rank<R>.pt per rank (its RNG states and its partial-epoch
 sums), extra.pt (the loop's TrainState and the scheduler) and manifest.json (world size, strategy,
 model, the options that change the computation, torch version, every file with its size and
 sha256). It is written under .tmp-step-..., flushed, then renamed, and only then does
@@ -45,11 +46,11 @@ WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot sh
 # computation, so a resume refuses it. The world size may change too: the shards are resharded on
 # load (see load()).
 RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
-                     ("train", "deterministic"), ("train", "cuda_graph"), ("train", "eval_batch_size"),
+                     ("train", "deterministic"), ("train", "cuda_graph"), ("train", "compile"), ("train", "eval_batch_size"),
                      ("data", "root"), ("data", "download"), ("data", "mirror"), ("data", "num_workers"),
                      ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"), ("launch", "device"), ("launch", "backend"),
                      ("train", "eval_every_epochs"), ("train", "progress_every_s"),
-                     ("output", "name"), ("output", "dir")}
+                     ("output", "name"), ("output", "dir"), ("strategy", "deepspeed_config")}
 # Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
 LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
 
@@ -63,6 +64,10 @@ def computation_options(cfg: RunConfig) -> dict[str, Any]:
     tree = config_mod.to_dict(cfg)
     options = {f"{s}.{k}": v for s, opts in tree.items() if s not in ("checkpoint", "slurm")
                for k, v in opts.items() if (s, k) not in RESUMABLE_CHANGES}
+    if cfg.strategy.deepspeed_config is not None:  # the file may move; what it says is part of the computation
+        from dptrain.strategies.deepspeed import config_digest
+
+        options["strategy.deepspeed_config (sha256 of its settings)"] = config_digest(cfg.strategy.deepspeed_config)
     return json.loads(json.dumps(options, default=str))  # as the manifest holds them: tuples become lists
 
 
@@ -197,6 +202,8 @@ class Snapshotter:
                         "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step,
                         "input": input_record(self.cfg.data)}  # what `dptrain predict` feeds the model (None: a user's Dataset)
             (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
+        if self.strategy.own_folder is not None:  # synchronous, before DCP's write: complete once DCP's is
+            _writing(lambda: self.strategy.save_own_state(tmp), tmp, run_dir)
         shards = self.strategy.snapshot_state(self.optimizer)
         if self.group is None:
             from torch.distributed.checkpoint import save as dcp_save
@@ -243,15 +250,21 @@ class Snapshotter:
         """Restore every part from snapshot `path`: weights, optimizer, scheduler, position, every rank's RNG."""
         manifest = verify(path)
         check_compatible(manifest, self.cfg, path, self.total_steps)
+        world = manifest["world_size"]
+        if self.strategy.own_folder is not None and world != self.env.world_size:
+            raise ConfigError(f"snapshot {path} holds the state of strategy {self.cfg.strategy.name} partitioned over {world} "
+                              f"processes, and it resumes on as many only, not on {self.env.world_size}; run on {world} "
+                              f"processes, or use another --output.name to start afresh.")
         shards = self.strategy.snapshot_state(self.optimizer)
         dcp_load(shards, path)
         self.strategy.restore_snapshot_state(self.optimizer, shards)
-        if not self.strategy.optimizer_in_dcp:
+        if _whole_optimizer(self.strategy):
             self.strategy.restore_whole_optimizer_state(self.optimizer, load_tensors(path / WHOLE_OPTIMIZER))
+        if self.strategy.own_folder is not None:
+            self.strategy.load_own_state(path)
         extra = load_tensors(path / EXTRA)
         self.scheduler.load_state_dict(extra["scheduler"])
         state.load_state_dict(extra["loop"])
-        world = manifest["world_size"]
         if world == self.env.world_size:
             mine = load_tensors(path / f"rank{self.env.global_rank}.pt")
             state.epoch_sums = _on(mine["epoch_sums"], self.device)
@@ -359,15 +372,22 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def _whole_optimizer(strategy: Any) -> bool:
+    """Whether the strategy's optimizer is written whole by rank 0 (optimizer.pt): outside DCP and not in files of its own."""
+    return not strategy.optimizer_in_dcp and strategy.own_folder is None
+
+
 def _required_files(manifest: dict[str, Any], metadata: Any) -> set[str]:
     """Every file the loader will read: DCP's metadata and the shards it names, the loop state, each rank's file,
-    and the whole optimizer where the strategy keeps it outside DCP."""
+    the whole optimizer where the strategy keeps it outside DCP, and the files of the strategy's own checkpoint."""
     from dptrain.strategies import STRATEGIES
 
     required = {".metadata", EXTRA, *(f"rank{r}.pt" for r in range(manifest["world_size"]))}
     strategy = STRATEGIES.get(manifest["strategy"])
-    if strategy is not None and not strategy.optimizer_in_dcp:
+    if strategy is not None and _whole_optimizer(strategy):
         required.add(WHOLE_OPTIMIZER)
+    if strategy is not None:
+        required |= strategy.own_files(manifest)
     if metadata is not None:
         required |= data_files(metadata)
     return required

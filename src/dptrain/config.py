@@ -213,9 +213,10 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class StrategyConfig:
-    name: Literal["ddp", "fsdp", "zero1", "ps", "dp", "single"] = "ddp"
+    name: Literal["ddp", "fsdp", "zero1", "ps", "dp", "single", "deepspeed"] = "ddp"
     """ddp, fsdp (FSDP2), zero1 (DDP + sharded optimizer state), ps (parameter server),
-    dp (nn.DataParallel, one process), single (one process, one device)."""
+    dp (nn.DataParallel, one process), single (one process, one device), deepspeed (DeepSpeed's ZeRO engine;
+    pip install 'dptrain[deepspeed]')."""
     comm_hook: Literal["allreduce", "fp16", "bf16", "powersgd", "ring"] = "allreduce"
     """ddp/zero1 gradient communication: allreduce, fp16 or bf16 compression, powersgd, or ring (hand-written)."""
     powersgd_rank: int = 4
@@ -228,9 +229,22 @@ class StrategyConfig:
     """fsdp mixed precision: dtype of the gradient reduce-scatter (auto: the parameters' own)."""
     dedicated_server: bool = False
     """ps: rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
+    zero_stage: int = 2
+    """deepspeed: ZeRO stage, 1, 2 or 3; 1 shards the optimizer state over the ranks, 2 the gradients too, 3 the
+    parameters too."""
+    deepspeed_config: str | None = None
+    """deepspeed: a DeepSpeed JSON file (ds_config.json) for the engine's own settings, such as ZeRO's buckets and
+    communication (None: DeepSpeed's defaults). The batch, optimizer, schedule, clipping, precision and ZeRO stage
+    stay dptrain's options: the file may repeat them, and a run that it contradicts is refused."""
 
     def __post_init__(self) -> None:
         _positive(self.powersgd_rank, "strategy.powersgd_rank")
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"strategy.zero_stage = {self.zero_stage} is not a ZeRO stage that strategy deepspeed runs; "
+                              f"pick 1, 2 or 3.")
+        if self.name != "deepspeed" and (self.deepspeed_config is not None or self.zero_stage != 2):
+            option = "strategy.deepspeed_config" if self.deepspeed_config is not None else "strategy.zero_stage"
+            raise ConfigError(f"{option} applies to strategy deepspeed only, not {self.name}; drop it or use --strategy.name deepspeed.")
         if self.comm_hook != "allreduce" and self.name not in ("ddp", "zero1"):
             raise ConfigError(f"strategy.comm_hook {self.comm_hook} applies to ddp and zero1 only, not {self.name}; drop it or use --strategy.name ddp.")
 

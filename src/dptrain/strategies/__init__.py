@@ -8,6 +8,7 @@ from dptrain.config import ConfigError, RunConfig, StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.ddp import DDP
+from dptrain.strategies.deepspeed import DeepSpeed
 from dptrain.strategies.dp import DataParallel
 from dptrain.strategies.fsdp import FSDP
 from dptrain.strategies.parameter_server import ParameterServer
@@ -16,6 +17,7 @@ from dptrain.strategies.zero import Zero1
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice, "dp": DataParallel, "ddp": DDP, "zero1": Zero1, "fsdp": FSDP, "ps": ParameterServer,
+    "deepspeed": DeepSpeed,
 }
 
 
@@ -32,11 +34,13 @@ def check_world(cfg: RunConfig, world_size: int, train_size: int, on_cpu: bool =
                 torch_version: str | None = None) -> None:
     """Refuse settings impossible for this world, dataset and torch, before any worker starts (and in every worker).
 
-    The strategy's own rule first (Strategy.check_world), then the split of the global batch over the
-    ranks that take data. on_cpu: the workers will run on the CPU; torch_version: theirs (None: this one).
+    The strategy's own rules first (Strategy.check_world, then Strategy.check_run against the run's other
+    settings), then the split of the global batch over the ranks that take data. on_cpu: the workers will
+    run on the CPU; torch_version: theirs (None: this one).
     """
     strategy = STRATEGIES[cfg.strategy.name]
     strategy.check_world(cfg.strategy, world_size, on_cpu, torch.__version__ if torch_version is None else torch_version)
+    strategy.check_run(cfg, world_size, on_cpu)
     data_world = strategy.data_world_size(cfg.strategy, world_size)
     gb = cfg.train.global_batch_size
     if gb % data_world:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, StrategyConfig
+from dptrain.config import ConfigError, RunConfig, StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
 
@@ -58,6 +59,11 @@ class Strategy:
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
         """Raise ConfigError if this strategy cannot run on `world_size` processes here; by default it runs on any."""
+
+    @classmethod
+    def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
+        """Raise ConfigError if this strategy cannot run with the run's other settings (its batch, optimizer,
+        precision); by default it runs with any. For a strategy that reads settings of its own (a DeepSpeed JSON)."""
 
     @classmethod
     def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:
@@ -148,6 +154,23 @@ class Strategy:
 
     def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         raise NotImplementedError(f"strategy {self.name} keeps its optimizer state in DCP")
+
+    # A strategy whose engine writes its own checkpoint (DeepSpeed) names a subfolder of the snapshot for it.
+    # The Snapshotter calls save_own_state on every rank before DCP's write, and load_own_state after DCP's
+    # load; verify() reads every file there as plain data, like the others, and requires own_files().
+    # Such a snapshot resumes at the world size it was written at only.
+    own_folder: str | None = None
+
+    def save_own_state(self, snapshot: Path) -> None:
+        """Write this strategy's own state into snapshot / own_folder (every rank; a collective)."""
+
+    def load_own_state(self, snapshot: Path) -> None:
+        """Load this strategy's own state from snapshot / own_folder, a verified snapshot (every rank)."""
+
+    @classmethod
+    def own_files(cls, manifest: dict[str, Any]) -> set[str]:
+        """The files of own_folder that load_own_state reads, relative to the snapshot, for the snapshot of `manifest`."""
+        return set()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU, on rank 0 (a collective: every rank must call it)."""

@@ -1,0 +1,502 @@
+"""DeepSpeed's engine as one more strategy: ZeRO stage 1, 2 or 3 over dptrain's process group.
+
+    $ pip install 'dptrain[deepspeed]'
+    $ dptrain train --strategy.name deepspeed --strategy.zero_stage 3 --nproc-per-node 4
+    $ dptrain train --strategy.name deepspeed --strategy.deepspeed_config ds_config.json
+
+dptrain's options stay the one source of what is computed: the batch, the optimizer (train.optimizer_spec,
+handed to DeepSpeed as its client optimizer), the learning-rate schedule, gradient clipping, precision
+(train.bf16 autocasts, as for every strategy) and the ZeRO stage. A user's ds_config.json adds the engine's
+own settings (buckets, overlap, communication dtype, ...); where it also states one of dptrain's, it must
+agree, and a contradiction is refused in one sentence before any worker starts (check_run). Snapshots hold
+DeepSpeed's own checkpoint (engine.save_checkpoint / load_checkpoint) in a subfolder, written and read as
+plain data (PlainDataCheckpointEngine), besides the model in DCP for `dptrain eval` and `predict`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.config import ConfigError, RunConfig, StrategyConfig
+from dptrain.strategies.base import OptimizerSpec, Strategy
+
+INSTALL = "pip install 'dptrain[deepspeed]'"
+TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the snapshot's subfolder holding its files
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # copied beside the tag by save_checkpoint
+# Keys of a ds_config.json that dptrain sets itself (after checking the file's against dptrain's options).
+DPTRAIN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+                "optimizer", "scheduler", "fp16", "bf16", "amp", "torch_autocast")
+PRECISION_SECTIONS = ("bf16", "amp", "torch_autocast")  # fp16 has sentences of its own
+OFFLOADS = {"offload_optimizer": "the optimizer state", "offload_param": "the parameters"}
+OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw"}  # DeepSpeed's type (lower case) -> optim.name; "adam": see below
+TORCH_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8}  # what train.optimizer_spec leaves at torch's defaults
+
+
+# ---------------------------------------------------------------- the user's JSON, checked against the run
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """The ds_config.json as a dict; ConfigError in one sentence if it is missing, unreadable or not a JSON object."""
+    where = f"strategy.deepspeed_config {path}"
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist; check the path, or leave the option out for DeepSpeed's defaults.") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(f"{where} cannot be read ({reason}); fix the file or its permissions, or give another file.") from None
+    try:
+        tree = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); fix the file.") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{where} holds a JSON {type(tree).__name__}, not an object of DeepSpeed settings; "
+                          f'give a file like {{"zero_optimization": {{"stage": 2}}}}.')
+    return tree
+
+
+def config_digest(path: str | None) -> str | None:
+    """sha256 of the JSON's settings (not of its spacing), for a snapshot's manifest; None without a file."""
+    if path is None:
+        return None
+    return hashlib.sha256(json.dumps(read_user_config(path), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _section(tree: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    value = tree.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"strategy.deepspeed_config {path}: {key} must be a JSON object, not {json.dumps(value)}; fix the file.")
+    return value
+
+
+def _enabled(section: dict[str, Any]) -> bool:
+    """A precision section's "enabled"; "auto" (Hugging Face's placeholder) leaves the choice to dptrain."""
+    return section.get("enabled", False) not in (False, "auto")
+
+
+def _given(tree: dict[str, Any], key: str) -> bool:
+    """Whether the file states a value for key ("auto" states none: dptrain's value is taken)."""
+    return key in tree and tree[key] != "auto"
+
+
+def check_against_run(tree: dict[str, Any], cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
+    """ConfigError naming the first setting of the file that DeepSpeed cannot run here, or that contradicts dptrain's."""
+    path = cfg.strategy.deepspeed_config
+    assert path is not None
+    _check_zero(_section(tree, "zero_optimization", path), cfg.strategy.zero_stage, path)
+    _check_precision(tree, on_cpu, path)
+    _check_batch(tree, cfg.train.global_batch_size, world_size, path)
+    if _given(tree, "gradient_clipping") and (tree["gradient_clipping"] or None) != cfg.train.grad_clip:
+        ours = "none" if cfg.train.grad_clip is None else cfg.train.grad_clip
+        raise ConfigError(f"{path} sets gradient_clipping {tree['gradient_clipping']} but train.grad_clip is {ours}; "
+                          f"set --train.grad_clip {tree['gradient_clipping'] or 'none'}, or remove gradient_clipping from the file.")
+    if "scheduler" in tree:
+        kind = _section(tree, "scheduler", path).get("type", "?")
+        raise ConfigError(f"{path} has a scheduler section ({kind}), but dptrain schedules the learning rate itself; "
+                          f"remove the section and set optim.schedule and optim.warmup_steps instead.")
+    if "optimizer" in tree:
+        _check_optimizer(_section(tree, "optimizer", path), cfg, path)
+
+
+def _check_zero(zero: dict[str, Any], stage: int, path: str) -> None:
+    given = zero.get("stage", stage)
+    if given not in (0, 1, 2, 3) or isinstance(given, bool):
+        raise ConfigError(f"{path} sets zero_optimization.stage {json.dumps(given)}, which is not a ZeRO stage (DeepSpeed has "
+                          f"0 to 3, and strategy deepspeed runs 1, 2 and 3); set 1, 2 or 3.")
+    if given == 0:
+        raise ConfigError(f"{path} sets zero_optimization.stage 0 (no ZeRO), which strategy deepspeed does not run; "
+                          f"set 1, 2 or 3, or use --strategy.name ddp for plain data parallelism.")
+    if given != stage:
+        raise ConfigError(f"{path} sets zero_optimization.stage {given} but strategy.zero_stage is {stage}; "
+                          f"set --strategy.zero_stage {given}, or remove the stage from the file.")
+    for key, what in OFFLOADS.items():
+        device = _section(zero, key, path).get("device", "none") if key in zero else "none"
+        if device not in ("none", None):
+            needs = ("DeepSpeed's compiled async I/O, and the offloaded state would lie outside dptrain's snapshots"
+                     if device == "nvme" else "DeepSpeed's compiled CPU Adam")
+            raise ConfigError(f"{path} offloads {what} to {device} (zero_optimization.{key}), which strategy deepspeed does "
+                              f"not support (it needs {needs}); remove zero_optimization.{key}.")
+
+
+def _check_precision(tree: dict[str, Any], on_cpu: bool, path: str) -> None:
+    if _enabled(_section(tree, "fp16", path)):
+        if on_cpu:
+            raise ConfigError(f"{path} enables fp16, which DeepSpeed runs on GPUs only, and this run is on the CPU; "
+                              f"remove the fp16 section (--train.bf16 true autocasts to bfloat16 instead).")
+        raise ConfigError(f"{path} enables fp16, which strategy deepspeed does not run (its loss scaler skips steps that "
+                          f"dptrain's schedule and snapshots count); remove the fp16 section, and use --train.bf16 true "
+                          f"for bfloat16 autocast.")
+    for name in PRECISION_SECTIONS:
+        if _enabled(_section(tree, name, path)):
+            raise ConfigError(f"{path} enables {name}, but precision is dptrain's train.bf16 (bfloat16 autocast over "
+                              f"float32 weights, as for every strategy); remove the {name} section and use --train.bf16 true.")
+
+
+def _check_batch(tree: dict[str, Any], global_batch: int, world_size: int, path: str) -> None:
+    if _given(tree, "train_batch_size") and tree["train_batch_size"] != global_batch:
+        raise ConfigError(f"{path} sets train_batch_size {tree['train_batch_size']} but train.global_batch_size is "
+                          f"{global_batch}; set --train.global_batch_size {tree['train_batch_size']}, or remove "
+                          f"train_batch_size from the file.")
+    share = global_batch // world_size
+    if _given(tree, "train_micro_batch_size_per_gpu") and tree["train_micro_batch_size_per_gpu"] != share:
+        raise ConfigError(f"{path} sets train_micro_batch_size_per_gpu {tree['train_micro_batch_size_per_gpu']}, but each "
+                          f"of the {world_size} ranks takes {share} samples of train.global_batch_size {global_batch}; "
+                          f"set --train.global_batch_size {tree['train_micro_batch_size_per_gpu'] * world_size}, or remove "
+                          f"train_micro_batch_size_per_gpu from the file.")
+    if _given(tree, "gradient_accumulation_steps") and tree["gradient_accumulation_steps"] != 1:
+        raise ConfigError(f"{path} sets gradient_accumulation_steps {tree['gradient_accumulation_steps']}, but dptrain takes "
+                          f"one optimizer step per global batch; remove it, and set train.global_batch_size to the batch "
+                          f"you want per step.")
+
+
+def _check_optimizer(section: dict[str, Any], cfg: RunConfig, path: str) -> None:
+    """The file's optimizer is accepted where it is the one [optim] builds; dptrain's is used either way."""
+    kind = str(section.get("type", "")).lower()
+    params = _section(section, "params", path)
+    mine = {"adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, OPTIMIZER_TYPES.get(kind))
+    if mine is None:
+        raise ConfigError(f"{path} asks for optimizer {section.get('type')!r}, which dptrain does not build (it builds sgd, "
+                          f"adam and adamw from [optim]); remove the optimizer section and set --optim.name.")
+    if mine != cfg.optim.name:
+        raise ConfigError(f"{path} asks for optimizer {section['type']} ({mine} in dptrain's terms) but optim.name is "
+                          f"{cfg.optim.name}; set --optim.name {mine}, or remove the optimizer section.")
+    ours: dict[str, Any] = {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay, **TORCH_DEFAULTS}
+    if mine == "sgd":
+        ours = {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay, "momentum": cfg.optim.momentum}
+    for key, value in params.items():
+        if key in ("torch_adam", "adam_w_mode") or value == "auto":  # how DeepSpeed would build it; dptrain builds it
+            continue
+        if key not in ours:
+            raise ConfigError(f"{path} sets optimizer {key}, which dptrain's {mine} does not take from the file (it takes "
+                              f"{', '.join(ours)} from [optim] or torch's defaults); remove it.")
+        if key == "lr" and cfg.optim.scale_lr_with != "none":
+            raise ConfigError(f"{path} sets optimizer lr {value}, a fixed rate, but optim.scale_lr_with "
+                              f"{cfg.optim.scale_lr_with} scales optim.lr with the batch; remove lr from the file.")
+        if (list(value) if isinstance(value, (list, tuple)) else value) != ours[key]:
+            fix = f"set --optim.{key} {value}" if key in ("lr", "weight_decay", "momentum") else f"dptrain uses {ours[key]}"
+            where = f"optim.{key} is {ours[key]}" if key in ("lr", "weight_decay", "momentum") else f"torch's default is {ours[key]}"
+            raise ConfigError(f"{path} sets optimizer {key} {json.dumps(value)} but {where}; {fix}, or remove {key} from the file.")
+
+
+def engine_config(user: dict[str, Any], zero_stage: int) -> dict[str, Any]:
+    """What deepspeed.initialize gets: the user's settings (already checked) with dptrain's own put in their place."""
+    config = {key: value for key, value in user.items() if key not in DPTRAIN_KEYS}
+    config["zero_optimization"] = {**user.get("zero_optimization", {}), "stage": zero_stage}
+    # One optimizer step per global batch. DeepSpeed's micro batch only feeds its sample counters and monitors:
+    # backward() sets it to each step's share.
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    config["zero_allow_untested_optimizer"] = True  # dptrain's torch SGD and Adam, which ZeRO runs like any other
+    return config
+
+
+# ---------------------------------------------------------------- what the loop sees
+
+
+class EngineForward(nn.Module):
+    """What the loop calls for training forward passes: the DeepSpeed engine, made by build_optimizer()."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.engine: nn.Module | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None, "build_optimizer() first"
+        return self.engine(*args, **kwargs)
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer the loop and the learning-rate schedule hold: param groups whose rates the schedule sets.
+
+    step() hands every hyper-parameter of its groups (the rate, and the betas or momentum that one-cycle moves)
+    to DeepSpeed's optimizer, then runs the engine's step: gradient reduction, clipping, update, ZeRO's gathers.
+    """
+
+    def __init__(self, engine: Any, params: list[nn.Parameter]) -> None:
+        self.engine = engine
+        inner = engine.optimizer.param_groups
+        assert len(inner) == 1, "dptrain hands DeepSpeed one parameter group"
+        super().__init__([{"params": params}], {k: v for k, v in inner[0].items() if k != "params"})
+
+    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - torch's signature
+        for mine, theirs in zip(self.param_groups, self.engine.optimizer.param_groups):
+            theirs.update({key: value for key, value in mine.items() if key != "params"})
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+# ---------------------------------------------------------------- DeepSpeed's checkpoint, as plain data
+
+
+def _plain_forms() -> dict[str, type]:
+    """The few DeepSpeed objects its checkpoints hold (fp32 ZeRO 1 to 3), by the name their plain form records."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return {f"{cls.__module__}.{cls.__qualname__}": cls for cls in (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)}
+
+
+PLAIN_MARK = "__deepspeed_object__"
+PLAIN_TYPES = (torch.Tensor, torch.Size, torch.dtype, int, float, complex, bool, str, bytes, type(None), set, frozenset)
+"""What torch.load(weights_only=True) reads back, besides dicts, lists and tuples."""
+
+
+def to_plain(value: Any, forms: dict[str, type]) -> Any:
+    """value with each DeepSpeed object replaced by {PLAIN_MARK: its class's name, "state": its plain attributes}."""
+    if isinstance(value, dict):
+        return type(value)((key, to_plain(item, forms)) for key, item in value.items())  # dict or OrderedDict
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(to_plain(item, forms) for item in value)
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    if name in forms:
+        state = int(value) if isinstance(value, int) else to_plain(dict(vars(value)), forms)
+        return {PLAIN_MARK: name, "state": state}
+    if not isinstance(value, PLAIN_TYPES):  # refused now, not by the resume that would read it
+        raise TypeError(f"DeepSpeed's checkpoint holds a {name}, which dptrain cannot write as plain data (it knows "
+                        f"{', '.join(forms)}); this DeepSpeed version or setting is not supported by strategy deepspeed.")
+    return value
+
+
+def from_plain(value: Any, forms: dict[str, type]) -> Any:
+    """to_plain undone, for the classes of `forms` only; nothing in the file chooses what code runs."""
+    if isinstance(value, dict):
+        if PLAIN_MARK in value:
+            if value[PLAIN_MARK] not in forms:
+                raise ValueError(f"the snapshot's DeepSpeed checkpoint holds a {value[PLAIN_MARK]}, which this DeepSpeed "
+                                 f"does not have; resume with the DeepSpeed version that wrote it.")
+            cls = forms[value[PLAIN_MARK]]
+            if issubclass(cls, int):
+                return cls(value["state"])
+            obj = cls.__new__(cls)
+            obj.__dict__.update(from_plain(value["state"], forms))
+            return obj
+        return type(value)((key, from_plain(item, forms)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(from_plain(item, forms) for item in value)
+    return value
+
+
+def plain_data_checkpoint_engine() -> Any:
+    """DeepSpeed's torch checkpoint engine, saving plain data and loading it with weights_only=True."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class PlainDataCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's own loader would torch.load(weights_only=False) a file that a snapshot holds, which could run
+        code; here each file is written as plain data (to_plain) and read back with weights_only=True."""
+
+        forms = _plain_forms()
+
+        def save(self, state_dict: Any, path: str) -> None:
+            torch.save(to_plain(state_dict, self.forms), path)
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return from_plain(torch.load(path, map_location=map_location, weights_only=True), self.forms)
+
+    return PlainDataCheckpointEngine()
+
+
+# ---------------------------------------------------------------- the strategy
+
+
+@contextlib.contextmanager
+def _accelerator_chosen(device: torch.device) -> Iterator[None]:
+    """On the CPU, DS_ACCELERATOR=cpu while deepspeed first picks its accelerator (once per process): else a machine
+    with GPUs picks CUDA. The variable is restored after, so that processes started later do not inherit it."""
+    if device.type != "cpu":
+        yield
+        return
+    previous = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = previous
+
+
+class DeepSpeed(Strategy):
+    """DeepSpeed's engine: forward through it, backward and step by it; ZeRO's collectives are its own.
+
+    Traffic computed per step, (N-1)/N of the bytes each: ZeRO 1 and 2 reduce the gradients (in DeepSpeed's
+    communication dtype) and all-gather the updated parameters; ZeRO 3 all-gathers the parameters in forward
+    and again in backward, and reduce-scatters the gradients.
+    """
+
+    name = "deepspeed"
+    step_is_local = False  # collectives inside the step
+    optimizer_in_dcp = False  # nor in optimizer.pt: in DeepSpeed's checkpoint, in own_folder
+    own_folder = TAG
+
+    def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device) -> None:
+        super().__init__(cfg, env, device)
+        self.engine: Any = None
+        self.forward_module: EngineForward | None = None
+        self.micro_batch = 0  # what DeepSpeed's counters were last told
+
+    @classmethod
+    def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"strategy deepspeed needs DeepSpeed, which is not installed here; run {INSTALL}, "
+                              f"or use --strategy.name fsdp or zero1 for ZeRO without it.")
+
+    @classmethod
+    def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
+        if cfg.strategy.deepspeed_config is not None:
+            check_against_run(read_user_config(cfg.strategy.deepspeed_config), cfg, world_size, on_cpu)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # DeepSpeed flattens the parameters and broadcasts them as bytes, which needs contiguous ones: channels_last
+        # weights go back to NCHW (inputs may stay NHWC).
+        self.module = model.to(self.device, memory_format=torch.contiguous_format)
+        self.forward_module = EngineForward(self.module)
+        return self.forward_module
+
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        deepspeed = self._import_deepspeed()
+        user = self._user_config()
+        # device_rank: DeepSpeed would take LOCAL_RANK for the device index, which differs from it with one GPU per
+        # SLURM task; dist_init_required=False: it wraps dptrain's process group instead of making one.
+        args = SimpleNamespace(device_rank=self.device.index if self.device.type == "cuda" else 0)
+        engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=spec.build, model_parameters=model.parameters(),
+                                               config=engine_config(user, self.cfg.zero_stage), dist_init_required=False)
+        engine.checkpoint_engine = plain_data_checkpoint_engine()
+        self.engine = engine
+        assert self.forward_module is not None, "wrap() first"
+        self.forward_module.engine = engine
+        return EngineOptimizer(engine, list(model.parameters()))
+
+    def _import_deepspeed(self) -> Any:
+        """deepspeed, imported for this device, joined to dptrain's process group."""
+        os.environ.setdefault("LOCAL_RANK", str(self.env.local_rank))  # DeepSpeed asserts it is set (SLURM sets SLURM_LOCALID)
+        with _accelerator_chosen(self.device):
+            import deepspeed
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.utils import groups, logger
+
+            picked = get_accelerator().device_name()
+        if picked != self.device.type:
+            raise ConfigError(f"DeepSpeed already runs on its {picked} accelerator in this process, and this run is on "
+                              f"{self.device}; start a fresh process (or set DS_ACCELERATOR={self.device.type}).")
+        logger.setLevel(logging.WARNING)  # its INFO lines (the config dump, each save and load) drown dptrain's log
+        logging.getLogger("compilers").setLevel(logging.WARNING)  # setuptools: each gcc line of DeepSpeed's op probe
+        # torch's advice to DeepSpeed, which calls these every step, not to the user.
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+                                FutureWarning)
+        # DeepSpeed keeps a clone of the world group from any earlier world in this process (tests, in-process runs).
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:
+            release()
+        else:  # pragma: no cover - DeepSpeed before 0.18
+            groups._WORLD_GROUP = None
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        return deepspeed
+
+    def _user_config(self) -> dict[str, Any]:
+        """The JSON (checked by check_run in every worker), the same on every rank: one file read on each host."""
+        path = self.cfg.deepspeed_config
+        user = read_user_config(path) if path is not None else {}
+        if self.env.world_size > 1:
+            digests: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(digests, hashlib.sha256(json.dumps(user, sort_keys=True).encode()).hexdigest())
+            differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+            if differing:
+                raise ConfigError(f"strategy.deepspeed_config {path} reads differently on rank {differing[0]} than on rank 0 "
+                                  f"(another file on that host); give every host the same file.")
+        return user
+
+    def backward(self, loss_sum: torch.Tensor, global_count: int) -> None:
+        share = max(1, global_count // self.env.world_size)
+        if share != self.micro_batch:  # DeepSpeed's sample counters; two attributes, no collective
+            self.engine.set_train_micro_batch_size(share)
+            self.micro_batch = share
+        # DeepSpeed averages the gradients over the ranks (gradient_accumulation_steps 1: no other scaling).
+        self.engine.backward(loss_sum * (self.env.world_size / global_count))
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
+        # The gradients are reduced, partitioned and clipped inside engine.step(), which scales them by
+        # max_norm / (norm + 1e-6) where that is below 1, as torch does; here DeepSpeed is told the bound.
+        self.engine.optimizer.clip_grad = max_norm
+
+    # Accounting
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        params = list(self.eval_module.parameters())
+        held = [getattr(p, "ds_tensor", p) for p in params]  # ZeRO-3: this rank's partition
+        base = self.engine.optimizer.optimizer  # the torch optimizer over this rank's flat float32 partitions
+        masters = list(base.state)  # those partitions (ZeRO-3 lends them to its param groups only while stepping)
+        state = [v for s in base.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {"params": sum(t.numel() * t.element_size() for t in held),
+                "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+                "optim": sum(t.numel() * t.element_size() for t in masters + state)}
+
+    def comm_bytes(self, steps: int) -> int:
+        params = list(self.eval_module.parameters())
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+        param_size = params[0].element_size()
+        grad_size = torch.empty(0, dtype=self.engine.communication_data_type).element_size()
+        gathers = 2 if self.cfg.zero_stage == 3 else 1
+        world = self.env.world_size
+        return steps * (gathers * numel * param_size + numel * grad_size) * (world - 1) // world
+
+    # Snapshots: the model in DCP (whole, for eval and predict), everything else in DeepSpeed's own checkpoint.
+
+    @contextlib.contextmanager
+    def _whole_parameters(self) -> Iterator[None]:
+        """ZeRO-3's parameters gathered on every rank (a collective), partitioned again on exit."""
+        if self.cfg.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.eval_module.parameters())):
+                yield
+        else:
+            yield
+
+    def snapshot_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        with self._whole_parameters():
+            return {"model": {k: v.detach().clone() for k, v in self.eval_module.state_dict().items()}}
+
+    def restore_snapshot_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Nothing: load_own_state() restores the model with the optimizer, from DeepSpeed's checkpoint."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        with self._whole_parameters():
+            return {k: v.detach().cpu().clone() for k, v in self.eval_module.state_dict().items()}
+
+    def save_own_state(self, snapshot: Path) -> None:
+        self.engine.save_checkpoint(str(snapshot), tag=TAG, client_state={}, save_latest=False)
+        if self.env.global_rank == 0:  # save_checkpoint ends with a barrier: every rank's files are written
+            for script in RECOVERY_SCRIPTS:  # a snapshot holds data, never code
+                (snapshot / script).unlink(missing_ok=True)
+
+    def load_own_state(self, snapshot: Path) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(snapshot), tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        assert loaded is not None, f"DeepSpeed found no checkpoint in {snapshot / TAG}, which verify() passed"
+
+    @classmethod
+    def own_files(cls, manifest: dict[str, Any]) -> set[str]:
+        """DeepSpeed's file names (stable since 0.3): the model on rank 0, with ZeRO-3 on every rank; the
+        optimizer's partition of every rank."""
+        world, stage = manifest["world_size"], manifest.get("config", {}).get("strategy.zero_stage", 2)
+        models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3 else ["mp_rank_00_model_states.pt"]
+        optims = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
+        return {f"{TAG}/{name}" for name in models + optims}
+
