@@ -135,11 +135,12 @@ KEEP_BLOCKS_UP_TO = 32 * 2**20  # glibc's largest mmap threshold on 64-bit machi
 def keep_freed_memory() -> bool:
     """Let glibc's malloc keep freed blocks of up to 32 MiB for reuse, instead of giving them back to the kernel.
 
-    By default a block over 128 KiB is mapped fresh for each allocation and unmapped when freed, so every
-    training step page-faults its activations and gradients in again, zeroed by the kernel: for the tutorials'
-    CNN on the CPU, 47 instead of 39 ms of a step (64 images, one thread), mostly in the max-pool's gradient.
-    The cost: the process keeps its peak heap resident instead of shrinking between steps. False where the C
-    library is not glibc (nothing changes there).
+    By default large blocks are mapped fresh and unmapped when freed, and the heap's top is trimmed, within limits
+    that glibc adapts as it goes; a training step of the tutorials' CNN (64 images) still page-faults 6,000 to
+    9,000 times, each page zeroed by the kernel again: 47 instead of 39 ms of CPU a step on one thread here,
+    mostly in the max-pool's gradient. Kept, the faults drop to a few hundred at most. The cost: the process keeps
+    its peak heap resident instead of shrinking between steps. False where the C library is not glibc (nothing
+    changes there).
     """
     import ctypes
     import ctypes.util

@@ -406,6 +406,12 @@ class DeepSpeed(Strategy):
             release()
         else:  # pragma: no cover - DeepSpeed before 0.18
             groups._WORLD_GROUP = None
+        # DeepSpeed's CPU backend first JIT-compiles a shared-memory all-reduce (about 75 s on 2 cores, once per
+        # machine) that only its inference all-reduce uses; training reduces through torch.distributed, on dptrain's
+        # group. Not building it costs the training nothing.
+        import deepspeed.comm.torch as ds_torch_comm
+
+        ds_torch_comm.build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         return deepspeed
 
