@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import importlib
 import logging
 import os
 import warnings
@@ -409,9 +410,8 @@ class DeepSpeed(Strategy):
         # DeepSpeed's CPU backend first JIT-compiles a shared-memory all-reduce (about 75 s on 2 cores, once per
         # machine) that only its inference all-reduce uses; training reduces through torch.distributed, on dptrain's
         # group. Not building it costs the training nothing.
-        import deepspeed.comm.torch as ds_torch_comm
-
-        ds_torch_comm.build_shm_op = lambda: None
+        # (importlib: `import deepspeed.comm.torch as m` gives torch itself, which deepspeed.comm re-exports as `torch`)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         return deepspeed
 
