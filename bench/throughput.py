@@ -5,6 +5,8 @@ two are run alternately `--repeats` times so that machine noise hits both alike.
 training steps only (from a barrier after set-up to an all-reduce after the last step).
 
     python bench/throughput.py --nproc 2 --steps 300 --repeats 3
+
+bench/speed.py measures this with the other speed targets; it uses the functions here.
 """
 
 from __future__ import annotations
@@ -16,30 +18,53 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 
 
-def run_plain(args: argparse.Namespace) -> float:
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-         str(HERE / "plain_ddp.py"), "--steps", str(args.steps), "--global-batch", str(args.global_batch), "--data", args.data],
-        capture_output=True, text=True, check=True, timeout=1800,
-    ).stdout
+def plain_command(nproc: int, steps: int, global_batch: int, data: str) -> list[str]:
+    """The tutorials' loop (plain_ddp.py) under torchrun, which sets OMP_NUM_THREADS=1 per worker as the tutorials run."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(HERE / "plain_ddp.py"), "--steps", str(steps), "--global-batch", str(global_batch), "--data", data]
+
+
+def run(command: list[str], timeout_s: float = 1800) -> str:
+    """Run a command to its end; its stdout, or RuntimeError with its last lines of output."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise RuntimeError(f"{' '.join(command)} exited with status {proc.returncode}:\n{tail}")
+    return proc.stdout
+
+
+def run_plain(nproc: int, steps: int, global_batch: int, data: str) -> float:
+    """images/s of the plain loop over its timed steps."""
+    out = run(plain_command(nproc, steps, global_batch, data))
     return json.loads(out.strip().splitlines()[-1])["images_per_s"]
 
 
-def run_dptrain(args: argparse.Namespace, extra: list[str]) -> float:
+def dptrain_command(nproc: int, run_dir: str, args: Sequence[str]) -> list[str]:
+    """`dptrain train` on nproc local workers into run_dir, with --section.option VALUE args."""
+    return [sys.executable, "-m", "dptrain", "train", "--nproc-per-node", str(nproc), "--output.dir", run_dir, *args]
+
+
+def step_args(steps: int, global_batch: int, data: str) -> list[str]:
+    """dptrain's options for the plain loop's run: `steps` steps of the global batch, one step event at the end."""
+    return ["--data.name", data, "--train.max_steps", str(steps), "--train.global_batch_size", str(global_batch),
+            "--train.log_every", str(steps)]
+
+
+def epoch_events(run_dir: str | Path) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == "epoch"]
+
+
+def run_dptrain(nproc: int, steps: int, global_batch: int, data: str, extra: Sequence[str] = ()) -> dict:
+    """The epoch event of `dptrain train` over `steps` steps (samples_per_s, achieved_tflops, rss_max_mb, ...)."""
     with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run(
-            [sys.executable, "-m", "dptrain", "train", "--nproc-per-node", str(args.nproc), "--data.name", args.data,
-             "--train.max_steps", str(args.steps), "--train.global_batch_size", str(args.global_batch),
-             "--train.log_every", str(args.steps), "--output.dir", run_dir, *extra],
-            capture_output=True, text=True, check=True, timeout=1800,
-        )
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        epoch = [e for e in map(json.loads, lines) if e["event"] == "epoch"][0]
-        return epoch["samples_per_s"]
+        run(dptrain_command(nproc, run_dir, [*step_args(steps, global_batch, data), *extra]))
+        return epoch_events(run_dir)[0]
 
 
 def summary(xs: list[float]) -> str:
@@ -57,8 +82,8 @@ def main() -> None:
     args, extra = parser.parse_known_args()  # anything else goes to dptrain, e.g. --train.channels_last false
     plain, ours = [], []
     for i in range(args.repeats):
-        plain.append(run_plain(args))
-        ours.append(run_dptrain(args, extra))
+        plain.append(run_plain(args.nproc, args.steps, args.global_batch, args.data))
+        ours.append(run_dptrain(args.nproc, args.steps, args.global_batch, args.data, extra)["samples_per_s"])
         print(f"repeat {i + 1}: plain {plain[-1]:.0f}, dptrain {ours[-1]:.0f} images/s", flush=True)
     print(f"plain DataLoader + DDP: {summary(plain)}")
     print(f"dptrain train:          {summary(ours)}")

@@ -497,8 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run `dptrain train` once per point of workers x strategies x repeats, one at a time, under\n"
         "OUTPUT_DIR/runs/<engine>-<strategy>-w<W>-r<R>/, then write OUTPUT_DIR/results.csv and summary.csv.\n"
-        "Running it again runs only the points not yet finished. --output.dir is the sweep's folder\n"
-        "(default bench/<data.name>); every other --section.option VALUE goes to every run (see dptrain train --help).\n"
+        "Running it again runs only the points not yet finished. Before the points, a short matmul probe per worker\n"
+        "count goes to OUTPUT_DIR/peak.json (results.csv's peak_tflops and fraction_of_peak). --output.dir is the\n"
+        "sweep's folder (default bench/<data.name>); every other --section.option VALUE goes to every run (see\n"
+        "dptrain train --help).\n"
         "With --slurm every point is a SLURM job (as dptrain submit writes it), all submitted at once, then\n"
         "waited for; a point of W workers takes R ranks per node (--ranks-per-node, else --gpus-per-node, else 1)\n"
         "on W/R nodes (W a multiple of R), or W ranks on one node when W < R; --nodes is the most a point may take.",
@@ -510,7 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="runs of every point (default 1; 3 or more for error bars)")
     bench.add_argument("--warmup-epochs", type=int, help="leading epochs of each run left out of the timing "
                        "(default 1 when train.epochs > 1, else 0)")
-    bench.add_argument("--engines", default="dptrain", help="comma-separated engines (default dptrain)")
+    from dptrain.bench.sweep import PEERS  # no torch: the peers' strategies, named where they are defined
+
+    peers = ", ".join(f"{name} ({', '.join(engine.STRATEGIES)})" for name, engine in PEERS.items())
+    bench.add_argument("--engines", default="dptrain", help=f"comma-separated engines: dptrain (the default), {peers}; "
+                       f"tutorial is the tutorials' plain loop. With several, each runs the strategies it supports and "
+                       f"skips the others")
     bench.add_argument("--run-timeout-s", type=float,
                        help="seconds one run may take before it is stopped and recorded as failed (default 3600; "
                        "not with --slurm, where --time limits each job)")

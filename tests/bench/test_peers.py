@@ -49,6 +49,26 @@ def test_what_a_peer_cannot_run_is_one_sentence(tmp_path, kw, words):
         make(tmp_path, **kw)
 
 
+def test_issue_12s_sweep_runs_every_engine_on_its_own_strategies(tmp_path):
+    from dptrain.bench.sweep import plan
+
+    sweep, notes = build(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
+                         strategies="ddp,fsdp,zero1,ps", repeats=1, warmup_epochs=None,
+                         engines="dptrain,tutorial,lightning,deepspeed", run_timeout_s=60.0)
+    assert notes == ["skipped the strategies these engines do not run: tutorial zero1, tutorial ps, lightning zero1, "
+                     "lightning ps, deepspeed ps"]
+    runs = {(p.engine, p.strategy) for p in plan(sweep)}
+    assert runs == {("dptrain", "ddp"), ("dptrain", "fsdp"), ("dptrain", "zero1"), ("dptrain", "ps"),
+                    ("tutorial", "ddp"), ("tutorial", "fsdp"), ("lightning", "ddp"), ("lightning", "fsdp"),
+                    ("deepspeed", "ddp"), ("deepspeed", "zero1"), ("deepspeed", "fsdp")}
+    assert len(plan(sweep)) == 2 * len(runs) and not (tmp_path / "b").exists()  # planned, nothing run
+
+
+def test_an_option_the_plain_loop_lacks_is_still_refused_in_a_sweep_of_several_engines(tmp_path):
+    with pytest.raises(ConfigError, match="--engines tutorial runs the plain loop, which has no train.bf16 = True"):
+        make(tmp_path, engines="dptrain,tutorial,lightning", strategies="ddp,zero1", pairs=[*SYNTH, ("train.bf16", "true")])
+
+
 def test_strategies_map_onto_zero_stages():
     cfg = config_mod.load(None, [*SYNTH, ("train.global_batch_size", "64"), ("strategy.name", "fsdp")])
     ds = deepspeed_engine.ds_config(cfg, 4)

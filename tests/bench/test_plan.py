@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.bench import sweep as sweep_mod
-from dptrain.bench.sweep import build, cap_workers, first_error, plan, run_sweep
+from dptrain.bench.sweep import build, cap_workers, describe_plan, first_error, plan, run_sweep
 from dptrain.config import ConfigError
 
 SYNTH = [("data.name", "synthetic"), ("train.epochs", "3")]
@@ -34,6 +34,26 @@ def test_build_defaults_and_train_args(tmp_path):
     assert make(tmp_path, pairs=[("data.name", "synthetic"), ("train.epochs", "1")]).warmup_epochs == 0
 
 
+def test_several_engines_skip_the_strategies_they_do_not_run_in_one_line(tmp_path):
+    sweep, notes = build(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
+                         strategies="ddp,zero1,ps", repeats=1, warmup_epochs=None, engines="dptrain,tutorial",
+                         run_timeout_s=60.0)
+    assert notes == ["skipped the strategies these engines do not run: tutorial zero1, tutorial ps"]
+    names = [p.name for p in plan(sweep)]
+    assert "tutorial-ddp-w1-r1" in names and not [n for n in names if n.startswith(("tutorial-zero1", "tutorial-ps"))]
+    assert len(names) == 8 and "dptrain-ps-w1-r1" in names  # dptrain runs all three; ps at 1 worker too
+    assert describe_plan(sweep, plan(sweep)).startswith("8 points (2 engines x 3 strategies x workers 1,2 x 1 repeats, "
+                                                        "4 skipped)")
+
+
+def test_a_worker_count_the_strategy_refuses_is_skipped(tmp_path):
+    sweep, notes = build(config_path=None, pairs=[*SYNTH, ("strategy.dedicated_server", "true")], workers="1,2",
+                         strategies="ddp,ps", repeats=1, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0)
+    assert [p.name for p in plan(sweep)] == ["dptrain-ddp-w1-r1", "dptrain-ddp-w2-r1", "dptrain-ps-w2-r1"]
+    assert notes == ["skipped the worker counts dptrain's strategy refuses: dptrain ps at 1 worker (strategy ps with "
+                     "dedicated_server needs at least 2 processes (a server and a worker); start more workers.)"]
+
+
 def test_default_workers_are_capped_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_mod, "worker_cap", lambda device: (2, "CPU cores"))
     sweep, notes = build(config_path=None, pairs=SYNTH, workers=None, strategies="ddp", repeats=1, warmup_epochs=None,
@@ -53,7 +73,9 @@ def test_default_workers_are_capped_in_one_line(tmp_path, monkeypatch):
     (dict(warmup_epochs=3), "--warmup-epochs 3 leaves no timed epoch"),
     (dict(pairs=[("strategy.name", "ddp")]), "--strategy.name is set by the sweep for each point; use --strategies"),
     (dict(pairs=[("launch.nproc_per_node", "2")]), "use --workers"),
-    (dict(engines="dptrain,tutorial", strategies="ddp,zero1"), "--engines tutorial runs strategies ddp, fsdp only"),
+    (dict(engines="dptrain,tutorial", strategies="zero1,ps"),
+     "--engines tutorial runs strategies ddp, fsdp only, none of --strategies zero1,ps; add one of them"),
+    (dict(strategies="ddp,single", workers="2"), "strategy single cannot run on 2 processes"),
     (dict(engines="tutorial", pairs=[*SYNTH, ("optim.schedule", "cosine")]), "no optim.schedule = cosine"),
 ])
 def test_mistakes_are_one_sentence(tmp_path, kw, words):
@@ -71,6 +93,7 @@ def test_resume_runs_missing_points_only(tmp_path, monkeypatch):
     (sweep.run_dir(plan(sweep)[2]) / sweep_mod.ERROR_FILE).write_text("worker failed: exit at teardown\n")
     ran: list[str] = []
     monkeypatch.setattr(sweep_mod, "run_point", lambda s, p: ran.append(p.name) or None)
+    monkeypatch.setattr(sweep_mod, "record_peaks", lambda s: None)  # the matmul probe: tests/bench/test_peak.py
     assert run_sweep(sweep) == []
     # the half-done one, the one that ended but failed, and the missing one, in plan order
     assert ran == ["dptrain-ddp-w2-r1", "dptrain-ddp-w2-r2", "dptrain-ddp-w1-r2"]
@@ -78,6 +101,7 @@ def test_resume_runs_missing_points_only(tmp_path, monkeypatch):
 
 def test_a_resume_with_other_train_options_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_mod, "run_point", lambda s, p: None)
+    monkeypatch.setattr(sweep_mod, "record_peaks", lambda s: None)
     run_sweep(make(tmp_path))
     with pytest.raises(ConfigError, match="holds a sweep with other train options"):
         run_sweep(make(tmp_path, pairs=[*SYNTH, ("optim.lr", "0.1"), ("output.dir", str(tmp_path / "b"))]))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.bench.collect import RESULT_COLUMNS, SUMMARY_COLUMNS
+from dptrain.bench.peak import read_peaks
 from dptrain.bench.report import PLOTS
 from dptrain.bench.sweep import ERROR_FILE, LOG_FILE
 from dptrain.cli import main
@@ -49,6 +50,8 @@ def test_sweep_writes_one_row_per_run_and_a_summary(sweep):
     _, bench = sweep
     rows = read_rows(bench / "results.csv")
     assert tuple(rows[0]) == RESULT_COLUMNS
+    peaks = read_peaks(bench)
+    assert sorted(peaks) == [1, 2] and {(p.device, p.dtype) for p in peaks.values()} == {("cpu", "float32")}
     assert [(r["engine"], r["strategy"], r["workers"], r["status"]) for r in rows] == [
         ("dptrain", "ddp", "1", "ok"), ("dptrain", "ddp", "2", "ok")]
     for row in rows:
@@ -56,6 +59,10 @@ def test_sweep_writes_one_row_per_run_and_a_summary(sweep):
         assert float(row["epoch_time_s"]) > 0 and float(row["images_per_s"]) > 0
         assert 0 <= float(row["eval_acc"]) <= 1 and float(row["eval_loss"]) > 0
         assert float(row["peak_mem_mb"]) > 0 and float(row["rss_max_mb"]) > 0 and float(row["cpu_util_pct"]) > 0
+        # the probe of the row's worker count (peak.json), and the run's rate of the model's operations against it
+        assert float(row["peak_tflops"]) == pytest.approx(peaks[int(row["workers"])].peak_tflops, rel=1e-5)  # %.6g
+        assert float(row["fraction_of_peak"]) == pytest.approx(float(row["achieved_tflops"]) / float(row["peak_tflops"]),
+                                                               rel=1e-4)
         assert row["torch"].startswith("2.") and row["host"] and row["run_dir"].startswith("runs/dptrain-ddp-w")
         run_dir = bench / row["run_dir"]
         assert (run_dir / LOG_FILE).read_text().startswith("$ ")  # the command, then its output
@@ -80,7 +87,7 @@ def test_report_writes_pngs_and_markdown(sweep, monkeypatch, capsys):
         data = (bench / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
         assert f"]({name})" in text  # embedded by a relative path
-    assert "| dptrain | ddp | 2 | 1 |" in text and "How to read them" in text
+    assert "| dptrain | ddp | 2 | 1 |" in text and "How to read them" in text and "Matmul peak (peak.json" in text
 
 
 @pytest.mark.timeout(120)
@@ -93,7 +100,7 @@ def test_resumed_sweep_runs_only_the_missing_point(sweep, caplog):
     (cut / "stale").write_text("from the interrupted run")
     caplog.set_level(logging.INFO, logger="dptrain")
     assert run_bench(cwd, "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY) == 0
-    assert "1 done already, 1 to run" in caplog.text
+    assert "1 done already, 1 to run" in caplog.text and "matmul peak" not in caplog.text  # probed once per sweep
     assert (done / LOG_FILE).stat().st_mtime_ns == kept
     assert '"run_end"' in metrics.read_text() and not (cut / "stale").exists()  # redone in a fresh folder
     assert [r["status"] for r in read_rows(bench / "results.csv")] == ["ok", "ok"]
@@ -101,12 +108,15 @@ def test_resumed_sweep_runs_only_the_missing_point(sweep, caplog):
 
 @pytest.mark.timeout(60)
 def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path, capsys):
-    # strategy single refuses 2 processes inside the run: a real failure of one point, found in seconds
-    assert run_bench(tmp_path, "--workers", "2", "--strategies", "single", "--output.dir", "out", *TINY) == 1
-    assert "1 of the sweep's runs failed: dptrain-single-w2-r1: dptrain: error: strategy single" in capsys.readouterr().err
+    # a training split of one sample for 2 workers is refused inside the run: a real failure of one point, in seconds
+    assert run_bench(tmp_path, "--workers", "2", "--strategies", "ddp", "--output.dir", "out", *TINY,
+                     "--data.synthetic_train_size", "1") == 1
+    assert ("1 of the sweep's runs failed: dptrain-ddp-w2-r1: dptrain: error: world size 2 is larger than the training "
+            "split") in capsys.readouterr().err
     [row] = read_rows(tmp_path / "out" / "results.csv")
-    assert row["status"] == "failed" and row["error"].startswith("dptrain: error: strategy single cannot run")
-    assert (tmp_path / "out" / "runs" / "dptrain-single-w2-r1" / ERROR_FILE).is_file()
+    assert row["status"] == "failed" and row["error"].startswith("dptrain: error: world size 2 is larger")
+    assert row["peak_tflops"] == row["fraction_of_peak"] == ""  # a failed run has no rate to divide
+    assert (tmp_path / "out" / "runs" / "dptrain-ddp-w2-r1" / ERROR_FILE).is_file()
 
 
 @pytest.mark.timeout(60)

@@ -4,9 +4,11 @@
     $ dptrain report bench/fmnist
 
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
-job per point instead, written and submitted by launch.slurm, then waited for), collect.py (run directories ->
-results.csv and summary.csv), report.py (CSV -> PNGs and report.md). The peer engines, each run under torchrun and
+job per point instead, written and submitted by launch.slurm, then waited for), peak.py (a short matmul probe per
+worker count, BENCH/peak.json: the denominator of fraction_of_peak), collect.py (run directories -> results.csv and
+summary.csv), report.py (CSV -> PNGs and report.md). The peer engines, each run under torchrun and
 writing the same metrics.jsonl events: tutorial.py (the tutorials' plain loop), lightning_engine.py (Lightning's
 Trainer), deepspeed_engine.py (DeepSpeed's engine, ZeRO stages), and peer.py, what they share. This package reads run
-directories and the config; only the peer engines' own processes import the data and models: never train or worker code.
+directories and the config, and asks the strategies which worker counts they refuse (Strategy.check_world); only the
+peer engines' own processes import the data and models: never train or worker code.
 """

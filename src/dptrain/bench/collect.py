@@ -1,7 +1,9 @@
 """Run directories -> BENCH/results.csv (one row per run) and BENCH/summary.csv (mean and std per point).
 
-Everything comes from the runs' own files (metrics.jsonl, env.json, bench_error.txt, and a SLURM point's job.toml),
-so `dptrain report` can rebuild both CSVs from BENCH/runs alone.
+Everything comes from the runs' own files (metrics.jsonl, env.json, bench_error.txt, and a SLURM point's job.toml)
+and the sweep's matmul probes (peak.json), so `dptrain report` can rebuild both CSVs from BENCH alone.
+achieved_tflops is the model's operations per sample (model_flops_per_sample, from dptrain's epoch events) at the
+run's images/s; fraction_of_peak divides it by what the probe of the same worker count got (peak_tflops).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_events, read_warmup
 from dptrain.launch.slurm import CONFIG_NAME
 
 RESULT_COLUMNS = ("engine", "strategy", "nodes", "workers", "repeat", "status", "global_batch_size", "epochs_timed",
-                  "epoch_time_s", "images_per_s", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb",
-                  "cpu_util_pct", "torch", "host", "run_dir", "error")
-MEASURES = ("epoch_time_s", "images_per_s", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct")
+                  "epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss",
+                  "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "torch", "host", "run_dir", "error")
+MEASURES = ("epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss", "eval_acc",
+            "peak_mem_mb", "rss_max_mb", "cpu_util_pct")
 KEY = ("engine", "strategy", "workers")
 SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s in ("mean", "std")),
                    "speedup", "efficiency", "baseline_workers")
@@ -58,6 +62,8 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         seconds = sum(e["epoch_time_s"] for e in timed)
         row["epoch_time_s"] = seconds / len(timed)
         row["images_per_s"] = sum(e["train_samples"] for e in timed) / seconds
+        flops = [v for e in epochs for v in _flat(e.get("model_flops_per_sample"))]
+        row["model_flops_per_sample"] = flops[0] if flops else ""  # not a column: collect fills in the peers' from it
         cpu = [statistics.fmean(_flat(e.get("cpu_util_pct"))) for e in timed if _flat(e.get("cpu_util_pct"))]
         row["cpu_util_pct"] = statistics.fmean(cpu) if cpu else ""
     evaluated = [e for e in epochs if isinstance(e.get("eval_loss"), (int, float))]
@@ -91,7 +97,27 @@ def collect(bench_dir: Path) -> list[dict[str, Any]]:
     warmup = read_warmup(bench_dir)
     runs = bench_dir / "runs"
     rows = [row for d in sorted(runs.iterdir()) if d.is_dir() and (row := run_row(d, warmup))] if runs.is_dir() else []
+    add_efficiency(rows, {w: p.peak_tflops for w, p in read_peaks(bench_dir).items()})
     return sorted(rows, key=lambda r: (r["engine"], r["strategy"], r["workers"], r["repeat"]))
+
+
+def add_efficiency(rows: list[dict[str, Any]], peaks: dict[int, float]) -> None:
+    """achieved_tflops, peak_tflops and fraction_of_peak of every finished row. The peer engines log no operation
+    count: every point of a sweep trains the same model on the same data (sweep.json), so theirs is dptrain's."""
+    counts = [f for r in rows if (f := as_number(r.get("model_flops_per_sample")))]
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        top = peaks.get(int(row["workers"]))
+        if top is not None:
+            row["peak_tflops"] = top
+        per_sample = as_number(row.get("model_flops_per_sample")) or (counts[0] if counts else None)
+        rate = as_number(row.get("images_per_s"))
+        if per_sample is None or rate is None:
+            continue
+        row["achieved_tflops"] = per_sample * rate / 1e12
+        if top:
+            row["fraction_of_peak"] = row["achieved_tflops"] / top
 
 
 def as_number(value: Any) -> float | None:

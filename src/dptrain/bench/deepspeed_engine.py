@@ -31,12 +31,13 @@ from dptrain.config import RunConfig
 ENGINE = "deepspeed"
 PACKAGE = "deepspeed"
 STAGES = {"ddp": 0, "zero1": 1, "fsdp": 3}  # sweep strategy -> ZeRO stage
+STRATEGIES = tuple(STAGES)
 
 
 def check(cfg: RunConfig) -> None:
     """One sentence when DeepSpeed is not installed, or cannot run this config the way dptrain would."""
     peer.require(ENGINE, PACKAGE)
-    peer.check_plain(cfg, ENGINE, STAGES)
+    peer.check_plain(cfg, ENGINE, STRATEGIES)
 
 
 def ds_config(cfg: RunConfig, world: int) -> dict:

@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dptrain import config as config_mod
-from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, error_line, is_done, job_shape,
-                                 last_line, plan)
+from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, describe_plan, error_line, is_done,
+                                 job_shape, last_line, plan)
 from dptrain.config import RunConfig
 from dptrain.launch import slurm
 from dptrain.launch.env import LaunchError
@@ -161,9 +161,9 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
     check_and_record(sweep)
     points = plan(sweep)
     done, waiting, todo = triage(sweep, points)
-    log.info(f"bench: {len(points)} points ({len(sweep.engines)} engines x {len(sweep.strategies)} strategies x "
-             f"workers {','.join(map(str, sweep.workers))} x {sweep.repeats} repeats) in {sweep.bench_dir} as SLURM "
-             f"jobs; {len(done)} done already, {len(waiting)} queued or running, {len(todo)} to submit")
+    log.info(f"bench: {describe_plan(sweep, points)} in {sweep.bench_dir} as SLURM jobs; {len(done)} done already, "
+             f"{len(waiting)} queued or running, {len(todo)} to submit (no matmul probe: the jobs' nodes are not this "
+             f"machine, so peak_tflops and fraction_of_peak stay empty)")
     for point, job_id in done:
         log.info(f"bench: {point.name}: done already{f' (job {job_id})' if job_id else ''}, not submitted")
     for job_id, (point, state) in waiting.items():

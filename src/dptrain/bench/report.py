@@ -28,7 +28,12 @@ HOW_TO_READ = (
     "each worker's share shrinks as workers are added and the optimizer sees the same batches: the validation loss "
     "and accuracy should stay flat, and a drift there means the runs are not equivalent. The peak memory is per "
     "worker (allocated CUDA memory on GPUs, resident memory of the process on the CPU): strategies that shard "
-    "parameters, gradients and optimizer state (fsdp) should use less per worker as workers are added."
+    "parameters, gradients and optimizer state (fsdp) should use less per worker as workers are added. TFLOPS is the "
+    "model's own arithmetic at the run's images/s, over all workers; \"of peak\" divides it by what the same number of "
+    "processes got together from square matmuls on the same device and dtype (peak.json). Near 100% the steps compute "
+    "as fast as large matrix products do; far below, memory traffic, communication or overheads bound them. The probe "
+    "and the runs take turns, so on a shared machine other work that slows one and not the other moves the fraction, "
+    "past 100% when it slowed the probe."
 )
 
 
@@ -167,13 +172,14 @@ def _pm(row: dict[str, Any], measure: str, fmt: str) -> str:
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    head = ("| engine | strategy | workers | runs | epoch time (s) | images/s | speedup | efficiency | eval loss | "
-            "eval acc | peak mem / worker (MiB) |")
+    head = ("| engine | strategy | workers | runs | epoch time (s) | images/s | TFLOPS | of peak | speedup | efficiency | "
+            "eval loss | eval acc | peak mem / worker (MiB) |")
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for r in sorted(summary, key=lambda r: (r["engine"], r["strategy"], r["workers"])):
         speedup, efficiency = as_number(r.get("speedup")), as_number(r.get("efficiency"))
         lines.append(f"| {r['engine']} | {r['strategy']} | {r['workers']} | {r['runs']} | {_pm(r, 'epoch_time_s', '.3f')} | "
-                     f"{_pm(r, 'images_per_s', '.0f')} | {'-' if speedup is None else f'{speedup:.2f}'} | "
+                     f"{_pm(r, 'images_per_s', '.0f')} | {_pm(r, 'achieved_tflops', '.3g')} | "
+                     f"{_pm(r, 'fraction_of_peak', '.1%')} | {'-' if speedup is None else f'{speedup:.2f}'} | "
                      f"{'-' if efficiency is None else f'{efficiency:.2f}'} | {_pm(r, 'eval_loss', '.4f')} | "
                      f"{_pm(r, 'eval_acc', '.4f')} | {_pm(r, 'peak_mem_mb', '.0f')} |")
     return "\n".join(lines)
@@ -189,6 +195,10 @@ def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
              f"{', '.join(batches) or '?'} at every worker count, {', '.join(timed)} timed epochs per run (warm-up "
              f"epochs left out). Per-run numbers: [results.csv](results.csv); means and standard deviations: "
              f"[summary.csv](summary.csv).", ""]
+    peaks = sorted({(int(r["workers"]), top) for r in ok if (top := as_number(r.get("peak_tflops"))) is not None})
+    if peaks:
+        parts += ["Matmul peak (peak.json: the processes of each worker count at once, their TFLOPS together): "
+                  + ", ".join(f"{top:.3g} TFLOPS with {w} worker{'s' if w > 1 else ''}" for w, top in peaks) + ".", ""]
     lowest = {(r["engine"], r["strategy"]): min(p["workers"] for p in summary
                                                 if (p["engine"], p["strategy"]) == (r["engine"], r["strategy"]))
               for r in summary}

@@ -3,8 +3,10 @@
     $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
 
 Every point runs the same config in a subprocess under BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ (its output in
-bench.log there). A point is done when its metrics.jsonl holds a run_end event; running the same command again runs
-the missing points only, after removing half-done folders. A failing point is recorded (bench_error.txt) and the
+bench.log there). With several engines, each runs the strategies it supports and skips the others; a worker count
+that dptrain's strategy refuses (ps with a dedicated server at 1 worker) is skipped too: one line says which. Before
+the points, the matmul probe (peak.py) of every worker count goes to BENCH/peak.json. A point is done when its
+metrics.jsonl holds a run_end event; running the same command again runs the missing points only, after removing half-done folders. A failing point is recorded (bench_error.txt) and the
 sweep goes on. With --slurm (jobs.py) every point is a SLURM job instead, of the shape job_shape gives it.
 """
 
@@ -24,13 +26,14 @@ from pathlib import Path
 from types import ModuleType
 
 from dptrain import config as config_mod
-from dptrain.bench import deepspeed_engine, lightning_engine, tutorial
+from dptrain.bench import deepspeed_engine, lightning_engine, peak, tutorial
 from dptrain.config import ConfigError, RunConfig, SlurmConfig
 
 log = logging.getLogger(__name__)
 
 # The peers of `dptrain train`: a module each, run under torchrun as `python -m MODULE RUN_DIR` (peer.py), whose
-# check(cfg) refuses in one sentence what it cannot run. tutorial: the tutorials' plain loop, the baseline.
+# STRATEGIES are those it runs and whose check(cfg) refuses in one sentence what it cannot run. tutorial: the
+# tutorials' plain loop, the baseline.
 PEERS: dict[str, ModuleType] = {"tutorial": tutorial, "lightning": lightning_engine, "deepspeed": deepspeed_engine}
 ENGINES = ("dptrain", *PEERS)
 DEFAULT_WORKERS = (1, 2, 4, 8)
@@ -77,6 +80,9 @@ class Sweep:
     """The --section.option VALUE pairs of every run, as given (train_args holds them as arguments)."""
     job: SlurmConfig | None = None
     """With --slurm: the job options every point's job starts from (job_shape fits them to its worker count)."""
+    skip: frozenset[tuple[str, str, int]] = frozenset()
+    """(engine, strategy, workers) left out of the plan: a strategy the engine does not run, or a worker count
+    dptrain's strategy refuses (build's notes say which and why)."""
 
     def run_dir(self, point: Point) -> Path:
         return self.bench_dir / "runs" / point.name
@@ -103,6 +109,55 @@ def check_engines(engines: tuple[str, ...]) -> None:
     for engine in engines:
         if engine not in ENGINES:
             raise ConfigError(f"--engines {engine} is unknown; supported engines: {', '.join(ENGINES)}.")
+
+
+def unsupported_pairs(engines: tuple[str, ...], strategies: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The (engine, strategy) pairs a sweep of several engines skips: the strategies a peer does not run. An engine
+    that runs none of them is refused in one sentence; a sweep of one engine skips nothing (its check refuses what it
+    does not run: the pairing was asked for by name)."""
+    if len(engines) < 2:
+        return []
+    skipped = []
+    for engine in engines:
+        if engine not in PEERS:
+            continue
+        runs = PEERS[engine].STRATEGIES
+        missing = [s for s in strategies if s not in runs]
+        if len(missing) == len(strategies):
+            raise ConfigError(f"--engines {engine} runs strategies {', '.join(runs)} only, none of --strategies "
+                              f"{','.join(strategies)}; add one of them to --strategies or drop {engine} from --engines.")
+        skipped += [(engine, s) for s in missing]
+    return skipped
+
+
+def refused_worlds(cfgs: dict[str, RunConfig], counts: tuple[int, ...], on_cpu: bool) -> dict[tuple[str, int], str]:
+    """(strategy, workers) -> why, for the worker counts a dptrain strategy refuses (its Strategy.check_world, as every
+    run checks it); a strategy refused at every count is refused in one sentence."""
+    import torch
+
+    from dptrain.strategies import STRATEGIES  # imports torch: only once a sweep is planned
+
+    refused: dict[tuple[str, int], str] = {}
+    for name, cfg in cfgs.items():
+        reasons = {}
+        for w in counts:
+            try:
+                STRATEGIES[name].check_world(cfg.strategy, w, on_cpu, torch.__version__)
+            except ConfigError as e:
+                reasons[w] = str(e)
+        if counts and len(reasons) == len(counts):
+            raise ConfigError(reasons[counts[0]])
+        refused |= {(name, w): why for w, why in reasons.items()}
+    return refused
+
+
+def runs_on_cpu(cfg: RunConfig, slurm: bool) -> bool:
+    """Whether the points' workers run on the CPU: a job's on the GPUs it asks for, here on what launch.device gives."""
+    if slurm:
+        return not (cfg.slurm.gpus_per_node > 0 and cfg.launch.device != "cpu")
+    from dptrain.runtime import wants_cuda  # imports torch: only once a sweep is planned
+
+    return not wants_cuda(cfg.launch.device)
 
 
 def default_warmup(epochs: int) -> int:
@@ -191,10 +246,13 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
         raise ConfigError(f"--engines {peers[0]} runs under torchrun on this machine only, not as a SLURM job; drop it "
                           f"from --engines, or run it without --slurm.")
     strategy_names = split_list(strategies, "--strategies")
+    skipped_pairs = unsupported_pairs(engine_names, strategy_names)
+    point_cfgs = {}
     for name in strategy_names:  # every strategy with the shared options: a mistake is one sentence now, not N failures
-        point_cfg = config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
+        point_cfgs[name] = config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
         for engine in peers:
-            PEERS[engine].check(point_cfg)
+            if (engine, name) not in skipped_pairs:
+                PEERS[engine].check(point_cfgs[name])
     cfg = config_mod.load(config_path, [*train_pairs, *(job_pairs or [])])
     if job_pairs is not None and job_lines:  # lines on the command line replace the file's lists
         cfg = replace(cfg, slurm=replace(cfg.slurm, **job_lines))
@@ -227,13 +285,24 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
         if gb % w:
             raise ConfigError(f"train.global_batch_size {gb} is not divisible by {w} workers; "
                               f"choose a multiple of {w}, or drop {w} from --workers.")
+    refused = {}
+    if "dptrain" in engine_names:
+        refused = refused_worlds(point_cfgs, counts, runs_on_cpu(cfg, job_pairs is not None))
+    if skipped_pairs:
+        notes.append("skipped the strategies these engines do not run: "
+                     + ", ".join(f"{engine} {strategy}" for engine, strategy in skipped_pairs))
+    if refused:
+        notes.append("skipped the worker counts dptrain's strategy refuses: " + "; ".join(
+            f"dptrain {s} at {w} worker{'s' if w > 1 else ''} ({why})" for (s, w), why in refused.items()))
+    skip = {(e, s, w) for e, s in skipped_pairs for w in counts} | {("dptrain", s, w) for s, w in refused}
     train_args: list[str] = ["--config", str(Path(config_path).resolve())] if config_path else []
     for key, value in train_pairs:
         train_args += [f"--{key}", value]
     sweep = Sweep(bench_dir=bench_dir or Path("bench") / cfg.data.name, engines=engine_names,
                   strategies=strategy_names, workers=counts, repeats=repeats, warmup_epochs=warmup,
                   run_timeout_s=run_timeout_s, train_args=tuple(train_args), config=cfg, config_path=config_path,
-                  train_pairs=tuple(train_pairs), job=cfg.slurm if job_pairs is not None else None)
+                  train_pairs=tuple(train_pairs), job=cfg.slurm if job_pairs is not None else None,
+                  skip=frozenset(skip))
     return sweep, notes
 
 
@@ -242,9 +311,17 @@ def plan(sweep: Sweep) -> list[Point]:
     instead of landing on the last worker count."""
     points: list[Point] = []
     for repeat in range(1, sweep.repeats + 1):
-        one = [Point(e, s, w, repeat) for w in sweep.workers for s in sweep.strategies for e in sweep.engines]
+        one = [Point(e, s, w, repeat) for w in sweep.workers for s in sweep.strategies for e in sweep.engines
+               if (e, s, w) not in sweep.skip]
         points += one if repeat % 2 else one[::-1]
     return points
+
+
+def describe_plan(sweep: Sweep, points: list[Point]) -> str:
+    """'N points (E engines x S strategies x workers ... x R repeats[, K skipped])', for the sweep's first log line."""
+    skipped = len(sweep.engines) * len(sweep.strategies) * len(sweep.workers) * sweep.repeats - len(points)
+    return (f"{len(points)} points ({len(sweep.engines)} engines x {len(sweep.strategies)} strategies x workers "
+            f"{','.join(map(str, sweep.workers))} x {sweep.repeats} repeats{f', {skipped} skipped' if skipped else ''})")
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -397,14 +474,34 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
     return error
 
 
+def record_peaks(sweep: Sweep) -> None:
+    """The matmul probe (peak.py) of every worker count not yet in BENCH/peak.json, on the points' device and dtype
+    (bfloat16 with train.bf16): once per sweep and worker count, since W ranks sharing a machine's cores and memory
+    get neither W times one process's peak nor one process's. A probe that fails leaves the columns empty."""
+    from dptrain.runtime import wants_cuda  # imports torch: only once a sweep runs
+
+    device: peak.Device = "cuda" if wants_cuda(sweep.config.launch.device) else "cpu"
+    dtype: peak.Dtype = "bfloat16" if sweep.config.train.bf16 else "float32"
+    start = time.perf_counter()
+    try:
+        probes, measured = peak.record(sweep.bench_dir, device, dtype, sweep.workers)
+    except RuntimeError as e:
+        log.info(f"bench: {e}; peak_tflops and fraction_of_peak stay empty")
+        return
+    if measured:
+        log.info(f"bench: matmul peak ({device}, {dtype}) in {time.perf_counter() - start:.1f} s: "
+                 + ", ".join(f"{probes[w].peak_tflops:.3g} TFLOPS with {w} worker{'s' if w > 1 else ''}" for w in measured)
+                 + f" ({sweep.bench_dir / peak.PEAK_FILE})")
+
+
 def run_sweep(sweep: Sweep) -> list[tuple[Point, str]]:
     """Run every missing point, one at a time; the failures, as (point, error)."""
     check_and_record(sweep)
     points = plan(sweep)
     todo = [p for p in points if not is_done(sweep.run_dir(p))]
-    log.info(f"bench: {len(points)} points ({len(sweep.engines)} engines x {len(sweep.strategies)} strategies x "
-             f"workers {','.join(map(str, sweep.workers))} x {sweep.repeats} repeats) in {sweep.bench_dir}; "
-             f"{len(points) - len(todo)} done already, {len(todo)} to run")
+    log.info(f"bench: {describe_plan(sweep, points)} in {sweep.bench_dir}; {len(points) - len(todo)} done already, "
+             f"{len(todo)} to run")
+    record_peaks(sweep)
     failures = []
     for i, point in enumerate(todo, 1):
         start = time.perf_counter()
