@@ -20,6 +20,7 @@ never given an epoch.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -64,8 +65,10 @@ def main(run_dir: Path) -> None:
     from dptrain.data.catalog import load
     from dptrain.models import build_model
 
-    # on the CPU the first run on a machine compiles DeepSpeed's shared-memory comm op here (a minute; then cached in
-    # ~/.cache/torch_extensions), long before the clock starts
+    # On the CPU DeepSpeed would first compile a shared-memory all-reduce (a minute on a fresh machine) that only its
+    # inference all-reduce uses; training reduces through torch.distributed either way. (importlib: deepspeed.comm
+    # re-exports torch as `torch`, so `import deepspeed.comm.torch as m` would give torch itself.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(cfg.train.seed)
