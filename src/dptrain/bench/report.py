@@ -91,76 +91,88 @@ def _speedups(points: list[dict[str, Any]]) -> tuple[list[int], list[float], lis
     return xs, speedups, spread, xs[0]
 
 
+MARKERS = {"dptrain": "o", "tutorial": "s", "lightning": "^", "deepspeed": "D"}
+
+
 def plot_all(summary: list[dict[str, Any]], out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display: set before pyplot is imported
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FormatStrFormatter
+
     lines = _lines(summary)
     workers = sorted({r["workers"] for r in summary})
+    # One colour per line (tab20 tells up to 20 apart) and one marker per engine, so that a line is found by either.
+    colours = plt.get_cmap("tab20")
+    style = {key: {"color": colours(i % 20), "marker": MARKERS.get(key[0], "o"), "capsize": 3, "label": " ".join(key)}
+             for i, key in enumerate(lines)}
 
     def axes_for_workers(ax: Any, ylabel: str, log_y: bool = False) -> None:
         ax.set_xscale("log", base=2)
-        if log_y:
+        if log_y:  # a range inside one decade has no major tick: label the minor ones too
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
         ax.set_xticks(workers, [str(w) for w in workers])
-        ax.minorticks_off()
+        ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.set_xlabel("workers")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for (engine, strategy), points in lines.items():
+    def legend_beside(ax: Any) -> None:  # outside the axes: with many lines, inside it would hide them
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, points in lines.items():
         xs, ys, errs = _values(points, "epoch_time_s")
-        drawn = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"{engine} {strategy}")
-        ideal = [ys[0] * xs[0] / w for w in xs]
-        ax.plot(xs, ideal, linestyle="--", color=drawn[0].get_color(), alpha=0.6, label=f"{engine} {strategy} ideal")
-    axes_for_workers(ax, "time per epoch (s)", log_y=True)
+        ax.errorbar(xs, ys, yerr=errs, **style[key])
+        ax.plot(xs, [ys[0] * xs[0] / w for w in xs], linestyle="--", color=style[key]["color"], alpha=0.6)
+    axes_for_workers(ax, "time per epoch (s; dashed: ideal)", log_y=True)
     ax.set_title("Time per epoch (timed epochs, training only)")
-    ax.legend(fontsize="small")
+    legend_beside(ax)
     _save(fig, out_dir / "epoch_time.png", plt)
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for (engine, strategy), points in lines.items():
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for key, points in lines.items():
         xs, speedups, spread, base = _speedups(points)
-        drawn = left.errorbar(xs, speedups, yerr=spread, marker="o", capsize=3, label=f"{engine} {strategy}")
-        left.plot(xs, [w / base for w in xs], linestyle="--", color=drawn[0].get_color(), alpha=0.6)
+        left.errorbar(xs, speedups, yerr=spread, **style[key])
+        left.plot(xs, [w / base for w in xs], linestyle="--", color=style[key]["color"], alpha=0.6)
         right.errorbar(xs, [s * base / w for s, w in zip(speedups, xs)], yerr=[e * base / w for e, w in zip(spread, xs)],
-                       marker="o", capsize=3, label=f"{engine} {strategy}")
+                       **style[key])
     right.axhline(1.0, linestyle="--", color="grey", alpha=0.6, label="ideal")
     axes_for_workers(left, "speedup (dashed: ideal)")
     axes_for_workers(right, "parallel efficiency")
     right.set_ylim(bottom=0)
     left.set_title("Speedup over the smallest worker count")
     right.set_title("Parallel efficiency")
-    left.legend(fontsize="small")
-    right.legend(fontsize="small")
+    legend_beside(right)
     _save(fig, out_dir / "speedup.png", plt)
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for (engine, strategy), points in lines.items():
-        left.errorbar(*_values(points, "eval_loss"), marker="o", capsize=3, label=f"{engine} {strategy}")
-        right.errorbar(*_values(points, "eval_acc"), marker="o", capsize=3, label=f"{engine} {strategy}")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for key, points in lines.items():
+        left.errorbar(*_values(points, "eval_loss"), **style[key])
+        right.errorbar(*_values(points, "eval_acc"), **style[key])
     axes_for_workers(left, "validation loss")
     axes_for_workers(right, "validation accuracy")
     left.set_title("Validation loss (last evaluation)")
     right.set_title("Validation accuracy (last evaluation)")
-    left.legend(fontsize="small")
+    legend_beside(right)
     _save(fig, out_dir / "validation.png", plt)
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for (engine, strategy), points in lines.items():
-        ax.errorbar(*_values(points, "peak_mem_mb"), marker="o", capsize=3, label=f"{engine} {strategy}")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, points in lines.items():
+        ax.errorbar(*_values(points, "peak_mem_mb"), **style[key])
     axes_for_workers(ax, "peak memory per worker (MiB)")
     ax.set_title("Peak memory per worker (largest rank)")
-    ax.legend(fontsize="small")
+    legend_beside(ax)
     _save(fig, out_dir / "memory.png", plt)
 
 
 def _save(fig: Any, path: Path, plt: Any) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend beside the axes is kept
     plt.close(fig)
 
 
