@@ -125,3 +125,38 @@ def test_backend_choice(capsys):
         assert main(["train", "--data.name", "synthetic", "--launch.backend", "nccl"]) == 2
         assert capsys.readouterr().err == ("dptrain: error: launch.backend = nccl needs CUDA devices, and this run would "
                                            "use the CPU; use --launch.backend gloo or auto.\n")
+
+
+@pytest.mark.slow
+def test_workers_whose_agent_is_killed_stop_with_a_snapshot_instead_of_training_on(tmp_path):
+    import signal
+
+    run = tmp_path / "run"
+    proc = start_cli(["train", "--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "40000",
+                      "--train.epochs", "3", "--output.dir", str(run), "--checkpoint.every_epochs", "0"], tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        events = run / "metrics.jsonl"
+        while not (events.exists() and '"run_start"' in events.read_text()) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)  # run_start: both workers are training
+        workers = _tree(proc.pid)[1:]
+        assert len(workers) >= 2 and proc.poll() is None, "the run did not start training"
+        os.kill(proc.pid, signal.SIGKILL)  # the agent, as kill -9 or an OOM killer would end it
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in workers):
+            assert time.monotonic() < deadline, "the workers trained on without their agent"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "stopped by SIGTERM after step" in log  # the next step boundary, with a snapshot of it
+    assert any(p.name.startswith("step-") for p in (run / "checkpoints").iterdir())
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (FileNotFoundError, IndexError):
+        return "zombie"

@@ -81,7 +81,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     previous = signal.signal(signal.SIGUSR1, forward)
     try:
         with _agent_log_to(log_dir):
-            worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint), entrypoint)  # its name in logs
+            worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint, os.getpid()), entrypoint)  # its name in logs
             elastic_launch(config, worker)(*args)
     except SignalException as exc:
         raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
@@ -96,7 +96,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         agent_dir.cleanup()
 
 
-def run_then_leave(entrypoint: Callable[..., Any], *args: Any) -> Any:
+def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -> Any:
     """A worker's life: entrypoint(*args); after a success, the worker process skips Python's interpreter teardown
     (about 0.9 s of freeing torch's objects, which the agent, and so the user, would wait for). The exit hook runs
     first of all (the last one registered), once the agent has read the result, which it waits for before the
@@ -105,9 +105,29 @@ def run_then_leave(entrypoint: Callable[..., Any], *args: Any) -> Any:
     for sig, handler in ((signal.SIGUSR1, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
                          (signal.SIGINT, signal.default_int_handler)):
         signal.signal(sig, handler)
+    stop_with_the_agent(agent_pid)
     result = entrypoint(*args)
     atexit.register(leave_now, 0)
     return result
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_agent(agent_pid: int) -> None:
+    """Ask the kernel for SIGTERM when the agent dies (kill -9 of `dptrain train`, say): the worker then stops at
+    its next step boundary with a snapshot, as on any SIGTERM, instead of training on as an orphan that holds
+    the run directory and the terminal. Linux only; elsewhere nothing changes."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != agent_pid:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def local_workers(launch: LaunchConfig) -> int:
