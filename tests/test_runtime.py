@@ -164,15 +164,19 @@ def test_an_inner_phase_wins_and_a_failure_is_labelled_once():
     assert str(failure.value) == "rank 0 failed during snapshot of step 5: disk full"
 
 
-def test_a_peer_failure_names_the_silent_ranks_first():
+@pytest.mark.parametrize("gloo_says", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1",
+    "Application timeout caused pair closure",  # seen when a cut link left the peer silent mid-collective
+])
+def test_a_peer_failure_names_the_silent_ranks_first(gloo_says):
     phase = Phase(0)
     store = dist.HashStore()
     phase.world = (store, rank_env(0, 3, 0), 0.2)
     with pytest.raises(WorkerFailure) as failure:
         with phase("step 4"):
-            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
-    assert str(failure.value) == ("rank 0 failed during step 4: ranks 1, 2 did not answer (dead or stuck): "
-                                  "Connection closed by peer [127.0.0.1]:1")
+            raise RuntimeError(gloo_says)
+    assert str(failure.value).startswith("rank 0 failed during step 4: ranks 1, 2 did not answer (dead or stuck): ")
+    assert str(failure.value).endswith(gloo_says.split("] ")[-1])
 
 
 def test_a_ranks_own_error_calls_no_roll():

@@ -65,7 +65,8 @@ def _is_peer_failure(exc: BaseException) -> bool:
     """
     text = str(exc)
     return isinstance(exc, getattr(dist, "DistError", ())) or any(
-        mark in text for mark in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL")
+        mark in text for mark in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL",
+                                  "timeout caused pair closure")  # gloo, when a peer's link goes silent mid-collective
     )
 
 
