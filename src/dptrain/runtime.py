@@ -13,7 +13,7 @@ import re
 import socket
 import sys
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -128,6 +128,17 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic = True
 
 
+def libc_function(name: str) -> Any:
+    """The C library's function `name` through ctypes, or None where there is no such library or function."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEEP_BLOCKS_UP_TO = 32 * 2**20  # glibc's largest mmap threshold on 64-bit machines
@@ -143,13 +154,8 @@ def keep_freed_memory() -> bool:
     its peak heap resident instead of shrinking between steps. False where the C library is not glibc (nothing
     changes there).
     """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BLOCKS_UP_TO)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 

@@ -20,7 +20,6 @@ never given an epoch.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -64,11 +63,9 @@ def main(run_dir: Path) -> None:
 
     from dptrain.data.catalog import load
     from dptrain.models import build_model
+    from dptrain.strategies.deepspeed import skip_shared_memory_op
 
-    # On the CPU DeepSpeed would first compile a shared-memory all-reduce (a minute on a fresh machine) that only its
-    # inference all-reduce uses; training reduces through torch.distributed either way. (importlib: deepspeed.comm
-    # re-exports torch as `torch`, so `import deepspeed.comm.torch as m` would give torch itself.)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    skip_shared_memory_op()  # its build costs a minute on a fresh CPU machine and no training step uses it
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(cfg.train.seed)

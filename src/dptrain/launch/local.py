@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 from dptrain.launch.env import LaunchError, Nodes
 from dptrain.config import LaunchConfig
-from dptrain.runtime import address_towards, leave_now, listening_store, reach_store, wants_cuda
+from dptrain.runtime import address_towards, leave_now, libc_function, listening_store, reach_store, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -118,12 +118,8 @@ def stop_with_the_agent(agent_pid: int) -> None:
     """Ask the kernel for SIGTERM when the agent dies (kill -9 of `dptrain train`, say): the worker then stops at
     its next step boundary with a snapshot, as on any SIGTERM, instead of training on as an orphan that holds
     the run directory and the terminal. Linux only; elsewhere nothing changes."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = libc_function("prctl")
+    if prctl is None:
         return
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != agent_pid:  # the agent died before the request took effect

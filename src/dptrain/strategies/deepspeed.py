@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
 import json
-import importlib
 import logging
 import os
 import warnings
@@ -47,6 +47,14 @@ TORCH_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8}  # what train.optimizer_sp
 
 
 # ---------------------------------------------------------------- the user's JSON, checked against the run
+
+
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed from building its shared-memory all-reduce when its communication backend starts (call before
+    deepspeed.init_distributed): on the CPU it is JIT-compiled first (about 75 s on 2 cores, once per machine), and
+    only DeepSpeed's inference all-reduce uses it; training reduces through torch.distributed either way.
+    (importlib: `import deepspeed.comm.torch as m` gives torch itself, which deepspeed.comm re-exports as `torch`.)"""
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def read_user_config(path: str) -> dict[str, Any]:
@@ -407,11 +415,7 @@ class DeepSpeed(Strategy):
             release()
         else:  # pragma: no cover - DeepSpeed before 0.18
             groups._WORLD_GROUP = None
-        # DeepSpeed's CPU backend first JIT-compiles a shared-memory all-reduce (about 75 s on 2 cores, once per
-        # machine) that only its inference all-reduce uses; training reduces through torch.distributed, on dptrain's
-        # group. Not building it costs the training nothing.
-        # (importlib: `import deepspeed.comm.torch as m` gives torch itself, which deepspeed.comm re-exports as `torch`)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        skip_shared_memory_op()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         return deepspeed
 
