@@ -57,6 +57,10 @@ class Phase:
             self.name = previous
 
 
+SHARED_MEMORY_PEER_LOST = "shared-memory peer lost"
+"""In every error that a peer's death or silence causes in strategies.shared_memory's all-reduce."""
+
+
 def _is_peer_failure(exc: BaseException) -> bool:
     """A collective that failed because of another rank (gloo raises a plain RuntimeError that says so).
 
@@ -66,7 +70,8 @@ def _is_peer_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, getattr(dist, "DistError", ())) or any(
         mark in text for mark in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "NCCL",
-                                  "timeout caused pair closure")  # gloo, when a peer's link goes silent mid-collective
+                                  "timeout caused pair closure",  # gloo, when a peer's link goes silent mid-collective
+                                  SHARED_MEMORY_PEER_LOST)
     )
 
 

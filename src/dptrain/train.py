@@ -267,7 +267,7 @@ class Run:
 
 def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Run:
     """Everything the loop needs, in order: data, model, strategy, optimizer, schedule."""
-    strategy = build_strategy(cfg.strategy, env, device)
+    strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s)
     data_rank, data_world = strategy.data_share()
     with phase("data loading"):
         info, train_loader, eval_loader = build_loaders(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dptrain.config import ConfigError, RunConfig, StrategyConfig
+from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.ddp import DDP
@@ -21,8 +21,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device) -> Strategy:
-    return STRATEGIES[cfg.name](cfg, env, device)
+def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device,
+                   timeout_s: float = LaunchConfig.timeout_s) -> Strategy:
+    """timeout_s: launch.timeout_s, for the collectives a strategy runs itself."""
+    return STRATEGIES[cfg.name](cfg, env, device, timeout_s)
 
 
 def data_world_size(cfg: StrategyConfig, world_size: int) -> int:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, RunConfig, StrategyConfig
+from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
 from dptrain.launch.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
 
@@ -70,8 +70,10 @@ class Strategy:
         """How many ranks take a share of each global batch."""
         return world_size
 
-    def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device) -> None:
+    def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device,
+                 timeout_s: float = LaunchConfig.timeout_s) -> None:
         self.cfg, self.env, self.device = cfg, env, device
+        self.timeout_s = timeout_s  # launch.timeout_s: what a strategy's own collectives wait for a peer at most
         self.module: nn.Module | None = None
         self.counter = CommCounter()
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, RunConfig, StrategyConfig
+from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
 from dptrain.strategies.base import OptimizerSpec, Strategy
 
 INSTALL = "pip install 'dptrain[deepspeed]'"
@@ -354,8 +354,9 @@ class DeepSpeed(Strategy):
     optimizer_in_dcp = False  # nor in optimizer.pt: in DeepSpeed's checkpoint, in own_folder
     own_folder = TAG
 
-    def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device) -> None:
-        super().__init__(cfg, env, device)
+    def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device,
+                 timeout_s: float = LaunchConfig.timeout_s) -> None:
+        super().__init__(cfg, env, device, timeout_s)
         self.engine: Any = None
         self.forward_module: EngineForward | None = None
         self.micro_batch = 0  # what DeepSpeed's counters were last told
