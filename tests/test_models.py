@@ -145,3 +145,51 @@ def test_dropout_drops_p_of_the_elements_and_scales_the_rest(p):
     first = layer.train()(x)
     torch.manual_seed(1)
     assert torch.equal(layer(x), first)  # seeded: the same mask again
+
+
+@pytest.mark.parametrize("shape", [(64, 9216, 128), (3, 5, 1), (1, 512, 10)])
+def test_linear_through_onednn_computes_nn_linear_and_its_gradients(shape):
+    """layers.Linear's float32 path (oneDNN's inner product, operands passed transposed) against float64."""
+    from dptrain.models.layers import Linear
+
+    batch, n_in, n_out = shape
+    torch.manual_seed(0)
+    layer = Linear(n_in, n_out)
+    x = torch.randn(batch, n_in, requires_grad=True)
+    grad = torch.randn(batch, n_out)
+    out = layer(x)
+    got = (out, *torch.autograd.grad(out, (x, layer.weight, layer.bias), grad))
+    exact = nn.Linear(n_in, n_out).double()
+    exact.load_state_dict(layer.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    out64 = exact(x64)
+    want = (out64, *torch.autograd.grad(out64, (x64, exact.weight, exact.bias), grad.double()))
+    for name, a, b in zip(("output", "input grad", "weight grad", "bias grad"), got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        # float32 sums of up to 9216 products, ordered as oneDNN's kernels choose: seen here at most 7e-7 of the
+        # tensor's scale; the bound leaves room for other CPUs' kernels and grows with the length of the sums.
+        scale = b.abs().max().item()
+        assert (a.double() - b).abs().max().item() <= 1e-5 * scale * max(1, n_in / 1000), name
+
+
+def test_linear_takes_onednn_on_the_cpu_in_float32_and_nn_linear_elsewhere(monkeypatch):
+    from dptrain.models import layers
+
+    calls = []
+    real = layers._ONEDNN_LINEAR
+    assert real is not None  # this torch has the op: otherwise the fast path is never tested
+    monkeypatch.setattr(layers, "_ONEDNN_LINEAR", lambda *args: calls.append(1) or real(*args))
+    layer = layers.Linear(8, 4)
+    x = torch.randn(2, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert len(calls) == 3  # forward, input gradient, weight gradient
+    calls.clear()
+    layer.double()(torch.randn(2, 8, dtype=torch.float64))  # oneDNN has no float64: nn.Linear's exact products
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.float()(x).dtype == torch.bfloat16  # autocast decides the dtype, as for nn.Linear
+    layer(torch.randn(2, 3, 8))  # more than 2 dimensions
+    assert layer(torch.randn(0, 8)).shape == (0, 4)  # an empty batch (a serving rank's), where oneDNN fails
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # nn.Linear's words for a wrong width
+        layer(torch.randn(2, 7))
+    assert calls == []
+    assert list(layer.state_dict()) == ["weight", "bias"] and isinstance(layer, nn.Linear)

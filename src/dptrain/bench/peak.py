@@ -1,5 +1,6 @@
 """A short matmul probe: what W processes of this machine get together from square matmuls, the denominator of
-fraction_of_peak (achieved_tflops / peak_tflops).
+fraction_of_peak (achieved_tflops / peak_tflops). On the CPU each size is multiplied both by torch.matmul and by
+oneDNN's inner product (models.layers.Linear's), and the faster counts.
 
     $ python -m dptrain.bench.peak --workers 1,2 --dtype bfloat16
 
@@ -116,26 +117,35 @@ def _process(rank: int, workers: int, device: str, dtype: str, threads: int, siz
         # wall time between barriers, not CUDA events: the rate is of every process together, as an epoch's is
         kind = getattr(torch, dtype)
         rates: dict[int, float] = {}
+        onednn = None
+        if device == "cpu":
+            from dptrain.models.layers import _ONEDNN_LINEAR as onednn  # models.layers.Linear's products
         for n in sizes:
             a, b = torch.randn(n, n, device=dev).to(kind), torch.randn(n, n, device=dev).to(kind)
             out = torch.empty(n, n, device=dev, dtype=kind)
-            torch.matmul(a, b, out=out)  # warm-up: the library's kernel choice, caches, clocks
-            sync()
-            start = time.perf_counter()
-            torch.matmul(a, b, out=out)
-            sync()
-            one_call[rank] = time.perf_counter() - start
-            barrier.wait(WAIT_S)  # every process has timed its call: all read the same slowest one
-            calls = calls_to_fill(max(one_call[:]), min_s)
+            # torch.matmul, and on the CPU oneDNN's inner product too: for float32 torch.matmul calls MKL, which runs
+            # its AVX2 code on AMD CPUs, where oneDNN (the model's convolutions and linear layers) uses AVX-512.
+            kernels = [lambda: torch.matmul(a, b, out=out)]
+            if onednn is not None:
+                kernels.append(lambda: onednn(a, b, None, "none", [], ""))  # a @ b.T: the same work
             rates[n] = 0.0
-            for _ in range(ROUNDS):
-                barrier.wait(WAIT_S)  # start together (the first: no one overwrites one_call before all have read it)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    torch.matmul(a, b, out=out)
+            for multiply in kernels:
+                multiply()  # warm-up: the library's kernel choice, caches, clocks
                 sync()
-                barrier.wait(WAIT_S)  # the slowest process's end
-                rates[n] = max(rates[n], rate_tflops(n, calls, workers, time.perf_counter() - start))
+                start = time.perf_counter()
+                multiply()
+                sync()
+                one_call[rank] = time.perf_counter() - start
+                barrier.wait(WAIT_S)  # every process has timed its call: all read the same slowest one
+                calls = calls_to_fill(max(one_call[:]), min_s)
+                for _ in range(ROUNDS):
+                    barrier.wait(WAIT_S)  # start together (the first: no one overwrites one_call before all have read it)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        multiply()
+                    sync()
+                    barrier.wait(WAIT_S)  # the slowest process's end
+                    rates[n] = max(rates[n], rate_tflops(n, calls, workers, time.perf_counter() - start))
             del a, b, out
         if rank == 0:
             results.put(rates)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dptrain.models.layers import Dropout, Flatten
+from dptrain.models.layers import Dropout, Flatten, Linear
 
 
 def _stage(c_in: int, c_out: int) -> nn.Sequential:
@@ -21,7 +21,7 @@ class CifarCNN(nn.Module):
         super().__init__()
         self.features = nn.Sequential(_stage(in_channels, 32), _stage(32, 64))
         self.classifier = nn.Sequential(
-            Flatten(), nn.Linear(64 * 8 * 8, 512), nn.ReLU(inplace=True), Dropout(0.5), nn.Linear(512, num_classes)
+            Flatten(), Linear(64 * 8 * 8, 512), nn.ReLU(inplace=True), Dropout(0.5), Linear(512, num_classes)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

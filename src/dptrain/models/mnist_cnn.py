@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.models.layers import Dropout, flatten
+from dptrain.models.layers import Dropout, Linear, flatten
 
 
 class MnistCNN(nn.Module):
@@ -22,8 +22,8 @@ class MnistCNN(nn.Module):
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
         self.dropout1 = Dropout(0.25)
         self.dropout2 = Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)  # 64 channels x 12 x 12 after two 3x3 convs and a 2x2 pool
-        self.fc2 = nn.Linear(128, num_classes)
+        self.fc1 = Linear(9216, 128)  # 64 channels x 12 x 12 after two 3x3 convs and a 2x2 pool
+        self.fc2 = Linear(128, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))

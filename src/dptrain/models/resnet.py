@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.models.layers import Linear
+
 
 class BasicBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, stride: int) -> None:
@@ -38,7 +40,7 @@ class ResNet18(nn.Module):
             layers.append(nn.Sequential(BasicBlock(c_in, width, stride), BasicBlock(width, width, 1)))
             c_in = width
         self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = Linear(512, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
