@@ -3,7 +3,8 @@
 Two changes that compute the same function faster on the CPU: the second ReLU runs after the max-pool
 (relu(max(a)) = max(relu(a)), and the gradient reaches the same element), on a quarter of the values; and
 dropout masks come from random bytes (layers.Dropout). Together about 8 ms of a 51 ms step (64 images, one
-thread). The parameters and their names are the tutorials'.
+thread). The linear layers' float32 products go through oneDNN on the CPU (layers.Linear: the same function,
+summed in another order), 3.4 ms less a step. The parameters and their names are the tutorials'.
 """
 
 from __future__ import annotations
