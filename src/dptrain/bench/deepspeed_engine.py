@@ -111,11 +111,3 @@ def train_epoch(engine: Any, loader: Any, normalize: peer.Normalize, meter: peer
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    # Every event is written (and its file closed) and the process group is gone: end here, without the interpreter's
-    # teardown. There DeepSpeed's ZeRO-3 engine on the CPU sometimes aborted a rank ("terminate called without an
-    # active exception", SIGABRT) after a finished run, which failed the point: seen in 2 of 3 full test-suite runs of
-    # this engine's ZeRO-3 test, never in 15 runs of the test or the point alone, and never in dptrain train's own
-    # deepspeed strategy (4 runs). The cause was not found.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
