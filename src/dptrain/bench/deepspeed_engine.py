@@ -86,12 +86,7 @@ def main(run_dir: Path) -> None:
         record = meter.record() | peer.evaluate(engine, test_batches, normalize, device)
         sink.write({"event": "epoch", "epoch": epoch, "step": step, **record})
     sink.write({"event": "run_end", "step": step})
-    dist.barrier()  # no rank tears the process group down while another still talks to it
-    # dptrain's own teardown (a pause before the group goes): a group destroyed right after the last collective
-    # aborted a rank at exit now and then ("terminate called without an active exception"; 3 runs in 10 here).
-    from dptrain.runtime import destroy_process_group
-
-    destroy_process_group()
+    peer.leave_world()
 
 
 def train_epoch(engine: Any, loader: Any, normalize: peer.Normalize, meter: peer.EpochMeter, step: int) -> int:

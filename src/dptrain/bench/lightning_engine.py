@@ -68,12 +68,7 @@ def main(run_dir: Path) -> None:
     sink.env(device, world, {"lightning": L.__version__})
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=DataLoader(test_batches, batch_size=None))
     sink.write({"event": "run_end", "step": trainer.global_step})
-    trainer.strategy.barrier()  # no rank tears the process group down while another still talks to it
-    # dptrain's own teardown (a pause before the group goes): a group destroyed right after the last collective
-    # aborted a rank at exit now and then ("terminate called without an active exception"; 3 runs in 10 here).
-    from dptrain.runtime import destroy_process_group
-
-    destroy_process_group()
+    peer.leave_world()
 
 
 def strategy(name: str, world: int) -> Any:

@@ -119,7 +119,7 @@ def _process(rank: int, workers: int, device: str, dtype: str, threads: int, siz
         rates: dict[int, float] = {}
         onednn = None
         if device == "cpu":
-            from dptrain.models.layers import _ONEDNN_LINEAR as onednn  # models.layers.Linear's products
+            from dptrain.models.layers import ONEDNN_LINEAR as onednn  # models.layers.Linear's products
         for n in sizes:
             a, b = torch.randn(n, n, device=dev).to(kind), torch.randn(n, n, device=dev).to(kind)
             out = torch.empty(n, n, device=dev, dtype=kind)

@@ -53,12 +53,7 @@ def main(run_dir: Path) -> None:
         record = meter.record() | peer.evaluate(model, test_batches, normalize, device)
         sink.write({"event": "epoch", "epoch": epoch, "step": step, **record})
     sink.write({"event": "run_end", "step": step})
-    dist.barrier()  # no rank tears gloo down while another still talks to it (seen: SIGABRT at exit with fsdp)
-    # dptrain's own teardown (a pause before the group goes): a group destroyed right after the last collective
-    # aborted a rank at exit now and then ("terminate called without an active exception"; 3 runs in 10 here).
-    from dptrain.runtime import destroy_process_group
-
-    destroy_process_group()
+    peer.leave_world()
 
 
 class Normalized:

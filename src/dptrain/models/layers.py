@@ -78,7 +78,7 @@ def _onednn_linear_op():  # noqa: ANN202 - an OpOverloadPacket, or None
         return None
 
 
-_ONEDNN_LINEAR = _onednn_linear_op()
+ONEDNN_LINEAR = _onednn_linear_op()
 
 
 class Linear(nn.Linear):
@@ -95,7 +95,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An empty batch (a parameter server's serving rank) or a wrong width: nn.Linear, which takes the one
         # and words the other clearly, where oneDNN fails to build its primitive.
-        if (_ONEDNN_LINEAR is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32
+        if (ONEDNN_LINEAR is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32
                 or x.shape[0] == 0 or x.shape[1] != self.in_features
                 or self.weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
                 or torch.compiler.is_compiling()):
@@ -110,16 +110,16 @@ class _OneDnnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, weight)
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return ONEDNN_LINEAR(x, weight, bias, "none", [], "")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205 - autograd's signature
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _ONEDNN_LINEAR(grad, weight.t(), None, "none", [], "")  # grad @ weight
+            grad_x = ONEDNN_LINEAR(grad, weight.t(), None, "none", [], "")  # grad @ weight
         if ctx.needs_input_grad[1]:
-            grad_weight = _ONEDNN_LINEAR(grad.t(), x.t(), None, "none", [], "")  # grad.T @ x
+            grad_weight = ONEDNN_LINEAR(grad.t(), x.t(), None, "none", [], "")  # grad.T @ x
         if ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias

@@ -75,14 +75,19 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return sent
 
 
+def completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already holding `tensor`: what a hook that finished its communication itself returns to DDP."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
 def _ring_hook(counter: CommCounter) -> Callable:
     def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         counter.bytes_sent += ring_all_reduce(buffer)
         buffer.div_(dist.get_world_size())
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(buffer)
-        return future
+        return completed(buffer)
 
     return hook
 
@@ -161,8 +166,6 @@ def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState)
             return future
         # On gloo, PowerSGD's chained all-reduces of two buckets would interleave differently on each
         # rank (a collective mismatch, seen as a gloo size error): finish this bucket before the next.
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(future.wait())
-        return done
+        return completed(future.wait())
 
     return counted

@@ -35,7 +35,8 @@ class DDP(Strategy):
         if self.shared_memory_sum is not None:
             # One bucket, summed once at the end of backward. The sum runs inside backward on the rank's own
             # thread, so smaller buckets would overlap nothing; each would only be one more point where the
-            # ranks wait for the slowest (2 buckets instead of 1: about 1 ms a step for the tutorials' CNN).
+            # ranks wait for the slowest. (For the tutorials' CNN, 1 bucket against DDP's 2 measured within
+            # noise: 1.485x against 1.463x the plain loop, 3 interleaved repeats.)
             buckets["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)

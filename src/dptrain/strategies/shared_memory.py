@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.runtime import SHARED_MEMORY_PEER_LOST
+from dptrain.strategies import comm_hooks
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +229,6 @@ def allreduce_mean_hook(transport: SharedMemoryAllReduce) -> Callable:
     def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         transport.all_reduce(buffer, divisor=transport.world)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(buffer)
-        return future
+        return comm_hooks.completed(buffer)
 
     return hook
