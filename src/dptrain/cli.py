@@ -29,7 +29,7 @@ from dptrain.checkpoint import SnapshotError
 from dptrain.launch.env import DistEnv, LaunchError, Nodes
 from dptrain.imports import import_object
 from dptrain.models import check_input
-from dptrain.runtime import WorkerFailure, leave_now, wants_cuda
+from dptrain.runtime import WorkerFailure, leave_now, lift_exit_deadline, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -554,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)
         return 130
+    finally:  # a failed rank's teardown is over: this process leaves now (run) or lives on (a caller in tests)
+        lift_exit_deadline()
 
 
 def run() -> None:

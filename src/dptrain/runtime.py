@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import faulthandler
 import ipaddress
 import logging
 import os
@@ -13,6 +14,7 @@ import re
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -400,6 +402,44 @@ def leave_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+FAILED_RANK_EXIT_S = 30.0
+"""How long a failed rank of a multi-process world may take to leave once its failure is logged (see exit_deadline)."""
+
+
+def exit_deadline(exc: BaseException, log_file: Path | None, seconds: float = FAILED_RANK_EXIT_S) -> None:
+    """Bound what is left of a failed rank's life: its teardown (leaving the process group, closing files, the
+    interpreter's own) can wait on work still in flight towards a peer that is gone, one timeout after another, and
+    its launcher waits for it: once a node's `dptrain train` stayed more than 100 s after a cut link.
+
+    First the launcher's error file (TORCHELASTIC_ERROR_FILE, as torch's @record writes it once the exception has
+    left the worker), so that the run's one sentence survives an early end; then, if this process still runs after
+    `seconds`, faulthandler appends every thread's stack to log_file (else stderr) and ends it with exit code 1. Its
+    own C thread does that, which needs no GIL: a teardown stuck in C++ may hold it. Call from the except block
+    (the error file carries the traceback being handled); lift_exit_deadline() takes it back.
+    """
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        with contextlib.suppress(OSError):  # a full disk: @record tries again when the exception leaves the worker
+            ErrorHandler().record_exception(exc)
+    stream: Any = sys.stderr
+    if log_file is not None:
+        with contextlib.suppress(OSError):
+            stream = open(log_file, "a")  # noqa: SIM115 - faulthandler holds it until the process ends or lifts it
+    faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
+    _deadline_armed[0] = True
+
+
+_deadline_armed = [False]  # faulthandler has one such timer per process: lift only ours (pytest may set its own)
+
+
+def lift_exit_deadline() -> None:
+    """For a process that lives on after a rank's failure (the CLI's caller, in tests): no end at exit_deadline's time."""
+    if _deadline_armed[0]:
+        faulthandler.cancel_dump_traceback_later()
+        _deadline_armed[0] = False
 
 
 def destroy_process_group() -> None:

@@ -20,11 +20,16 @@ from dptrain.config import RunConfig
 from dptrain.launch import slurm
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
-from dptrain.runtime import (Phase, barrier, destroy_process_group, init_process_group, keep_freed_memory, pick_device,
-                             seed_everything, set_cpu_threads, use_deterministic_kernels)
+from dptrain.runtime import (Phase, barrier, destroy_process_group, exit_deadline, init_process_group, keep_freed_memory,
+                             pick_device, seed_everything, set_cpu_threads, use_deterministic_kernels)
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
+
+
+def rank_log(run_dir: Path, global_rank: int) -> Path:
+    """logs/rank<R>.log of a run: the rank's log lines, and the stacks of a failed rank that was slow to leave."""
+    return run_dir / "logs" / f"rank{global_rank}.log"
 
 
 def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
@@ -39,7 +44,7 @@ def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
     fmt = logging.Formatter(f"%(asctime)s rank{env.global_rank} %(levelname)s %(message)s")
     if run_dir is not None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(run_dir / "logs" / f"rank{env.global_rank}.log")
+        file_handler = logging.FileHandler(rank_log(run_dir, env.global_rank))
         file_handler.setFormatter(fmt)
         root.addHandler(file_handler)
     if CONSOLE.is_terminal and env.is_main:
@@ -103,6 +108,8 @@ def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, P
     except Exception as exc:
         # In this rank's log file only: the launcher (or the CLI) prints the one sentence once for all ranks.
         log.error("%s", exc, extra={"file_only": True})
+        if env.world_size > 1:  # the teardown below may wait on a peer that is gone
+            exit_deadline(exc, rank_log(log_dir, env.global_rank) if log_dir is not None else None)
         raise
     finally:
         destroy_process_group()

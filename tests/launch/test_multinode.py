@@ -201,7 +201,9 @@ def test_a_cut_link_fails_the_other_host_within_the_timeout_naming_the_lost_rank
         try:  # the agent's exit: the failure, then its shutdown (slow when busy); not the pipes' end, which a
             procs[0].wait(timeout=timeout_s + 90)  # worker still tearing down holds open
         except subprocess.TimeoutExpired:
-            pytest.fail(f"node 0's agent did not exit within {timeout_s + 90} s of the cut: {log_tail(run_dir)}")
+            launcher = run_dir / "logs" / "launcher.log"  # the agents' side: what they did after the failure
+            pytest.fail(f"node 0's agent did not exit within {timeout_s + 90} s of the cut: {log_tail(run_dir)}\n"
+                        f"launcher.log: {launcher.read_text()[-3000:] if launcher.is_file() else '(none)'}")
     finally:
         for proc in procs:  # the whole process group: the agent's workers hold its output pipes open
             with contextlib.suppress(ProcessLookupError):

@@ -1,0 +1,73 @@
+"""A failed rank whose teardown never ends still leaves, with the run's one sentence and its stacks in its log."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dptrain.runtime import exit_deadline, lift_exit_deadline
+from tests.conftest import REPO
+
+# Two local workers through dptrain's agent; each fails in "step 3", then its teardown (leaving the process group)
+# hangs for an hour, as one waiting on a peer that is gone may. The deadline is 2 s here (30 s in a run).
+HANGING_TEARDOWN = """
+import functools, sys, time
+from pathlib import Path
+from dptrain import config, runtime, worker
+from dptrain.launch.env import LaunchError
+from dptrain.launch.local import launch_local
+
+run_dir = Path(sys.argv[1])
+
+def teardown_that_hangs():
+    time.sleep(3600)
+
+worker.destroy_process_group = teardown_that_hangs
+worker.exit_deadline = functools.partial(runtime.exit_deadline, seconds=2)
+
+def failing_rank(tree):
+    with worker.rank_life(config.from_dict(tree), run_dir) as (env, phase, device, threads):
+        with phase("step 3"):
+            raise RuntimeError("injected failure")
+
+start = time.monotonic()
+try:
+    launch_local(failing_rank, ({"output": {"dir": str(run_dir)}},), 2, timeout_s=30, log_dir=run_dir / "logs",
+                 on_cuda=False)
+except LaunchError as exc:
+    print(round(time.monotonic() - start, 1))
+    print(exc)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_rank_whose_teardown_hangs_leaves_by_its_deadline(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", HANGING_TEARDOWN, str(run_dir)], capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    took, message = done.stdout.split("\n")[:2]
+    # start-up (a few seconds), the failure, then 2 s of teardown; without the deadline: the hour of the sleep
+    assert float(took) < 30, took
+    # the error file was written before the teardown: the launcher still says what failed, not just an exit code
+    assert re.fullmatch(r"rank [01] failed during step 3: injected failure( \(rank [01] also stopped\))?", message), message
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert f"rank {rank} failed during step 3: injected failure" in log
+        # faulthandler's dump: where the rank was stuck when it was ended
+        assert "Timeout (0:00:02)!" in log and "in teardown_that_hangs" in log, log[-2000:]
+
+
+def test_a_lifted_deadline_never_ends_the_process(tmp_path):
+    """A caller that lives on after a failed run (tests call the CLI in-process) takes the deadline back."""
+    try:
+        raise RuntimeError("a failed run")
+    except RuntimeError as exc:
+        exit_deadline(exc, tmp_path / "rank0.log", seconds=0.5)
+    lift_exit_deadline()
+    time.sleep(1.0)  # past the deadline: this process, pytest's, is still here
+    assert not (tmp_path / "rank0.log").read_text()
