@@ -428,7 +428,10 @@ def exit_deadline(exc: BaseException, log_file: Path | None, seconds: float = FA
     if log_file is not None:
         with contextlib.suppress(OSError):
             stream = open(log_file, "a")  # noqa: SIM115 - faulthandler holds it until the process ends or lifts it
-    faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
+    except (ValueError, OSError):  # a stream without a file descriptor (a captured stderr): the process's own
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
     _deadline_armed[0] = True
 
 

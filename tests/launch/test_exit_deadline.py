@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -62,12 +63,15 @@ def test_a_failed_rank_whose_teardown_hangs_leaves_by_its_deadline(tmp_path):
         assert "Timeout (0:00:02)!" in log and "in teardown_that_hangs" in log, log[-2000:]
 
 
-def test_a_lifted_deadline_never_ends_the_process(tmp_path):
-    """A caller that lives on after a failed run (tests call the CLI in-process) takes the deadline back."""
+@pytest.mark.parametrize("to_log_file", [True, False])
+def test_a_lifted_deadline_never_ends_the_process(tmp_path, monkeypatch, to_log_file):
+    """A caller that lives on after a failed run (tests call the CLI in-process) takes the deadline back; without a
+    log file the stacks would go to stderr, also where that is captured (no file descriptor)."""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
     try:
         raise RuntimeError("a failed run")
     except RuntimeError as exc:
-        exit_deadline(exc, tmp_path / "rank0.log", seconds=0.5)
+        exit_deadline(exc, tmp_path / "rank0.log" if to_log_file else None, seconds=0.5)
     lift_exit_deadline()
     time.sleep(1.0)  # past the deadline: this process, pytest's, is still here
-    assert not (tmp_path / "rank0.log").read_text()
+    assert not to_log_file or not (tmp_path / "rank0.log").read_text()
