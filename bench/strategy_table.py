@@ -18,6 +18,7 @@ from pathlib import Path
 
 STRATEGIES = {
     "ddp": [],
+    "ddp, gloo's all-reduce": ["--strategy.shared_memory", "false"],
     "ddp + fp16 hook": ["--strategy.comm_hook", "fp16"],
     "ddp + powersgd hook": ["--strategy.comm_hook", "powersgd"],
     "ddp + ring hook": ["--strategy.comm_hook", "ring"],

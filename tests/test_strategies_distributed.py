@@ -194,8 +194,13 @@ def test_sharding_strategies_hold_a_1_over_n_share_of_the_optimizer_state(runs, 
         assert events["ddp"][kind] == [params] * world
         assert all(abs(held - params / world) <= 0.02 * params / world for held in events["fsdp"][kind])
     # Traffic per step. Counted as sent: the parameter server (each worker pushes its gradients once,
-    # the server sends the weights to every worker). Computed: ddp's ring all-reduce, 2 (N-1)/N of the
-    # gradients; fsdp's two all-gathers and one reduce-scatter, (N-1)/N each.
+    # the server sends the weights to every worker). Counted as written for the others: ddp's sum through shared
+    # memory (all ranks on this host), one bucket: each rank's gradients, and its part of their sum (a ceil(n/N)
+    # share of the n elements; the last rank's is what is left). Computed: fsdp's two all-gathers and one
+    # reduce-scatter, (N-1)/N each.
     assert events["ps"]["comm_bytes_per_step"] == [(world - 1) * params] + [params] * (world - 1)
-    assert events["ddp"]["comm_bytes_per_step"] == [2 * (world - 1) * params // world] * world
+    n = params // 4
+    part = -(-n // world)
+    assert events["ddp"]["comm_bytes_per_step"] == [params + 4 * (min(n, (r + 1) * part) - min(n, r * part))
+                                                    for r in range(world)]
     assert events["fsdp"]["comm_bytes_per_step"] == [3 * (world - 1) * params // world] * world

@@ -23,8 +23,9 @@ def _inputs(rank: int, size: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(size, generator=torch.Generator().manual_seed(1000 * size + rank), dtype=dtype)
 
 
-def _sums(rank: int, world: int, max_numel: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(the shared-memory sum, gloo's) of each size of SIZES, and of a mean (divisor = world)."""
+def _sums(rank: int, world: int, max_numel: int, dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """(the shared-memory sum, gloo's) of each size of SIZES, and of a mean (divisor = world); and the bytes this rank
+    wrote to shared memory for the others (comm_bytes_per_step)."""
     import torch.distributed as dist
 
     from dptrain.strategies.shared_memory import open_on_this_host
@@ -39,24 +40,33 @@ def _sums(rank: int, world: int, max_numel: int, dtype: torch.dtype) -> list[tup
             dist.all_reduce(expected)
             transport.all_reduce(x, divisor=divisor)
             results.append((x, expected))
+    written = transport.counter.take()
     transport.close()
-    return results
+    return results, written
+
+
+def _assert_written(by_rank: list, world: int, element_size: int) -> None:
+    """Every rank writes each tensor once into its slot, and the ranks' parts of the sum cover it once more."""
+    summed = 2 * sum(SIZES) * element_size  # every size, as a sum and as a mean
+    assert sum(written for _, written in by_rank) == (world + 1) * summed
 
 
 @pytest.mark.parametrize("max_numel", [10**6, 100])  # 100: a 1001-element tensor goes through in 11 pieces
 def test_two_ranks_get_gloos_sum_bit_for_bit(max_numel):
     by_rank = run_on_ranks(_sums, 2, max_numel, torch.float32, timeout=60)
-    for ours, gloo in by_rank[0]:
+    for ours, gloo in by_rank[0][0]:
         assert torch.equal(ours, gloo)  # a + b = b + a: the same bits as gloo's ring
-    for (mine, _), (theirs, _) in zip(*by_rank):
+    for (mine, _), (theirs, _) in zip(by_rank[0][0], by_rank[1][0]):
         assert torch.equal(mine, theirs)
+    _assert_written(by_rank, 2, 4)
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_more_ranks_get_one_sum_the_same_on_every_rank(world):
     """In float64 the sum is exact to 1e-15 of gloo's; whatever the order, every rank holds the same bits."""
     by_rank = run_on_ranks(_sums, world, 100, torch.float64, timeout=90)
-    for results in zip(*by_rank):
+    _assert_written(by_rank, world, 8)
+    for results in zip(*(results for results, _ in by_rank)):
         first = results[0][0]
         for ours, gloo in results:
             assert torch.equal(ours, first)

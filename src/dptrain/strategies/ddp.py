@@ -10,7 +10,8 @@ from dptrain.strategies.base import Strategy
 
 
 class DDP(Strategy):
-    """Traffic: counted by the hook where one is set; for plain all-reduce computed from the gradient
+    """Traffic: counted by the hook where one is set, and by the shared-memory sum (what a rank writes there for the
+    others: its gradients, and its 1/N of their sum); for gloo's or nccl's all-reduce computed from the gradient
     sizes as a ring all-reduce, 2 (N-1)/N of the gradient bytes per step."""
 
     name = "ddp"
@@ -54,5 +55,7 @@ class DDP(Strategy):
     def comm_bytes(self, steps: int) -> int:
         if self.cfg.comm_hook != "allreduce":
             return self.counter.take()
+        if self.shared_memory_sum is not None:
+            return self.shared_memory_sum.counter.take()
         grad_bytes = sum(p.numel() * p.element_size() for p in self.eval_module.parameters() if p.requires_grad)
         return steps * comm_hooks.bytes_per_allreduce(grad_bytes, 1, self.env.world_size)

@@ -6,8 +6,7 @@ the same sum took 0.46 ms. DeepSpeed and oneCCL sum through shared memory on CPU
 
 How one sum goes: every rank copies its tensor into its own slot of the shared buffer; after a barrier rank r
 adds up part r of all the slots, in rank order, into the shared result; after a second barrier every rank
-copies the whole result back. Each element is summed by one
-rank only, so every rank gets the same bits; with two ranks they are gloo's bits too (a + b = b + a). A tensor
+copies the whole result back. Each element is summed by one rank only, so every rank gets the same bits; with two ranks they are gloo's bits too (a + b = b + a). A tensor
 larger than a slot goes through in pieces.
 
 The barriers are FIFOs, one inbox per rank: a rank writes its number to every peer's inbox and reads its own
@@ -66,6 +65,8 @@ class SharedMemoryAllReduce:
         self.arrived = [0] * world  # barrier tokens read from each rank so far
         self.peers = [r for r in range(world) if r != rank]
         self._close = weakref.finalize(self, _close_fds, [inbox, *outboxes])
+        self.counter = comm_hooks.CommCounter()
+        """Bytes this rank wrote for the others to read: its slot, and its part of the sum (no socket carries any)."""
 
     def all_reduce(self, tensor: torch.Tensor, divisor: int = 1) -> None:
         """tensor <- the sum over the ranks of tensor / divisor (contiguous, on the CPU), the same bits on every rank.
@@ -94,6 +95,7 @@ class SharedMemoryAllReduce:
                 torch.add(slots[0][lo:hi], slots[1][lo:hi], out=result)
             else:
                 torch.sum(torch.stack([s[lo:hi] for s in slots[:self.world]]), dim=0, out=result)
+        self.counter.bytes_sent += size + max(0, hi - lo) * piece.element_size()
         self._barrier()
         piece.copy_(slots[self.world])
         # No third barrier: a rank that writes its slot for the next piece is past the second, so every rank has
