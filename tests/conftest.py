@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -15,6 +16,21 @@ import pytest
 from tests.distributed import run_cli_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_as_found():
+    """A test that runs dptrain in this process (setup_logging) leaves handlers writing to that test's captured
+    streams, which pytest then closes: a later test's log line printed '--- Logging error ---' into the stderr it
+    checks (the SLURM sweep's failed-job test, after tests/strategies/test_deepspeed.py). So each test removes the
+    handlers it added to the root and dptrain loggers; pytest's own (log capture) it removes itself."""
+    loggers = [logging.getLogger(), logging.getLogger("dptrain")]
+    found = [set(logger.handlers) for logger in loggers]
+    yield
+    for logger, kept in zip(loggers, found):
+        for handler in [h for h in logger.handlers if h not in kept and not type(h).__module__.startswith("_pytest")]:
+            logger.removeHandler(handler)
+            handler.close()
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
