@@ -150,10 +150,13 @@ def test_a_failing_rank_is_named_with_its_phase(cli, tmp_path):
     result = cli("train", "--nproc-per-node", "2", *SYNTHETIC, "--model.name", "tests.user_code:FailsOnRank1",
                  "--launch.timeout_s", "10", "--output.dir", str(tmp_path / "fail"), timeout=120)
     assert result.returncode == 1
-    # One sentence on the console, whatever the number of workers; the agent's tracebacks go to the run's logs.
+    # One sentence on the console, whatever the number of workers; the failed rank's traceback goes to its log.
     assert result.stderr.strip() == "dptrain: error: rank 1 failed during step 3: injected failure"
-    assert " ERROR " not in result.stdout
-    assert "injected failure" in (tmp_path / "fail" / "logs" / "launcher.log").read_text()
+    assert " ERROR " not in result.stdout and "Traceback" not in result.stdout + result.stderr
+    log = (tmp_path / "fail" / "logs" / "rank1.log").read_text()
+    assert "rank1 ERROR the failure's traceback:\nTraceback (most recent call last):" in log
+    assert log.rstrip().endswith("WorkerFailure: rank 1 failed during step 3: injected failure"), log[-1000:]
+    assert "exitcode: 1" in (tmp_path / "fail" / "logs" / "launcher.log").read_text()  # the agent saw it end
 
 
 def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(tmp_path, monkeypatch, capsys):

@@ -12,7 +12,7 @@ import os
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from dptrain.launch.env import LaunchError, Nodes
 from dptrain.config import LaunchConfig
@@ -97,18 +97,39 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
 
 
 def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -> Any:
-    """A worker's life: entrypoint(*args); after a success, the worker process skips Python's interpreter teardown
-    (about 0.9 s of freeing torch's objects, which the agent, and so the user, would wait for). The exit hook runs
-    first of all (the last one registered), once the agent has read the result, which it waits for before the
-    worker may exit; a failure exits as usual, with its code and error file."""
+    """A worker's life: entrypoint(*args), then the worker process skips Python's interpreter teardown.
+
+    After a success that saves about 0.9 s of freeing torch's objects, which the agent, and so the user, would wait
+    for; the exit hook runs first of all (the last one registered), once the agent has read the result, which it
+    waits for before the worker may exit. After a failure, see leave_after_failure.
+    """
     # A forked worker starts with the agent's signal handlers: give it a fresh interpreter's.
     for sig, handler in ((signal.SIGUSR1, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
                          (signal.SIGINT, signal.default_int_handler)):
         signal.signal(sig, handler)
     stop_with_the_agent(agent_pid)
-    result = entrypoint(*args)
+    try:
+        result = entrypoint(*args)
+    except Exception as exc:
+        leave_after_failure(exc)
     atexit.register(leave_now, 0)
     return result
+
+
+def leave_after_failure(exc: Exception) -> NoReturn:
+    """A failed worker ends here, with exit code 1 and the error file torch's @record writes (whose first line the
+    launcher reports); its traceback goes to its own log. Not through Python's unwinding: freeing a failed run's
+    objects (its model, DDP's reducer, its process groups) can block for good while collectives towards a lost peer
+    are still in flight. Seen after a cut link: rank 0 still in multiprocessing's _bootstrap, in C code, 30 s after its
+    failure (runtime.exit_deadline ended it). Call it from the except block: the error file holds that traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    logging.getLogger("dptrain").error("the failure's traceback:", exc_info=exc, extra={"file_only": True})
+    try:
+        ErrorHandler().record_exception(exc)
+    except OSError:  # a full disk: the launcher says "exited with code 1"; the rank's log says more, if it could
+        pass
+    leave_now(1)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
