@@ -154,7 +154,7 @@ def test_a_failing_rank_is_named_with_its_phase(cli, tmp_path):
     assert result.stderr.strip() == "dptrain: error: rank 1 failed during step 3: injected failure"
     assert " ERROR " not in result.stdout and "Traceback" not in result.stdout + result.stderr
     log = (tmp_path / "fail" / "logs" / "rank1.log").read_text()
-    assert "rank1 ERROR the failure's traceback:\nTraceback (most recent call last):" in log
+    assert "rank1 ERROR rank 1 failed during step 3: injected failure\nTraceback (most recent call last):" in log
     assert log.rstrip().endswith("WorkerFailure: rank 1 failed during step 3: injected failure"), log[-1000:]
     assert "exitcode: 1" in (tmp_path / "fail" / "logs" / "launcher.log").read_text()  # the agent saw it end
 

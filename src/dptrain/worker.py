@@ -106,8 +106,9 @@ def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, P
     except Stopped:
         raise
     except Exception as exc:
-        # In this rank's log file only: the launcher (or the CLI) prints the one sentence once for all ranks.
-        log.error("%s", exc, extra={"file_only": True})
+        # In this rank's log file only, with its traceback: the launcher (or the CLI) prints the one sentence once
+        # for all ranks.
+        log.error("%s", exc, exc_info=exc, extra={"file_only": True})
         if env.world_size > 1:  # the teardown below may wait on a peer that is gone
             exit_deadline(exc, rank_log(log_dir, env.global_rank) if log_dir is not None else None)
         raise

@@ -118,13 +118,12 @@ def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -
 
 def leave_after_failure(exc: Exception) -> NoReturn:
     """A failed worker ends here, with exit code 1 and the error file torch's @record writes (whose first line the
-    launcher reports); its traceback goes to its own log. Not through Python's unwinding: freeing a failed run's
+    launcher reports; worker.rank_life has logged its traceback). Not through Python's unwinding: freeing a failed run's
     objects (its model, DDP's reducer, its process groups) can block for good while collectives towards a lost peer
     are still in flight. Seen after a cut link: rank 0 still in multiprocessing's _bootstrap, in C code, 30 s after its
     failure (runtime.exit_deadline ended it). Call it from the except block: the error file holds that traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    logging.getLogger("dptrain").error("the failure's traceback:", exc_info=exc, extra={"file_only": True})
     try:
         ErrorHandler().record_exception(exc)
     except OSError:  # a full disk: the launcher says "exited with code 1"; the rank's log says more, if it could
