@@ -427,22 +427,25 @@ def exit_deadline(exc: BaseException, log_file: Path | None, seconds: float = FA
     stream: Any = sys.stderr
     if log_file is not None:
         with contextlib.suppress(OSError):
-            stream = open(log_file, "a")  # noqa: SIM115 - faulthandler holds it until the process ends or lifts it
+            stream = open(log_file, "a")  # noqa: SIM115 - open until the process ends or lift_exit_deadline
     try:
         faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
     except (ValueError, OSError):  # a stream without a file descriptor (a captured stderr): the process's own
         faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
-    _deadline_armed[0] = True
+    _deadline.append(stream)
 
 
-_deadline_armed = [False]  # faulthandler has one such timer per process: lift only ours (pytest may set its own)
+_deadline: list[Any] = []  # the armed deadline's stream: faulthandler has one timer a process; lift only ours (not pytest's)
 
 
 def lift_exit_deadline() -> None:
     """For a process that lives on after a rank's failure (the CLI's caller, in tests): no end at exit_deadline's time."""
-    if _deadline_armed[0]:
+    if _deadline:
         faulthandler.cancel_dump_traceback_later()
-        _deadline_armed[0] = False
+        for stream in _deadline:
+            if stream not in (sys.stderr, sys.__stderr__):
+                stream.close()
+        _deadline.clear()
 
 
 def destroy_process_group() -> None:

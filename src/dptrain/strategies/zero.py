@@ -13,8 +13,8 @@ from dptrain.strategies.ddp import DDP
 
 
 class Zero1(DDP):
-    """After its local step each rank broadcasts its updated partition; traffic is computed as the
-    gradient all-reduce plus an all-gather of the parameters, (N-1)/N of their bytes per step."""
+    """After its local step each rank broadcasts its updated partition; traffic is the gradient all-reduce (as DDP
+    counts or computes it) plus an all-gather of the parameters, computed as (N-1)/N of their bytes per step."""
 
     name = "zero1"
     step_is_local = False  # collectives inside the step
