@@ -404,6 +404,18 @@ def leave_now(code: int) -> None:
     os._exit(code)
 
 
+def record_for_launcher(exc: BaseException) -> None:
+    """The error file a torch launcher (dptrain's agent, torchrun) reads for a failed worker (TORCHELASTIC_ERROR_FILE,
+    as torch's @record writes it; nothing without one): the first line of its message is the run's one sentence. Call
+    from the except block: the file holds the traceback being handled. A full disk leaves the file unwritten: the
+    launcher then says "exited with code 1", and the rank's log says more."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        with contextlib.suppress(OSError):
+            ErrorHandler().record_exception(exc)
+
+
 FAILED_RANK_EXIT_S = 30.0
 """How long a failed rank of a multi-process world may take to leave once its failure is logged (see exit_deadline)."""
 
@@ -419,11 +431,7 @@ def exit_deadline(exc: BaseException, log_file: Path | None, seconds: float = FA
     own C thread does that, which needs no GIL: a teardown stuck in C++ may hold it. Call from the except block
     (the error file carries the traceback being handled); lift_exit_deadline() takes it back.
     """
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        with contextlib.suppress(OSError):  # a full disk: @record tries again when the exception leaves the worker
-            ErrorHandler().record_exception(exc)
+    record_for_launcher(exc)
     stream: Any = sys.stderr
     if log_file is not None:
         with contextlib.suppress(OSError):

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, NoReturn
 
 from dptrain.launch.env import LaunchError, Nodes
 from dptrain.config import LaunchConfig
-from dptrain.runtime import address_towards, leave_now, libc_function, listening_store, reach_store, wants_cuda
+from dptrain.runtime import (address_towards, leave_now, libc_function, listening_store, reach_store,
+                             record_for_launcher, wants_cuda)
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -122,12 +123,7 @@ def leave_after_failure(exc: Exception) -> NoReturn:
     objects (its model, DDP's reducer, its process groups) can block for good while collectives towards a lost peer
     are still in flight. Seen after a cut link: rank 0 still in multiprocessing's _bootstrap, in C code, 30 s after its
     failure (runtime.exit_deadline ended it). Call it from the except block: the error file holds that traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    try:
-        ErrorHandler().record_exception(exc)
-    except OSError:  # a full disk: the launcher says "exited with code 1"; the rank's log says more, if it could
-        pass
+    record_for_launcher(exc)
     leave_now(1)
 
 

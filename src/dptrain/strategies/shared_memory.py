@@ -6,8 +6,8 @@ the same sum took 0.46 ms. DeepSpeed and oneCCL sum through shared memory on CPU
 
 How one sum goes: every rank copies its tensor into its own slot of the shared buffer; after a barrier rank r
 adds up part r of all the slots, in rank order, into the shared result; after a second barrier every rank
-copies the whole result back. Each element is summed by one rank only, so every rank gets the same bits; with two ranks they are gloo's bits too (a + b = b + a). A tensor
-larger than a slot goes through in pieces.
+copies the whole result back. Each element is summed by one rank only, so every rank gets the same bits; with
+two ranks they are gloo's bits too (a + b = b + a). A tensor larger than a slot goes through in pieces.
 
 The barriers are FIFOs, one inbox per rank: a rank writes its number to every peer's inbox and reads its own
 until every peer has written as often as it has. A rank that dies closes its ends: with two ranks the survivor
