@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import logging
 import time
@@ -24,9 +25,9 @@ from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
 from dptrain.evaluate import evaluate, sync
 from dptrain.launch.env import DistEnv
-from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, finite_or_none, peak_memory_mb, per_rank
+from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
 from dptrain.models import build_model, training_flops_per_sample
-from dptrain.runtime import Phase
+from dptrain.runtime import Phase, WorkerFailure, barrier
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.checkpoint import Snapshotter
 from dptrain.train_state import TrainState
@@ -41,6 +42,10 @@ log = logging.getLogger("dptrain")
 class OutputError(RuntimeError):
     """The run directory could not be written; the message names the path and the cause."""
 
+
+class Diverged(WorkerFailure):
+    """The training loss became nan or inf. Every rank raises it at the same step (it is read from a loss summed
+    over the ranks), so that none waits for another; a WorkerFailure, so that it is said as it is, exit code 1."""
 
 
 def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
@@ -84,6 +89,8 @@ class Run:
     """This rank's CPU, memory and GPU use, sampled on a thread while fit() runs (None: no utilisation fields)."""
     flops_per_sample: int | None = None
     """The model's floating-point operations per training sample, forward and backward (counted on rank 0 only)."""
+    finite_through: int = 0
+    """The last step up to which every training loss was checked finite (fit() starts it at the resumed step)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -96,6 +103,7 @@ class Run:
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
                      "or use another --output.name to start afresh", state.step)
         completed = False
+        self.finite_through = state.step
         try:
             for epoch in range(state.epoch, epochs):
                 resumed = epoch == state.epoch and state.epoch_sums is not None
@@ -172,6 +180,8 @@ class Run:
             progress.advance(step_loss, state.step, batch.global_count)
             faults.signal_if_due(self.env.global_rank, state.step)
             with self.phase(f"snapshot after step {state.step}"):
+                if self.snapshots.due(state, after_evaluation=False):  # never a snapshot of a diverged state
+                    self._check_loss()
                 self.snapshots.save_if_due(state)
             self._stop_if_asked()
             if state.step >= self.total_steps:
@@ -184,8 +194,9 @@ class Run:
             accounting = self._accounting(steps)
             utilisation = self._utilisation()
         loss, correct, count = totals.tolist()
+        self._check_loss(loss)  # before the epoch's evaluation, snapshot and the final weights
         return {
-            "train_loss": finite_or_none(loss / count), "train_acc": correct / count, "train_samples": int(count),
+            "train_loss": loss / count, "train_acc": correct / count, "train_samples": int(count),
             "epoch_time_s": elapsed, "samples_per_s": state.epoch_seen / elapsed,
             **self._efficiency(state.epoch_seen / elapsed),
             "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting, **utilisation,
@@ -205,6 +216,7 @@ class Run:
             signal_name = self.stop.agreed() if self.stop is not None else None
         if signal_name:
             with self.phase(f"snapshot at step {self.state.step}"):
+                self._check_loss()
                 self.snapshots.save(self.state, wait=True)
             raise Stopped.after_step(signal_name, self.state.step)
 
@@ -252,17 +264,55 @@ class Run:
         return float(self.scheduler.get_last_lr()[0])
 
     def _log_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int) -> float:
-        """The global mean loss of this step: one all-reduce and one host sync, on log steps only."""
-        total = self.strategy.all_reduce(loss_sum.double().reshape(1).clone())
-        loss = total.item() / global_count
-        self.events.emit("step", epoch=epoch + 1, step=self.state.step, loss=finite_or_none(loss), lr=self._lr())
+        """The global mean loss of this step: one all-reduce and one host sync, on log steps only.
+
+        The epoch's loss sum rides along in the same all-reduce: a nan or inf loss at any step so far stops the run here.
+        """
+        assert self.state.epoch_sums is not None
+        step_total, epoch_total = self.strategy.all_reduce(torch.stack([loss_sum.double(), self.state.epoch_sums[0]])).tolist()
+        self._check_loss(epoch_total)
+        loss = step_total / global_count
+        self.events.emit("step", epoch=epoch + 1, step=self.state.step, loss=loss, lr=self._lr())
         return loss
+
+    def _check_loss(self, epoch_total: float | None = None) -> None:
+        """Diverged, on every rank at the same step, if this epoch's loss summed over the ranks is nan or inf.
+
+        epoch_total: that sum where the caller has just reduced it; else one all-reduce and host sync here (only before
+        a snapshot: a diverged state is never saved). Earlier epochs were checked at their ends.
+        """
+        state = self.state
+        if epoch_total is None:
+            assert state.epoch_sums is not None
+            epoch_total = self.strategy.all_reduce(state.epoch_sums[:1].clone()).item()
+        if math.isfinite(epoch_total):
+            self.finite_through = state.step
+            return
+        self.snapshots.wait()  # a background write of an earlier step holds a finite state: finish it
+        barrier()  # every rank leaves only once rank 0 has committed it
+        raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
+                                         self._last_snapshot()))
+
+    def _last_snapshot(self) -> str | None:
+        """The name of the newest snapshot this run wrote or resumed from, where the run's folder holds it."""
+        last = self.snapshots.last_step
+        name = f"{checkpoint.PREFIX}{last:08d}" if last is not None else None
+        return name if name is not None and (self.snapshots.root / name).is_dir() else None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # A graph cannot keep autocast's cache of cast weights between replays.
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16,
                               cache_enabled=self.step_graph is None)
 
+
+
+def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last_snapshot: str | None) -> str:
+    """What a diverged run says: where the loss stopped being finite, what was kept, what to change."""
+    where = f"at step {step}" if first_step >= step else f"between steps {first_step} and {step}"
+    kept = (f"the last snapshot before it, {last_snapshot}, is kept" if last_snapshot is not None
+            else "no snapshot was written before it")
+    return (f"the training loss became {value} {where} (epoch {epoch}) and the run stopped; {kept}; lower --optim.lr "
+            f"or set --train.grad_clip, and use another --output.name to start afresh.")
 
 
 def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Run:
