@@ -4,7 +4,7 @@ from unittest import mock
 
 import pytest
 
-from dptrain.launch.env import DistEnv, LaunchError, check_master_resolves, expand_nodelist
+from dptrain.launch.env import DistEnv, LaunchError, Nodes, check_master_resolves, expand_nodelist
 
 
 def test_no_launcher_is_one_process():
@@ -67,3 +67,14 @@ def test_unresolvable_master_fails_fast():
 def test_from_environ_reads_os_environ():
     with mock.patch.dict("os.environ", {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, clear=True):
         assert DistEnv.from_environ().global_rank == 2
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "0", "::", "0:0::0"])
+def test_a_wildcard_master_address_is_refused(addr):
+    # A store bound there would listen on every interface of node 0, and the other nodes cannot reach "0.0.0.0".
+    with pytest.raises(LaunchError, match=f"master address '{addr}' means every interface of a host"):
+        Nodes.from_options(2, 0, addr, None, None, {})
+    with pytest.raises(LaunchError, match="means every interface of a host"):
+        Nodes.from_options(2, 0, None, None, f"[{addr}]:29500", {})
+    with pytest.raises(LaunchError, match="means every interface of a host"):  # MASTER_ADDR from torchrun or SLURM
+        check_master_resolves(addr)

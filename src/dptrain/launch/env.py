@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -125,14 +126,19 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def check_master_resolves(addr: str) -> None:
-    """Fail fast: c10d retries an unresolvable master silently until the job's time limit."""
+    """Fail fast: c10d retries an unresolvable master silently until the job's time limit. A wildcard (0.0.0.0, ::)
+    resolves, but is no host's address: the others cannot reach it, and rank 0 or node 0 would listen on every
+    interface for the store that has no authentication."""
     try:
-        socket.getaddrinfo(addr, None)
+        resolved = socket.getaddrinfo(addr, None)
     except socket.gaierror:
         raise LaunchError(
             f"master address {addr!r} does not resolve on {socket.gethostname()}; "
             "set MASTER_ADDR to the first node's IP address or add it to /etc/hosts."
         ) from None
+    if any(ipaddress.ip_address(sockaddr[0].partition("%")[0]).is_unspecified for *_, sockaddr in resolved):
+        raise LaunchError(f"master address {addr!r} means every interface of a host, not an address the other hosts can "
+                          f"reach; give the first node's IP address or host name.")
 
 
 DEFAULT_MASTER_PORT = 29500  # the tutorials' and torchrun's; a multi-node run's every node must name the same one
