@@ -193,6 +193,16 @@ def test_launch_timeout_of_one_second_is_accepted():
     assert config.load(None, [("launch.timeout_s", "1")]).launch.timeout_s == 1.0
 
 
+@pytest.mark.parametrize("value", ["604801", "1e10", "1e300"])
+def test_launch_timeout_has_a_maximum_of_a_week(value):
+    # 1e10 s overflowed c10d's deadline (nanoseconds of a 64-bit clock) and failed every run with 2 workers.
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [("launch.timeout_s", value)])
+    assert str(err.value) == (f"launch.timeout_s = {float(value):g} is above the maximum of 604800 s (7 days) that a "
+                              f"collective may wait; set 604800 or less (the default is 300).")
+    assert config.load(None, [("launch.timeout_s", "604800")]).launch.timeout_s == 604800.0
+
+
 def test_names_are_checked_against_one_list_or_taken_as_import_paths():
     with pytest.raises(ConfigError) as err:
         config.load(None, [("model.name", "vgg")])

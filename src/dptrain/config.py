@@ -60,6 +60,9 @@ def _not_negative(value: float, name: str) -> None:
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
 MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
 MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take seconds: a shorter bound fails healthy runs
+# A week bounds any wait a healthy run has; in milliseconds it fits even a 32-bit int. 1e10 s overflowed c10d's
+# deadline (a 64-bit count of nanoseconds) and failed every multi-process run.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def is_import_path(name: str) -> bool:
@@ -264,7 +267,7 @@ class LaunchConfig:
     """Collective backend: auto is nccl on GPUs and gloo on the CPU; gloo on GPUs is the fallback to try when nccl
     misbehaves (slower: it stages tensors through host memory for some collectives)."""
     timeout_s: float = 300.0
-    """Seconds (at least 1) bounding rendezvous and any collective; a missing peer fails the run after this."""
+    """Seconds (1 to 604800, a week) bounding rendezvous and any collective; a missing peer fails the run after this."""
     max_restarts: int = 0
     """Times the elastic agent restarts the local workers after one fails; each restart resumes from the newest snapshot."""
 
@@ -276,6 +279,9 @@ class LaunchConfig:
             raise ConfigError(f"launch.timeout_s = {self.timeout_s:g} is below the minimum of {MIN_TIMEOUT_S:g} s: it bounds "
                               f"the rendezvous and every collective, and starting the workers alone takes longer than that; "
                               f"set {MIN_TIMEOUT_S:g} or more (the default is 300).")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"launch.timeout_s = {self.timeout_s:g} is above the maximum of {MAX_TIMEOUT_S:g} s (7 days) "
+                              f"that a collective may wait; set {MAX_TIMEOUT_S:g} or less (the default is 300).")
 
 
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
