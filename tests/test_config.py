@@ -28,7 +28,7 @@ def test_toml_then_overrides_take_precedence(tmp_path):
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = config.load(None, [("optim.lr", "0.05"), ("train.grad_clip", "1.5"), ("output.name", 'a "quoted" name')])
+    cfg = config.load(None, [("optim.lr", "0.05"), ("train.grad_clip", "1.5"), ("data.root", 'a "quoted" folder')])
     path = tmp_path / "config.toml"
     path.write_text(config.to_toml(cfg))
     assert config.load(path) == cfg
@@ -218,3 +218,28 @@ def test_every_option_has_a_docstring_and_a_default_that_reads_back():
     for key, option in listed.items():
         assert option.doc.strip(), f"{key} has no docstring"
         assert config.load(None, [(key, option.default)]) == RunConfig(), key  # the shown default is the default
+
+
+@pytest.mark.parametrize("name", ["../../x", "/tmp/x", "a/b", "..", ".", "", ".hidden", "-x", "a,b", "a b", "x" * 101,
+                                  "a\n2026-11-24 12:00:00,000 rank0 INFO [METRIC] epoch=9", "\x1b[31mred", "caf\udcc3"])
+def test_a_run_name_is_a_short_printable_name_not_a_path(name):
+    # One name forged 4 [METRIC] lines in the console and the log; '../../x' wrote outside runs/.
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [("output.name", name)])
+    message = str(err.value)
+    assert message.startswith("output.name = ") and "is not a run name; use up to 100 letters, digits and ._-+=@" in message
+    assert message.isprintable()  # the name is shown escaped: no line break, escape or lone surrogate reaches the console
+    assert len(message) < 300
+
+
+@pytest.mark.parametrize("name", ["run", "sgd-cosine", "e2e", "_x", "a.b_c+d=e@f-1", "x" * 100])
+def test_plain_run_names_are_accepted(name):
+    assert config.load(None, [("output.name", name)]).output.run_dir == Path("runs") / name
+
+
+@pytest.mark.parametrize("folder", ["runs/a\nb", "runs/\x1b[2Jx", "runs/\udcff"])
+def test_a_run_folder_with_control_characters_is_refused(folder):
+    with pytest.raises(ConfigError, match="holds a control character .* give a folder whose path is printable text") as err:
+        config.load(None, [("output.dir", folder)])
+    assert str(err.value).isprintable()
+    assert config.load(None, [("output.dir", "/tmp/my runs/é")]).output.run_dir == Path("/tmp/my runs/é")

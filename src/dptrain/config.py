@@ -381,12 +381,33 @@ class CheckpointConfig:
         _positive(self.keep_last, "checkpoint.keep_last")
 
 
+# A run name is one folder's name, a job's name and a word in log lines: no path separator, no '..', no control
+# character or escape that could forge a log line, no comma (TensorBoard's --logdir_spec splits on commas), and
+# never an option (a leading '-').
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,99}")
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """A user's text in an error message: quoted and escaped (no line breaks or escapes reach the console), cut short."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutputConfig:
     name: str = "run"
-    """Run name; the run directory is runs/<name> unless output.dir is set."""
+    """Run name; the run directory is runs/<name> unless output.dir is set. Up to 100 letters, digits and ._-+=@,
+    starting with a letter, digit or _ (a folder elsewhere is output.dir)."""
     dir: str | None = None
     """Run directory (None: runs/<name>)."""
+
+    def __post_init__(self) -> None:
+        if not RUN_NAME.fullmatch(self.name):
+            raise ConfigError(f"output.name = {_shown(self.name)} is not a run name; use up to 100 letters, digits and "
+                              f"._-+=@, starting with a letter, digit or _ (to put the run in another folder, give "
+                              f"--output.dir).")
+        if self.dir is not None and not self.dir.isprintable():
+            raise ConfigError(f"output.dir = {_shown(self.dir)} holds a control character (a line break, an escape) or "
+                              f"bytes that are not UTF-8 text; give a folder whose path is printable text.")
 
     @property
     def run_dir(self) -> Path:
