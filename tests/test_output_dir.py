@@ -6,12 +6,16 @@ The full and read-only disks are real: small tmpfs mounts (root only, as on the 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from dptrain import checkpoint
 from dptrain.cli import main
+from dptrain.metrics import JsonlSink
+from tests.conftest import run_cli
 
 RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
        "--train.epochs", "1", "--train.global_batch_size", "64", "--checkpoint.every_epochs", "0"]
@@ -19,21 +23,21 @@ RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256"
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """mount(size, read_only) -> a fresh tmpfs folder of that many bytes; unmounted afterwards."""
+    """mount(size, read_only, at) -> a fresh tmpfs folder of that many bytes (at a given folder); unmounted afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root; this machine's tests run as root")
     mounts = []
 
-    def mount(size: int, read_only: bool = False) -> Path:
-        folder = tmp_path / f"mnt{len(mounts)}"
-        folder.mkdir()
+    def mount(size: int, read_only: bool = False, at: Path | None = None) -> Path:
+        folder = at or tmp_path / f"mnt{len(mounts)}"
+        folder.mkdir(parents=True, exist_ok=True)
         options = f"size={size}" + (",ro" if read_only else "")
         subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], check=True)
         mounts.append(folder)
         return folder
 
     yield mount
-    for folder in mounts:
+    for folder in reversed(mounts):  # a mount inside another first
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
@@ -56,17 +60,104 @@ def test_a_read_only_folder_is_one_sentence(tmpfs, capsys):
                    f"choose another --output.dir, or fix its permissions.")
 
 
-@pytest.mark.parametrize("size_mb, what", [(3, "the final weights"), (10, "a snapshot")])
-def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, capsys, size_mb, what):
-    """mnist-cnn's weights take 4.8 MB and a snapshot with Adam's state 14.5 MB: 3 MB fails the weights, 10 MB the snapshot."""
-    folder = tmpfs(size_mb << 20)
-    run_dir = folder / "run"
-    assert main([*RUN, "--output.dir", str(run_dir)]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("dptrain: error: rank 0 failed during "), err
-    assert f"could not write {what}" in err[0] and "(No space left on device)" in err[0], err
-    assert err[0].endswith("then run the same command to resume from the last snapshot.") or \
-        err[0].endswith("then run the same command: it resumes from the last snapshot."), err
-    leftovers = [p.name for p in run_dir.rglob("*") if ".tmp" in p.name]
-    assert leftovers == []
-    assert (run_dir / "metrics.jsonl").is_file()  # what was written before is kept
+# When the snapshots come: none before the end (then the final weights, then the final snapshot), or one every 2
+# of the epoch's 4 steps (the snapshots of steps 2 and 4, then the final weights).
+SNAPSHOTS = {"at the end": [], "every 2 steps": ["--checkpoint.every_steps", "2"]}
+ONE_SENTENCE = re.compile(r"dptrain: error: rank 0 failed during [^:]+: could not write (?P<what>the final weights|a snapshot) "
+                          r"(to|into) \S+ \(No space left on device\); free space or fix permissions there, "
+                          r"then run the same command(?P<rerun>.*)")
+RESUMES = {"the final weights": ": it resumes from the last snapshot.", "a snapshot": " to resume from the last snapshot."}
+STARTS_AGAIN = " (no snapshot was written yet: it starts again from step 0)."
+
+
+def pages(path: Path) -> int:
+    """Bytes a file or folder takes on a tmpfs: each file's size rounded up to whole pages (folders take none)."""
+    page = os.sysconf("SC_PAGESIZE")
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(-(-f.stat().st_size // page) * page for f in files)
+
+
+@pytest.fixture(scope="module")
+def ample_run(tmp_path_factory):
+    """ample_run(argv) -> the run directory of `dptrain ARGV`, finished on an ample disk (once per module)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(argv: list[str]) -> Path:
+        if tuple(argv) not in made:
+            root = tmp_path_factory.mktemp("ample")
+            result = run_cli([*argv, "--output.dir", str(root / "run")], root)
+            assert result.returncode == 0, result.stderr
+            made[tuple(argv)] = root / "run"
+        return made[tuple(argv)]
+
+    return get
+
+
+def fill(folder: Path) -> None:
+    """Fill the disk of folder to its last byte."""
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    (folder / "filler").write_bytes(b"\0" * free)
+    assert os.statvfs(folder).f_bavail == 0
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("what, snapshots", [("the final weights", "at the end"), ("the final weights", "every 2 steps"),
+                                             ("a snapshot", "at the end"), ("a snapshot", "every 2 steps")])
+@pytest.mark.timeout(300)
+def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_path, ample_run, what, snapshots, workers):
+    """The disk fills at the write named, whatever this machine's file sizes: a first run on an ample disk measures
+    them, then a tmpfs holds everything written before that write and half of it. The rank logs are on a disk full
+    from the start: a log line that cannot be written is dropped without a word (each printed logging's traceback)."""
+    run = [*RUN, *SNAPSHOTS[snapshots], "--nproc-per-node", str(workers), "--launch.timeout_s", "60"]
+    ample = ample_run(run)
+    steps = sorted((ample / "checkpoints").glob(f"{checkpoint.PREFIX}*"))
+    weights = pages(ample / "model.pt")
+    small = pages(ample) - weights - sum(map(pages, steps))  # config, metrics, logs, TensorBoard
+    if snapshots == "at the end":
+        written, failing = (0, weights) if what == "the final weights" else (weights, pages(steps[0]))
+    elif what == "a snapshot":  # step 4's
+        written, failing = pages(steps[0]), pages(steps[1])
+    else:
+        written, failing = sum(map(pages, steps)), weights
+    margin = 64 * os.sysconf("SC_PAGESIZE")  # for what differs between the runs (the path in config.toml, times)
+    assert failing // 2 > margin
+    run_dir = tmpfs(small + margin + written + failing // 2) / "run"
+    fill(tmpfs(1, at=run_dir / "logs"))
+
+    result = run_cli([*run, "--output.dir", str(run_dir)], tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "Logging error" not in result.stderr + result.stdout and "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and (match := ONE_SENTENCE.fullmatch(lines[0])), result.stderr
+    assert match["what"] == what, lines
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob(f"{checkpoint.PREFIX}*"))
+    assert len(kept) == {"at the end": 0, "every 2 steps": 2 if what == "the final weights" else 1}[snapshots]
+    assert match["rerun"] == (RESUMES[what] if kept else STARTS_AGAIN), lines
+    for name in kept:  # what was written before is whole
+        checkpoint.verify(run_dir / "checkpoints" / name)
+    assert [p.name for p in run_dir.rglob("*") if ".tmp" in p.name] == []
+    assert (run_dir / "metrics.jsonl").read_text().endswith("\n")  # kept, in whole lines
+
+
+def test_metrics_that_cannot_be_written_are_one_sentence(tmpfs, tmp_path):
+    """metrics.jsonl on a full disk (a link into a full tmpfs): it printed a 36-line chain of OSErrors."""
+    full = tmpfs(1)
+    fill(full)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").symlink_to(full / "metrics.jsonl")
+    result = run_cli([*RUN, "--output.dir", str(run_dir)], tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == (f"dptrain: error: could not write the metrics to {run_dir / 'metrics.jsonl'} (No space "
+                                     f"left on device); free space or fix permissions there, then run the same command.")
+
+
+@pytest.mark.parametrize("text, kept", [("", ""), ('{"a": 1}\n', '{"a": 1}\n'), ('{"a": 1}\n{"b"', '{"a": 1}\n'),
+                                        ('{"b"', ""), ("x" * 5000 + "\n" + "y" * 9000, "x" * 5000 + "\n")])
+def test_a_metrics_line_cut_short_by_a_full_disk_goes_before_the_next_is_appended(tmp_path, text, kept):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(text)
+    sink = JsonlSink(path)
+    sink.write({"event": "run_start"})
+    sink.close()
+    assert path.read_text() == kept + '{"event": "run_start"}\n'

@@ -155,8 +155,10 @@ class Run:
                 if reason is None:
                     raise
                 tmp.unlink(missing_ok=True)
+                rerun = (": it resumes from the last snapshot." if self._newest_snapshot() is not None
+                         else " (no snapshot was written yet: it starts again from step 0).")
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
-                                  f"there, then run the same command: it resumes from the last snapshot.") from exc
+                                  f"there, then run the same command{rerun}") from exc
 
     def _run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
         """Train the rest of this epoch: one screen, in order: train, count, log, snapshot if due, stop if asked."""
@@ -290,14 +292,13 @@ class Run:
             return
         self.snapshots.wait()  # a background write of an earlier step holds a finite state: finish it
         barrier()  # every rank leaves only once rank 0 has committed it
+        last = self._newest_snapshot()
         raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
-                                         self._last_snapshot()))
+                                         last.name if last is not None else None))
 
-    def _last_snapshot(self) -> str | None:
-        """The name of the newest snapshot this run wrote or resumed from, where the run's folder holds it."""
-        last = self.snapshots.last_step
-        name = f"{checkpoint.PREFIX}{last:08d}" if last is not None else None
-        return name if name is not None and (self.snapshots.root / name).is_dir() else None
+    def _newest_snapshot(self) -> Path | None:
+        """The newest whole snapshot in the run's folder, the one the same command resumes from (None: there is none)."""
+        return next((path for path, status in checkpoint.list_snapshots(self.snapshots.root) if status.startswith("ok")), None)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # A graph cannot keep autocast's cache of cast weights between replays.

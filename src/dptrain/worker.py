@@ -32,6 +32,20 @@ def rank_log(run_dir: Path, global_rank: int) -> Path:
     return run_dir / "logs" / f"rank{global_rank}.log"
 
 
+class LogFile(logging.FileHandler):
+    """A log file of a run (a rank's, the launcher's). Where it cannot be written (a full disk), the record is dropped
+    without logging's '--- Logging error ---' traceback on stderr, which buried the one sentence saying what failed under
+    78 lines; the next record tries again, so that once the failed write has freed its space the log goes on."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if not isinstance(sys.exc_info()[1], OSError):  # our own mistakes (a bad format) still say so
+            super().handleError(record)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the last buffered lines could not be written either
+            super().close()
+
+
 def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
     """Rank 0 logs INFO to the console, other ranks WARNING; with a run_dir, every rank logs INFO to logs/rank<R>.log."""
     from rich.logging import RichHandler
@@ -44,7 +58,7 @@ def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
     fmt = logging.Formatter(f"%(asctime)s rank{env.global_rank} %(levelname)s %(message)s")
     if run_dir is not None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(rank_log(run_dir, env.global_rank))
+        file_handler = LogFile(rank_log(run_dir, env.global_rank))
         file_handler.setFormatter(fmt)
         root.addHandler(file_handler)
     if CONSOLE.is_terminal and env.is_main:

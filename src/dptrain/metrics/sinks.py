@@ -6,14 +6,18 @@ global rank 0 gets sinks; the numbers it writes are already reduced over every r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
+
+from dptrain.runtime import WorkerFailure
 
 log = logging.getLogger("dptrain")
 
@@ -25,18 +29,43 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+class MetricsWriteError(WorkerFailure):
+    """metrics.jsonl could not be written (a full disk): one sentence, said as it is wherever the loop stands."""
+
+
 class JsonlSink:
     """Appends one JSON object per event; flushed per line so a killed run keeps what it logged."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        drop_cut_line(path)
         self.file = path.open("a", buffering=1)
 
     def write(self, event: dict[str, Any]) -> None:
-        self.file.write(json.dumps(event, sort_keys=False) + "\n")
+        try:
+            self.file.write(json.dumps(event, sort_keys=False) + "\n")
+        except OSError as exc:
+            raise MetricsWriteError(f"could not write the metrics to {self.path} ({exc.strerror or exc}); free space or "
+                                    f"fix permissions there, then run the same command.") from exc
 
     def close(self) -> None:
-        self.file.close()
+        with contextlib.suppress(OSError):  # a line that could not be written has been said already
+            self.file.close()
+
+
+def drop_cut_line(path: Path) -> None:
+    """A full disk can cut the last line short: it goes, so that what is appended after it stays one object per line."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail = b""
+        while size > len(tail) and b"\n" not in tail:  # back to the last newline, 4 KiB at a time
+            f.seek(max(0, size - len(tail) - 4096))
+            tail = f.read(size - f.tell())
+        if not tail.endswith(b"\n"):
+            f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
 
 
 def metric_line(event: dict[str, Any]) -> str:
