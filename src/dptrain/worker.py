@@ -33,9 +33,9 @@ def rank_log(run_dir: Path, global_rank: int) -> Path:
 
 
 class LogFile(logging.FileHandler):
-    """A log file of a run (a rank's, the launcher's). Where it cannot be written (a full disk), the record is dropped
-    without logging's '--- Logging error ---' traceback on stderr, which buried the one sentence saying what failed under
-    78 lines; the next record tries again, so that once the failed write has freed its space the log goes on."""
+    """A log file of a run (a rank's, the launcher's) that a full disk leaves quiet: no '--- Logging error ---' traceback
+    on stderr per record, which buried the one sentence saying what failed under 78 lines. The lines wait in the file's
+    buffer and go out with a later record once the failed write has freed its space (or are lost with the buffer)."""
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         if not isinstance(sys.exc_info()[1], OSError):  # our own mistakes (a bad format) still say so
