@@ -139,6 +139,21 @@ def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_pat
     assert (run_dir / "metrics.jsonl").read_text().endswith("\n")  # kept, in whole lines
 
 
+def test_a_disk_full_from_the_start_is_one_sentence_and_keeps_the_run_files(tmpfs, tmp_path):
+    """config.toml, rewritten by every run of the folder, is replaced whole or not at all (it was a 23-line OSError)."""
+    run_dir = tmpfs(1) / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("# an earlier run's\n")
+    fill(run_dir)
+    result = run_cli([*RUN, "--output.dir", str(run_dir)], tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == (f"dptrain: error: rank 0 failed during writing config.toml and env.json: could not "
+                                     f"write {run_dir / 'config.toml'} (No space left on device); free space or fix "
+                                     f"permissions there, then run the same command.")
+    assert (run_dir / "config.toml").read_text() == "# an earlier run's\n"
+    assert [p.name for p in run_dir.rglob("*") if ".tmp" in p.name] == []
+
+
 def test_metrics_that_cannot_be_written_are_one_sentence(tmpfs, tmp_path):
     """metrics.jsonl on a full disk (a link into a full tmpfs): it printed a 36-line chain of OSErrors."""
     full = tmpfs(1)

@@ -147,9 +147,10 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             run = build(cfg, env, device, events, phase)
             step = run.state.step
             if env.is_main:  # only now: a refused resume leaves the run directory as it was
-                (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
                 record = environment_record(env, device, threads)
-                (run_dir / "env.json").write_text(json.dumps(record, indent=2) + "\n")
+                with phase("writing config.toml and env.json"):
+                    write_run_file(run_dir / "config.toml", config_mod.to_toml(cfg))
+                    write_run_file(run_dir / "env.json", json.dumps(record, indent=2) + "\n")
                 # runs/<name>/tb/: continues the curves of an earlier process from this run's step on
                 board = tensorboard.open_sink(run_dir, step, config_mod.to_dict(cfg), config_mod.to_toml(cfg), record)
                 if board is not None:
@@ -172,6 +173,20 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
     finally:
         events.close()
+
+
+def write_run_file(path: Path, text: str) -> None:
+    """One of the run's own files, replaced whole or not at all (a resume rewrites them); a full disk is one sentence."""
+    from dptrain.train import OutputError
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"could not write {path} ({exc.strerror or exc}); free space or fix permissions there, "
+                          f"then run the same command.") from exc
 
 
 def requeue_after_stop(events: EventLog, step: int) -> None:
