@@ -243,3 +243,67 @@ def test_a_run_folder_with_control_characters_is_refused(folder):
         config.load(None, [("output.dir", folder)])
     assert str(err.value).isprintable()
     assert config.load(None, [("output.dir", "/tmp/my runs/é")]).output.run_dir == Path("/tmp/my runs/é")
+
+
+def _refusal(path) -> str:
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    message = str(err.value)
+    assert message.isprintable() and message.endswith(".") and len(message) < 300
+    return message
+
+
+def test_a_config_file_that_is_no_small_text_file_is_one_sentence(tmp_path):
+    # /dev/zero was read until memory ran out (7 GB); a folder and a binary file gave tracebacks.
+    assert _refusal("/dev/zero") == ("config file /dev/zero is larger than 1 MiB, far more than a config holds; check that "
+                                     "the path names the right file.")
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * (config.MAX_CONFIG_BYTES // 10) + "[optim]\nlr = 0.1\n")
+    assert "is larger than 1 MiB" in _refusal(big)
+    assert _refusal(tmp_path) == f"config file {tmp_path} is a directory, not a file; give the path of the file."
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"PK\x03\x04\x14\x00\x00\x08\x08\x00\xe2\xab")
+    assert _refusal(binary) == (f"config file {binary} is not UTF-8 text (byte 10 is 0xe2; a binary file?); check that the "
+                                f"path names the right file.")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text, sentence", [
+    (".".join(["a"] * 50_000) + " = 1\n", "has a dotted key of 50000 parts (at most 16: an option is section.option)"),
+    (".".join(['"a"'] * 50_000) + " = 1\n", "has a dotted key of 50000 parts (at most 16: an option is section.option)"),
+    ("[" + ".".join(["t"] * 17) + "]\n", "has a dotted key of 17 parts (at most 16: an option is section.option)"),
+    ("x = " + "[" * 3000 + "]" * 3000 + "\n", "nests brackets more than 32 deep, far more than a config needs"),
+    ("x = " + "{a = " * 33 + "1" + "}" * 33 + "\n", "nests brackets more than 32 deep, far more than a config needs"),
+    ("[train]\nepochs = " + "1" * 5000 + "\n", "has a key or number longer than 100 characters"),
+    ("a" * 101 + " = 1\n", "has a key or number longer than 100 characters"),
+])
+def test_a_config_file_beyond_any_configs_needs_is_refused_before_parsing(tmp_path, text, sentence):
+    # The 50,000-part key took tomllib 61 s and 15 GB; 3,000 brackets gave a 3,002-line RecursionError; a 5,000-digit
+    # number a ValueError traceback.
+    path = tmp_path / "hostile.toml"
+    path.write_text(text)
+    assert _refusal(path) == f"config file {path} {sentence}; fix the file."
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text", ['"""\\' * 250_000, '"\\' * 500_000, "'''\\" * 250_000, 'x = "a\\\n' * 100_000])
+def test_unterminated_strings_are_scanned_in_linear_time(tmp_path, text):
+    # A scan that retried a failing string match from every quote took minutes on these.
+    path = tmp_path / "hostile.toml"
+    path.write_text(text)
+    assert _refusal(path).startswith(f"config file {path} ")
+
+
+def test_brackets_and_dots_in_strings_and_comments_are_not_counted(tmp_path):
+    path = tmp_path / "run.toml"
+    deep = "[" * 40 + "a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r"
+    path.write_text(f'# {deep} "\n[slurm]\nsetup = ["echo {deep}", \'{deep}\', """{deep}"""]\n'
+                    f"[optim]  # {deep}\nlr = 1.5e-3\n[data]\nroot = \'\'\'\n{deep}\n\'\'\'\n")
+    cfg = config.load(path)
+    assert cfg.slurm.setup == (f"echo {deep}", deep, deep) and cfg.optim.lr == 1.5e-3 and cfg.data.root == f"{deep}\n"
+
+
+def test_a_key_of_the_file_cannot_forge_a_log_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[optim]\n"x\\n2026-11-24 12:00:00,000 rank0 INFO [METRIC] epoch=9" = 1\n')
+    assert _refusal(path).startswith("unknown option optim.'x\\n2026-11-24 12:00:00,000 rank0 INFO [METRIC] epoch=9';")

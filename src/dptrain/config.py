@@ -392,6 +392,12 @@ def _shown(text: str, limit: int = 60) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
+def _key_shown(key: str) -> str:
+    """A file's key in an error message: as it is where printable and short, else as _shown gives it (a quoted TOML
+    key may hold any character)."""
+    return key if key.isprintable() and len(key) <= 60 else _shown(key)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutputConfig:
     name: str = "run"
@@ -521,7 +527,7 @@ def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
     unknown = sorted(set(values) - set(types_))
     if unknown:
         raise ConfigError(
-            f"unknown option {section}.{unknown[0]}; valid options in [{section}] are: {', '.join(types_)}."
+            f"unknown option {section}.{_key_shown(unknown[0])}; valid options in [{section}] are: {', '.join(types_)}."
         )
     return cls(**{k: _coerce(v, types_[k], f"{section}.{k}") for k, v in values.items()})
 
@@ -531,7 +537,7 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     sections = _field_types(RunConfig)
     unknown = sorted(set(tree) - set(sections))
     if unknown:
-        raise ConfigError(f"unknown config section [{unknown[0]}]; valid sections are: {', '.join(sections)}.")
+        raise ConfigError(f"unknown config section [{_key_shown(unknown[0])}]; valid sections are: {', '.join(sections)}.")
     built = {}
     for name, cls in sections.items():
         values = tree.get(name, {})
@@ -560,13 +566,68 @@ def parse_overrides(pairs: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
     return tree
 
 
+# Bounds on a config file (TOML, or DeepSpeed's JSON), checked before a parser sees it. A config is a few KB:
+# /dev/zero given as one was read until memory ran out (7 GB); tomllib's time grows with the square of a dotted key's
+# parts (50,000 parts: 61 s, 15 GB); tomllib and json recurse once per level of brackets (RecursionError near 1,000);
+# Python refuses integers of over 4,300 digits with a ValueError that neither parser turns into its own error.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_NESTING = 32
+MAX_KEY_PARTS = 16
+MAX_WORD_CHARS = 100
+# TOML's strings and comments (JSON's strings are a subset). Once started, a match cannot fail (an unterminated string
+# ends at the end of its line, or of the text for a multi-line one; a backslash at the end is taken alone), so every
+# match consumes what it scanned and the scan is linear in the text (a failing match retried from every quote was not).
+_STRINGS_AND_COMMENTS = re.compile(r'"""(?:\\.?|[^\\])*?(?:"""|\Z)|\'\'\'.*?(?:\'\'\'|\Z)|"(?:\\.?|[^"\\\n])*(?:"|\n|\Z)'
+                                   r"|'[^'\n]*(?:'|\n|\Z)|#[^\n]*", re.DOTALL)
+_DOTTED_WORDS = re.compile(r"[\w+:-]+(?:[ \t]*\.[ \t]*[\w+:-]+)*")  # a bare or dotted key, a number, a date
+
+
+def read_config_text(path: Path, where: str) -> str:
+    """A config file's text, refused in one sentence (ConfigError starting with `where`) where it is a directory,
+    unreadable, over MAX_CONFIG_BYTES, not UTF-8, or nests, dots or spells out its words beyond any config's needs.
+    FileNotFoundError is left to the caller, whose sentence says where the path came from."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # /dev/zero, a FIFO: never more than this
+    except IsADirectoryError:
+        raise ConfigError(f"{where} is a directory, not a file; give the path of the file.") from None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read ({exc.strerror or type(exc).__name__}); fix the file or its "
+                          f"permissions, or give another file.") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES >> 20} MiB, far more than a config holds; check "
+                          f"that the path names the right file.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}; a binary file?); "
+                          f"check that the path names the right file.") from None
+    bare = _STRINGS_AND_COMMENTS.sub(lambda m: "" if m.group().startswith("#") else "s", text)
+    depth = 0
+    for bracket in re.sub(r"[^\[\]{}]+", "", bare):
+        depth += 1 if bracket in "[{" else -1
+        if depth > MAX_CONFIG_NESTING:
+            raise ConfigError(f"{where} nests brackets more than {MAX_CONFIG_NESTING} deep, far more than a config "
+                              f"needs; fix the file.")
+    for words in _DOTTED_WORDS.finditer(bare):
+        parts = words.group().split(".")
+        if len(parts) > MAX_KEY_PARTS:
+            raise ConfigError(f"{where} has a dotted key of {len(parts)} parts (at most {MAX_KEY_PARTS}: an option is "
+                              f"section.option); fix the file.")
+        if max(map(len, parts)) > MAX_WORD_CHARS:
+            raise ConfigError(f"{where} has a key or number longer than {MAX_WORD_CHARS} characters; fix the file.")
+    return text
+
+
 def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> RunConfig:
     """TOML file (optional) with dotted overrides on top, validated."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
-            tree = tomllib.loads(path.read_text())
+            tree = tomllib.loads(read_config_text(path, f"config file {path}"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
         except tomllib.TOMLDecodeError as exc:
