@@ -73,6 +73,13 @@ HOSTILE = {  # name -> (the file's settings, the options, a fragment of the one 
     "other betas": ({"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.999], "adam_w_mode": False}}}, (), "sets optimizer betas \\[0.8, 0.999\\] but torch's default is \\[0.9, 0.999\\]"),
     "another optimizer": ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, (), "asks for optimizer 'Lamb', which dptrain does not build"),
     "bf16 weights": ({"bf16": {"enabled": True}}, (("train.bf16", "true"),), "enables bf16, but precision is dptrain's train.bf16 \\(bfloat16 autocast over float32 weights"),
+    # NaN was refused with advice to pass --train.grad_clip nan; Python's json reads NaN, Infinity and 1e400 as floats.
+    "NaN clipping": ('{"gradient_clipping": NaN}', (), r"holds the number NaN, which is not finite; put a finite number in the file there, or remove that setting\.$"),
+    "infinite lr": ('{"optimizer": {"type": "Adam", "params": {"lr": -Infinity}}}', (), r"holds the number -Infinity, which is not finite"),
+    "1e400": ('{"gradient_clipping": 1e400}', (), r"holds the number 1e400, which is not finite"),
+    # json's RecursionError (a traceback) and Python's ValueError for integers of over 4,300 digits.
+    "deep nesting": ("[" * 3000 + "]" * 3000, (), r"nests brackets more than 32 deep, far more than a config needs; fix the file\.$"),
+    "a huge integer": ('{"train_batch_size": ' + "1" * 5000 + "}", (), r"has a key or number longer than 100 characters; fix the file\.$"),
 }
 
 
@@ -89,8 +96,16 @@ def test_a_missing_or_unreadable_file_is_one_sentence(tmp_path):
     assert refusal(missing) == (f"strategy.deepspeed_config {tmp_path / 'nope.json'} does not exist; check the path, "
                                 f"or leave the option out for DeepSpeed's defaults.")
     folder = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(tmp_path))])
-    assert refusal(folder) == (f"strategy.deepspeed_config {tmp_path} cannot be read (Is a directory); fix the file or its "
-                               f"permissions, or give another file.")
+    assert refusal(folder) == f"strategy.deepspeed_config {tmp_path} is a directory, not a file; give the path of the file."
+    # /dev/zero was read without a bound (7 GB before a MemoryError under a cap).
+    endless = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", "/dev/zero")])
+    assert refusal(endless) == ("strategy.deepspeed_config /dev/zero is larger than 1 MiB, far more than a config holds; "
+                                "check that the path names the right file.")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x80\x02}q\x00")
+    wrong = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(binary))])
+    assert refusal(wrong) == (f"strategy.deepspeed_config {binary} is not UTF-8 text (byte 0 is 0x80; a binary file?); "
+                              f"check that the path names the right file.")
 
 
 def test_fp16_on_a_gpu_is_refused_too(tmp_path):

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
+from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig, read_config_text
 from dptrain.strategies.base import OptimizerSpec, Strategy
 
 INSTALL = "pip install 'dptrain[deepspeed]'"
@@ -58,17 +59,22 @@ def skip_shared_memory_op() -> None:
 
 
 def read_user_config(path: str) -> dict[str, Any]:
-    """The ds_config.json as a dict; ConfigError in one sentence if it is missing, unreadable or not a JSON object."""
+    """The ds_config.json as a dict; ConfigError in one sentence if it is missing, unreadable, not a small text file
+    (read_config_text's bounds) or not a JSON object."""
     where = f"strategy.deepspeed_config {path}"
     try:
-        text = Path(path).read_text()
+        text = read_config_text(Path(path), where)
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist; check the path, or leave the option out for DeepSpeed's defaults.") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or type(exc).__name__
-        raise ConfigError(f"{where} cannot be read ({reason}); fix the file or its permissions, or give another file.") from None
+    def finite(number_text: str) -> float:  # JSON's NaN and Infinity (Python's json reads them), and 1e400
+        number = float(number_text)
+        if not math.isfinite(number):
+            raise ConfigError(f"{where} holds the number {number_text}, which is not finite; put a finite number in the "
+                              f"file there, or remove that setting.")
+        return number
+
     try:
-        tree = json.loads(text)
+        tree = json.loads(text, parse_float=finite, parse_constant=finite)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); fix the file.") from None
     if not isinstance(tree, dict):
