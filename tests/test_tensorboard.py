@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -117,3 +118,23 @@ def test_the_tensorboard_command_serves_the_runs_on_loopback(tmp_path, monkeypat
     assert f"at http://127.0.0.1:{port}/" in out
     assert f"ssh -N -L {port}:127.0.0.1:{port} " in out
     assert "TensorBoard stopped" in out
+
+
+def test_a_port_that_is_no_port_or_is_taken_and_a_file_given_as_run_dir_are_one_sentence(tmp_path, capsys):
+    # Each was a 31- to 38-line traceback (TensorBoard's bind, socket's OverflowError), and a file "did not exist".
+    (tmp_path / "runs" / "run" / "tb").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("not a run\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv in ([str(tmp_path / "runs" / "run"), "--port", "99999"], [str(tmp_path / "runs" / "run"), "--port", "-1"],
+                     [str(tmp_path / "runs" / "run"), "--port", str(port)], [str(tmp_path / "notes.txt")]):
+            assert main(["tensorboard", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "dptrain: error: --port 99999 is not a TCP port; pick one from 1024 to 65535, or leave --port out for a free one.",
+        "dptrain: error: --port -1 is not a TCP port; pick one from 1024 to 65535, or leave --port out for a free one.",
+        f"dptrain: error: port {port} on 127.0.0.1 is taken by another program; choose another --port, or leave it out "
+        f"for a free one.",
+        f"dptrain: error: {tmp_path / 'notes.txt'} is a file, not a run directory; give a run directory such as runs/run.",
+    ]

@@ -10,6 +10,7 @@ has two points. tensorboard is imported only here, when a run starts on rank 0 (
 
 from __future__ import annotations
 
+import errno
 import getpass
 import json
 import logging
@@ -121,6 +122,8 @@ def open_sink(run_dir: Path, start_step: int, config: dict[str, Any], config_tom
 def logdir_args(run_dirs: list[Path]) -> list[str]:
     """TensorBoard's --logdir for one run's tb/, or --logdir_spec name:path,... for several (names made unique)."""
     for run_dir in run_dirs:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"{run_dir} is a file, not a run directory; give a run directory such as runs/run.")
         if not run_dir.is_dir():
             raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory such as runs/run.")
         if not (run_dir / "tb").is_dir():
@@ -145,9 +148,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def check_port_free(port: int) -> None:
+    """ConfigError in one sentence where 127.0.0.1:port cannot be bound. Checked before TensorBoard starts: its own
+    failure comes after it has started its data server and printed notes, as a traceback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TensorBoard's server binds
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on 127.0.0.1 is taken by another program; choose another --port, or "
+                                  f"leave it out for a free one.") from None
+            raise ConfigError(f"TensorBoard cannot listen on 127.0.0.1:{port} ({exc.strerror}); choose another --port, "
+                              f"or leave it out for a free one.") from None
+
+
 def serve(run_dirs: list[Path], port: int | None = None) -> int:
     """TensorBoard on 127.0.0.1 only (reached from elsewhere through an ssh tunnel), reloading every second,
     until Ctrl-C."""
+    if port is not None and not 0 <= port < 65536:
+        raise ConfigError(f"--port {port} is not a TCP port; pick one from 1024 to 65535, or leave --port out for a free one.")
+    if port:
+        check_port_free(port)
     args = logdir_args(run_dirs)
     from tensorboard import program  # lazy: ~1 s of imports
 
