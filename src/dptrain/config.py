@@ -57,6 +57,11 @@ def _not_negative(value: float, name: str) -> None:
         raise ConfigError(f"{name} = {value} must be 0 or more.")
 
 
+def _shown(text: str, limit: int = 60) -> str:
+    """A user's text in an error message: quoted and escaped (no line breaks or escapes reach the console), cut short."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
 MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
 MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take seconds: a shorter bound fails healthy runs
@@ -284,6 +289,9 @@ class LaunchConfig:
                               f"that a collective may wait; set {MAX_TIMEOUT_S:g} or less (the default is 300).")
 
 
+# The slurm options that become one word of the job script (#SBATCH --partition=debug, export MASTER_ADDR=...): a
+# space in one would start another sbatch option there ('debug --job-name=X' ran the job as X).
+SLURM_WORDS = ("time", "partition", "account", "qos", "constraint", "mem", "master_addr")
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 
 
@@ -344,17 +352,21 @@ class SlurmConfig:
         if self.cpus_per_node and ranks > self.cpus_per_node:
             raise ConfigError(f"slurm.ranks_per_node = {ranks} is more than slurm.cpus_per_node = {self.cpus_per_node}; "
                               f"give every rank a core at least.")
+        for name in SLURM_WORDS:
+            value = getattr(self, name)
+            if value is not None and any(c.isspace() or not c.isprintable() for c in value):
+                raise ConfigError(f"slurm.{name} = {_shown(value)} holds a space or control character, which would split "
+                                  f"its line into more options; give one word, as sbatch takes it (other sbatch options "
+                                  f"go in slurm.sbatch).")
         if self.time is not None and not SLURM_TIME.fullmatch(self.time):
             raise ConfigError(f"slurm.time = {self.time!r} is not a time sbatch reads; write it as HH:MM:SS or D-HH:MM:SS.")
         if self.requeue and not self.signal_lead_s:
             raise ConfigError("slurm.requeue needs slurm.signal_lead_s above 0: the signal is what makes the ranks write "
                               "the snapshot the rerun resumes from.")
-        texts = {"setup": self.setup, "sbatch": self.sbatch}
-        texts.update({name: (getattr(self, name) or "",) for name in ("time", "partition", "account", "qos", "constraint",
-                                                                       "mem", "master_addr", "python")})
-        for name, lines in texts.items():
-            if any("\n" in line or "\r" in line for line in lines):
-                raise ConfigError(f"slurm.{name} holds a line break; give one line per list item.")
+        for name, lines in {"setup": self.setup, "sbatch": self.sbatch, "python": (self.python or "",)}.items():
+            if any(not c.isprintable() and c != "\t" for line in lines for c in line):
+                raise ConfigError(f"slurm.{name} holds a line break or another control character; give printable text, "
+                                  f"one line per list item.")
 
     @property
     def ranks_here(self) -> int:
@@ -385,11 +397,6 @@ class CheckpointConfig:
 # character or escape that could forge a log line, no comma (TensorBoard's --logdir_spec splits on commas), and
 # never an option (a leading '-').
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,99}")
-
-
-def _shown(text: str, limit: int = 60) -> str:
-    """A user's text in an error message: quoted and escaped (no line breaks or escapes reach the console), cut short."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def _key_shown(key: str) -> str:

@@ -177,3 +177,28 @@ def test_setup_lines_cannot_smuggle_a_line_break_through_the_config_file(tmp_pat
     (tmp_path / "bad.toml").write_text('[slurm]\nsbatch = ["--mail-type=END\\nrm -rf ~"]\n')
     with pytest.raises(ConfigError, match="slurm.sbatch holds a line break"):
         config_mod.load(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize("option", ["--partition", "--account", "--qos", "--constraint", "--mem", "--time", "--master-addr"])
+@pytest.mark.parametrize("value", ["debug --job-name=X --comment=y", "debug\tx", "debug\n#SBATCH --job-name=X", "a\x1b[2J"])
+def test_a_space_or_control_character_in_a_one_word_job_option_is_refused(submit, tmp_path, option, value):
+    # --partition 'debug --job-name=X --comment=y' became '#SBATCH --partition=debug --job-name=X --comment=y': the job ran
+    # as X.
+    code, _, err = submit(option, value, *DATA)
+    assert code == 2
+    [line] = err.strip().splitlines()
+    name = option.removeprefix("--").replace("-", "_")
+    assert line == (f"dptrain: error: slurm.{name} = {value!r} holds a space or control character, which would split its "
+                    f"line into more options; give one word, as sbatch takes it (other sbatch options go in slurm.sbatch).")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("option", ["--setup", "--sbatch", "--python"])
+def test_a_control_character_in_a_job_line_is_refused(submit, tmp_path, option):
+    code, _, err = submit(option, "echo \x1b[2J\x1b[Hforged", *DATA)
+    assert code == 2
+    assert err.strip().splitlines() == [f"dptrain: error: slurm.{option[2:]} holds a line break or another control character; "
+                                        f"give printable text, one line per list item."]
+    # a tab is a shell line's own
+    code, out, err = submit("--dry-run", option, "echo\ta", *DATA)
+    assert code == 0 and "echo\ta" in out, err
