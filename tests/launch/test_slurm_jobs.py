@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dptrain import config
+from dptrain.config import ConfigError
+from dptrain.launch import slurm
 from tests.conftest import FLOAT64_ENV, read_events
 from tests.launch.test_multinode import MULTINODE
 
@@ -149,3 +152,28 @@ def test_a_master_that_does_not_resolve_fails_within_30_s_naming_it(slurm_cluste
     errors = (run_dir / "logs" / f"slurm-{jobs['unresolvable'][0]}.err").read_text()
     assert re.search(r"^dptrain: error: rank \d failed during rendezvous: master address 'no-such-host.invalid' does "
                      r"not resolve on \S+; set MASTER_ADDR", errors, re.M), errors
+
+
+@pytest.mark.timeout(60)
+def test_a_job_no_node_of_the_partition_can_hold_is_refused_naming_what_sinfo_says(slurm_cluster, monkeypatch):
+    # --ranks-per-node 64 on the cluster's 8-CPU nodes was submitted and pended for ever (reason PartitionConfig).
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+
+    def refusal(*overrides: tuple[str, str]) -> str:
+        with pytest.raises(ConfigError) as err:
+            slurm.check_nodes_fit(config.load(None, list(overrides)).slurm)
+        return str(err.value)
+
+    assert refusal(("slurm.ranks_per_node", "64")) == (
+        "the job asks for 64 CPUs per node, but no node of the default partition has as many (sinfo: 8 CPUs and 0 GPUs "
+        "at most), so it would wait in the queue for ever; ask for fewer ranks or cores per node (--ranks-per-node, "
+        "--cpus-per-node, --gpus-per-node), or another --partition.")
+    assert refusal(("slurm.gpus_per_node", "1"), ("slurm.partition", "debug")).startswith(
+        "the job asks for 1 CPU and 1 GPU per node, but no node of partition debug has as many (sinfo: 8 CPUs and 0 GPUs")
+    assert refusal(("slurm.nodes", "3")) == ("the job asks for 3 nodes, but the default partition has 2 nodes (sinfo), so "
+                                             "it would wait in the queue for ever; ask for 2 or fewer (--nodes), or "
+                                             "another --partition.")
+    slurm.check_nodes_fit(config.load(None, [("slurm.nodes", "2"), ("slurm.ranks_per_node", "8")]).slurm)  # fits
+    # sbatch, not this check, names a partition the cluster does not have
+    slurm.check_nodes_fit(config.load(None, [("slurm.partition", "nosuch"), ("slurm.ranks_per_node", "64")]).slurm)

@@ -202,3 +202,44 @@ def test_a_control_character_in_a_job_line_is_refused(submit, tmp_path, option):
     # a tab is a shell line's own
     code, out, err = submit("--dry-run", option, "echo\ta", *DATA)
     assert code == 0 and "echo\ta" in out, err
+
+
+SINFO = """\
+gpu01|gpu|64|gpu:a100:4(S:0-1)
+gpu02|gpu|64|gpu:a100:2(S:0),gpu:v100:2(S:1),nvme:1
+cpu01|small*|16|(null)
+cpu02|small*|16|(null)
+cpu01|all|16|(null)
+big01|all|128|(null)
+sinfo: error: a line that is no node
+"""
+
+
+@pytest.mark.parametrize("partition, nodes", [
+    (None, [slurm.Node("cpu01", 16, 0), slurm.Node("cpu02", 16, 0)]),  # the default partition, marked *
+    ("gpu", [slurm.Node("gpu01", 64, 4), slurm.Node("gpu02", 64, 4)]),
+    ("all", [slurm.Node("cpu01", 16, 0), slurm.Node("big01", 128, 0)]),
+    ("small,all", [slurm.Node("cpu01", 16, 0), slurm.Node("cpu02", 16, 0), slurm.Node("big01", 128, 0)]),
+    ("nosuch", []),
+])
+def test_sinfo_nodes_are_read_per_partition(partition, nodes):
+    assert slurm.partition_nodes(SINFO, partition) == nodes
+
+
+@pytest.mark.parametrize("options, request_", [
+    ([], (1, 0)),
+    (["--ranks-per-node", "64"], (64, 0)),
+    (["--ranks-per-node", "4", "--cpus-per-node", "18"], (16, 0)),  # 4 tasks x --cpus-per-task 4
+    (["--gpus-per-node", "4", "--cpus-per-node", "32"], (32, 4)),
+    (["--ranks-per-node", "64", "--mode", "agent"], (1, 0)),  # one agent task per node
+])
+def test_the_cpus_and_gpus_one_node_must_have_are_those_the_script_asks_for(options, request_):
+    from dptrain.cli import build_parser, submit_overrides
+
+    args, _ = build_parser().parse_known_args(["submit", *options])
+    assert slurm.per_node_request(config_mod.load(None, submit_overrides(args)).slurm) == request_
+
+
+def test_without_sinfo_the_partition_is_not_checked(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    slurm.check_nodes_fit(config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm)
