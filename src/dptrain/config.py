@@ -62,6 +62,12 @@ def _shown(text: str, limit: int = 60) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
+def _key_shown(key: str) -> str:
+    """A file's key in an error message: as it is where printable and short, else as _shown gives it (a quoted TOML
+    key may hold any character)."""
+    return key if key.isprintable() and len(key) <= 60 else _shown(key)
+
+
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
 MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
 MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take seconds: a shorter bound fails healthy runs
@@ -397,12 +403,6 @@ class CheckpointConfig:
 # character or escape that could forge a log line, no comma (TensorBoard's --logdir_spec splits on commas), and
 # never an option (a leading '-').
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,99}")
-
-
-def _key_shown(key: str) -> str:
-    """A file's key in an error message: as it is where printable and short, else as _shown gives it (a quoted TOML
-    key may hold any character)."""
-    return key if key.isprintable() and len(key) <= 60 else _shown(key)
 
 
 @dataclass(frozen=True, kw_only=True)
