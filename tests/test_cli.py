@@ -148,7 +148,7 @@ def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path,
     base = tmp_path / "base.toml"
     base.write_text('[optim]\nname = "sgd"\nlr = 0.1\n[train]\nepochs = 3\n')
     argv = ["--config", str(base), "--optim.lr", "3e-4", "--train.bf16=true", "--data.synthetic_shape", "3,8,8",
-            "--train.grad_clip", "1.5", "--output.name", 'a "quoted" name', "--nproc-per-node", "2"]
+            "--train.grad_clip", "1.5", "--data.root", 'a "quoted" folder', "--nproc-per-node", "2"]
     assert main(["config", *argv]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
@@ -156,7 +156,7 @@ def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path,
     resolved.write_text(captured.out)
     cfg = config.load(resolved)
     assert cfg == config.load(base, [("optim.lr", "3e-4"), ("train.bf16", "true"), ("data.synthetic_shape", "3,8,8"),
-                                     ("train.grad_clip", "1.5"), ("output.name", 'a "quoted" name'),
+                                     ("train.grad_clip", "1.5"), ("data.root", 'a "quoted" folder'),
                                      ("launch.nproc_per_node", "2")])
     assert (cfg.optim.name, cfg.optim.lr, cfg.train.epochs, cfg.launch.nproc_per_node) == ("sgd", 3e-4, 3, 2)
     assert main(["config", "--config", str(resolved)]) == 0
