@@ -30,6 +30,7 @@ from dptrain.launch.env import DistEnv, LaunchError, Nodes
 from dptrain.imports import import_object
 from dptrain.models import check_input
 from dptrain.runtime import WorkerFailure, leave_now, lift_exit_deadline, wants_cuda
+from dptrain.safe_load import UnsafeFileError, check_private_file
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -250,6 +251,10 @@ def snapshot_and_its_run(args: argparse.Namespace, extra: list[str], command: st
     if not saved.is_file():
         raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
                           f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
+    try:  # it names the data and the model (even code to import): it is as much input from others as the snapshot
+        check_private_file(saved, "the run's configuration")
+    except UnsafeFileError as exc:
+        raise ConfigError(str(exc)) from None
     overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1)),
                  ("launch.max_restarts", "0")]
     cfg = config_mod.load(saved, overrides)

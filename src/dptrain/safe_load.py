@@ -31,18 +31,40 @@ class UnsafeFileError(ValueError):
 
 def check_private(folder: Path, what: str) -> None:
     """Refuse `folder` (and everything in it) if it is not ours or if group or others may write to it."""
-    me = os.geteuid()
     for path in [folder, *sorted(folder.rglob("*"))]:
-        info = path.lstat()
-        if path != folder and not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-            raise UnsafeFileError(f"{what} {folder} holds {path}, which is a link or a device, not a plain file; "
-                                  f"a snapshot holds plain files only, so it is not read.")
-        if info.st_uid != me:
-            raise UnsafeFileError(f"{what} {folder} holds {path}, owned by user id {info.st_uid}, not by you ({me}); "
-                                  f"a file written by someone else could run code on load, so it is not read.")
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise UnsafeFileError(f"{what} {folder} holds {path}, which others may write to (mode {stat.filemode(info.st_mode)}); "
-                                  f"if you trust it, run 'chmod -R go-w {folder}', else do not use it.")
+        problem = _not_private(path, plain=path != folder)
+        if problem is not None:
+            advice = {"link": "a snapshot holds plain files only, so it is not read.",
+                      "owner": "a file written by someone else could run code on load, so it is not read.",
+                      "mode": f"if you trust it, run 'chmod -R go-w {folder}', else do not use it."}[problem[0]]
+            raise UnsafeFileError(f"{what} {folder} holds {path}, {problem[1]}; {advice}")
+
+
+def check_private_file(path: Path, what: str) -> None:
+    """Refuse the file `path` if it is not a plain file of ours or if group or others may write to it: a snapshot's
+    rule, for a file that decides what a command loads (a run's config.toml names the data, and may name code)."""
+    problem = _not_private(path, plain=True)
+    if problem is not None:
+        kind, wrong = problem
+        sentence = {"link": f"{what} {path} is a link or a device, not a plain file; it is not read.",
+                    "owner": f"{what} {path} is {wrong}; a file written by someone else could change what is loaded or "
+                             f"run code, so it is not read.",
+                    "mode": f"{what} {path} is a file {wrong}; if you trust it, run 'chmod go-w {path}', else do not "
+                            f"use it."}[kind]
+        raise UnsafeFileError(sentence)
+
+
+def _not_private(path: Path, plain: bool) -> tuple[str, str] | None:
+    """('link' | 'owner' | 'mode', what is wrong with path), or None if it is a folder or plain file of ours alone."""
+    info = path.lstat()
+    me = os.geteuid()
+    if plain and not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+        return "link", "which is a link or a device, not a plain file"
+    if info.st_uid != me:
+        return "owner", f"owned by user id {info.st_uid}, not by you ({me})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "mode", f"which others may write to (mode {stat.filemode(info.st_mode)})"
+    return None
 
 
 def make_private(folder: Path) -> None:

@@ -181,7 +181,10 @@ def write_run_file(path: Path, text: str) -> None:
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)
+        # Never group- or other-writable, whatever the umask: eval and predict refuse a config.toml others could change.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as file:
+            file.write(text)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

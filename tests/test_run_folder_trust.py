@@ -1,0 +1,79 @@
+"""What eval and predict read from a run folder besides the snapshot, its config.toml, gets the snapshot's checks.
+
+The configuration names the data eval scores and the model (even code to import): a group member who could edit it
+changed the accuracy eval reported (0.7388 -> 0.9188, exit 0) before it was checked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dptrain.cli import main
+
+RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "64", "--data.synthetic_test_size", "16",
+       "--train.epochs", "1", "--train.global_batch_size", "32"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished one-worker run, written under umask 002 (which grants the group write permission)."""
+    folder = tmp_path_factory.mktemp("trust") / "run"
+    old = os.umask(0o002)
+    try:
+        assert main([*RUN, "--output.dir", str(folder)]) == 0
+    finally:
+        os.umask(old)
+    return folder
+
+
+def test_a_config_written_under_umask_002_is_closed_to_the_group_and_eval_reads_it(run_dir, capsys):
+    assert (run_dir / "config.toml").stat().st_mode & 0o022 == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run_dir)]) == 0
+    assert "eval_acc=" in capsys.readouterr().out
+
+
+def test_a_config_others_may_write_is_refused_before_it_is_read(run_dir, capsys):
+    config = run_dir / "config.toml"
+    original = config.read_text()
+    config.chmod(0o664)
+    try:
+        for command in (["eval", "--checkpoint", str(run_dir)],
+                        ["predict", "--checkpoint", str(run_dir), "--input", str(run_dir / "none.npy"),
+                         "--output", str(run_dir / "p.csv")]):
+            capsys.readouterr()
+            assert main(command) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"dptrain: error: the run's configuration {config} is a file which others may write to "
+                           f"(mode -rw-rw-r--); if you trust it, run 'chmod go-w {config}', else do not use it."]
+    finally:
+        config.chmod(0o644)
+    assert config.read_text() == original and not (run_dir / "p.csv").exists()
+
+
+def test_a_config_of_another_user_or_a_link_is_refused(run_dir, tmp_path, capsys):
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root; this machine's tests run as root")
+    config = run_dir / "config.toml"
+    moved = tmp_path / "config.toml"
+    config.rename(moved)
+    try:
+        config.symlink_to(moved)
+        assert main(["eval", "--checkpoint", str(run_dir)]) == 2
+        assert capsys.readouterr().err.strip() == (f"dptrain: error: the run's configuration {config} is a link or a "
+                                                   f"device, not a plain file; it is not read.")
+        config.unlink()
+        moved.rename(config)
+        os.chown(config, 65534, 65534)
+        assert main(["eval", "--checkpoint", str(run_dir)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"dptrain: error: the run's configuration {config} is owned by user id 65534, not by you (0); a file written "
+            f"by someone else could change what is loaded or run code, so it is not read.")
+    finally:
+        if config.is_symlink():
+            config.unlink()
+        if moved.exists():
+            moved.rename(config)
+        os.chown(config, 0, 0)
