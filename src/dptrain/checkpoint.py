@@ -302,8 +302,10 @@ def _writing(write: Any, tmp: Path, run_dir: Path) -> Any:
         if reason is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+        rerun = (" to resume from the last snapshot." if newest_whole(run_dir / "checkpoints") is not None
+                 else " (no snapshot was written yet: it starts again from step 0).")
         raise SnapshotError(f"could not write a snapshot into {run_dir / 'checkpoints'} ({reason}); "
-                            f"free space or fix permissions there, then run the same command to resume from the last snapshot.") from exc
+                            f"free space or fix permissions there, then run the same command{rerun}") from exc
 
 
 def write_failure(exc: BaseException | None) -> str | None:
@@ -443,6 +445,11 @@ def list_snapshots(root: Path) -> list[tuple[Path, str]]:
         except SnapshotError as exc:
             out.append((path, str(exc)))
     return out
+
+
+def newest_whole(root: Path) -> Path | None:
+    """The newest snapshot under root that verifies, the one the same command resumes from; None if there is none."""
+    return next((path for path, status in list_snapshots(root) if status.startswith("ok")), None)
 
 
 def find_latest(root: Path) -> Path | None:

@@ -155,7 +155,7 @@ class Run:
                 if reason is None:
                     raise
                 tmp.unlink(missing_ok=True)
-                rerun = (": it resumes from the last snapshot." if self._newest_snapshot() is not None
+                rerun = (": it resumes from the last snapshot." if checkpoint.newest_whole(self.snapshots.root) is not None
                          else " (no snapshot was written yet: it starts again from step 0).")
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
                                   f"there, then run the same command{rerun}") from exc
@@ -292,13 +292,9 @@ class Run:
             return
         self.snapshots.wait()  # a background write of an earlier step holds a finite state: finish it
         barrier()  # every rank leaves only once rank 0 has committed it
-        last = self._newest_snapshot()
+        last = checkpoint.newest_whole(self.snapshots.root)
         raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
                                          last.name if last is not None else None))
-
-    def _newest_snapshot(self) -> Path | None:
-        """The newest whole snapshot in the run's folder, the one the same command resumes from (None: there is none)."""
-        return next((path for path, status in checkpoint.list_snapshots(self.snapshots.root) if status.startswith("ok")), None)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # A graph cannot keep autocast's cache of cast weights between replays.
