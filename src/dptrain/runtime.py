@@ -85,16 +85,18 @@ def roll_call(store: dist.Store, env: DistEnv, wait_s: float) -> list[int]:
     its host, rank 0, is the one missing.
     """
     prefix = f"dptrain/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    try:
-        store.set(f"{prefix}{env.global_rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            silent = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
-            if not silent or time.monotonic() > deadline:
-                return silent
-            time.sleep(0.1)
-    except RuntimeError:
-        return [0] if env.global_rank != 0 else []
+    # A store whose host is gone: c10d warns with 15 lines of C++ frames before the error this answers with [0].
+    with cpp_warnings_off():
+        try:
+            store.set(f"{prefix}{env.global_rank}", "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                silent = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+                if not silent or time.monotonic() > deadline:
+                    return silent
+                time.sleep(0.1)
+        except RuntimeError:
+            return [0] if env.global_rank != 0 else []
 
 
 def _one_line(exc: BaseException) -> str:
@@ -144,6 +146,25 @@ def libc_function(name: str) -> Any:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
+
+
+@contextlib.contextmanager
+def cpp_warnings_off() -> Iterator[None]:
+    """Within: libtorch's C++ warnings are not printed (c10's log level raised to ERROR, as TORCH_CPP_LOG_LEVEL=ERROR
+    would at start-up); errors still are. For calls whose failure is expected and answered in a sentence of ours.
+    Nothing changes where libc10 does not export the flag (a build logging through glog)."""
+    import ctypes
+
+    try:
+        level = ctypes.c_int.in_dll(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")), "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        yield
+        return
+    saved, level.value = level.value, max(level.value, 2)  # 2: ERROR
+    try:
+        yield
+    finally:
+        level.value = saved
 
 
 # glibc's mallopt parameters (malloc.h)

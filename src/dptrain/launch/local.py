@@ -163,7 +163,9 @@ def _agent_log_to(log_dir: Path | None) -> Iterator[None]:
     handler: logging.Handler = logging.NullHandler()
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(log_dir / "launcher.log")
+        from dptrain.worker import LogFile  # quiet on a full disk, as the ranks' own logs
+
+        handler = LogFile(log_dir / "launcher.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = []
     for name in AGENT_LOGGERS:
