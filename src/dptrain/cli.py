@@ -184,6 +184,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
+    slurm.check_nodes_fit(cfg.slurm)  # after the dry run, which prints the script on a machine with no cluster too
     (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     job.config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
@@ -358,6 +359,10 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         if args.dry_run:
             print(jobs.dry_run(sweep), end="")
             return 0
+        from dptrain.launch import slurm
+
+        for cfg, _ in jobs.checks(sweep):
+            slurm.check_nodes_fit(cfg.slurm)
         failures = jobs.run_jobs(sweep)
     else:
         failures = run_sweep(sweep)

@@ -177,3 +177,15 @@ def test_a_job_no_node_of_the_partition_can_hold_is_refused_naming_what_sinfo_sa
     slurm.check_nodes_fit(config.load(None, [("slurm.nodes", "2"), ("slurm.ranks_per_node", "8")]).slurm)  # fits
     # sbatch, not this check, names a partition the cluster does not have
     slurm.check_nodes_fit(config.load(None, [("slurm.partition", "nosuch"), ("slurm.ranks_per_node", "64")]).slurm)
+
+
+@pytest.mark.timeout(60)
+def test_submit_refuses_a_job_that_would_pend_for_ever_before_writing_anything(slurm_cluster, monkeypatch, tmp_path, capsys):
+    from dptrain.cli import main
+
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", *SHORT, "--output.name", "too-wide", "--ranks-per-node", "64"]) == 2
+    assert "would wait in the queue for ever" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
