@@ -6,6 +6,8 @@ import gzip
 import os
 import pickle
 import struct
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
@@ -150,6 +152,94 @@ def test_read_idx_damaged_gzip(tmp_path, damage):
     with pytest.raises(DataError) as info:
         read_idx(path, 3)
     assert "gzip" in assert_names_file(info, path)
+
+
+# ---------------------------------------------------------------- IDX: gzip bombs
+
+BOMB_ZEROS = 64 << 20  # unpacks from about 64 KB; the reader must never hold it all
+BOMB_SLACK = 4 << 20  # what reading a few bytes through gzip may cost on top of the promised payload
+
+
+def zeros_gzip(header: bytes, zero_bytes: int) -> bytes:
+    """header then zero_bytes zeros as one gzip member (about 1000:1), built 1 MiB at a time."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: the gzip container
+    chunk = bytes(1 << 20)
+    parts = [compressor.compress(header)]
+    parts += [compressor.compress(chunk) for _ in range(zero_bytes // len(chunk))]
+    parts.append(compressor.flush())
+    return b"".join(parts)
+
+
+def refusal_and_peak_bytes(path, ndim: int) -> tuple[str, int]:
+    """read_idx's DataError message, and the peak Python-heap bytes (bytes objects, numpy buffers) it allocated
+    above what was live before: tracemalloc counts allocations, so the bound holds on any machine."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(DataError) as info:
+            read_idx(path, ndim)
+        return str(info.value), tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+
+
+def test_read_idx_gzip_bomb_after_a_short_header_is_refused_without_unpacking_it(tmp_path):
+    """A header promising 10 labels, then 64 MiB of zeros: refused after one byte past the promise."""
+    path = tmp_path / "train-labels-idx1-ubyte.gz"
+    path.write_bytes(zeros_gzip(struct.pack(">II", 0x801, 10) + bytes(10), BOMB_ZEROS))
+    assert path.stat().st_size < BOMB_ZEROS // 500
+    message, peak = refusal_and_peak_bytes(path, 1)
+    assert peak < BOMB_SLACK
+    assert message == (f"{path} is longer than its header says: its header promises 10 = 10 bytes of data "
+                       f"but it holds more; download it again.")
+
+
+def test_read_idx_gzip_header_promising_more_than_the_file_can_unpack_to(tmp_path):
+    """4 GiB promised by a 64 KB gzip: deflate expands at most 1032-fold, so no byte of the payload is unpacked."""
+    path = tmp_path / "train-labels-idx1-ubyte.gz"
+    path.write_bytes(zeros_gzip(struct.pack(">II", 0x801, 0xFFFFFFFF), BOMB_ZEROS))
+    size = path.stat().st_size
+    message, peak = refusal_and_peak_bytes(path, 1)
+    assert peak < BOMB_SLACK
+    assert message == (f"{path} is truncated: its header promises 4294967295 = 4294967295 bytes of data "
+                       f"but a gzip file of {size} bytes unpacks to at most {1032 * size}; download it again.")
+
+
+def test_read_idx_gzip_of_all_zeros_compressed_as_hard_as_zlib_can_still_loads(tmp_path):
+    """zlib's best ratio (about 1029:1 on zeros) stays under the 1032:1 bound that refuses impossible headers."""
+    images = np.zeros((8 * 1024, 32, 32), np.uint8)
+    path = tmp_path / "zeros.gz"
+    path.write_bytes(zeros_gzip(struct.pack(">IIII", 0x803, *images.shape), images.size))
+    assert images.size / path.stat().st_size > 1000
+    out = read_idx(path, 3)
+    assert tuple(out.shape) == images.shape and not out.any()
+
+
+def test_read_idx_plain_file_longer_than_its_header_is_refused_before_its_payload_is_read(tmp_path):
+    path = tmp_path / "train-labels-idx1-ubyte"
+    path.write_bytes(struct.pack(">II", 0x801, 10) + bytes(BOMB_ZEROS))
+    message, peak = refusal_and_peak_bytes(path, 1)
+    assert peak < BOMB_SLACK
+    assert message == (f"{path} is longer than its header says: its header promises 10 = 10 bytes of data "
+                       f"but it holds {BOMB_ZEROS}; download it again.")
+
+
+def test_read_idx_payload_larger_than_memory_is_one_sentence(tmp_path, monkeypatch):
+    path = write_idx(tmp_path / "images.gz", IMAGES, gz=True)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(np, "empty", no_memory)  # what a header promising more than RAM + swap meets
+    with pytest.raises(DataError) as info:
+        read_idx(path, 3)
+    assert str(info.value) == (f"{path} cannot be loaded: its header promises 57x28x28 = 44688 bytes of data, more than "
+                               f"this machine can allocate; check that it is the right file, or load it on a machine "
+                               f"with more memory.")
 
 
 def test_read_idx_missing_file(tmp_path):
@@ -356,3 +446,4 @@ def test_read_cifar_batch_labels_of_the_wrong_type(tmp_path, labels):
     with pytest.raises(DataError, match="labels of type .* but a list of integers was expected") as info:
         read_cifar_batch(path)
     assert str(path) in str(info.value)
+

@@ -1,7 +1,8 @@
 """Readers for the tutorials' file formats -> uint8 tensors, checking everything a bad file can get wrong.
 
 IDX (MNIST, FashionMNIST): a 4-byte magic (0, 0, type 0x08 = ubyte, number of dimensions), then
-one big-endian int32 per dimension, then the data. Gzipped or raw; gzip is detected by content.
+one big-endian int32 per dimension, then the data. Gzipped or raw; gzip is detected by content, and the
+header is checked before the data is unpacked, so a gzip bomb costs no more memory than its header promises.
 CIFAR-10 python batches: pickled dicts with b"data" (N x 3072 uint8, channel-major) and b"labels".
 """
 
@@ -12,9 +13,11 @@ import gzip
 import importlib
 import io
 import math
+import os
 import pickle
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -22,53 +25,90 @@ import torch
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_UBYTE = 0x08
 CIFAR_IMAGE_BYTES = 3 * 32 * 32
+# Deflate cannot expand its input more than 1032-fold (one 258-byte match per 2 bits), so a gzip file of C bytes
+# unpacks to at most DEFLATE_MAX_RATIO * C: a header promising more is refused before anything is unpacked.
+DEFLATE_MAX_RATIO = 1032
+# The payload is unpacked into its tensor this many bytes at a time: reading in chunks keeps only the bytes the
+# stream really holds resident, and costs one small temporary bytes object per chunk.
+READ_CHUNK_BYTES = 1 << 20
 
 
 class DataError(ValueError):
     """A dataset file is missing, truncated or corrupt; the message names the file and the fix."""
 
 
-def _read_bytes(path: Path) -> bytes:
+def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:
+    """An IDX file of unsigned bytes as a uint8 tensor of expect_ndim dimensions.
+
+    The header is read and checked first, then exactly the bytes it promises: a gzip bomb (a short header followed
+    by gigabytes of zeros) is refused after unpacking one byte more than the header promised, not all of it.
+    """
+    path = Path(path)
     try:
-        raw = path.read_bytes()
+        file = path.open("rb")
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; check data.root or use --data.download true.") from None
-    if raw[:2] != GZIP_MAGIC:
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"{path} is a damaged gzip file ({exc}); delete it and download it again.") from None
+    with file:
+        file_size = os.fstat(file.fileno()).st_size
+        is_gzip = file.read(2) == GZIP_MAGIC
+        file.seek(0)
+        stream = gzip.GzipFile(fileobj=file, mode="rb") if is_gzip else file
+        try:
+            return _read_idx_stream(path, stream, expect_ndim, file_size, is_gzip)
+        except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError; a cut stream an EOFError
+            if not is_gzip:
+                raise
+            raise DataError(f"{path} is a damaged gzip file ({exc}); delete it and download it again.") from None
 
 
-def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:
-    """An IDX file of unsigned bytes as a uint8 tensor of expect_ndim dimensions."""
-    path = Path(path)
-    raw = _read_bytes(path)
-    if len(raw) < 4:
-        raise DataError(f"{path} is too short to be an IDX file ({len(raw)} bytes); download it again.")
-    zero1, zero2, dtype, ndim = raw[:4]
+def _read_idx_stream(path: Path, stream: BinaryIO, expect_ndim: int, file_size: int, is_gzip: bool) -> torch.Tensor:
+    magic = stream.read(4)
+    if len(magic) < 4:
+        raise DataError(f"{path} is too short to be an IDX file ({len(magic)} bytes); download it again.")
+    zero1, zero2, dtype, ndim = magic
     if zero1 or zero2 or dtype != IDX_UBYTE or ndim != expect_ndim:
         raise DataError(
-            f"{path} has IDX magic {raw[:4].hex()} but 0000080{expect_ndim} was expected "
+            f"{path} has IDX magic {magic.hex()} but 0000080{expect_ndim} was expected "
             f"(unsigned bytes, {expect_ndim} dimensions); it is not the right file or is corrupt."
         )
-    header = 4 + 4 * ndim
-    if len(raw) < header:
+    sizes = stream.read(4 * ndim)
+    if len(sizes) < 4 * ndim:
         raise DataError(f"{path} is truncated inside its header; download it again.")
-    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    dims = [int.from_bytes(sizes[4 * i : 4 * i + 4], "big") for i in range(ndim)]
     # Python ints: np.prod multiplies in a fixed-width int (int64, or int32 on Windows under numpy 1),
     # and a corrupt header's sizes (0xFFFFFFFF each) wrap it to a wrong or negative byte count.
     expected = math.prod(dims)
-    actual = len(raw) - header
-    if actual != expected:
-        what = "truncated" if actual < expected else "longer than its header says"
-        raise DataError(
-            f"{path} is {what}: its header promises {'x'.join(map(str, dims))} = {expected} bytes "
-            f"of data but it holds {actual}; download it again."
-        )
-    array = np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
-    return torch.from_numpy(array.copy())
+    promise = f"its header promises {'x'.join(map(str, dims))} = {expected} bytes of data"
+    if not is_gzip:  # a plain file's payload size is known before reading it
+        actual = file_size - 4 - 4 * ndim
+        if actual != expected:
+            what = "truncated" if actual < expected else "longer than its header says"
+            raise DataError(f"{path} is {what}: {promise} but it holds {actual}; download it again.")
+    elif expected > DEFLATE_MAX_RATIO * file_size:
+        raise DataError(f"{path} is truncated: {promise} but a gzip file of {file_size} bytes unpacks to at most "
+                        f"{DEFLATE_MAX_RATIO * file_size}; download it again.")
+    try:  # np.empty only reserves address space; pages become resident as the stream fills them
+        array = np.empty(expected, dtype=np.uint8)
+    except MemoryError:
+        raise DataError(f"{path} cannot be loaded: {promise}, more than this machine can allocate; "
+                        f"check that it is the right file, or load it on a machine with more memory.") from None
+    actual = _fill(stream, memoryview(array))
+    if actual < expected:
+        raise DataError(f"{path} is truncated: {promise} but it holds {actual}; download it again.")
+    if stream.read(1):  # one byte past the promise is enough to know; the rest is never unpacked
+        raise DataError(f"{path} is longer than its header says: {promise} but it holds more; download it again.")
+    return torch.from_numpy(array.reshape(dims))
+
+
+def _fill(stream: BinaryIO, buffer: memoryview) -> int:
+    """Reads into buffer until it is full or the stream ends; returns the number of bytes read."""
+    filled = 0
+    while filled < len(buffer):
+        n = stream.readinto(buffer[filled : filled + READ_CHUNK_BYTES])
+        if not n:
+            break
+        filled += n
+    return filled
 
 
 class _ArrayUnpickler(pickle.Unpickler):
