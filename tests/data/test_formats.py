@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import codecs
 import pickle
 import struct
 import tracemalloc
@@ -447,3 +448,75 @@ def test_read_cifar_batch_labels_of_the_wrong_type(tmp_path, labels):
         read_cifar_batch(path)
     assert str(path) in str(info.value)
 
+
+# ---------------------------------------------------------------- CIFAR-10: protocol 2 pickles written by Python 3
+
+
+def test_python3_protocol_2_pickles_bytes_through_codecs_encode():
+    # Why the reader admits _codecs.encode: Python 3 has no protocol-2 opcode for bytes.
+    raw = cifar_batch_bytes(cifar_images(1), [0], protocol=2)
+    assert b"c_codecs\nencode\n" in raw and b"latin1" in raw
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_read_cifar_batches_of_every_python3_protocol_load_alike(tmp_path, protocol):
+    images, labels = cifar_images(6, seed=protocol), [7, 0, 3, 3, 9, 1]
+    path = write_cifar_batch(tmp_path / f"data_batch_p{protocol}", images, labels, protocol=protocol)
+    out_images, out_labels = read_cifar_batch(path)
+    assert out_images.dtype == torch.uint8 and tuple(out_images.shape) == (6, 3, 32, 32)
+    assert np.array_equal(out_images.numpy(), images) and out_labels.tolist() == labels
+
+
+def test_read_cifar_protocol_2_empty_batch_and_numpy_labels(tmp_path):
+    # Python 3 pickles b"" under protocol 2 as __builtin__.bytes(), and numpy integers through numpy's scalar().
+    path = tmp_path / "empty"
+    path.write_bytes(pickle.dumps({b"data": np.zeros((0, 3072), np.uint8), b"labels": np.zeros(0, np.int64),
+                                   b"batch_label": b""}, protocol=2))
+    assert b"c__builtin__\nbytes\n" in path.read_bytes()
+    images, labels = read_cifar_batch(path)
+    assert tuple(images.shape) == (0, 3, 32, 32) and labels.tolist() == []
+    path.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [np.int64(4), np.uint8(2)]},
+                                  protocol=2))
+    assert read_cifar_batch(path)[1].tolist() == [4, 2]
+
+
+class CodecCall:
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __reduce__(self):
+        return (codecs.encode, self.args)
+
+
+class BytesCall:
+    def __reduce__(self):
+        return (bytes, (1 << 40,))  # a terabyte of zeros, if honoured
+
+
+@pytest.mark.parametrize("call", [CodecCall("text", "rot13"), CodecCall(b"data", "latin1"), CodecCall("text"),
+                                  BytesCall()], ids=["other-codec", "bytes-argument", "no-encoding", "bytes-of-size"])
+def test_read_cifar_admits_only_the_calls_protocol_2_writes(tmp_path, call):
+    raw = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"batch_label": call}, protocol=2)
+    assert b"c_codecs\nencode\n" in raw or b"c__builtin__\nbytes\n" in raw
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(raw)
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert "refusing to call" in assert_names_file(info, path)
+
+
+@pytest.mark.parametrize("kind", ["module-class", "os.system", "builtins.exec"])
+def test_read_cifar_protocol_2_still_refuses_disallowed_globals(tmp_path, kind):
+    marker = tmp_path / f"pwned-{kind}"
+    evil = {
+        "module-class": lambda: Payload(str(marker)),
+        "os.system": lambda: SystemCall(f"touch '{marker}'"),
+        "builtins.exec": lambda: ExecCall(f"open({str(marker)!r}, 'w').close()"),
+    }[kind]()
+    raw = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"batch_label": evil}, protocol=2)
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(raw)
+    with pytest.raises(DataError) as info:
+        read_cifar_batch(path)
+    assert "refusing to load" in assert_names_file(info, path)
+    assert not marker.exists(), "the pickle's code ran"

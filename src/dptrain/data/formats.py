@@ -111,6 +111,24 @@ def _fill(stream: BinaryIO, buffer: memoryview) -> int:
     return filled
 
 
+def _latin1_bytes(*args: object) -> bytes:
+    """Stands in for _codecs.encode, which Python 3 names to pickle bytes under protocol 2:
+    bytes b are written as _codecs.encode(b.decode("latin1"), "latin1"). Only that call is honoured: the real
+    _codecs.encode would run whichever registered codec the file names (third-party packages register their own)."""
+    if len(args) != 2 or not isinstance(args[0], str) or args[1] != "latin1":
+        kinds = ", ".join(type(arg).__name__ for arg in args)  # types only: the arguments may be megabytes long
+        raise pickle.UnpicklingError(f"refusing to call _codecs.encode({kinds}) other than on a str with encoding 'latin1'")
+    return args[0].encode("latin1")
+
+
+def _empty_bytes(*args: object) -> bytes:
+    """Stands in for bytes, which Python 3 names to pickle b"" under protocol 2 (as bytes()): only the call without
+    arguments is honoured, since bytes(n) with n from a hostile file would allocate n bytes."""
+    if args:
+        raise pickle.UnpicklingError(f"refusing to call bytes with {len(args)} arguments")
+    return b""
+
+
 class _ArrayUnpickler(pickle.Unpickler):
     """Unpickles plain containers and numpy arrays only: a CIFAR file cannot run code on load."""
 
@@ -124,8 +142,16 @@ class _ArrayUnpickler(pickle.Unpickler):
         ("numpy.core.numeric", "_frombuffer"),  # arrays pickled with protocol 5
         ("numpy._core.numeric", "_frombuffer"),
     }
+    # Globals answered by a checked stand-in rather than the real function.
+    SUBSTITUTES = {
+        ("_codecs", "encode"): _latin1_bytes,  # bytes (an array's data, a batch's keys) pickled with protocol 2 by Python 3
+        ("__builtin__", "bytes"): _empty_bytes,  # b"" (the data of an empty array) likewise; Python 3 name mapped to 2's
+        ("builtins", "bytes"): _empty_bytes,  # the same, pickled with fix_imports=False
+    }
 
     def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
+        if (module, name) in self.SUBSTITUTES:
+            return self.SUBSTITUTES[module, name]
         if (module, name) in self.ALLOWED:
             # Files pickled under numpy 1 name numpy.core, under numpy 2 numpy._core; take whichever exists.
             for candidate in (module.replace("numpy.core.", "numpy._core."), module.replace("numpy._core.", "numpy.core.")):
