@@ -60,6 +60,28 @@ def test_a_read_only_folder_is_one_sentence(tmpfs, capsys):
                    f"choose another --output.dir, or fix its permissions.")
 
 
+@pytest.mark.parametrize("part", ["checkpoints", "logs", "tb"])
+def test_a_read_only_folder_inside_the_run_directory_is_refused_before_the_run_starts(tmpfs, tmp_path, capsys, part):
+    # Found at the first snapshot, a read-only checkpoints/ cost the steps before it, and its sentence came with 15
+    # lines of C++ frames from the other rank; logs/ and tb/ hid the run's details or its TensorBoard files.
+    run_dir = tmp_path / "run"
+    folder = tmpfs(1 << 20, read_only=True, at=run_dir / part)
+    assert main([*RUN, "--output.dir", str(run_dir), "--nproc-per-node", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: {folder} is not writable for you, and the run writes "
+                                               f"there; fix its permissions, or choose another --output.dir.")
+    assert sorted(p.name for p in run_dir.iterdir()) == [part]  # nothing written
+
+
+def test_a_file_where_the_run_keeps_a_folder_is_refused_before_the_run_starts(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("mine")
+    assert main([*RUN, "--output.dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: {run_dir / 'checkpoints'} is a file where the run keeps "
+                                               f"its folder; move it away, or choose another --output.dir.")
+    assert (run_dir / "checkpoints").read_text() == "mine"
+
+
 # When the snapshots come: none before the end (then the final weights, then the final snapshot), or one every 2
 # of the epoch's 4 steps (the snapshots of steps 2 and 4, then the final weights).
 SNAPSHOTS = {"at the end": [], "every 2 steps": ["--checkpoint.every_steps", "2"]}

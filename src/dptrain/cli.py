@@ -119,6 +119,18 @@ def check_output_dir(run_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
                           f"choose another --output.dir, or fix its permissions.")
+    # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
+    # checkpoints/ cost the steps before it, and 2 workers printed 15 lines of C++ frames around the sentence.
+    for part, folder in (("checkpoints", True), ("logs", True), ("tb", True), ("metrics.jsonl", False)):
+        path = run_dir / part
+        if not path.exists():
+            continue
+        if path.is_dir() != folder:
+            raise ConfigError(f"{path} is a {'file' if folder else 'folder'} where the run keeps its "
+                              f"{'folder' if folder else 'file'}; move it away, or choose another --output.dir.")
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
+                              f"choose another --output.dir.")
 
 
 def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world_size: int, launched_outside: bool,
