@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,9 +19,10 @@ from dptrain import checkpoint
 from dptrain import config as config_mod
 from dptrain.cli import main
 from dptrain.config import ConfigError
+from dptrain.data import DataError
 from dptrain.data.catalog import DATASETS
 from dptrain.models import build_model
-from dptrain.predict import input_record, snapshot_input
+from dptrain.predict import InputSpec, input_record, open_inputs, resolve_input, snapshot_input
 from dptrain.safe_load import dcp_load
 from tests.conftest import run_cli
 from tests.distributed import run_cli_on_ranks
@@ -32,6 +35,7 @@ TRAIN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "64
          "--data.synthetic_num_classes", str(CLASSES), "--strategy.name", "single", "--train.global_batch_size", "32",
          "--train.epochs", "1", "--train.eval_batch_size", "2", "--launch.nproc_per_node", "1"]
 MEAN, STD = 0.5, 0.3  # synthetic_spec's normalisation for one channel
+GIVE_INPUTS = "give an IDX images file, a .npy array or a folder of PNG/JPEG images"
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +182,13 @@ def test_skip_bad_marks_the_bad_inputs_and_predicts_the_rest(run, inputs, with_c
     assert [int(r["index"]) for r in rows if r["error"]] == [2, 6] and len(rows) == NUM_INPUTS
 
 
+def npy_with_header_shape(path: Path, shape: tuple[int, ...]) -> None:
+    """A .npy of 2 x 1 x 28 x 28 zero bytes whose header claims another shape (numpy writes what it is given)."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": shape})
+    path.write_bytes(b"\x93NUMPY\x01\x00" + header.getvalue()[8:] + bytes(2 * 28 * 28))
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: np.save(d / "x.npy", np.array([{"a": 1}, None], dtype=object), allow_pickle=True),
      "{d}/x.npy holds Python objects (pickled), which could run code on load; it is not read, save the images as a plain numeric array instead."),
@@ -187,6 +198,15 @@ def test_skip_bad_marks_the_bad_inputs_and_predicts_the_rest(run, inputs, with_c
     (lambda d: (d / "x-idx3-ubyte").write_bytes(idx_bytes(np.zeros((4, 28, 28), np.uint8))[:8] + b"\xff" * 8 + bytes(4 * 784)),
      "{d}/x-idx3-ubyte is truncated: its header promises 4x4294967295x4294967295 = %d bytes of data but it holds 3136; "
      "download it again." % (4 * (2**32 - 1) ** 2)),
+    # A header's shape is checked against the file before it is mapped (a negative size was an OverflowError).
+    (lambda d: npy_with_header_shape(d / "x.npy", (-2, 1, 28, 28)),
+     "{d}/x.npy is a damaged .npy array file: its header gives the shape -2x1x28x28, with a negative size; save the array again."),
+    (lambda d: npy_with_header_shape(d / "x.npy", (10**12, 1, 28, 28)),
+     "{d}/x.npy is truncated: its header promises 1000000000000x1x28x28 uint8 values = %d bytes of data but it "
+     "holds 1568; save the array again." % (10**12 * 784)),
+    # A FIFO would block the read until something writes to it (it was called missing).
+    (lambda d: os.mkfifo(d / "x.png"), "--input {d}/x.png is a FIFO, not a regular file; " + GIVE_INPUTS + "."),
+    (lambda d: os.mkfifo(d / "x.npy"), "--input {d}/x.npy is a FIFO, not a regular file; " + GIVE_INPUTS + "."),
 ])
 def test_an_unreadable_input_file_is_refused_in_one_sentence(run, tmp_path, capsys, make, message):
     make(tmp_path)
@@ -194,6 +214,43 @@ def test_an_unreadable_input_file_is_refused_in_one_sentence(run, tmp_path, caps
     assert main(predict_argv(run, name, tmp_path / "predictions.csv")) == 2
     assert capsys.readouterr().err.strip() == "dptrain: error: " + message.format(d=tmp_path)
     assert not (tmp_path / "predictions.csv").exists()
+
+
+@pytest.mark.timeout(60)  # the old code waited for a writer on the FIFO for ever
+def test_an_image_that_is_not_a_regular_file_or_not_png_or_jpeg_by_content_is_named(run, inputs, tmp_path, capsys):
+    folder = tmp_path / "pngs"
+    shutil.copytree(inputs[0]["folder"], folder)
+    grey = Image.fromarray(np.full((28, 28), 200, np.uint8))
+    grey.save(folder / "bmp.png", format="BMP")  # Pillow decoded it: the suffix chose nothing
+    grey.save(folder / "eps.jpg", format="EPS")  # Pillow handed it to Ghostscript, where installed
+    os.mkfifo(folder / "pipe.png")
+    output = tmp_path / "predictions.csv"
+    assert main(predict_argv(run, folder, output)) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dptrain: error: 3 of {NUM_INPUTS + 3} inputs in {folder} cannot be read: bmp.png (not a PNG or JPEG image by "
+        f"its content), eps.jpg (not a PNG or JPEG image by its content), pipe.png (a FIFO, not a regular file); nothing "
+        f"was written (--skip-bad predicts the others and marks these in the error column).")
+    assert not output.exists()
+    assert main(predict_argv(run, folder, output, "--skip-bad")) == 0
+    rows = read_rows(output)
+    assert [(r["source"], r["error"]) for r in rows if r["error"]] == [
+        ("bmp.png", "not a PNG or JPEG image by its content"), ("eps.jpg", "not a PNG or JPEG image by its content"),
+        ("pipe.png", "a FIFO, not a regular file")]
+    assert len(rows) == NUM_INPUTS + 3
+
+
+def test_a_symbolic_link_loop_as_input_is_refused_in_one_sentence(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    sentence = f"--input {loop} is a symbolic link that leads round a loop of links to no file; {GIVE_INPUTS}."
+    # The CLI resolves --input first (Python < 3.13 raised RuntimeError there); open_inputs meets the loop itself
+    # where resolve() lets it through (Python 3.13) or where a path comes unresolved.
+    with pytest.raises(DataError) as refused:
+        resolve_input(str(loop))
+    assert str(refused.value) == sentence
+    with pytest.raises(DataError) as refused:
+        open_inputs(loop, InputSpec((1, 28, 28), (MEAN,), (STD,), CLASSES, "synthetic"))
+    assert str(refused.value) == sentence
 
 
 def test_refuses_to_write_over_a_file_that_is_not_a_predictions_file(run, inputs, capsys):

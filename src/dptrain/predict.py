@@ -5,7 +5,9 @@
 A snapshot's manifest records, under "input", what the model was trained on: image shape [C, H, W],
 the per-channel mean and std of the normalisation, the number of classes and the dataset's name.
 Inputs are an IDX images file (gzipped or raw), a `.npy` array of pixel values 0..255, or a folder
-of PNG/JPEG images (resized to H x W). They are normalised as the training loader did (x/255 - mean) / std.
+of PNG/JPEG images (resized to H x W; PNG or JPEG by content, whatever the suffix). Only regular files are read
+(a symbolic link to one is followed): a FIFO would block the read for ever. They are normalised as the training
+loader did (x/255 - mean) / std.
 Each rank reads and predicts only its share of every batch (no collective inside the loop); rank 0
 gathers the shares once at the end and writes one row per input, in input order, atomically.
 """
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, BinaryIO, Callable, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +34,8 @@ from dptrain.data.formats import DataError, read_idx
 from dptrain.data.sharding import num_batches, rank_batch_positions
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+IMAGE_FORMATS = ["PNG", "JPEG"]  # the Pillow decoders predict uses: never EPS (Ghostscript) or others, whatever the suffix
+GIVE_INPUTS = "give an IDX images file, a .npy array or a folder of PNG/JPEG images"
 FIRST_NAMED = 3  # unreadable inputs named in the error sentence; the rest are counted
 IMAGE_MODES = {1: "L", 3: "RGB"}  # Pillow's mode for the model's number of channels
 
@@ -76,6 +83,70 @@ def snapshot_input(manifest: dict[str, Any], cfg: RunConfig, snapshot: Path) -> 
 
 
 # ---------------------------------------------------------------- inputs
+
+
+class NotRegularFile(OSError):
+    """The path is a FIFO, device, socket or folder: opening or reading it could block for ever or never end."""
+
+
+def special_kind(mode: int) -> str | None:
+    """What a stat mode names, where it is not a regular file; None for a regular file."""
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for is_kind, kind in kinds if is_kind(mode)), "not a file")
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """path opened for binary reading if it is a regular file (NotRegularFile otherwise; OSError if it cannot be opened).
+
+    Checked before the open (opening a device can have effects of its own) and again on the open file, for a path
+    swapped since; O_NONBLOCK makes that open of a swapped-in FIFO return at once instead of waiting for a writer."""
+    kind = special_kind(os.stat(path).st_mode)
+    if kind is not None:
+        raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        kind = special_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
+        os.set_blocking(fd, True)  # a regular file, read as usual from here
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def resolve_input(raw: str) -> Path:
+    """--input as an absolute path without symbolic links (the workers may start elsewhere); DataError for a link loop."""
+    try:
+        return Path(raw).resolve()
+    except RuntimeError:  # Python < 3.13 reports a symbolic link loop as RuntimeError, not OSError
+        raise DataError(loop_sentence(raw)) from None
+    except OSError as exc:
+        raise DataError(loop_sentence(raw) if exc.errno == errno.ELOOP else f"--input {raw} cannot be read "
+                        f"({exc.strerror}); {GIVE_INPUTS}.") from None
+
+
+def loop_sentence(path: str | Path) -> str:
+    """The refusal of an --input that is a symbolic link loop (ELOOP), wherever it is met."""
+    return f"--input {path} is a symbolic link that leads round a loop of links to no file; {GIVE_INPUTS}."
+
+
+def input_kind(path: Path) -> int:
+    """path's stat mode (following links): a folder or a regular file; DataError in one sentence for anything else."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(f"--input {path} does not exist; {GIVE_INPUTS}.") from None
+    except OSError as exc:
+        raise DataError(loop_sentence(path) if exc.errno == errno.ELOOP else f"--input {path} cannot be read "
+                        f"({exc.strerror}); {GIVE_INPUTS}.") from None
+    kind = special_kind(mode)
+    if kind is not None and not stat.S_ISDIR(mode):
+        raise DataError(f"--input {path} is {kind}, not a regular file; {GIVE_INPUTS}.")
+    return mode
 
 
 class Inputs(Protocol):
@@ -139,21 +210,34 @@ class ImageFiles:
         return self.paths[i].name
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, list[int], dict[int, str]]:
+        from PIL import UnidentifiedImageError  # only predict on a folder needs Pillow
+
         images, ok, bad = [], [], {}
         for i in range(start, stop):
             try:
-                images.append(self._decode(self.paths[i]))
-                ok.append(i)
-            except Exception as exc:  # noqa: BLE001 - a damaged file can raise almost anything from a decoder
-                bad[i] = f"not a readable PNG or JPEG image: {type(exc).__name__}"
+                file = open_regular(self.paths[i])
+            except NotRegularFile as exc:  # a FIFO named x.png would block the read for ever
+                bad[i] = str(exc.strerror)
+                continue
+            except OSError as exc:  # a broken or looping link, no permission
+                bad[i] = f"cannot be opened: {exc.strerror}"
+                continue
+            with file:
+                try:
+                    images.append(self._decode(file))
+                    ok.append(i)
+                except UnidentifiedImageError:  # another format by content (GIF, BMP, EPS ...), whatever the suffix
+                    bad[i] = "not a PNG or JPEG image by its content"
+                except Exception as exc:  # noqa: BLE001 - a damaged file can raise almost anything from a decoder
+                    bad[i] = f"not a readable PNG or JPEG image: {type(exc).__name__}"
         c, h, w = self.spec.shape
         return (torch.stack(images) if images else torch.empty(0, c, h, w)), ok, bad
 
-    def _decode(self, path: Path) -> torch.Tensor:
-        from PIL import Image, ImageOps  # only predict on a folder needs Pillow
+    def _decode(self, file: BinaryIO) -> torch.Tensor:
+        from PIL import Image, ImageOps
 
         c, h, w = self.spec.shape
-        with Image.open(path) as image:
+        with Image.open(file, formats=IMAGE_FORMATS) as image:
             image = ImageOps.exif_transpose(image).convert(IMAGE_MODES[c])  # decodes it whole: a truncated file fails here
             if image.size != (w, h):
                 image = image.resize((w, h), Image.Resampling.BILINEAR)  # stretched to the model's size, as documented
@@ -163,10 +247,9 @@ class ImageFiles:
 
 def open_inputs(path: Path, spec: InputSpec) -> Inputs:
     """The inputs at path, checked as a whole (DataError naming the file): a folder or single PNG/JPEG, a .npy, or IDX."""
-    if path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES:
-        return _open_images(path, spec)
-    if not path.is_file():
-        raise DataError(f"--input {path} does not exist; give an IDX images file, a .npy array or a folder of PNG/JPEG images.")
+    is_folder = stat.S_ISDIR(input_kind(path))  # a FIFO, device or link loop is refused here, before any open
+    if is_folder or path.suffix.lower() in IMAGE_SUFFIXES:
+        return _open_images(path, spec, is_folder)
     if path.suffix.lower() == ".npy":
         pixels = _open_npy(path)
     else:
@@ -183,41 +266,57 @@ def open_inputs(path: Path, spec: InputSpec) -> Inputs:
     return ArrayInputs(pixels, path)
 
 
-def _open_images(path: Path, spec: InputSpec) -> ImageFiles:
+def _open_images(path: Path, spec: InputSpec, is_folder: bool) -> ImageFiles:
     c = spec.shape[0]
     if c not in IMAGE_MODES:
         raise DataError(f"the snapshot's model takes {c}-channel images, but PNG/JPEG images give 1 (grey) or 3 (RGB); "
                         f"give the inputs as a .npy array of N x {'x'.join(map(str, spec.shape))} pixel values instead.")
-    if path.is_dir():
-        paths = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
-        if not paths:
-            raise DataError(f"--input {path} holds no .png, .jpg or .jpeg files.")
-    elif path.is_file():
-        paths = [path]
-    else:
-        raise DataError(f"--input {path} does not exist; give an IDX images file, a .npy array or a folder of PNG/JPEG images.")
+    if not is_folder:
+        return ImageFiles([path], spec)
+    # Entries that are not regular files (a FIFO named x.png) are listed, and named as unreadable when read.
+    paths = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+    if not paths:
+        raise DataError(f"--input {path} holds no .png, .jpg or .jpeg files.")
     return ImageFiles(paths, spec)
 
 
 def _open_npy(path: Path) -> np.ndarray:
-    """A .npy of numbers, memory-mapped (each rank reads only its rows); pickled objects are refused unread."""
+    """A .npy of numbers, memory-mapped (each rank reads only its rows); pickled objects are refused unread.
+
+    Mapped from the file whose header was read and checked (a regular file, opened once), never from the path again."""
     fmt = np.lib.format
     try:
-        with path.open("rb") as f:
-            version = fmt.read_magic(f)
-            shape, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(f)
-    except (ValueError, OSError, EOFError) as exc:
-        raise DataError(f"{path} is not a readable .npy array file ({exc}).") from None
-    if dtype.hasobject:
-        raise DataError(f"{path} holds Python objects (pickled), which could run code on load; it is not read, "
-                        f"save the images as a plain numeric array instead.")
-    if dtype.kind not in "uif" or len(shape) not in (3, 4):
-        raise DataError(f"{path} holds a {dtype} array of shape {'x'.join(map(str, shape))}, but numbers shaped "
-                        f"N x C x H x W (or N x H x W) were expected.")
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise DataError(f"{path} is a damaged .npy array file ({exc}).") from None
+        file = open_regular(path)
+    except OSError as exc:  # NotRegularFile too, for a path swapped since input_kind checked it
+        raise DataError(f"{path} is not a readable .npy array file ({exc.strerror or exc}).") from None
+    with file:
+        try:
+            version = fmt.read_magic(file)
+            shape, fortran_order, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(file)
+        except (ValueError, OSError, EOFError) as exc:
+            raise DataError(f"{path} is not a readable .npy array file ({exc}).") from None
+        shown = "x".join(map(str, shape))
+        if dtype.hasobject:
+            raise DataError(f"{path} holds Python objects (pickled), which could run code on load; it is not read, "
+                            f"save the images as a plain numeric array instead.")
+        if any(size < 0 for size in shape):
+            raise DataError(f"{path} is a damaged .npy array file: its header gives the shape {shown}, with a negative "
+                            f"size; save the array again.")
+        # Python ints: a damaged header's sizes would overflow numpy's int64 product. Bounded by the file's own size
+        # before mapping, so that an absurd shape is one sentence rather than an mmap error.
+        expected, actual = math.prod(shape) * dtype.itemsize, os.fstat(file.fileno()).st_size - file.tell()
+        if actual != expected:
+            what = "truncated" if actual < expected else "longer than its header says"
+            raise DataError(f"{path} is {what}: its header promises {shown} {dtype} values = {expected} bytes of data "
+                            f"but it holds {actual}; save the array again.")
+        if dtype.kind not in "uif" or len(shape) not in (3, 4):
+            raise DataError(f"{path} holds a {dtype} array of shape {shown}, but numbers shaped N x C x H x W "
+                            f"(or N x H x W) were expected.")
+        try:  # the map holds its own reference to the file: closing this one leaves it valid
+            return np.memmap(file, dtype=dtype, mode="r", offset=file.tell(), shape=shape,
+                             order="F" if fortran_order else "C")
+        except (ValueError, OSError) as exc:
+            raise DataError(f"{path} is a damaged .npy array file ({exc}).") from None
 
 
 # ---------------------------------------------------------------- prediction
