@@ -17,7 +17,7 @@ import time
 import pytest
 
 from dptrain.launch.env import LaunchError, Nodes
-from tests.conftest import FLOAT64_ENV, REPO, log_tail, plan_runs, read_events
+from tests.conftest import FLOAT64_ENV, REPO, log_tail, plan_runs, read_events, run_cli
 from tests.netns_hosts import TwoHosts
 
 PY = sys.executable
@@ -249,6 +249,22 @@ def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sen
     with pytest.raises(LaunchError) as refused:
         Nodes.from_options(*options, environ)
     assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
+    # It was a 46-line traceback ending in RendezvousTimeoutError, with no word of which node was missing.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--nnodes", "2",
+                    "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    "--launch.timeout_s", "3", "--output.dir", str(tmp_path / "run")], tmp_path, timeout=50)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"dptrain: error: node 1 of 2 never came to the rendezvous at 127.0.0.1:{port} within 3 s; start `dptrain "
+        f"train` on every node with --nnodes 2 and the same --master-addr and --master-port, each with its own "
+        f"--node-rank from 0 to 1, or give them longer (--launch.timeout_s).")
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for key, value in AGENT_ENV.items():
@@ -62,7 +63,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         run_id="dptrain",  # the rendezvous store serves this run alone
         rdzv_backend=RENDEZVOUS,
         rdzv_endpoint=nodes.endpoint,
-        rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0},
+        rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0, "node_rank": nodes.rank},
         # The workers' MASTER_ADDR, where the node that gets global rank 0 is this one: this node's address on the
         # route to node 0, which every node reaches (the host name may resolve to 127.0.1.1 or another network).
         local_addr=address_towards(nodes.host),
@@ -84,6 +85,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         with _agent_log_to(log_dir):
             worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint, os.getpid()), entrypoint)  # its name in logs
             elastic_launch(config, worker)(*args)
+    except RendezvousTimeoutError:
+        raise LaunchError(rendezvous_timeout(nodes, timeout_s)) from None
     except SignalException as exc:
         raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
                       f"boundary (workers still starting up stop without one); run the same command to resume.") from None
@@ -94,6 +97,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         raise LaunchError(describe_failure(exc)) from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        _rendezvous_host.clear()
         agent_dir.cleanup()
 
 
@@ -207,11 +211,35 @@ def _rendezvous(params: Any) -> Any:
     host, _, port = params.endpoint.rpartition(":")
     if params.get_as_bool("is_host", False):
         store = listening_store(host, int(port), join_s)
+        _rendezvous_host[:] = [store]
     else:
         store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
+    store.set(f"{CAME}{params.config['node_rank']}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
     return DynamicRendezvousHandler.from_backend(params.run_id, store, Backend(store, params.run_id),
                                                  params.min_nodes, params.max_nodes, local_addr=params.local_addr,
                                                  timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s)))
+
+
+CAME = "dptrain/node-came/"
+_rendezvous_host: list[Any] = []  # node 0's rendezvous store, kept to read which nodes came after a timeout
+
+
+def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
+    """The sentence for a rendezvous that timed out: on node 0, which nodes never came (torch says only
+    RendezvousTimeoutError, in a 46-line traceback)."""
+    fix = (f"start `dptrain train` on every node with --nnodes {nodes.count} and the same --master-addr and "
+           f"--master-port, each with its own --node-rank from 0 to {nodes.count - 1}, or give them longer "
+           f"(--launch.timeout_s).")
+    missing: list[int] = []
+    if _rendezvous_host:
+        with contextlib.suppress(RuntimeError):
+            missing = [r for r in range(nodes.count) if not _rendezvous_host[0].check([f"{CAME}{r}"])]
+    if missing:
+        shown = ", ".join(map(str, missing))
+        return (f"node{'s' if len(missing) > 1 else ''} {shown} of {nodes.count} never came to the rendezvous at "
+                f"{nodes.endpoint} within {timeout_s:g} s; {fix}")
+    return (f"the {nodes.count} nodes did not all come to the rendezvous at {nodes.endpoint} within {timeout_s:g} s "
+            f"(this is node {nodes.rank}); {fix}")
 
 
 def describe_failure(exc: Any) -> str:
