@@ -253,6 +253,14 @@ def test_a_symbolic_link_loop_as_input_is_refused_in_one_sentence(tmp_path):
     assert str(refused.value) == sentence
 
 
+def test_a_symbolic_link_loop_given_to_the_cli_is_one_sentence(run, tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    assert main(predict_argv(run, loop, tmp_path / "out.csv")) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: --input {loop} is a symbolic link that leads round a "
+                                               f"loop of links to no file; {GIVE_INPUTS}.")
+
+
 def test_refuses_to_write_over_a_file_that_is_not_a_predictions_file(run, inputs, capsys):
     config = run / "config.toml"
     before = config.read_text()

@@ -289,7 +289,7 @@ def check_predictions_path(path: Path) -> None:
 
 def cmd_predict(args: argparse.Namespace, extra: list[str]) -> int:
     """Class probabilities of new inputs from a snapshot, sharded over the workers; one CSV row per input, in order."""
-    from dptrain.predict import check_output_path, open_inputs, snapshot_input
+    from dptrain.predict import check_output_path, open_inputs, resolve_input, snapshot_input
     from dptrain.worker import predict_worker
 
     output = Path(args.output).resolve()
@@ -297,7 +297,7 @@ def cmd_predict(args: argparse.Namespace, extra: list[str]) -> int:
     snapshot, cfg, manifest = snapshot_and_its_run(args, extra, "predict")
     world_size, launched_outside = world_size_here(cfg)
     spec = snapshot_input(manifest, cfg, snapshot)
-    input_path = Path(args.input).resolve()
+    input_path = resolve_input(args.input)
     open_inputs(input_path, spec)  # a missing, damaged or wrong-shaped input file is refused here
     run_ranks(predict_worker, (config_mod.to_dict(cfg), str(snapshot), str(input_path), spec.record(), str(output),
                                args.skip_bad), cfg, world_size, launched_outside)
