@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import re
 import statistics
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from dptrain.bench.peak import read_peaks
-from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_events, read_warmup
+from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
+from dptrain.config import ConfigError, read_config_text
 from dptrain.launch.slurm import CONFIG_NAME
+
+log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = ("engine", "strategy", "nodes", "workers", "repeat", "status", "global_batch_size", "epochs_timed",
                   "epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss",
@@ -30,10 +35,87 @@ SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s 
                    "speedup", "efficiency", "baseline_workers")
 
 
+# The measures an epoch event may carry, each one number or a per-rank list (null where a rank has none). All of them
+# are zero or more; dptrain writes a nan or inf as null (metrics.finite_or_none), so a nan here was not written by it.
+EPOCH_MEASURES = ("model_flops_per_sample", "cpu_util_pct", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb")
+SMALL_FILE_BYTES = 1 << 16  # env.json and bench_error.txt hold a few lines; a larger one is cut here, not read whole
+NAME = re.compile(r"[a-z0-9_]+")  # an engine's or a strategy's name, as in a point's folder name (POINT_NAME)
+
+
 def _flat(values: Any) -> list[float]:
     """A per-rank list, or one number, as floats (None and missing left out)."""
     items = values if isinstance(values, list) else [values]
-    return [float(v) for v in items if isinstance(v, (int, float))]
+    return [float(v) for v in items if _is_number(v)]
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float; True and False are ints to Python but not numbers in a metrics file."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _shown(value: Any) -> str:
+    """A bad value quoted in a message, cut short: it came from a file that may hold anything."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def event_problem(event: dict[str, Any]) -> str | None:
+    """Why an event of metrics.jsonl cannot be used by collect, or None. Only the events and fields collect reads
+    are checked: a run_start's global_batch_size, and an epoch's number, time, samples and measures."""
+    kind = event.get("event")
+    if not isinstance(kind, str):
+        return "it has no event name"
+    if kind == "run_start":
+        size = event.get("global_batch_size")
+        if size is not None and not (_is_number(size) and size == int(size) and size >= 1):
+            return f"global_batch_size is {_shown(size)}, not a positive whole number"
+    if kind != "epoch":
+        return None
+    number = event.get("epoch")
+    if not (_is_number(number) and number == int(number) and number >= 0):
+        return f"epoch is {_shown(number)}, not a whole number" if "epoch" in event else "it has no epoch"
+    for key in ("epoch_time_s", "train_samples"):  # a rate divides one by the other: both must be above zero
+        if key not in event:
+            return f"it has no {key}"
+        if not (_is_number(event[key]) and event[key] > 0):
+            return f"{key} is {_shown(event[key])}, not a positive number"
+    for key in EPOCH_MEASURES:
+        value = event.get(key)
+        items = value if isinstance(value, list) else [value]
+        if not all(v is None or (_is_number(v) and v >= 0) for v in items):
+            return f"{key} is {_shown(value)}, not a number of zero or more"
+    return None
+
+
+def read_run_events(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The usable events of a metrics.jsonl, and where and why the others were skipped ("line 7: ...").
+
+    One rule for every line collect cannot use, whether it is not JSON, JSON but no event, or an event whose fields
+    are not what dptrain writes (a missing key, a string for a number, a nan): it is skipped, as a line cut short by a
+    killed run always was, and counted, so that a run's numbers never come silently from fewer epochs. The last line
+    alone, when it is not JSON, is skipped without a word: that is how a killed run's file ends. Refusing the file
+    instead would hold up the report of every other run for one line."""
+    if not path.is_file():
+        return [], []
+    events, skipped = [], []
+    with path.open(errors="replace") as file:  # line by line: a long run's file holds an event per logged step
+        lines = list(enumerate(file, start=1))
+    for number, line in lines:
+        try:
+            event = json.loads(line)
+        except RecursionError:  # brackets nested thousands deep: Python's parser recurses once per bracket
+            skipped.append(f"line {number}: it nests brackets too deep to be an event")
+            continue
+        except json.JSONDecodeError:
+            if number != len(lines) and line.strip():
+                skipped.append(f"line {number}: it is not JSON")
+            continue
+        problem = event_problem(event) if isinstance(event, dict) else "it is JSON but not an event object"
+        if problem:
+            skipped.append(f"line {number}: {problem}")
+        else:
+            events.append(event)
+    return events, skipped
 
 
 def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
@@ -44,15 +126,21 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     row: dict[str, Any] = {"engine": match["engine"], "strategy": match["strategy"], "nodes": run_nodes(run_dir),
                            "workers": int(match["workers"]), "repeat": int(match["repeat"]),
                            "run_dir": f"runs/{run_dir.name}"}  # relative to the bench folder, which may move
-    events = read_events(run_dir)
+    events, skipped = read_run_events(run_dir / "metrics.jsonl")
+    if skipped:
+        several = len(skipped) > 1
+        lines = f"{len(skipped)} line{'s' if several else ''} skipped ({skipped[0]}{'; ...' if several else ''})"
+        log.warning(f"{run_dir / 'metrics.jsonl'}: {lines}; the run's numbers leave {'them' if several else 'it'} out.")
+        # not a results.csv column: the report lists it when it collects the runs itself (relative to report.md)
+        row["skipped_events"] = f"{row['run_dir']}/metrics.jsonl: {lines}"
     env = _read_json(run_dir / "env.json")
-    row["torch"], row["host"] = env.get("torch", ""), env.get("host", "")
+    row["torch"], row["host"] = (value if isinstance(value := env.get(key), str) else "" for key in ("torch", "host"))
     start = next((e for e in events if e.get("event") == "run_start"), {})
     row["global_batch_size"] = start.get("global_batch_size", "")
     error_file = run_dir / ERROR_FILE
     if error_file.is_file() or not any(e.get("event") == "run_end" for e in events):
         row["status"] = "failed" if error_file.is_file() else "unfinished"
-        row["error"] = error_file.read_text().strip() if error_file.is_file() else "no run_end event (interrupted?)"
+        row["error"] = _read_head(error_file).strip() if error_file.is_file() else "no run_end event (interrupted?)"
         return row
     epochs = sorted((e for e in events if e.get("event") == "epoch"), key=lambda e: e["epoch"])
     skip = default_warmup(len(epochs)) if warmup is None else warmup
@@ -77,17 +165,42 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
 
 
 def run_nodes(run_dir: Path) -> int:
-    """The nodes a point ran on: its SLURM job's (job.toml, the config the job trained from), else 1 (this machine)."""
+    """The nodes a point ran on: its SLURM job's (job.toml, the config the job trained from), else 1 (this machine).
+    A job.toml that cannot be read is said in a warning and counts as 1 node, as a point without one does: the nodes
+    column is a label of the run, and the run's own numbers still hold."""
+    path = run_dir / CONFIG_NAME
     try:
-        return int(tomllib.loads((run_dir / CONFIG_NAME).read_text())["slurm"]["nodes"])
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError):
+        # bounded in size and nesting: tomllib recurses once per bracket, and reads the whole file first
+        nodes = tomllib.loads(read_config_text(path, str(path)))["slurm"]["nodes"]
+    except FileNotFoundError:
         return 1
+    except ConfigError as exc:
+        problem = str(exc)
+    except tomllib.TOMLDecodeError as exc:
+        problem = f"{path} is not TOML ({exc})"
+    except (KeyError, TypeError):
+        problem = f"{path} has no slurm.nodes"
+    else:
+        if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1:
+            return nodes
+        problem = f"{path} has slurm.nodes = {_shown(nodes)}, not a positive whole number"
+    log.warning(f"{run_dir.name} is counted as 1 node: {problem.rstrip('.')}.")
+    return 1
+
+
+def _read_head(path: Path) -> str:
+    """The first SMALL_FILE_BYTES of a file as text ("" when it cannot be read)."""
+    try:
+        with path.open(errors="replace") as file:
+            return file.read(SMALL_FILE_BYTES)
+    except OSError:
+        return ""
 
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = json.loads(_read_head(path))
+    except (json.JSONDecodeError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -128,6 +241,12 @@ def as_number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def positive(value: Any) -> float | None:
+    """The value as a number above zero, else None: a time or a rate that speedups may divide by."""
+    number = as_number(value)
+    return number if number is not None and number > 0 else None
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean and sample standard deviation (empty with one run) per (engine, strategy, workers), and the speedup of
     the mean epoch time over the smallest worker count of the same engine and strategy."""
@@ -144,10 +263,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out[f"{measure}_mean"] = statistics.fmean(values) if values else ""
             out[f"{measure}_std"] = statistics.stdev(values) if len(values) > 1 else ""
         summary.append(out)
-    for row in summary:
+    for row in summary:  # a speedup divides by both times: never from a time of zero or less
         line = [r for r in summary if (r["engine"], r["strategy"]) == (row["engine"], row["strategy"])
-                and as_number(r["epoch_time_s_mean"]) is not None]
-        if not line or as_number(row["epoch_time_s_mean"]) is None:
+                and positive(r["epoch_time_s_mean"]) is not None]
+        if not line or positive(row["epoch_time_s_mean"]) is None:
             row["speedup"] = row["efficiency"] = row["baseline_workers"] = ""
             continue
         base = min(line, key=lambda r: r["workers"])
@@ -169,17 +288,90 @@ def _cell(value: Any) -> Any:
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def read_csv(path: Path) -> list[dict[str, Any]]:
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
-        row["workers"] = int(row["workers"])
-    return rows
+# The columns without which results.csv is no sweep's; the others, missing from an older file, read as empty.
+NEEDED_COLUMNS = ("engine", "strategy", "workers", "status", "epoch_time_s")
+STATUSES = ("ok", "failed", "unfinished")
+# Measures that are a time or a rate: zero would make a speedup or an efficiency infinite (or a division fail).
+ABOVE_ZERO = ("epoch_time_s", "images_per_s")
 
 
-def write_results(bench_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Collect the runs into results.csv and summary.csv; (rows, summary)."""
-    rows = collect(bench_dir)
+def row_problem(row: dict[str | None, Any], width: int) -> str | None:
+    """Why a row of results.csv cannot be reported, or None. Only what the report reads is checked: the point's
+    name, its status, and for a finished run its counts and measures (each empty, or a finite number that a time, a
+    rate, a memory, a loss or an accuracy can be)."""
+    if None in row:  # DictReader files the cells past the header's under None, and fills a short row with None
+        return f"it has {width + len(row[None])} cells, and the header {width}"
+    if any(value is None for value in row.values()):
+        return f"it has {sum(value is not None for value in row.values())} cells, and the header {width}"
+    for column in ("engine", "strategy"):
+        if not NAME.fullmatch(row[column]):
+            return f"{column} is {_shown(row[column])}, not a name of lowercase letters, digits and _"
+    if not _whole(row["workers"], minimum=1):
+        return f"workers is {_shown(row['workers'])}, not a positive whole number"
+    if row["status"] not in STATUSES:
+        return f"status is {_shown(row['status'])}, not one of {', '.join(STATUSES)}"
+    if row["status"] != "ok":  # a run that did not finish is listed with its error; its numbers are not read
+        return None
+    if not _whole(row.get("epochs_timed", "0"), minimum=0):
+        return f"epochs_timed is {_shown(row['epochs_timed'])}, not a whole number"
+    if row.get("global_batch_size", "") != "" and not _whole(row["global_batch_size"], minimum=1):
+        return f"global_batch_size is {_shown(row['global_batch_size'])}, not a positive whole number"
+    for measure in MEASURES:
+        value = row.get(measure, "")
+        if value == "":
+            continue
+        number = as_number(value)
+        if measure in ABOVE_ZERO and (number is None or number <= 0):
+            return f"{measure} is {_shown(value)}, not a positive number"
+        if number is None or number < 0:
+            return f"{measure} is {_shown(value)}, not a number of zero or more"
+    return None
+
+
+def _whole(text: str, minimum: int) -> bool:
+    text = text.strip()  # ASCII digits only: no sign, point or exponent, and no "²", which isdigit() also takes
+    return text.isascii() and text.isdigit() and int(text) >= minimum
+
+
+def read_results(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a results.csv, and where and why the others were left out ("results.csv line 4: ...").
+
+    A row that does not hold what `dptrain bench` writes (a cell too many or too few, a word where a number goes, a
+    time of zero or less, nan or inf) is left out and named, and the report goes on with the other rows: one bad row
+    is no reason to lose the report of the whole sweep, and report.md says what it left out. A file that is no
+    results.csv at all (no header, a column missing, not UTF-8 text) is refused in one sentence."""
+    where = path.name
+    rows, left_out = [], []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            missing = [c for c in NEEDED_COLUMNS if c not in header]
+            if missing:
+                raise ConfigError(f"{path} has no column {missing[0]} (its first line is not the header `dptrain "
+                                  f"bench` writes); delete it, and `dptrain report` writes it again from the runs.")
+            for row in reader:
+                problem = row_problem(row, len(header))
+                if problem:
+                    # a row is named by the line it starts on: its last line, less the line breaks inside its cells
+                    cells = [v for v in row.values() if isinstance(v, str)] + (row.get(None) or [])
+                    start = reader.line_num - sum(cell.count("\n") for cell in cells)
+                    left_out.append(f"{where} line {start}: {problem}")
+                else:
+                    rows.append({c: "" for c in RESULT_COLUMNS} | row | {"workers": int(row["workers"])})
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text ({exc.reason}); delete it, and `dptrain report` writes it again "
+                          f"from the runs.") from None
+    except csv.Error as exc:  # a cell over the csv module's 128 KiB, say
+        raise ConfigError(f"{path} line {reader.line_num} cannot be read as CSV ({exc}); delete the file, and "
+                          f"`dptrain report` writes it again from the runs.") from None
+    return rows, left_out
+
+
+def write_results(bench_dir: Path, rows: list[dict[str, Any]] | None = None
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Collect the runs (unless given their rows) into results.csv and summary.csv; (rows, summary)."""
+    rows = collect(bench_dir) if rows is None else rows
     summary = summarize(rows)
     write_csv(bench_dir / "results.csv", RESULT_COLUMNS, rows)
     write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summary)

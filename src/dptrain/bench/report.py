@@ -5,12 +5,19 @@
 
 from __future__ import annotations
 
+import html
+import logging
 import math
+import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
-from dptrain.bench.collect import SUMMARY_COLUMNS, as_number, collect, read_csv, summarize, write_csv, write_results
+from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results, summarize, write_csv,
+                                   write_results)
 from dptrain.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 PLOTS = {
     "epoch_time.png": "Time per epoch",
@@ -37,30 +44,57 @@ HOW_TO_READ = (
 )
 
 
-def load_rows(bench_dir: Path) -> list[dict[str, Any]]:
-    """results.csv, or, when there is none, rebuilt from BENCH/runs (and written)."""
+def load_rows(bench_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """results.csv, or, when there is none, rebuilt from BENCH/runs (and written); and what was left out of it (rows
+    of results.csv, lines of the runs' metrics.jsonl), where and why."""
     if not bench_dir.is_dir():
         raise ConfigError(f"{bench_dir} does not exist; give the --output.dir of a `dptrain bench` sweep.")
     results = bench_dir / "results.csv"
     if results.is_file():
-        return read_csv(results)
-    if collect(bench_dir):
-        return write_results(bench_dir)[0]
-    return []
+        rows, left_out = read_results(results)
+        if left_out:
+            several = len(left_out) > 1  # report.md, when there is one to write, lists every one of them
+            log.warning(f"report: {len(left_out)} row{'s' if several else ''} of {results} left out, not being what "
+                        f"`dptrain bench` writes ({left_out[0]}{'; ...' if several else ''}).")
+        return rows, left_out
+    rows = collect(bench_dir)  # collect warns of the lines it skipped itself
+    if rows:
+        write_results(bench_dir, rows)
+    return rows, [note for r in rows if (note := r.get("skipped_events"))]
 
 
 def write_report(bench_dir: Path) -> Path:
     """The PNGs and report.md in bench_dir; the path of report.md."""
-    rows = load_rows(bench_dir)
-    summary = [s for s in summarize(rows) if as_number(s["epoch_time_s_mean"]) is not None]
+    rows, left_out = load_rows(bench_dir)
+    summary = [s for s in summarize(rows) if positive(s["epoch_time_s_mean"]) is not None]
+    if not summary and left_out:
+        raise ConfigError(f"{bench_dir} has no finished run left to plot: {len(left_out)} left out, the first as "
+                          f"{left_out[0]}; fix the file it names (a deleted results.csv is written again from the "
+                          f"runs).")
     if not summary:
         raise ConfigError(f"{bench_dir} holds no finished runs (no results.csv, and no run under {bench_dir / 'runs'} "
                           f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
     write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summarize(rows))
     plot_all(summary, bench_dir)
     path = bench_dir / "report.md"
-    path.write_text(markdown(rows, summary))
+    path.write_text(markdown(rows, summary, left_out))
     return path
+
+
+# The punctuation Markdown reads as markup (emphasis, code, links and images, headings, lists, tables, strikethrough);
+# a backslash before it makes it plain text. <, > and & are left to html.escape.
+MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~])")
+
+
+def md_text(value: Any) -> str:
+    """A value from results.csv or a run's files as plain text on one line of report.md.
+
+    Such a value (an error message, a host name) may hold anything; without this, `# x` would start a heading,
+    `![x](http://...)` make the viewer fetch a remote image, `<script>` reach a viewer that renders HTML, `|` add a
+    table column and a line break end the table. Line breaks and other control characters become spaces; Markdown's
+    punctuation gets a backslash; <, > and & become HTML entities. The raw file reads a little noisier for it."""
+    flat = "".join(" " if unicodedata.category(c)[0] in "CZ" and c != " " else c for c in str(value))
+    return html.escape(MARKDOWN_SPECIALS.sub(r"\\\1", flat), quote=False)
 
 
 def _lines(summary: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -189,7 +223,8 @@ def table(summary: list[dict[str, Any]]) -> str:
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for r in sorted(summary, key=lambda r: (r["engine"], r["strategy"], r["workers"])):
         speedup, efficiency = as_number(r.get("speedup")), as_number(r.get("efficiency"))
-        lines.append(f"| {r['engine']} | {r['strategy']} | {r['workers']} | {r['runs']} | {_pm(r, 'epoch_time_s', '.3f')} | "
+        lines.append(f"| {md_text(r['engine'])} | {md_text(r['strategy'])} | {r['workers']} | {r['runs']} | "
+                     f"{_pm(r, 'epoch_time_s', '.3f')} | "
                      f"{_pm(r, 'images_per_s', '.0f')} | {_pm(r, 'achieved_tflops', '.3g')} | "
                      f"{_pm(r, 'fraction_of_peak', '.1%')} | {'-' if speedup is None else f'{speedup:.2f}'} | "
                      f"{'-' if efficiency is None else f'{efficiency:.2f}'} | {_pm(r, 'eval_loss', '.4f')} | "
@@ -197,11 +232,11 @@ def table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]], left_out: list[str] | None = None) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
-    facts = sorted({f"torch {r['torch']} on {r['host']}" for r in ok if r.get("torch")})
-    batches = sorted({str(r["global_batch_size"]) for r in ok if r.get("global_batch_size") not in ("", None)})
-    timed = sorted({str(r["epochs_timed"]) for r in ok})
+    facts = sorted({f"torch {md_text(r['torch'])} on {md_text(r.get('host', ''))}" for r in ok if r.get("torch")})
+    batches = sorted({md_text(r["global_batch_size"]) for r in ok if r.get("global_batch_size") not in ("", None)})
+    timed = sorted({md_text(r.get("epochs_timed", "")) for r in ok})
     parts = ["# Scaling benchmark", "",
              f"{len(ok)} finished runs ({'; '.join(facts) or 'versions unknown'}), global batch "
              f"{', '.join(batches) or '?'} at every worker count, {', '.join(timed)} timed epochs per run (warm-up "
@@ -223,7 +258,12 @@ def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
     parts += ["## Summary", "", table(summary), "", HOW_TO_READ, ""]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
-        parts += ["## Runs that did not finish", ""]
-        parts += [f"- `{Path(r['run_dir']).name}` ({r['status']}): {r.get('error') or 'no error recorded'}" for r in failed]
+        parts += ["## Runs that did not finish", "", "| run | status | error |", "| --- | --- | --- |"]
+        parts += [f"| {md_text(Path(r.get('run_dir', '')).name)} | {md_text(r['status'])} | "
+                  f"{md_text(r.get('error') or 'no error recorded')} |" for r in failed]
+        parts.append("")
+    if left_out:
+        parts += ["## Left out of this report", "", "Not what `dptrain bench` writes, so not counted above:", ""]
+        parts += [f"- {md_text(note)}" for note in left_out]
         parts.append("")
     return "\n".join(parts)

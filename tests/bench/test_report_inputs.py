@@ -1,0 +1,230 @@
+"""`dptrain report` and collect on inputs that `dptrain bench` never writes: garbage rows of results.csv, planted
+events in a run's metrics.jsonl, an outsized job.toml, and error text that would be Markdown or HTML in report.md.
+
+Every folder here is written by hand (no training), so each test takes about a second, most of it matplotlib.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from dptrain.bench.collect import RESULT_COLUMNS, collect, summarize
+from dptrain.cli import main
+
+POINT = "dptrain-ddp-w{}-r1"
+
+
+def result_row(workers: object, epoch_time_s: object = 2.0, **cells: object) -> dict[str, object]:
+    row = dict.fromkeys(RESULT_COLUMNS, "")
+    row.update(engine="dptrain", strategy="ddp", nodes=1, workers=workers, repeat=1, status="ok", global_batch_size=32,
+               epochs_timed=1, epoch_time_s=epoch_time_s, images_per_s=100, eval_loss=0.5, eval_acc=0.9,
+               peak_mem_mb=100, torch="2.5", host="node1", run_dir=f"runs/{POINT.format(workers)}")
+    row.update(cells)
+    return row
+
+
+def write_results(bench: Path, rows: list[dict[str, object]], raw_lines: tuple[str, ...] = ()) -> None:
+    bench.mkdir(exist_ok=True)
+    with (bench / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+        f.writelines(line + "\n" for line in raw_lines)
+
+
+def report(bench: Path, capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """(exit code, stderr, report.md or "") of `dptrain report BENCH`."""
+    code = main(["report", str(bench)])
+    text = (bench / "report.md").read_text() if (bench / "report.md").is_file() else ""
+    return code, capsys.readouterr().err, text
+
+
+def read_summary(bench: Path) -> list[dict[str, str]]:
+    with (bench / "summary.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def table_cells(line: str) -> int:
+    """The cells of a Markdown table row: its pipes less one, a pipe after a backslash being text."""
+    return len(re.findall(r"(?<!\\)\|", line)) - 1
+
+
+def test_bad_rows_of_results_csv_are_left_out_and_named(tmp_path, capsys, caplog):
+    bench = tmp_path / "bench"
+    caplog.set_level(logging.WARNING, logger="dptrain")
+    # lines 2..9: a good 1-worker row and a good 2-worker row, then one bad cell each, then a short row
+    write_results(bench, [result_row(1, 2.0), result_row(2, 1.0), result_row(4, 0), result_row(8, -1.0),
+                          result_row(16, "nan"), result_row(32, "inf"), result_row(64, "fast"), result_row("two", 1.0)],
+                  raw_lines=("dptrain,ddp,1",))
+    code, err, text = report(bench, capsys)
+    assert code == 0, err
+    [warning] = caplog.messages  # one line for them all
+    assert "7 rows of" in warning and "(results.csv line 4: epoch_time_s is '0', not a positive number; ...)" in warning
+    left_out = text.split("## Left out of this report", 1)[1]
+    for line, what in [(4, "epoch\\_time\\_s is '0'"), (5, "epoch\\_time\\_s is '\\-1\\.0'"),
+                       (6, "epoch\\_time\\_s is 'nan'"), (7, "epoch\\_time\\_s is 'inf'"),
+                       (8, "epoch\\_time\\_s is 'fast'"), (9, "workers is 'two'"), (10, "it has 3 cells, and the header 22")]:
+        assert f"- results\\.csv line {line}: {what}" in left_out
+    # only the good rows reach the table and summary.csv, and no speedup comes from a time of zero or less
+    assert [line.split(" | ")[2] for line in text.splitlines() if line.startswith("| dptrain |")] == ["1", "2"]
+    summary = read_summary(bench)
+    assert [(s["workers"], float(s["speedup"]), float(s["efficiency"])) for s in summary] == [("1", 1.0, 1.0),
+                                                                                              ("2", 2.0, 1.0)]
+
+
+def test_results_csv_with_every_row_bad_is_one_sentence(tmp_path, capsys):
+    bench = tmp_path / "bench"
+    write_results(bench, [result_row(1, 0)])
+    code, err, _ = report(bench, capsys)
+    assert code == 2
+    error = err.splitlines()[-1]
+    assert error.startswith(f"dptrain: error: {bench} has no finished run left to plot: 1 left out, the first as "
+                            f"results.csv line 2: epoch_time_s is '0', not a positive number; fix the file it names")
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "has no column engine"),
+    (b"a,b\n1,2\n", "has no column engine"),
+    (b"engine,strategy,workers,status,epoch_time_s\n\xff\xfe,ddp,1,ok,1\n", "is not UTF-8 text"),
+])
+def test_a_file_that_is_no_results_csv_is_one_sentence(tmp_path, capsys, content, says):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "results.csv").write_bytes(content)
+    code, err, _ = report(bench, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"dptrain: error: {bench / 'results.csv'} {says}") and "delete it" in err
+
+
+def test_summary_never_divides_by_a_time_of_zero_or_less():
+    # rows as a caller might hand them over unchecked: the speedup skips the times it cannot divide by
+    rows = [{"engine": "dptrain", "strategy": "ddp", "workers": w, "status": "ok", "epoch_time_s": t}
+            for w, t in [(1, 0.0), (2, -1.0), (4, 2.0), (8, 1.0)]]
+    speedups = {s["workers"]: s["speedup"] for s in summarize(rows)}
+    assert speedups == {1: "", 2: "", 4: 1.0, 8: 2.0}
+
+
+def write_run(bench: Path, events: list[object], workers: int = 1, tail: str = "") -> Path:
+    """A finished point's folder under BENCH/runs holding these events (dicts as JSON, strings as they are)."""
+    run_dir = bench / "runs" / POINT.format(workers)
+    run_dir.mkdir(parents=True)
+    lines = [e if isinstance(e, str) else json.dumps(e) for e in events]
+    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines) + tail)
+    return run_dir
+
+
+def epoch(number: int, **fields: object) -> dict[str, object]:
+    return {"event": "epoch", "epoch": number, "epoch_time_s": 1.0, "train_samples": 256, "eval_loss": 0.5,
+            "eval_acc": 0.9, "peak_mem_mb": 100.0, "rss_max_mb": [100.0], "cpu_util_pct": [90.0]} | fields
+
+
+def run_events(planted: object) -> list[object]:
+    """run_start, epochs 1 and 2, the planted line as line 4, epoch 3, run_end."""
+    return [{"event": "run_start", "global_batch_size": 32}, epoch(1), epoch(2), planted, epoch(3), {"event": "run_end"}]
+
+
+PLANTED = {
+    "missing key": {k: v for k, v in epoch(9).items() if k != "epoch_time_s"},
+    "no epoch": {k: v for k, v in epoch(9).items() if k != "epoch"},
+    "string for a number": epoch(9, epoch_time_s="fast"),
+    "NaN time": '{"event": "epoch", "epoch": 9, "epoch_time_s": NaN, "train_samples": 256}',
+    "zero time": epoch(9, epoch_time_s=0),
+    "negative samples": epoch(9, train_samples=-256),
+    "true for a number": epoch(9, train_samples=True),
+    "NaN measure": '{"event": "epoch", "epoch": 9, "epoch_time_s": 1.0, "train_samples": 256, "eval_loss": NaN}',
+    "string in a per-rank list": epoch(9, peak_mem_mb=[1.0, "x"]),
+    "not an object": "[1, 2]",
+    "not JSON, mid-file": '{"event": "epoch", "epo',
+    "nested past the parser": "[" * 100_000 + "]" * 100_000,
+}
+
+
+@pytest.mark.parametrize("planted", PLANTED.values(), ids=PLANTED.keys())
+def test_a_planted_metrics_event_is_skipped_and_counted(tmp_path, caplog, planted):
+    bench = tmp_path / "bench"
+    run_dir = write_run(bench, run_events(planted))
+    caplog.set_level(logging.WARNING, logger="dptrain")
+    [row] = collect(bench)
+    # the run is still reported, from its three good epochs (one warm-up: two timed), never from the planted one
+    assert row["status"] == "ok" and row["epochs_timed"] == 2 and row["epoch_time_s"] == 1.0
+    assert math.isfinite(row["images_per_s"]) and row["eval_loss"] == 0.5 and row["peak_mem_mb"] == 100.0
+    assert row["skipped_events"].startswith(f"runs/{run_dir.name}/metrics.jsonl: 1 line skipped (line 4: ")
+    [warning] = caplog.messages
+    assert warning.startswith(f"{run_dir / 'metrics.jsonl'}: 1 line skipped (line 4: ")
+
+
+def test_a_line_cut_short_at_the_end_is_skipped_without_a_word(tmp_path, caplog):
+    bench = tmp_path / "bench"
+    write_run(bench, run_events(epoch(9))[:-2], tail='{"event": "epoch", "ep')  # killed while writing epoch 3
+    caplog.set_level(logging.WARNING, logger="dptrain")
+    [row] = collect(bench)
+    assert row["status"] == "unfinished" and "skipped_events" not in row and caplog.messages == []
+
+
+def test_report_rebuilt_from_the_runs_lists_the_skipped_lines(tmp_path, capsys, caplog):
+    bench = tmp_path / "bench"
+    caplog.set_level(logging.WARNING, logger="dptrain")
+    write_run(bench, run_events(epoch(9, epoch_time_s="fast")), workers=1)
+    write_run(bench, run_events(epoch(9)), workers=2)
+    code, err, text = report(bench, capsys)
+    assert code == 0, err
+    assert ("- runs/dptrain\\-ddp\\-w1\\-r1/metrics\\.jsonl: 1 line skipped \\(line 4: epoch\\_time\\_s is 'fast', "
+            "not a positive number\\)") in text
+    [warning] = caplog.messages
+    assert warning.startswith(f"{bench / 'runs' / 'dptrain-ddp-w1-r1' / 'metrics.jsonl'}: 1 line skipped (line 4: ")
+
+
+@pytest.mark.parametrize("job_toml, says", [
+    ("[slurm]\nnodes = " + "[" * 10_000 + "]" * 10_000 + "\n", "nests brackets more than"),
+    ("# padding\n" * 120_000 + "[slurm]\nnodes = 2\n", "is larger than 1 MiB"),
+    ("[slurm]\nnodes = 'two'\n", "has slurm.nodes = 'two', not a positive whole number"),
+])
+def test_an_unreadable_job_toml_counts_as_one_node_and_says_why(tmp_path, caplog, job_toml, says):
+    bench = tmp_path / "bench"
+    run_dir = write_run(bench, run_events(epoch(9)))
+    (run_dir / "job.toml").write_text(job_toml)
+    caplog.set_level(logging.WARNING, logger="dptrain")
+    [row] = collect(bench)
+    assert row["nodes"] == 1 and row["status"] == "ok"
+    [warning] = caplog.messages
+    assert warning.startswith(f"{run_dir.name} is counted as 1 node: {run_dir / 'job.toml'} {says}")
+
+
+def test_a_job_toml_gives_the_nodes_of_a_slurm_point(tmp_path, caplog):
+    bench = tmp_path / "bench"
+    run_dir = write_run(bench, run_events(epoch(9)))
+    (run_dir / "job.toml").write_text("[slurm]\nnodes = 2\n")
+    caplog.set_level(logging.WARNING, logger="dptrain")
+    [row] = collect(bench)
+    assert row["nodes"] == 2 and caplog.messages == []
+
+
+HOSTILE = ["# heading", "![x](http://remote/img.png)", "<script>alert(1)</script>", "a | b | c", "one\ntwo\r\n# three",
+           "`code` **bold** [link](http://remote/) <img src=x onerror=alert(1)>", "line\u2028separator"]
+
+
+def test_text_from_results_csv_cannot_change_report_md(tmp_path, capsys):
+    bench = tmp_path / "bench"
+    failed = [result_row(4 * 2 ** i, "", status="failed", error=value) for i, value in enumerate(HOSTILE)]
+    write_results(bench, [result_row(1, 2.0, host="<b>evil</b> | x"), result_row(2, 1.0, torch="2.5\n# torch"),
+                          *failed])
+    code, err, text = report(bench, capsys)
+    assert code == 0, err
+    assert "<script" not in text and "<img" not in text and "<b>" not in text  # no raw HTML
+    assert "![x]" not in text and "](http" not in text  # no image and no link to a remote address
+    headings = [line for line in text.splitlines() if line.lstrip().startswith("#")]
+    assert headings == ["# Scaling benchmark", "## Time per epoch", "## Speedup and parallel efficiency",
+                        "## Validation loss and accuracy", "## Peak memory per worker", "## Summary",
+                        "## Runs that did not finish"]
+    rows = text.split("## Runs that did not finish", 1)[1].strip().splitlines()
+    assert len(rows) == 2 + len(HOSTILE) and all(table_cells(line) == 3 for line in rows)  # head, rule, one a run
+    assert all(table_cells(line) == 13 for line in text.splitlines() if line.startswith("| dptrain |"))
+    assert "&lt;script&gt;alert\\(1\\)&lt;/script&gt;" in text and "a \\| b \\| c" in text  # shown, as text
+    assert "torch 2\\.5 \\# torch on node1" in text and "&lt;b&gt;evil&lt;/b&gt; \\| x" in text
