@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -15,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from dptrain.cli import main
-from dptrain.metrics.tensorboard import free_port, logdir_args
+from dptrain.metrics.tensorboard import TensorBoardSink, free_port, logdir_args
+from tests.conftest import read_events, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",
@@ -138,3 +141,77 @@ def test_a_port_that_is_no_port_or_is_taken_and_a_file_given_as_run_dir_are_one_
         f"for a free one.",
         f"dptrain: error: {tmp_path / 'notes.txt'} is a file, not a run directory; give a run directory such as runs/run.",
     ]
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    """full_tmpfs(at) -> the folder `at`, now a fresh 1 MiB tmpfs (unmounted afterwards), for fill() to fill.
+    Mounted as in tests/test_output_dir.py: root only, as this project's tests run."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; this machine's tests run as root")
+    mounts = []
+
+    def mount(at: Path) -> Path:
+        at.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(at)], check=True)
+        mounts.append(at)
+        return at
+
+    yield mount
+    for folder in reversed(mounts):
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Fill the disk of folder to its last byte (whatever this machine's page size)."""
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    (folder / "filler").write_bytes(b"\0" * free)
+    assert os.statvfs(folder).f_bavail == 0
+
+
+def tensorboard_warning(tb_dir: Path, step: int) -> str:
+    return (f"TensorBoard files cannot be written to {tb_dir} at step {step} (No space left on device); the run goes "
+            f"on without them: metrics.jsonl keeps every point.")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_full_disk_under_tb_is_one_warning_line_and_the_run_goes_on(full_tmpfs, tmp_path, workers):
+    """It was 98 lines: the writer thread's traceback ("Exception in thread"), then the same OSError raised from
+    SummaryWriter's constructor, and the run failed. TensorBoard's files are a copy of metrics.jsonl's points, so
+    the run goes on without them (tensorboard.py's docstring)."""
+    run_dir = tmp_path / "run"
+    fill(full_tmpfs(run_dir / "tb"))
+    result = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256",
+                      "--data.synthetic_test_size", "64", "--train.epochs", "1", "--train.global_batch_size", "64",
+                      "--output.dir", str(run_dir), "--nproc-per-node", str(workers)], tmp_path)
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said
+    assert "Traceback" not in said and "Exception in thread" not in said, said
+    warnings = [line for line in said.splitlines() if "TensorBoard" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(" WARNING " + tensorboard_warning(run_dir / "tb", 0)), said
+    assert read_events(run_dir, "run_end")  # metrics.jsonl has the whole run
+
+
+def test_a_disk_that_fills_during_the_run_is_one_warning_line_and_no_thread_traceback(full_tmpfs, tmp_path, caplog,
+                                                                                      monkeypatch):
+    """The writer's thread meets the full disk: it printed its traceback ("Exception in thread"), and the writer
+    raised the same OSError at the sink's next call, out of the training loop. Now: one warning, then nothing more
+    is written (and nothing else said); the thread's exception reaches no hook."""
+    seen_by_hook = []
+    monkeypatch.setattr(threading, "excepthook", seen_by_hook.append)  # the hook Python would print with
+    tb_dir = full_tmpfs(tmp_path / "tb")
+    sink = TensorBoardSink(tb_dir, 0, {"train": {"epochs": 1}}, "epochs = 1", {"torch": "2"})
+    fill(tb_dir)  # the event file's last page still has room: the write that needs a new page fails
+    epoch = {"event": "epoch", "train_loss": 0.5, "train_acc": 0.9, "eval_loss": 0.6, "eval_acc": 0.8, "lr": 0.1}
+    with caplog.at_level(logging.WARNING, logger="dptrain"):
+        for step in range(1, 1001):  # ~300 bytes each: past any page size long before the last
+            sink.write({**epoch, "step": step})  # flushed: a failure shows at its own step
+            if caplog.records:
+                break
+        failed_at = step
+        for step in range(failed_at + 1, failed_at + 5):
+            sink.write({**epoch, "step": step})
+        sink.write({"event": "run_end", "step": step})
+        sink.close()
+    assert [r.getMessage() for r in caplog.records] == [tensorboard_warning(tb_dir, failed_at)]
+    assert seen_by_hook == []

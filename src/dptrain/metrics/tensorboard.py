@@ -6,15 +6,21 @@
 Every point's x value is the run's global optimizer step, so a resumed run continues the same curves: its writer
 purges whatever an earlier process wrote after the snapshot's step (SummaryWriter's purge_step), so that no step
 has two points. tensorboard is imported only here, when a run starts on rank 0 (~0.2 s), or by the command.
+
+A full disk under tb/ does not stop the run: it says so in one warning line and goes on without TensorBoard files.
+Unlike metrics.jsonl, whose loss fails the run (MetricsWriteError), nothing is lost with them: every point they hold
+is also a line of metrics.jsonl, and a stop would cost the steps since the last snapshot (on every rank) for a copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import getpass
 import json
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,34 @@ def _markdown_code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
+WRITER_THREAD_MODULE = "tensorboard.summary.writer.event_file_writer"
+"""Where tensorboard's writer thread (_AsyncWriterThread) is defined: its disk errors are said by the sink instead."""
+
+
+class _QuietWriterDiskErrors:
+    """threading.excepthook that drops an OSError of tensorboard's writer thread and passes on everything else.
+
+    The writer thread keeps the OSError it met (a full disk) and re-raises it in the thread too: Python printed
+    "Exception in thread" and ~40 lines of traceback. The writer raises the same exception again at the sink's next
+    add, flush or close, where it becomes one warning line; so the thread's copy says nothing new. Any other
+    thread's failure, and any other error of this one (a bug), goes to the hook that was there before.
+    """
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__module__ == WRITER_THREAD_MODULE and issubclass(args.exc_type, OSError):
+            return
+        self.previous(args)
+
+
+def _quiet_writer_disk_errors() -> None:
+    """Installs _QuietWriterDiskErrors once per process (each sink calls it; a resumed run in one process makes two)."""
+    if not isinstance(threading.excepthook, _QuietWriterDiskErrors):
+        threading.excepthook = _QuietWriterDiskErrors(threading.excepthook)
+
+
 def flat_hparams(tree: dict[str, Any]) -> dict[str, bool | int | float | str]:
     """{"optim": {"lr": 0.1}} -> {"optim.lr": 0.1}: the values the hparams plugin takes (None and lists as text)."""
     flat: dict[str, bool | int | float | str] = {}
@@ -52,24 +86,43 @@ class TensorBoardSink:
     environment as text, and at the run's end its hyperparameters with the final metrics.
 
     Flushed after every epoch, at the end and every `flush_every_s` seconds in between (step events), so that a
-    `dptrain tensorboard` started beside the run shows it live.
+    `dptrain tensorboard` started beside the run shows it live. Its constructor raises OSError where the files
+    cannot be started (open_sink says it); a write that fails later is said in one warning line, and the sink then
+    writes nothing more (the writer would raise the same error at every call).
     """
 
     def __init__(self, log_dir: Path, start_step: int, config: dict[str, Any], config_toml: str,
                  environment: dict[str, Any], flush_every_s: float = 5.0) -> None:
         from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard and protobuf, on rank 0 only
 
+        _quiet_writer_disk_errors()  # before the writer starts its thread: its first write may already fail
+        self.log_dir = log_dir
         # purge_step: points at steps after the snapshot this run resumes from (written by a process that went on
         # after it, then died) are dropped from the earlier files, so every step keeps one point.
-        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1, flush_secs=flush_every_s)
-        self.start_step, self.hparams = start_step, flat_hparams(config)
+        self.writer: Any = SummaryWriter(str(log_dir), purge_step=start_step + 1, flush_secs=flush_every_s)
+        self.hparams = flat_hparams(config)
+        self.step = start_step
+        """The last event's step: where a failure shows, in its warning."""
         self.last_epoch: dict[str, Any] = {}
-        self.writer.add_text("config", _markdown_code(config_toml), start_step)
-        self.writer.add_text("environment", _markdown_code(json.dumps(environment, indent=2)), start_step)
-        self.writer.flush()
+        try:
+            self.writer.add_text("config", _markdown_code(config_toml), start_step)
+            self.writer.add_text("environment", _markdown_code(json.dumps(environment, indent=2)), start_step)
+            self.writer.flush()
+        except OSError:
+            self._stop_writer()
+            raise
 
     def write(self, event: dict[str, Any]) -> None:
-        kind, step = event["event"], event.get("step", self.start_step)
+        if self.writer is None:  # stopped by a failed write, said then
+            return
+        step = self.step = event.get("step", self.step)
+        try:
+            self._write(event["event"], step, event)
+        except OSError as exc:
+            log.warning("%s", cannot_write(self.log_dir, exc, step))
+            self._stop_writer()
+
+    def _write(self, kind: str, step: int, event: dict[str, Any]) -> None:
         if kind == "step":
             for key in STEP_SCALARS:
                 if event.get(key) is not None:  # a diverged loss is null
@@ -102,17 +155,42 @@ class TensorBoardSink:
             self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is None:
+            return
+        try:
+            self.writer.close()  # the last flush: the points since the last epoch's
+        except OSError as exc:
+            log.warning("%s", cannot_write(self.log_dir, exc, self.step))
+            self._stop_writer()
+        self.writer = None
+
+    def _stop_writer(self) -> None:
+        """Ends the writer's thread and file, quietly: its error has been said (SummaryWriter.close would raise it
+        again at its flush, before closing anything)."""
+        with contextlib.suppress(OSError):
+            self.writer.file_writer.close()
+        self.writer = None
+
+
+def cannot_write(log_dir: Path, exc: OSError, step: int) -> str:
+    """The one line a failed TensorBoard write is: the run goes on (why: this module's docstring). The step is where
+    the failure showed; the writer's thread may have lost a few points before it."""
+    return (f"TensorBoard files cannot be written to {log_dir} at step {step} ({exc.strerror or exc}); the run goes on "
+            f"without them: metrics.jsonl keeps every point.")
 
 
 def open_sink(run_dir: Path, start_step: int, config: dict[str, Any], config_toml: str,
               environment: dict[str, Any]) -> TensorBoardSink | None:
-    """The sink for runs/<name>/tb/, or None with one warning line when tensorboard cannot be imported."""
+    """The sink for runs/<name>/tb/, or None with one warning line when tensorboard cannot be imported or its files
+    cannot be started (a full disk)."""
     started = time.perf_counter()
     try:
         sink = TensorBoardSink(run_dir / "tb", start_step, config, config_toml, environment)
     except ImportError as exc:
         log.warning("no TensorBoard files: %s (pip install tensorboard)", exc)
+        return None
+    except OSError as exc:
+        log.warning("%s", cannot_write(run_dir / "tb", exc, start_step))
         return None
     log.info("TensorBoard files in %s (%.2f s to start the writer); watch them with: dptrain tensorboard %s",
              run_dir / "tb", time.perf_counter() - started, run_dir)
