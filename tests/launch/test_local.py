@@ -160,3 +160,26 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (FileNotFoundError, IndexError):
         return "zombie"
+
+
+def _stop_rank_1_fail_rank_0() -> None:
+    import signal
+
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)  # as a ^Z, a debugger's attach or a frozen node would
+    time.sleep(0.5)  # rank 1 is stopped by now
+    raise RuntimeError("rank 0 gives up")
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp_path):
+    # The agent ends the others with SIGTERM, which a stopped process takes only once continued: torch waited 30 s
+    # before its SIGKILL, so the run ended its timeout + 30 s after the stop.
+    from dptrain.launch.env import LaunchError
+    from dptrain.launch.local import launch_local
+
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as failed:
+        launch_local(_stop_rank_1_fail_rank_0, (), nproc_per_node=2, timeout_s=10, log_dir=tmp_path, on_cuda=False)
+    assert "rank 0 gives up" in str(failed.value)
+    assert time.monotonic() - started < 20  # the grace it waited was 30 s; this run takes about 1 s

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
@@ -81,8 +82,9 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         for module in WORKER_IMPORTS:
             importlib.import_module(module)
     previous = signal.signal(signal.SIGUSR1, forward)
+    continuer = ContinueStoppedWorkers()
     try:
-        with _agent_log_to(log_dir):
+        with _agent_log_to(log_dir), continuer:
             worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint, os.getpid()), entrypoint)  # its name in logs
             elastic_launch(config, worker)(*args)
     except RendezvousTimeoutError:
@@ -99,6 +101,60 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         signal.signal(signal.SIGUSR1, previous)
         _rendezvous_host.clear()
         agent_dir.cleanup()
+
+
+class ContinueStoppedWorkers:
+    """Once one of this agent's workers has ended, continue (SIGCONT) those still stopped (SIGSTOP, ^Z of one).
+
+    When a worker fails, torch's agent ends the others with SIGTERM, which a stopped process takes only once
+    continued; torch then waited 30 s before its SIGKILL, so a run with a stopped rank ended its timeout + 30 s after
+    the stop instead of within the timeout. A thread of the agent looks at its children four times a second (Linux's
+    /proc; nothing happens where it has none); a run whose workers all live is never touched.
+    """
+
+    POLL_S = 0.25
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="dptrain-continue-stopped", daemon=True)
+
+    def __enter__(self) -> "ContinueStoppedWorkers":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        seen: set[int] = set()
+        while not self.done.wait(self.POLL_S):
+            workers = _children()
+            if seen - workers:  # one has ended: the agent is ending (or restarting) the group
+                for pid in workers:
+                    if _state(pid) == "T":
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGCONT)
+            seen |= workers
+
+
+def _children() -> set[int]:
+    """This process's child processes (of all its threads), from /proc; empty where there is none."""
+    pids: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(pid) for pid in f.read().split())
+    return pids
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (T: stopped by a signal, t: stopped by a debugger, which is left alone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -> Any:
