@@ -183,3 +183,30 @@ def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp
         launch_local(_stop_rank_1_fail_rank_0, (), nproc_per_node=2, timeout_s=10, log_dir=tmp_path, on_cuda=False)
     assert "rank 0 gives up" in str(failed.value)
     assert time.monotonic() - started < 20  # the grace it waited was 30 s; this run takes about 1 s
+
+
+def _fail_counting_attempts(tally: str, refuse: bool) -> None:
+    from dptrain.checkpoint import SnapshotError
+    from dptrain.runtime import WorkerFailure
+
+    if os.environ["RANK"] == "0":
+        with open(tally, "a") as f:
+            f.write("attempt\n")
+        if refuse:
+            raise WorkerFailure("rank 0 failed during resume: no snapshot can be used") from SnapshotError("damaged")
+        raise RuntimeError("rank 0 crashed")  # what a restart is for
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("refuse, attempts", [(True, 1), (False, 3)])
+def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, refuse, attempts):
+    # Every snapshot damaged was refused once per launch.max_restarts: 101 attempts and 405 lines at 100 restarts.
+    from dptrain.launch.env import LaunchError
+    from dptrain.launch.local import launch_local
+
+    tally = tmp_path / "attempts"
+    with pytest.raises(LaunchError) as failed:
+        launch_local(_fail_counting_attempts, (str(tally), refuse), nproc_per_node=2, timeout_s=10, max_restarts=2,
+                     log_dir=tmp_path, on_cuda=False)
+    assert tally.read_text().count("attempt") == attempts
+    assert str(failed.value) == ("rank 0 failed during resume: no snapshot can be used" if refuse else "rank 0 crashed")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 from dptrain.launch.env import LaunchError, Nodes
-from dptrain.config import LaunchConfig
+from dptrain.config import ConfigError, LaunchConfig
 from dptrain.runtime import (address_towards, leave_now, libc_function, listening_store, reach_store,
                              record_for_launcher, wants_cuda)
 from dptrain.stopping import EXIT_STOPPED, Stopped
@@ -55,6 +55,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     # The agent's own per-worker folders (error files, maybe logs) in a folder of ours, removed after the
     # run: by default torch leaves a /tmp/torchelastic_* folder behind for every launch.
     agent_dir = tempfile.TemporaryDirectory(prefix="dptrain-agent-")
+    os.environ[REFUSAL_FILE] = str(Path(agent_dir.name) / "refused")  # the workers inherit it
     if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
         nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
     config = LaunchConfig(
@@ -89,6 +90,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
             elastic_launch(config, worker)(*args)
     except RendezvousTimeoutError:
         raise LaunchError(rendezvous_timeout(nodes, timeout_s)) from None
+    except Refused as exc:
+        raise LaunchError(str(exc)) from None
     except SignalException as exc:
         raise Stopped(f"stopped by {exc.sigval.name}: the workers were asked to write a snapshot at their next step "
                       f"boundary (workers still starting up stop without one); run the same command to resume.") from None
@@ -100,6 +103,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     finally:
         signal.signal(signal.SIGUSR1, previous)
         _rendezvous_host.clear()
+        os.environ.pop(REFUSAL_FILE, None)
         agent_dir.cleanup()
 
 
@@ -172,9 +176,46 @@ def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -
     try:
         result = entrypoint(*args)
     except Exception as exc:
+        if no_restart_changes(exc):
+            note_refusal(exc)
         leave_after_failure(exc)
     atexit.register(leave_now, 0)
     return result
+
+
+REFUSAL_FILE = "DPTRAIN_REFUSAL_FILE"
+"""Names the file where a worker leaves the sentence of a refusal that no restart can change, for its agent."""
+
+
+class Refused(Exception):
+    """Raised in the agent, at the rendezvous of a restart, when a worker refused: its sentence is the message."""
+
+
+def no_restart_changes(exc: BaseException) -> bool:
+    """A failure that a restart would meet again, unchanged: the configuration, a snapshot or the data refused, or a
+    loss that diverged (it resumes from the last snapshot and diverges again). With launch.max_restarts 100, every
+    snapshot damaged was refused 101 times in 405 lines. A lost peer, a full disk or a crash still restarts."""
+    from dptrain.checkpoint import SnapshotError
+    from dptrain.data.formats import DataError
+    from dptrain.safe_load import UnsafeFileError
+    from dptrain.train import Diverged
+
+    refusals = (ConfigError, SnapshotError, DataError, UnsafeFileError, Diverged)
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, refusals):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def note_refusal(exc: BaseException) -> None:
+    """Leave the refusal's sentence for the agent (the first rank's stays); nothing where no agent asked for it."""
+    path = os.environ.get(REFUSAL_FILE)
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "x") as f:  # "x": a second rank's does not replace the first's
+        f.write(_first_line(str(exc)) or type(exc).__name__)
 
 
 def leave_after_failure(exc: Exception) -> NoReturn:
@@ -271,9 +312,27 @@ def _rendezvous(params: Any) -> Any:
     else:
         store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
     store.set(f"{CAME}{params.config['node_rank']}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
-    return DynamicRendezvousHandler.from_backend(params.run_id, store, Backend(store, params.run_id),
-                                                 params.min_nodes, params.max_nodes, local_addr=params.local_addr,
-                                                 timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s)))
+    return RefusalAware(DynamicRendezvousHandler.from_backend(
+        params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
+        local_addr=params.local_addr, timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s))))
+
+
+class RefusalAware:
+    """torch's rendezvous handler, which the agent calls again before every restart: there a worker's refusal (see
+    no_restart_changes) ends the launch instead, once, with its sentence."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+    def next_rendezvous(self) -> Any:
+        path = os.environ.get(REFUSAL_FILE)
+        if path:
+            with contextlib.suppress(OSError), open(path) as f:
+                raise Refused(f.read(4096))
+        return self._handler.next_rendezvous()
 
 
 CAME = "dptrain/node-came/"
