@@ -77,3 +77,16 @@ def test_a_config_of_another_user_or_a_link_is_refused(run_dir, tmp_path, capsys
         if moved.exists():
             moved.rename(config)
         os.chown(config, 0, 0)
+
+
+def test_a_run_named_as_an_older_dptrain_allowed_is_still_read(tmp_path, capsys):
+    # output.name takes no spaces now; eval and predict of a run written before must not be refused for it.
+    run = tmp_path / "old"
+    assert main([*RUN, "--output.dir", str(run)]) == 0
+    config = run / "config.toml"
+    head, output, rest = config.read_text().partition("[output]\n")
+    assert output and rest.startswith("name = ")
+    config.write_text(head + output + 'name = "my run"\n' + rest.split("\n", 1)[1])
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run)]) == 0, capsys.readouterr().err
+    assert "eval_acc=" in capsys.readouterr().out

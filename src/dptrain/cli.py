@@ -268,8 +268,11 @@ def snapshot_and_its_run(args: argparse.Namespace, extra: list[str], command: st
         check_private_file(saved, "the run's configuration")
     except UnsafeFileError as exc:
         raise ConfigError(str(exc)) from None
-    overrides = [*split_overrides(extra), ("launch.nproc_per_node", str(args.nproc_per_node or 1)),
-                 ("launch.max_restarts", "0")]
+    # The run's folder is where the snapshot lies, whatever its config says (an older dptrain allowed names that are
+    # refused now, such as "my run": eval and predict write nothing there, and must still read such a run).
+    run_dir = snapshot.parent.parent
+    overrides = [("output.name", "run"), ("output.dir", str(run_dir)), *split_overrides(extra),
+                 ("launch.nproc_per_node", str(args.nproc_per_node or 1)), ("launch.max_restarts", "0")]
     cfg = config_mod.load(saved, overrides)
     return snapshot, cfg, checkpoint.verify(snapshot)
 
