@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dptrain import checkpoint
 from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import log_tail, read_events
-from tests.distributed import run_cli_on_ranks
+from tests.distributed import run_cli_on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +165,8 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(tmp_
         2, f"dptrain: error: {run_dir} holds snapshots of an earlier run and train.resume is never; "
            f"choose another --output.name, or delete {run_dir / 'checkpoints'} to start afresh there.")
     assert refused("train", *args, "--train.resume", str(tmp_path / "nowhere")) == (
-        2, f"dptrain: error: snapshot {tmp_path / 'nowhere'} has no manifest.json: it is incomplete.")
+        2, f"dptrain: error: snapshot {tmp_path / 'nowhere'} does not exist; give a snapshot folder that dptrain "
+           f"checkpoint list shows as ok.")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing deleted
     assert (run_dir / "config.toml").read_text() == saved_config  # nor overwritten by the refused runs
 
@@ -286,3 +288,45 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(cli, tmp_path, 
     assert [e["epoch"] for e in got] == [1, 2]
     for key in ("train_loss", "train_acc", "train_samples", "eval_loss", "eval_count"):
         assert [e[key] for e in got] == [e[key] for e in expected], key
+
+
+def _snapshot_into_the_folder_of(rank: int, world_size: int, folders: list[str], output_dirs: list[str]) -> str:
+    """Rank `rank` saves a snapshot of step 5 with --output.dir output_dirs[rank], in folders[rank] as its working
+    folder; what that said."""
+    import os
+
+    from dptrain.launch.env import DistEnv
+    from tests.test_snapshot_rules import save_at, snapshotter
+
+    os.chdir(folders[rank])  # the pool puts it back after the job
+    env = DistEnv(rank, rank, world_size, world_size, "127.0.0.1", 0, "torchrun")
+    try:
+        save_at(snapshotter(Path(output_dirs[rank]), env=env), 5)
+        return "saved"
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank said
+        return str(exc)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_folder_that_every_node_does_not_share_is_one_sentence_on_every_rank(tmp_path):
+    """Nodes that each have a folder of their own at the run's path (a relative --output.dir, from working folders of
+    their own, plays it on one machine): rank 1 failed at the first snapshot with torch's 'Parent directory ... does
+    not exist' and a traceback, while rank 0 waited for it in DCP's collectives."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir()
+    node1.mkdir()
+    folders = [str(node0), str(node1)]
+    tmp = Path("checkpoints") / ".tmp-step-00000005"
+    said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, ["run", "run"], timeout=30)
+    assert said == [f"snapshots need one folder that every node shares: rank 1 does not see {'run' / tmp}, which rank 0 "
+                    f"made; put --output.dir on a file system that every node mounts."] * 2
+    assert not (node0 / "run" / tmp).exists()  # rank 0 took its folder away
+    # A folder at another path on each node (--output.dir /scratch/$HOSTNAME/run): each rank would write its shards there.
+    said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, [str(node0 / "run"), str(node1 / "run")], timeout=30)
+    assert said == [f"snapshots need one folder that every node shares, but rank 1 writes into {node1 / 'run' / tmp} and "
+                    f"rank 0 into {node0 / 'run' / tmp}; give every node the same --output.dir, on a file system that "
+                    f"all of them mount."] * 2
+    # One path that every rank sees: one snapshot, whole.
+    said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, [str(node0 / "run")] * 2, timeout=30)
+    assert said == ["saved", "saved"]
+    assert checkpoint.verify(node0 / "run" / "checkpoints" / "step-00000005")["world_size"] == 2

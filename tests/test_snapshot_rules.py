@@ -1,14 +1,27 @@
-"""What a resume may change, what it refuses, and damaged manifests: pure functions, no processes."""
+"""What a resume may change, what it refuses, damaged and unreadable snapshots, which ones pruning keeps: in this
+process (snapshots of one process, through a stand-in strategy), no rank processes."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import pwd
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+import torch
 
 from dptrain import checkpoint, config
-from dptrain.checkpoint import SnapshotError
+from dptrain.checkpoint import SnapshotError, Snapshotter
 from dptrain.config import ConfigError
+from dptrain.launch.env import DistEnv
+from dptrain.train_state import TrainState
+
+# Snapshots of one process: DCP says it assumes one process, which is the point here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def cfg(*pairs: tuple[str, str]) -> config.RunConfig:
@@ -77,23 +90,6 @@ def test_the_options_kept_in_a_manifest_compare_equal_after_the_json_round_trip(
     assert "was written with optim.lr = 0.001 but this run has 0.5; " in str(refused.value)  # and nothing else
 
 
-def test_pruning_deletes_only_this_runs_older_snapshots(tmp_path):
-    def snapshot(step: int, manifest: str | None) -> None:
-        folder = tmp_path / f"step-{step:08d}"
-        folder.mkdir()
-        if manifest is not None:
-            (folder / checkpoint.MANIFEST).write_text(manifest)
-
-    snapshot(1, json.dumps({"config_hash": "ours"}))
-    snapshot(2, None)  # damaged: a crash left it without a manifest
-    snapshot(3, json.dumps({"config_hash": "someone else's"}))
-    snapshot(4, "not json")
-    snapshot(5, json.dumps({"config_hash": "ours"}))
-    snapshot(6, json.dumps({"config_hash": "ours"}))
-    checkpoint._prune(tmp_path, keep_last=2, config_hash_="ours")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{s:08d}" for s in (2, 3, 4, 5, 6)]
-
-
 def test_the_one_rule_of_when_a_snapshot_is_due():
     """10 steps per epoch, 25 in the run: every_steps 4 saves mid-epoch at 4 and 8, at 12 and 16, and 20 lands on an
     epoch's end, so it waits for the evaluation; every_epochs 2 saves after epoch 2's evaluation; the run's last step
@@ -113,3 +109,212 @@ def test_the_one_rule_of_when_a_snapshot_is_due():
             after_eval.append(step)
     assert in_step == [4, 8, 12, 16, 24]
     assert after_eval == [20]  # epoch 1 ends at 10 (not a multiple of 4, epoch 1 not even); epoch 2 at 20
+
+
+class OneTensorStrategy:
+    """What a Snapshotter asks of a strategy, with one tensor for DCP to write: snapshots in a second, no model."""
+
+    own_folder = None
+    optimizer_in_dcp = True
+
+    def __init__(self) -> None:
+        self.weight = torch.arange(4.0)
+
+    def whole_optimizer_state(self, optimizer) -> None:
+        return None
+
+    def snapshot_state(self, optimizer) -> dict:
+        return {"model": {"weight": self.weight}}
+
+
+class ConstantScheduler:
+    def state_dict(self) -> dict:
+        return {"last_epoch": 0}
+
+
+def snapshotter(run_dir: Path, keep_last: int = 2, env: DistEnv | None = None) -> Snapshotter:
+    """A Snapshotter of a run in run_dir, as a fresh process (a run, or its resume) makes it: it has verified nothing."""
+    run = cfg(("output.dir", str(run_dir)), ("checkpoint.keep_last", str(keep_last)))
+    return Snapshotter(run, env or DistEnv.single(), torch.device("cpu"), OneTensorStrategy(), None, ConstantScheduler(),
+                       total_steps=100, steps_per_epoch=10)
+
+
+def save_at(snapshots: Snapshotter, step: int) -> Path:
+    state = TrainState()
+    state.step, state.batches_consumed = step, step % 10
+    return snapshots.save(state, wait=True)
+
+
+def damage(snapshot: Path) -> None:
+    """Flip a byte of the loop state: the manifest is intact, the sha256 no longer agrees."""
+    extra = snapshot / checkpoint.EXTRA
+    data = bytearray(extra.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    extra.write_bytes(bytes(data))
+
+
+def said(caplog) -> list[str]:
+    """dptrain's log lines (DCP logs too, at DEBUG)."""
+    return [r.getMessage() for r in caplog.records if r.name == "dptrain"]
+
+
+def steps_kept(run_dir: Path) -> dict[int, str]:
+    return {int(path.name.removeprefix("step-")): status.split(":")[0] if status.startswith("ok") else "damaged"
+            for path, status in checkpoint.list_snapshots(run_dir / "checkpoints")}
+
+
+def test_a_damaged_snapshot_does_not_take_the_place_of_a_whole_one(tmp_path, caplog):
+    """keep_last 2, snapshots 2 and 4, then 4 damaged: a resume from 2 that saves 6 keeps 2 and 6, the two whole ones.
+    (Pruning counted every snapshot with this run's manifest: it deleted 2 and kept the damaged 4, one to fall back on.)"""
+    save_at(snapshotter(tmp_path), 2)
+    damaged = save_at(snapshotter(tmp_path), 4)
+    damage(damaged)
+    resumed = snapshotter(tmp_path)
+    resumed.last_step = 2
+    with caplog.at_level(logging.WARNING, logger="dptrain"):
+        save_at(resumed, 6)
+    assert steps_kept(tmp_path) == {6: "ok", 2: "ok"}  # 4, damaged and older than a whole one, deleted
+    assert said(caplog) == [f"deleted damaged snapshot step-00000004, older than a whole one; snapshot {damaged} has a "
+                            f"damaged extra.pt (size or sha256 differs from the manifest)."]
+
+
+def test_a_damaged_snapshot_at_a_step_the_run_saves_again_is_written_again(tmp_path, caplog):
+    """A resume from 2 past a damaged 4 writes 4 again (it kept the damaged folder, as if whole, for ever)."""
+    save_at(snapshotter(tmp_path), 2)
+    damaged = save_at(snapshotter(tmp_path), 4)
+    damage(damaged)
+    resumed = snapshotter(tmp_path)
+    resumed.last_step = 2
+    with caplog.at_level(logging.WARNING, logger="dptrain"):
+        assert save_at(resumed, 4) == damaged
+    assert steps_kept(tmp_path) == {4: "ok", 2: "ok"}
+    assert said(caplog) == [
+        f"writing step-00000004 again, in place of the damaged one (snapshot {damaged} has a damaged extra.pt "
+        f"(size or sha256 differs from the manifest))"]
+    assert not list((tmp_path / "checkpoints").glob(".*-step-*"))  # neither the new folder's nor the old one's
+
+
+def test_a_whole_snapshot_at_a_step_the_run_saves_again_is_kept(tmp_path):
+    """A resume is bit-identical: a whole snapshot of a step the run reaches again is not written twice."""
+    kept = save_at(snapshotter(tmp_path), 4)
+    before = kept.stat().st_ino
+    save_at(snapshotter(tmp_path), 4)
+    assert kept.stat().st_ino == before
+
+
+def test_pruning_keeps_the_newest_whole_snapshots_of_this_run_only(tmp_path, caplog):
+    """Which folders pruning deletes, with verify() stood in for (damage: step -> what is wrong)."""
+    def snapshot(step: int, config_hash: str | None = "ours") -> Path:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir(mode=0o755)
+        if config_hash is not None:
+            (folder / checkpoint.MANIFEST).write_text(json.dumps(
+                {"world_size": 1, "strategy": "ddp", "model": "mnist-cnn", "config_hash": config_hash, "step": step, "files": {}}))
+        return folder
+
+    for step in (1, 2, 4, 5, 7, 9):
+        snapshot(step)
+    snapshot(3, config_hash=None)  # a crash left it without a manifest: damaged
+    snapshot(6, config_hash="someone else's")  # another configuration's: left alone, whole or not
+    snapshot(8).chmod(0o775)  # others may write to it: verify() refuses it, and pruning leaves it alone
+    damaged = {9: "damaged 9", 5: "damaged 5", 3: "incomplete 3"}
+    with caplog.at_level(logging.WARNING, logger="dptrain"):
+        checkpoint._prune(tmp_path, keep_last=3, config_hash_="ours",
+                          damage=lambda path: damaged.get(int(path.name.removeprefix("step-"))))
+    # 9: newer than every whole one (the run may write it again); 7, 4 and 2: the three newest whole ones; 5 and 3:
+    # damaged and older than a whole one; 1: past the three newest whole ones.
+    assert sorted(int(p.name.removeprefix("step-")) for p in tmp_path.iterdir()) == [2, 4, 6, 7, 8, 9]
+    assert said(caplog) == ["deleted 2 damaged snapshots, step-00000003 to step-00000005, older than a whole one; "
+                            "the newest: damaged 5"]
+
+
+def test_thousands_of_damaged_snapshots_are_one_log_line(tmp_path, caplog):
+    """3,000 damaged snapshots newer than the one whole one printed 3,000 lines when a resume looked for it."""
+    root = tmp_path / "checkpoints"
+    whole = save_at(snapshotter(tmp_path, keep_last=1), 1)
+    for step in range(2, 3002):
+        (root / f"step-{step:08d}").mkdir()  # no manifest: incomplete
+    with caplog.at_level(logging.INFO, logger="dptrain"):
+        assert checkpoint.find_latest(root) == whole
+    assert said(caplog) == [f"skipping 3000 damaged snapshots, step-00000002 to step-00003001; the newest: snapshot "
+                            f"{root / 'step-00003001'} has no manifest.json: it is incomplete."]
+    shutil.rmtree(whole)
+    caplog.clear()
+    with pytest.raises(SnapshotError) as refused:
+        checkpoint.find_latest(root)
+    assert str(refused.value) == (f"no snapshot in {root} can be used (3000 damaged snapshots, step-00000002 to "
+                                  f"step-00003001; the newest: snapshot {root / 'step-00003001'} has no manifest.json: it "
+                                  f"is incomplete); repair or remove the damaged ones, or use another --output.name to "
+                                  f"start afresh.")
+    assert said(caplog) == []
+
+
+def test_a_snapshot_that_does_not_exist_is_one_sentence_with_exit_code_2(tmp_path, capsys):
+    from dptrain.cli import main
+
+    missing = tmp_path / "nowhere"
+    assert main(["checkpoint", "verify", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: snapshot {missing} does not exist; give a snapshot "
+                                               f"folder that dptrain checkpoint list shows as ok.")
+
+
+def test_a_manifest_over_1_mib_is_refused_unread(tmp_path):
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"padding": "x" * (1 << 20)}))
+    with pytest.raises(SnapshotError) as refused:
+        checkpoint.verify(tmp_path)
+    assert str(refused.value) == (f"snapshot {tmp_path} has a manifest.json of more than 1 MiB, far more than any "
+                                  f"manifest holds; it is damaged.")
+
+
+def verify_as_a_user(snapshot: Path) -> str:
+    """What verify(snapshot) says to a user whom file permissions apply to: root reads every file, so as root the
+    check runs in a forked child as user nobody, on a snapshot that nobody owns (verify refuses another's)."""
+    if os.geteuid() != 0:
+        try:
+            checkpoint.verify(snapshot)
+            return "ok"
+        except SnapshotError as exc:
+            return str(exc)
+    nobody = pwd.getpwnam("nobody")
+    for path in [snapshot, *snapshot.rglob("*")]:
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: leave only through os._exit, never back into pytest
+        try:
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            try:
+                checkpoint.verify(snapshot)
+                said = "ok"
+            except SnapshotError as exc:
+                said = str(exc)
+            except BaseException as exc:  # noqa: BLE001 - the parent's assertion shows it
+                said = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as said:
+        answer = said.read().decode()
+    os.waitpid(child, 0)
+    return answer
+
+
+def test_a_snapshot_file_that_cannot_be_read_is_one_sentence():
+    """It was a 23-line PermissionError traceback. A folder outside pytest's, which is root's alone (mode 700)."""
+    folder = Path(tempfile.mkdtemp(prefix="dptrain-unreadable-"))
+    try:
+        folder.chmod(0o755)  # nobody may look inside
+        snapshot = folder / "step-00000003"
+        snapshot.mkdir(mode=0o755)
+        extra = snapshot / checkpoint.EXTRA
+        extra.write_bytes(b"loop state")
+        (snapshot / checkpoint.MANIFEST).write_text(json.dumps(
+            {"world_size": 1, "strategy": "ddp", "model": "mnist-cnn", "config_hash": "x", "step": 3,
+             "files": {checkpoint.EXTRA: {"bytes": extra.stat().st_size, "sha256": checkpoint._sha256(extra)}}}))
+        extra.chmod(0)
+        assert verify_as_a_user(snapshot) == (f"cannot read {extra} of snapshot {snapshot} (Permission denied); "
+                                              f"make it readable for you, or use another snapshot.")
+    finally:
+        shutil.rmtree(folder)

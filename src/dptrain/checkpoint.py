@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "res
                      ("output", "name"), ("output", "dir"), ("strategy", "deepspeed_config")}
 # Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
 LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
+# A manifest holds about 300 bytes per rank (its rank file and shard, each with size and sha256) and a few kB of
+# options: 1 MiB is the manifest of some 3,000 ranks. A larger one is damaged, or not ours, and is not read whole.
+MANIFEST_MAX_BYTES = 1 << 20
 
 
 class SnapshotError(ValueError):
@@ -144,6 +147,10 @@ class Snapshotter:
         self.group = None  # the background writes' own gloo group, made by start() (a collective)
         self.pending: tuple[Any, Path, Path] | None = None  # (future, tmp folder, final folder)
         self.last_step: int | None = None
+        # Rank 0: snapshot name -> None (whole) or what is wrong, as verify() found it. Verifying reads every byte,
+        # and a snapshot does not change once written (one that does is found by the next resume's verify()):
+        # each is read once per process, not at every pruning.
+        self.damage: dict[str, str | None] = {}
 
     def start(self) -> None:
         """Once every rank is here (a collective with async_save)."""
@@ -170,7 +177,9 @@ class Snapshotter:
     def save(self, state: TrainState, wait: bool = False) -> Path:
         """A snapshot of this step boundary (every rank calls this at the same step); with wait, also written whole."""
         final = self.root / f"{PREFIX}{state.step:08d}"
-        if self.last_step != state.step and not final.is_dir():  # a run resumed from this step may stop at it again
+        # A run resumed from this step may stop at it again, and a resume is bit-identical: a whole snapshot of this
+        # step is kept, a damaged one (left by an earlier run, skipped by its resume) is written again.
+        if self.last_step != state.step and not self._whole_on_rank0(final):
             self.wait()
             self._write(state, final)
             self.last_step = state.step
@@ -188,6 +197,12 @@ class Snapshotter:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
             tmp.mkdir(parents=True)
         runtime.barrier()
+        try:
+            check_one_folder(tmp)  # else a rank that cannot see it fails at its first file, alone, with torch's words
+        except SnapshotError:
+            if self.env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         # Everything but the shards is written now, before the (maybe background) DCP write: once
         # DCP's coordinator has finished, every rank's files are therefore complete.
         rank_state = {"rng": _rng_state(self.device), "epoch_sums": state.epoch_sums.cpu() if state.epoch_sums is not None else None}
@@ -217,6 +232,24 @@ class Snapshotter:
 
             self.pending = (dcp_async_save(_frozen_copy(shards), checkpoint_id=str(tmp), process_group=self.group), tmp, final)
 
+    def _damage(self, path: Path) -> str | None:
+        """None if the snapshot `path` verifies, else what is wrong with it (rank 0; remembered, see self.damage)."""
+        if path.name not in self.damage:
+            try:
+                verify(path)
+                self.damage[path.name] = None
+            except SnapshotError as exc:
+                self.damage[path.name] = str(exc)
+        return self.damage[path.name]
+
+    def _whole_on_rank0(self, final: Path) -> bool:
+        """Whether a whole snapshot `final` exists, as rank 0 sees it, on every rank (a collective with 2 ranks or more):
+        the ranks write a snapshot together or not at all, and another node may not see rank 0's files yet."""
+        whole = [self.env.is_main and final.is_dir() and self._damage(final) is None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(whole, src=0)
+        return bool(whole[0])
+
     def wait(self) -> None:
         """Wait for a background write and commit it (before the next snapshot, at the end, on a stop)."""
         if self.pending is not None:
@@ -238,17 +271,26 @@ class Snapshotter:
         make_private(tmp)  # a umask of 002 would let the group plant files, and verify() would refuse the snapshot
         _fsync_tree(tmp)
         faults.crash_before_rename(final.name)
+        replaced = final.parent / f".replaced-{final.name}"
+        if final.is_dir():  # damaged (save() keeps a whole one): moved aside in one rename, as os.replace needs it gone
+            log.warning("writing %s again, in place of the damaged one (%s)", final.name, (self._damage(final) or "").rstrip("."))
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        self.damage[final.name] = None  # every file was just hashed: whole, without reading it again
         pointer = final.parent / f".{LATEST}.tmp"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, final.parent / LATEST)
         _fsync_dir(final.parent)
-        _prune(final.parent, self.cfg.checkpoint.keep_last, manifest["config_hash"])
+        _prune(final.parent, self.cfg.checkpoint.keep_last, manifest["config_hash"], self._damage)
         log.info("snapshot %s written", final)
 
     def load(self, path: Path, state: TrainState) -> None:
         """Restore every part from snapshot `path`: weights, optimizer, scheduler, position, every rank's RNG."""
         manifest = verify(path)
+        if path.parent == self.root:
+            self.damage[path.name] = None  # verified just now
         check_compatible(manifest, self.cfg, path, self.total_steps)
         world = manifest["world_size"]
         if self.strategy.own_folder is not None and world != self.env.world_size:
@@ -345,29 +387,65 @@ def _frozen_copy(state: Any) -> Any:
     return state
 
 
-def _prune(root: Path, keep_last: int, config_hash_: str) -> None:
-    """Delete the oldest snapshots of this run beyond keep_last. Only folders whose manifest says this run's
-    configuration wrote them are counted or deleted: a damaged snapshot, or one from elsewhere, is left alone."""
-    ours = []
-    for path in sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()):
+def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path], str | None]) -> None:
+    """Keep the keep_last newest snapshots of this run that verify (damage(path) is None), and delete this run's older ones.
+
+    Only a whole snapshot counts: a damaged one that kept a place pruned a whole one, and a resume then had fewer
+    to fall back on. Never deleted: the newest whole snapshot, a damaged one newer than it (the run may write that
+    step again, and replaces it then), a snapshot of another configuration (its manifest says so), and a folder that
+    is not ours alone (check_private: another user's, or one others may write to). A damaged one older than the
+    newest whole one can never be resumed from: deleted, and named in one log line. Past the keep_last newest whole
+    ones every snapshot of this run is deleted without being verified: verifying reads every byte.
+    """
+    whole_kept, damaged = 0, []
+    for path in sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True):
         try:
-            if json.loads((path / MANIFEST).read_text()).get("config_hash") == config_hash_:
-                ours.append(path)
-        except (OSError, ValueError, AttributeError):
+            check_private(path, "snapshot")
+            theirs = _read_manifest(path).get("config_hash")
+        except UnsafeFileError:
             continue
-    for old in ours[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        except (SnapshotError, OSError):
+            theirs = None  # no readable manifest (and the folder is ours): damaged, not another configuration's
+        if theirs is not None and theirs != config_hash_:
+            continue
+        if whole_kept < keep_last:
+            reason = damage(path)
+            if reason is None:
+                whole_kept += 1
+                continue
+            if whole_kept == 0:
+                continue
+            damaged.append((path, reason))
+        shutil.rmtree(path, ignore_errors=True)
+    if damaged:
+        log.warning("deleted %s, older than a whole one; %s", _span(damaged), _first_reason(damaged))
+
+
+def _span(rows: list[tuple[Path, str]]) -> str:
+    """Damaged snapshots, rows of (folder, what is wrong) newest first, in a few words however many there are."""
+    if len(rows) == 1:
+        return f"damaged snapshot {rows[0][0].name}"
+    return f"{len(rows)} damaged snapshots, {rows[-1][0].name} to {rows[0][0].name}"
+
+
+def _first_reason(rows: list[tuple[Path, str]]) -> str:
+    return rows[0][1] if len(rows) == 1 else f"the newest: {rows[0][1]}"
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest_path = path / MANIFEST
+    """The well-formed manifest of snapshot folder `path`, read up to MANIFEST_MAX_BYTES; OSError if it cannot be read."""
+    with (path / MANIFEST).open("rb") as f:
+        text = f.read(MANIFEST_MAX_BYTES + 1)
+    if len(text) > MANIFEST_MAX_BYTES:
+        raise SnapshotError(f"snapshot {path} has a {MANIFEST} of more than {MANIFEST_MAX_BYTES >> 20} MiB, far more than "
+                            f"any manifest holds; it is damaged.")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(text)
         files = manifest["files"]
         well_formed = (all(key in manifest for key in ("world_size", "strategy", "model", "config_hash", "step"))
                        and isinstance(files, dict) and isinstance(manifest["step"], int) and isinstance(manifest["world_size"], int)
                        and all(isinstance(m, dict) and "bytes" in m and "sha256" in m for m in files.values()))
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
         well_formed = False
     if not well_formed:
         raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.")
@@ -400,8 +478,22 @@ def verify(path: Path) -> dict[str, Any]:
 
     Safe: the folder is the user's own and nobody else may write to it. Whole: the manifest lists exactly
     the files the folder holds, those include every file the loader reads, each has its recorded size and
-    sha256, and the step agrees with the folder's name and with the loop state inside.
+    sha256, and the step agrees with the folder's name and with the loop state inside. A file that cannot be read
+    (permissions, an I/O error) is named in one sentence too.
     """
+    try:
+        return _verify(path)
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {exc.filename or path} of snapshot {path} ({exc.strerror or exc}); "
+                            f"make it readable for you, or use another snapshot.") from None
+
+
+def _verify(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise SnapshotError(f"snapshot {path} does not exist; give a snapshot folder that dptrain checkpoint list shows as ok.")
+    if not path.is_dir():
+        raise SnapshotError(f"snapshot {path} is a file, not a snapshot folder; give a snapshot folder that "
+                            f"dptrain checkpoint list shows as ok.")
     if not (path / MANIFEST).is_file():
         raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
     try:
@@ -435,35 +527,64 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def list_snapshots(root: Path) -> list[tuple[Path, str]]:
-    """Every snapshot folder under root, newest first, with 'ok' or what is wrong with it."""
-    out = []
+def _snapshot_statuses(root: Path) -> Iterator[tuple[Path, str]]:
+    """Each snapshot folder under root, newest first, with 'ok' or what is wrong with it, verified as it is reached."""
     for path in sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True):
         try:
             manifest = verify(path)
-            out.append((path, f"ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}"))
+            yield path, f"ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}"
         except SnapshotError as exc:
-            out.append((path, str(exc)))
-    return out
+            yield path, str(exc)
+
+
+def list_snapshots(root: Path) -> list[tuple[Path, str]]:
+    """Every snapshot folder under root, newest first, with 'ok' or what is wrong with it."""
+    return list(_snapshot_statuses(root))
 
 
 def newest_whole(root: Path) -> Path | None:
-    """The newest snapshot under root that verifies, the one the same command resumes from; None if there is none."""
-    return next((path for path, status in list_snapshots(root) if status.startswith("ok")), None)
+    """The newest snapshot under root that verifies, the one the same command resumes from; None if there is none.
+    The older ones are not read (verifying reads every byte)."""
+    return next((path for path, status in _snapshot_statuses(root) if status.startswith("ok")), None)
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest snapshot that verifies; each newer one skipped is named in one log line. None if there are none;
-    SnapshotError if there are snapshots and none verifies (a resume from step 0 would throw their work away)."""
-    rows = list_snapshots(root)
-    for path, status in rows:
+    """The newest snapshot that verifies; the newer ones skipped are named in one log line however many they are.
+    None if there are none; SnapshotError if there are snapshots and none verifies (a resume from step 0 would throw
+    their work away)."""
+    skipped = []
+    for path, status in _snapshot_statuses(root):
         if status.startswith("ok"):
+            if len(skipped) == 1:
+                log.warning("skipping %s", skipped[0][1])
+            elif skipped:
+                log.warning("skipping %s; %s", _span(skipped), _first_reason(skipped))
             return path
-        log.warning("skipping %s", status)
-    if rows:
-        raise SnapshotError(f"no snapshot in {root} can be used ({rows[0][1].rstrip('.')}); repair or remove the damaged ones, "
+        skipped.append((path, status))
+    if skipped:
+        why = skipped[0][1] if len(skipped) == 1 else f"{_span(skipped)}; {_first_reason(skipped)}"
+        raise SnapshotError(f"no snapshot in {root} can be used ({why.rstrip('.')}); repair or remove the damaged ones, "
                             f"or use another --output.name to start afresh.")
     return None
+
+
+def check_one_folder(folder: Path) -> None:
+    """Every rank sees the folder `folder` that rank 0 has just made, at the same path (a collective; nothing with one
+    process): each rank writes its files of a snapshot into it, and a rank that cannot see it failed alone, at its
+    first file, with torch's 'Parent directory ... does not exist', while the others waited for it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (str(folder), folder.is_dir()))
+    made = views[0][0]
+    for rank, (where, seen) in enumerate(views):
+        if where != made:
+            raise SnapshotError(f"snapshots need one folder that every node shares, but rank {rank} writes into {where} "
+                                f"and rank 0 into {made}; give every node the same --output.dir, on a file system that "
+                                f"all of them mount.")
+        if not seen:
+            raise SnapshotError(f"snapshots need one folder that every node shares: rank {rank} does not see {made}, "
+                                f"which rank 0 made; put --output.dir on a file system that every node mounts.")
 
 
 def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total_steps: int) -> None:
