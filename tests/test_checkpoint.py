@@ -290,9 +290,9 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(cli, tmp_path, 
         assert [e[key] for e in got] == [e[key] for e in expected], key
 
 
-def _snapshot_into_the_folder_of(rank: int, world_size: int, folders: list[str], output_dirs: list[str]) -> str:
-    """Rank `rank` saves a snapshot of step 5 with --output.dir output_dirs[rank], in folders[rank] as its working
-    folder; what that said."""
+def _snapshot_into_the_folder_of(rank: int, world_size: int, folders: list[str], output_dirs: list[str]) -> list[str]:
+    """Rank `rank` starts a Snapshotter with --output.dir output_dirs[rank], in folders[rank] as its working folder,
+    then saves a snapshot of step 5: what each of the two said."""
     import os
 
     from dptrain.launch.env import DistEnv
@@ -300,33 +300,45 @@ def _snapshot_into_the_folder_of(rank: int, world_size: int, folders: list[str],
 
     os.chdir(folders[rank])  # the pool puts it back after the job
     env = DistEnv(rank, rank, world_size, world_size, "127.0.0.1", 0, "torchrun")
-    try:
-        save_at(snapshotter(Path(output_dirs[rank]), env=env), 5)
-        return "saved"
-    except Exception as exc:  # noqa: BLE001 - the test compares what each rank said
-        return str(exc)
+    snapshots = snapshotter(Path(output_dirs[rank]), env=env)
+    said = []
+    for step in (snapshots.start, lambda: save_at(snapshots, 5)):
+        try:
+            step()
+            said.append("done")
+        except Exception as exc:  # noqa: BLE001 - the test compares what each rank said
+            said.append(str(exc))
+    return said
 
 
 @pytest.mark.timeout(60)
 def test_a_run_folder_that_every_node_does_not_share_is_one_sentence_on_every_rank(tmp_path):
     """Nodes that each have a folder of their own at the run's path (a relative --output.dir, from working folders of
-    their own, plays it on one machine): rank 1 failed at the first snapshot with torch's 'Parent directory ... does
-    not exist' and a traceback, while rank 0 waited for it in DCP's collectives."""
+    their own, plays it on one machine): rank 1 failed at the first snapshot, after every step before it, with torch's
+    'Parent directory ... does not exist' and a traceback, while rank 0 waited for it in DCP's collectives."""
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir()
     node1.mkdir()
     folders = [str(node0), str(node1)]
-    tmp = Path("checkpoints") / ".tmp-step-00000005"
+
+    def unseen(folder: Path) -> str:
+        return (f"snapshots need one folder that every node shares: rank 1 does not see {folder}, which rank 0 made; "
+                f"put --output.dir on a file system that every node mounts.")
+
+    def elsewhere(folder: str) -> str:
+        return (f"snapshots need one folder that every node shares, but rank 1 writes into {node1 / 'run' / folder} and "
+                f"rank 0 into {node0 / 'run' / folder}; give every node the same --output.dir, on a file system that all "
+                f"of them mount.")
+
+    # Found as the run starts (before its first step), and again at a snapshot (it was found there only).
+    probe, tmp = Path("checkpoints") / ".seen-by-every-rank", Path("checkpoints") / ".tmp-step-00000005"
     said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, ["run", "run"], timeout=30)
-    assert said == [f"snapshots need one folder that every node shares: rank 1 does not see {'run' / tmp}, which rank 0 "
-                    f"made; put --output.dir on a file system that every node mounts."] * 2
-    assert not (node0 / "run" / tmp).exists()  # rank 0 took its folder away
+    assert said == [[unseen("run" / probe), unseen("run" / tmp)]] * 2
+    assert sorted(p.name for p in (node0 / "run" / "checkpoints").iterdir()) == []  # rank 0 took its folders away
     # A folder at another path on each node (--output.dir /scratch/$HOSTNAME/run): each rank would write its shards there.
     said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, [str(node0 / "run"), str(node1 / "run")], timeout=30)
-    assert said == [f"snapshots need one folder that every node shares, but rank 1 writes into {node1 / 'run' / tmp} and "
-                    f"rank 0 into {node0 / 'run' / tmp}; give every node the same --output.dir, on a file system that "
-                    f"all of them mount."] * 2
+    assert said == [[elsewhere(probe), elsewhere(tmp)]] * 2
     # One path that every rank sees: one snapshot, whole.
     said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, [str(node0 / "run")] * 2, timeout=30)
-    assert said == ["saved", "saved"]
+    assert said == [["done", "done"]] * 2
     assert checkpoint.verify(node0 / "run" / "checkpoints" / "step-00000005")["world_size"] == 2

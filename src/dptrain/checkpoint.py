@@ -153,7 +153,23 @@ class Snapshotter:
         self.damage: dict[str, str | None] = {}
 
     def start(self) -> None:
-        """Once every rank is here (a collective with async_save)."""
+        """Once every rank is here (a collective with 2 ranks or more). Every rank must see the folder rank 0 makes
+        for snapshots: checked now, not at the first snapshot, which would cost every step before it."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            probe = self.root / ".seen-by-every-rank"
+            if self.env.is_main:
+                probe.mkdir(parents=True, exist_ok=True)
+            runtime.barrier()
+            unshared = None
+            try:
+                check_one_folder(probe)
+            except SnapshotError as exc:  # raised on every rank alike: they all meet at the barrier
+                unshared = exc
+            runtime.barrier()  # every rank has looked before rank 0 takes it away
+            if self.env.is_main:
+                shutil.rmtree(probe, ignore_errors=True)
+            if unshared is not None:
+                raise unshared
         if self.cfg.checkpoint.async_save:
             self.group = dist.new_group(backend="gloo")
 
