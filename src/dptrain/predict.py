@@ -32,6 +32,7 @@ from dptrain.config import ConfigError, RunConfig
 from dptrain.data import input_record
 from dptrain.data.formats import DataError, read_idx
 from dptrain.data.sharding import num_batches, rank_batch_positions
+from dptrain.data.spec import Normalise
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 IMAGE_FORMATS = ["PNG", "JPEG"]  # the Pillow decoders predict uses: never EPS (Ghostscript) or others, whatever the suffix
@@ -322,26 +323,13 @@ def _open_npy(path: Path) -> np.ndarray:
 # ---------------------------------------------------------------- prediction
 
 
-class Normalise:
-    """uint8-scale pixels -> the training loader's normalisation, with its own formula: x * 1/(255 std) - mean/std."""
-
-    def __init__(self, spec: InputSpec, device: torch.device) -> None:
-        shape = (1, len(spec.mean), 1, 1)
-        std = torch.tensor(spec.std, device=device).view(shape)
-        self.scale = 1.0 / (255.0 * std)
-        self.shift = -torch.tensor(spec.mean, device=device).view(shape) / std
-
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(self.shift, pixels, self.scale)
-
-
 def predict_share(model: nn.Module, inputs: Inputs, spec: InputSpec, *, rank: int, world_size: int, batch_size: int,
                   device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]) -> dict[str, Any]:
     """This rank's share of every global batch of batch_size x world_size inputs: {"positions", "probs", "errors"}.
 
     No collective: a rank with an empty share skips the batch (the model is whole on every rank)."""
     model.eval()
-    normalise = Normalise(spec, device)
+    normalise = Normalise(spec.mean, spec.std, device)  # the training loader's
     n, global_batch = len(inputs), batch_size * world_size
     positions: list[int] = []
     probs: list[torch.Tensor] = []

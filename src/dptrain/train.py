@@ -27,7 +27,7 @@ from dptrain.evaluate import evaluate, sync
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
 from dptrain.models import build_model, training_flops_per_sample
-from dptrain.runtime import Phase, WorkerFailure, barrier
+from dptrain.runtime import Phase, WorkerFailure, barrier, bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.checkpoint import Snapshotter
 from dptrain.train_state import TrainState
@@ -297,9 +297,7 @@ class Run:
                                          last.name if last is not None else None))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        # A graph cannot keep autocast's cache of cast weights between replays.
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16,
-                              cache_enabled=self.step_graph is None)
+        return bf16_autocast(self.device, self.cfg.train.bf16, cache=self.step_graph is None)
 
 
 

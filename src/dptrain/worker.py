@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -20,8 +21,8 @@ from dptrain.config import RunConfig
 from dptrain.launch import slurm
 from dptrain.launch.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
-from dptrain.runtime import (Phase, barrier, destroy_process_group, exit_deadline, init_process_group, keep_freed_memory,
-                             pick_device, seed_everything, set_cpu_threads, use_deterministic_kernels)
+from dptrain.runtime import (Phase, barrier, bf16_autocast, destroy_process_group, exit_deadline, init_process_group,
+                             keep_freed_memory, pick_device, seed_everything, set_cpu_threads, use_deterministic_kernels)
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -233,7 +234,7 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
                                              channels_last=cfg.train.channels_last)
         with phase(f"loading the weights of {snapshot}"):
             model, manifest = snapshot_model(cfg, Path(snapshot), info.image_shape, info.num_classes, device)
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.bf16)  # noqa: E731
+        autocast = functools.partial(bf16_autocast, device, cfg.train.bf16)
         rows: list[torch.Tensor] | None = [] if predictions_path else None
         with phase("evaluation"):
             result = evaluate(model, loader, autocast, _all_reduce, rows)
@@ -266,7 +267,7 @@ def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, inp
             model, _ = snapshot_model(cfg, Path(snapshot), spec.shape, spec.num_classes, device)
         with phase(f"opening {input_path}"):
             inputs = open_inputs(Path(input_path), spec)
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.bf16)  # noqa: E731
+        autocast = functools.partial(bf16_autocast, device, cfg.train.bf16)
         with phase("prediction"):
             share = predict_share(model, inputs, spec, rank=env.global_rank, world_size=env.world_size,
                                   batch_size=cfg.train.eval_batch_size, device=device, autocast=autocast)

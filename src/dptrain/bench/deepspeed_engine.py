@@ -13,7 +13,7 @@ deepspeed is imported, and gloo; fp32 throughout. The optimizer is the same torc
 
 What DeepSpeed does that dptrain does not, turned off: its step log (steps_per_print beyond any run), wall-clock
 breakdown timers, fp16/bf16 and loss scaling; no checkpoint is saved. It gets the same tensors as dptrain (the uint8
-split, normalised a batch at once on the device: peer.Normalize) through peer.py's loader (a DistributedSampler
+split, normalised a batch at once on the device: data.spec.Normalise) through peer.py's loader (a DistributedSampler
 seeded by train.seed, as in the tutorial engine), not deepspeed.initialize's training_data loader, whose sampler is
 never given an epoch.
 """
@@ -23,10 +23,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dptrain.bench import peer
 from dptrain.config import RunConfig
+
+if TYPE_CHECKING:
+    from dptrain.data.spec import Normalise
 
 ENGINE = "deepspeed"
 PACKAGE = "deepspeed"
@@ -62,6 +65,7 @@ def main(run_dir: Path) -> None:
     from torch.utils.data import TensorDataset
 
     from dptrain.data.catalog import load
+    from dptrain.data.spec import Normalise
     from dptrain.models import build_model
     from dptrain.strategies.deepspeed import skip_shared_memory_op
 
@@ -72,7 +76,7 @@ def main(run_dir: Path) -> None:
     spec, train, test = load(cfg.data)
     loader = peer.train_loader(TensorDataset(train.images, train.labels), cfg, rank, world)
     test_batches = peer.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
-    normalize = peer.Normalize(spec.mean, spec.std, device)
+    normalize = Normalise(spec.mean, spec.std, device)
     model = build_model(cfg.model, spec.shape, spec.num_classes).to(device)
     engine, *_ = deepspeed.initialize(model=model, optimizer=peer.make_optimizer(cfg, model.parameters()),
                                       config=ds_config(cfg, world))
@@ -89,7 +93,7 @@ def main(run_dir: Path) -> None:
     peer.leave_world()
 
 
-def train_epoch(engine: Any, loader: Any, normalize: peer.Normalize, meter: peer.EpochMeter, step: int) -> int:
+def train_epoch(engine: Any, loader: Any, normalize: Normalise, meter: peer.EpochMeter, step: int) -> int:
     """One epoch of DeepSpeed's loop (engine.backward and engine.step: its all-reduce or ZeRO's reduce-scatter, and
     the optimizer) on the meter's clock; the step count after it."""
     import torch.nn.functional as F

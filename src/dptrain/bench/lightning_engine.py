@@ -14,7 +14,7 @@ log_every_n_steps), and use_distributed_sampler=False: the loaders are peer.py's
 seeded by train.seed, given the tutorial engine's epochs, so Lightning sees the tutorial's batches; the eval one every
 test sample once (Lightning's own sampler would pad the split with repeated samples). Lightning gets the same tensors
 as dptrain: the uint8 split in a TensorDataset, each batch normalised on the device in on_after_batch_transfer
-(peer.Normalize). The epoch clock (peer.EpochMeter) runs from on_train_epoch_start to the start of validation; the
+(data.spec.Normalise). The epoch clock (peer.EpochMeter) runs from on_train_epoch_start to the start of validation; the
 eval loss and accuracy come from Lightning's validation loop.
 """
 from __future__ import annotations
@@ -23,10 +23,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dptrain.bench import peer
 from dptrain.config import RunConfig
+
+if TYPE_CHECKING:
+    from dptrain.data.spec import Normalise
 
 ENGINE = "lightning"
 PACKAGE = "lightning"
@@ -46,6 +49,7 @@ def main(run_dir: Path) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from dptrain.data.catalog import load
+    from dptrain.data.spec import Normalise
     from dptrain.models import build_model
 
     cfg = peer.run_config(run_dir)
@@ -58,7 +62,7 @@ def main(run_dir: Path) -> None:
     test_batches = peer.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
     sink = peer.Sink(run_dir, rank, ENGINE)
     module = classifier(build_model(cfg.model, spec.shape, spec.num_classes), cfg, device, world,
-                        peer.Normalize(spec.mean, spec.std, device), sink)
+                        Normalise(spec.mean, spec.std, device), sink)
     trainer = L.Trainer(accelerator="cuda" if device.type == "cuda" else "cpu", devices=local_world,
                         num_nodes=world // local_world, strategy=strategy(cfg.strategy.name, world),
                         max_epochs=cfg.train.epochs, precision="32-true", barebones=True,
@@ -81,7 +85,7 @@ def strategy(name: str, world: int) -> Any:
     return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
-def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: peer.Normalize, sink: peer.Sink) -> Any:
+def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Normalise, sink: peer.Sink) -> Any:
     """The LightningModule around net: automatic optimisation, and the epoch's clock and metrics in its hooks.
     (A class made here: the sweep imports this module to check a sweep, and must not import Lightning to do so.)"""
     import lightning as L

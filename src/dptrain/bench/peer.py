@@ -4,7 +4,7 @@ alike for their rows to compare with dptrain's.
 Each peer is a module run by the sweep under torchrun, one process per worker, as `python -m MODULE RUN_DIR`; it
 trains what RUN_DIR/config.toml says and writes metrics.jsonl and env.json through Sink, in the shape dptrain
 writes them, so that collect reads every engine alike. Shared here, so that the engines differ in the engine only:
-the optimizer (make_optimizer), the normalisation (Normalize), the train loader (one DistributedSampler seeded by
+the optimizer (make_optimizer), the normalisation (dptrain's own, data.spec.Normalise), the train loader (one DistributedSampler seeded by
 train.seed), the epoch clock and its metrics (EpochMeter: between barriers, evaluation off the clock), and
 evaluation (every test sample once).
 Importing this module imports no torch: the sweep imports it to check a sweep before running anything.
@@ -19,9 +19,12 @@ import platform
 import resource
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from dptrain.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from dptrain.data.spec import Normalise
 
 # What the plain loops do not do; a sweep that asks for it is refused rather than compared unlike with like.
 PLAIN = {"optim.schedule": "constant", "optim.warmup_steps": 0, "optim.scale_lr_with": "none", "train.max_steps": None,
@@ -70,20 +73,6 @@ def pick_device(cfg: RunConfig) -> Any:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     torch.cuda.set_device(device)
     return device
-
-
-class Normalize:
-    """uint8 images -> (x / 255 - mean) / std, a whole batch at once on its device: the values ToTensor + Normalize give
-    per sample, from the uint8 split every engine keeps (dptrain too), so the peers' memory compares with dptrain's."""
-
-    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], device: Any) -> None:
-        import torch
-
-        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
-        self.std = torch.tensor(std, device=device).view(1, -1, 1, 1)
-
-    def __call__(self, images: Any) -> Any:
-        return (images.float() / 255 - self.mean) / self.std
 
 
 def train_loader(dataset: Any, cfg: RunConfig, rank: int, world: int) -> Any:
@@ -198,7 +187,7 @@ def eval_batches(images: Any, labels: Any, batch_size: int, rank: int, world: in
     return [(shard_x[i:i + batch_size], shard_y[i:i + batch_size]) for i in range(0, most, batch_size)]
 
 
-def evaluate(model: Any, batches: list[tuple[Any, Any]], normalize: Normalize, device: Any) -> dict:
+def evaluate(model: Any, batches: list[tuple[Any, Any]], normalize: Normalise, device: Any) -> dict:
     """Eval loss and accuracy over the whole test split (batches from eval_batches), reduced over every rank."""
     import torch
     import torch.nn.functional as F

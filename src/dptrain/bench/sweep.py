@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 PEERS: dict[str, ModuleType] = {"tutorial": tutorial, "lightning": lightning_engine, "deepspeed": deepspeed_engine}
 ENGINES = ("dptrain", *PEERS)
 DEFAULT_WORKERS = (1, 2, 4, 8)
-DEFAULT_STRATEGIES = ("ddp", "fsdp")
 DEFAULT_RUN_TIMEOUT_S = 3600.0
 SWEEP_FILE = "sweep.json"  # the sweep's config, so that a resumed sweep runs the same runs and collect knows the warm-up
 LOG_FILE = "bench.log"

@@ -30,6 +30,7 @@ def main(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from dptrain.data.catalog import load
+    from dptrain.data.spec import Normalise
     from dptrain.models import build_model
 
     cfg = peer.run_config(run_dir)
@@ -40,7 +41,7 @@ def main(run_dir: Path) -> None:
     spec, train, test = load(cfg.data)
     loader = peer.train_loader(Normalized(train, spec.mean, spec.std), cfg, rank, world)
     test_batches = peer.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
-    normalize = peer.Normalize(spec.mean, spec.std, device)  # evaluation only: training normalises per sample
+    normalize = Normalise(spec.mean, spec.std, device)  # evaluation only: training normalises per sample
     model = wrap(build_model(cfg.model, spec.shape, spec.num_classes).to(device), cfg.strategy.name, device)
     optimizer = peer.make_optimizer(cfg, model.parameters())
     sink = peer.Sink(run_dir, rank, ENGINE)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dptrain.config import ConfigError
 from dptrain.data.augment import AUGMENTS, Augment, crop_flip
-from dptrain.data.spec import DatasetSpec, Split
+from dptrain.data.spec import DatasetSpec, Normalise, Split
 from dptrain.data.sharding import epoch_permutation, num_batches, rank_batch_positions
 
 
@@ -31,14 +31,6 @@ class Batch:
     """Samples in this global batch over all ranks (the loss is a mean over these)."""
     indices: torch.Tensor
     """Each sample's index in its split (for predictions written in the split's order)."""
-
-
-@dataclass(frozen=True)
-class LoaderPosition:
-    """Where an epoch stands: enough to resume it exactly, at any world size."""
-
-    epoch: int
-    batches_consumed: int
 
 
 class Loader(Protocol):
@@ -66,11 +58,7 @@ class DeviceLoader:
         assert augment in AUGMENTS, augment
         self.images = split.images.to(device)  # uint8: a quarter of the float32 footprint
         self.labels = split.labels.to(device)
-        shape = (1, len(spec.mean), 1, 1)
-        # Fold /255 into the affine normalisation: x_norm = x_uint8 * scale + shift.
-        std = torch.tensor(spec.std, device=device).view(shape)
-        self.scale = 1.0 / (255.0 * std)
-        self.shift = -torch.tensor(spec.mean, device=device).view(shape) / std
+        self.normalise = Normalise(spec.mean, spec.std, device)
         self.device = device
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.seed, self.shuffle, self.augment = seed, shuffle, augment
@@ -93,7 +81,7 @@ class DeviceLoader:
         for k in range(start_batch, len(self)):
             start, stop, global_count = rank_batch_positions(n, self.global_batch, k, self.rank, self.world_size)
             idx = order[start:stop]
-            images = torch.addcmul(self.shift, self._pixels(idx, epoch).float(), self.scale)
+            images = self.normalise(self._pixels(idx, epoch))
             yield Batch(images.contiguous(memory_format=self.memory_format), self.labels[idx], global_count, idx)
 
 

@@ -9,6 +9,21 @@ from typing import Callable
 import torch
 
 
+class Normalise:
+    """uint8-scale pixels -> (x/255 - mean) / std per channel, a whole batch at once on its device, computed as
+    x * 1/(255 std) - mean/std: one fused multiply-add (addcmul) instead of three passes. The training loader,
+    predict and the peer engines of the benchmark all normalise through it, so they agree to the bit."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device | str) -> None:
+        shape = (1, len(mean), 1, 1)
+        std_t = torch.tensor(std, device=device).view(shape)
+        self.scale = 1.0 / (255.0 * std_t)
+        self.shift = -torch.tensor(mean, device=device).view(shape) / std_t
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.shift, pixels.float(), self.scale)
+
+
 @dataclass(frozen=True)
 class Split:
     """One split as uint8 images (N, C, H, W) and int64 labels (N,)."""

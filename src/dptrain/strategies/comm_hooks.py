@@ -134,7 +134,6 @@ COMM_HOOKS: dict[str, Callable[[DistributedDataParallel, int, CommCounter], None
     "allreduce": _install_allreduce, "fp16": _install_fp16, "bf16": _install_bf16, "powersgd": _install_powersgd,
     "ring": _install_ring,
 }
-HOOK_NAMES = tuple(COMM_HOOKS)  # StrategyConfig.comm_hook's choices (config.py lists them too: it imports nothing from here)
 
 
 def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:
