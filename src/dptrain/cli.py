@@ -1,4 +1,5 @@
-"""The `dptrain` commands: parse, check, then run here or start local workers. Nothing else lives here.
+"""The `dptrain` commands: parse the arguments and call one function per command (checks in prestart.py,
+launching in launch/).
 
     $ dptrain train --nproc-per-node 2 --train.epochs 3 --optim.lr 3e-4
     $ dptrain train --config run.toml --strategy.name single
@@ -19,18 +20,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
 
 from dptrain import checkpoint
 from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import DataError, describe
 from dptrain.checkpoint import SnapshotError
-from dptrain.launch.env import DistEnv, LaunchError, Nodes
-from dptrain.imports import import_object
-from dptrain.models import check_input
-from dptrain.runtime import WorkerFailure, leave_now, lift_exit_deadline, wants_cuda
-from dptrain.safe_load import UnsafeFileError, check_private_file
+from dptrain.launch.env import LaunchError, Nodes
+from dptrain.launch.local import run_ranks, world_size_here
+from dptrain.prestart import check_predictions_path, preflight, preflight_job, snapshot_and_its_run
+from dptrain.runtime import WorkerFailure, leave_now, lift_exit_deadline
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -60,103 +59,6 @@ def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
     if args.nproc_per_node is not None:
         overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
     return config_mod.load(args.config, overrides)
-
-
-def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) -> None:
-    """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model.
-    job_on_cuda: whether a job submitted from here runs on GPUs (None: the run is here, on what this machine has)."""
-    import torch
-
-    from dptrain.strategies import check_world  # imports torch.distributed: only once a run is wanted
-
-    on_cuda = wants_cuda(cfg.launch.device) if job_on_cuda is None else job_on_cuda
-    if job_on_cuda is None and cfg.launch.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
-    if job_on_cuda is None:
-        check_backend(cfg.launch.backend, on_cuda)
-    check_output_dir(cfg.output.run_dir)
-    check_resume_target(cfg)
-    info = describe(cfg.data)
-    check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
-    if config_mod.is_import_path(cfg.model.name):
-        import_object(cfg.model.name, "model.name")
-    else:
-        check_input(cfg.model, info.image_shape)
-
-
-def check_resume_target(cfg: RunConfig) -> None:
-    """A snapshot named by train.resume is whole; `never` does not write over an earlier run's snapshots."""
-    if cfg.train.resume not in ("auto", "never"):
-        checkpoint.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
-        return
-    snapshots = cfg.output.run_dir / "checkpoints"
-    if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
-        raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
-                          f"choose another --output.name, or delete {snapshots} to start afresh there.")
-
-
-def check_backend(backend: str, on_cuda: bool) -> None:
-    """nccl runs on CUDA devices only, and only where torch was built with it."""
-    import torch.distributed as dist
-
-    if backend == "nccl" and not on_cuda:
-        raise ConfigError("launch.backend = nccl needs CUDA devices, and this run would use the CPU; "
-                          "use --launch.backend gloo or auto.")
-    if backend == "nccl" and not dist.is_nccl_available():
-        raise ConfigError("launch.backend = nccl but this torch build has no nccl; use --launch.backend gloo or auto.")
-
-
-def check_output_dir(run_dir: Path) -> None:
-    """The run directory is a folder this user can write in, or can be made as one; nothing is created here."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"the run directory {run_dir} is a file; choose another --output.name or --output.dir.")
-    existing = run_dir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"the run directory {run_dir} cannot be made: {existing} is a file; "
-                          f"choose another --output.name or --output.dir.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
-                          f"choose another --output.dir, or fix its permissions.")
-    # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
-    # checkpoints/ cost the steps before it, and 2 workers printed 15 lines of C++ frames around the sentence.
-    for part, folder in (("checkpoints", True), ("logs", True), ("tb", True), ("metrics.jsonl", False)):
-        path = run_dir / part
-        if not path.exists():
-            continue
-        if path.is_dir() != folder:
-            raise ConfigError(f"{path} is a {'file' if folder else 'folder'} where the run keeps its "
-                              f"{'folder' if folder else 'file'}; move it away, or choose another --output.dir.")
-        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
-            raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
-                              f"choose another --output.dir.")
-
-
-def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world_size: int, launched_outside: bool,
-              log_dir: Path | None = None, nodes: Nodes | None = None) -> None:
-    """Run `entrypoint(*args)` here when a launcher (torchrun, srun) started this process or one process suffices;
-    else start this node's workers through the elastic agent (which restarts them, if asked), meeting the other
-    nodes' agents where nodes says."""
-    if launched_outside or (world_size == 1 and cfg.launch.max_restarts == 0):  # restarts need the agent
-        entrypoint(*args)
-        return
-    from dptrain.launch.local import launch_local
-
-    per_node = world_size // (nodes.count if nodes else 1)
-    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir, nodes,
-                 on_cuda=wants_cuda(cfg.launch.device))
-
-
-def world_size_here(cfg: RunConfig, nodes: Nodes | None = None) -> tuple[int, bool]:
-    """(the world size, whether a launcher outside dptrain started this process)."""
-    from dptrain.launch.local import local_workers
-
-    if nodes is not None:  # dptrain's agent starts the ranks, even inside an srun task (one agent per node)
-        return nodes.count * local_workers(cfg.launch), False
-    env = DistEnv.from_environ()
-    launched_outside = env.source != "none"
-    return (env.world_size if launched_outside else local_workers(cfg.launch)), launched_outside
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
@@ -233,15 +135,6 @@ def job_options_given(args: argparse.Namespace) -> list[str]:
     return ["--" + name.replace("_", "-") for name in given]
 
 
-def preflight_job(cfg: RunConfig, world_size: int) -> None:
-    """preflight for a job submitted from here: it runs on the GPUs it asks for, if any."""
-    on_gpus = cfg.slurm.gpus_per_node > 0
-    if cfg.launch.device == "cuda" and not on_gpus:
-        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N, or use "
-                          "--launch.device auto.")
-    preflight(cfg, world_size, job_on_cuda=on_gpus and cfg.launch.device != "cpu")
-
-
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     """Evaluate a snapshot on the test split, sharded over the workers, with the run's own configuration."""
     from dptrain.worker import eval_worker
@@ -249,45 +142,11 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     predictions = str(Path(args.predictions).resolve()) if args.predictions else None
     if predictions:
         check_predictions_path(Path(predictions))
-    snapshot, cfg, _ = snapshot_and_its_run(args, extra, "eval")
+    snapshot, cfg, _ = snapshot_and_its_run(Path(args.checkpoint), split_overrides(extra), args.nproc_per_node, "eval")
     world_size, launched_outside = world_size_here(cfg)
     describe(cfg.data)  # the test split is there, before any worker starts
     run_ranks(eval_worker, (config_mod.to_dict(cfg), str(snapshot), predictions), cfg, world_size, launched_outside)
     return 0
-
-
-def snapshot_and_its_run(args: argparse.Namespace, extra: list[str], command: str) -> tuple[Path, RunConfig, dict[str, Any]]:
-    """(the snapshot --checkpoint names, the run's configuration with this command's overrides, its manifest),
-    verified safe and whole before any worker starts."""
-    snapshot = checkpoint.find_snapshot(Path(args.checkpoint))
-    saved = snapshot.parent.parent / "config.toml"
-    if not saved.is_file():
-        raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
-                          f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
-    try:  # it names the data and the model (even code to import): it is as much input from others as the snapshot
-        check_private_file(saved, "the run's configuration")
-    except UnsafeFileError as exc:
-        raise ConfigError(str(exc)) from None
-    # The run's folder is where the snapshot lies, whatever its config says (an older dptrain allowed names that are
-    # refused now, such as "my run": eval and predict write nothing there, and must still read such a run).
-    run_dir = snapshot.parent.parent
-    overrides = [("output.name", "run"), ("output.dir", str(run_dir)), *split_overrides(extra),
-                 ("launch.nproc_per_node", str(args.nproc_per_node or 1)), ("launch.max_restarts", "0")]
-    cfg = config_mod.load(saved, overrides)
-    return snapshot, cfg, checkpoint.verify(snapshot)
-
-
-def check_predictions_path(path: Path) -> None:
-    """Write over an earlier predictions file only, never over another file (a run's config.toml, say)."""
-    from dptrain.evaluate import PREDICTIONS_HEADER
-
-    if path.is_dir():
-        raise ConfigError(f"--predictions {path} is a folder; give a file name, for example {path / 'predictions.csv'}.")
-    if path.exists():
-        with path.open(errors="replace") as f:
-            first = f.readline().strip()
-        if first != ",".join(PREDICTIONS_HEADER):
-            raise ConfigError(f"--predictions {path} exists and is not a predictions file; choose another path.")
 
 
 def cmd_predict(args: argparse.Namespace, extra: list[str]) -> int:
@@ -297,7 +156,7 @@ def cmd_predict(args: argparse.Namespace, extra: list[str]) -> int:
 
     output = Path(args.output).resolve()
     check_output_path(output)
-    snapshot, cfg, manifest = snapshot_and_its_run(args, extra, "predict")
+    snapshot, cfg, manifest = snapshot_and_its_run(Path(args.checkpoint), split_overrides(extra), args.nproc_per_node, "predict")
     world_size, launched_outside = world_size_here(cfg)
     spec = snapshot_input(manifest, cfg, snapshot)
     input_path = resolve_input(args.input)

@@ -15,8 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
-from dptrain.launch.env import LaunchError, Nodes
-from dptrain.config import ConfigError, LaunchConfig
+from dptrain.config import ConfigError, LaunchConfig, RunConfig
+from dptrain.launch.env import DistEnv, LaunchError, Nodes
 from dptrain.runtime import (address_towards, leave_now, libc_function, listening_store, reach_store,
                              record_for_launcher, wants_cuda)
 from dptrain.stopping import EXIT_STOPPED, Stopped
@@ -378,3 +378,25 @@ def _first_line(message: str) -> str:
     line = message.strip().splitlines()[0] if message.strip() else ""
     prefix, sep, rest = line.partition(": ")
     return rest if sep and prefix.replace(".", "").isidentifier() else line
+
+
+def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world_size: int, launched_outside: bool,
+              log_dir: Path | None = None, nodes: Nodes | None = None) -> None:
+    """Run `entrypoint(*args)` here when a launcher (torchrun, srun) started this process or one process suffices;
+    else start this node's workers through the elastic agent (which restarts them, if asked), meeting the other
+    nodes' agents where nodes says."""
+    if launched_outside or (world_size == 1 and cfg.launch.max_restarts == 0):  # restarts need the agent
+        entrypoint(*args)
+        return
+    per_node = world_size // (nodes.count if nodes else 1)
+    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir, nodes,
+                 on_cuda=wants_cuda(cfg.launch.device))
+
+
+def world_size_here(cfg: RunConfig, nodes: Nodes | None = None) -> tuple[int, bool]:
+    """(the world size, whether a launcher outside dptrain started this process)."""
+    if nodes is not None:  # dptrain's agent starts the ranks, even inside an srun task (one agent per node)
+        return nodes.count * local_workers(cfg.launch), False
+    env = DistEnv.from_environ()
+    launched_outside = env.source != "none"
+    return (env.world_size if launched_outside else local_workers(cfg.launch)), launched_outside

@@ -53,7 +53,7 @@ class Strategy:
 
     name = "single"
 
-    # What a strategy needs of the world, asked before any worker starts (cli.preflight) and again by
+    # What a strategy needs of the world, asked before any worker starts (prestart.preflight) and again by
     # every worker (train.build): each refusal is one sentence saying what to change.
 
     @classmethod

@@ -1,0 +1,136 @@
+"""The checks every command makes before a worker starts (or a job is submitted): the configuration against the world,
+the device and backend, the run directory, the snapshot a resume or eval would read, the data and the model.
+
+Each raises one sentence (ConfigError, DataError, SnapshotError) and writes nothing; `dptrain train --dry-run`
+(dry_run.py) adds what needs the data loaded and the model built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dptrain import checkpoint
+from dptrain import config as config_mod
+from dptrain.config import ConfigError, RunConfig
+from dptrain.data import describe
+from dptrain.imports import import_object
+from dptrain.models import check_input
+from dptrain.runtime import wants_cuda
+from dptrain.safe_load import UnsafeFileError, check_private_file
+
+
+def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) -> None:
+    """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model.
+    job_on_cuda: whether a job submitted from here runs on GPUs (None: the run is here, on what this machine has)."""
+    import torch
+
+    from dptrain.strategies import check_world  # imports torch.distributed: only once a run is wanted
+
+    on_cuda = wants_cuda(cfg.launch.device) if job_on_cuda is None else job_on_cuda
+    if job_on_cuda is None and cfg.launch.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("launch.device = cuda but CUDA is not available here; use --launch.device cpu or auto.")
+    if job_on_cuda is None:
+        check_backend(cfg.launch.backend, on_cuda)
+    check_output_dir(cfg.output.run_dir)
+    check_resume_target(cfg)
+    info = describe(cfg.data)
+    check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
+    if config_mod.is_import_path(cfg.model.name):
+        import_object(cfg.model.name, "model.name")
+    else:
+        check_input(cfg.model, info.image_shape)
+
+
+def check_resume_target(cfg: RunConfig) -> None:
+    """A snapshot named by train.resume is whole; `never` does not write over an earlier run's snapshots."""
+    if cfg.train.resume not in ("auto", "never"):
+        checkpoint.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
+        return
+    snapshots = cfg.output.run_dir / "checkpoints"
+    if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
+        raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
+                          f"choose another --output.name, or delete {snapshots} to start afresh there.")
+
+
+def check_backend(backend: str, on_cuda: bool) -> None:
+    """nccl runs on CUDA devices only, and only where torch was built with it."""
+    import torch.distributed as dist
+
+    if backend == "nccl" and not on_cuda:
+        raise ConfigError("launch.backend = nccl needs CUDA devices, and this run would use the CPU; "
+                          "use --launch.backend gloo or auto.")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ConfigError("launch.backend = nccl but this torch build has no nccl; use --launch.backend gloo or auto.")
+
+
+def check_output_dir(run_dir: Path) -> None:
+    """The run directory is a folder this user can write in, or can be made as one; nothing is created here."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"the run directory {run_dir} is a file; choose another --output.name or --output.dir.")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"the run directory {run_dir} cannot be made: {existing} is a file; "
+                          f"choose another --output.name or --output.dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
+                          f"choose another --output.dir, or fix its permissions.")
+    # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
+    # checkpoints/ cost the steps before it, and 2 workers printed 15 lines of C++ frames around the sentence.
+    for part, folder in (("checkpoints", True), ("logs", True), ("tb", True), ("metrics.jsonl", False)):
+        path = run_dir / part
+        if not path.exists():
+            continue
+        if path.is_dir() != folder:
+            raise ConfigError(f"{path} is a {'file' if folder else 'folder'} where the run keeps its "
+                              f"{'folder' if folder else 'file'}; move it away, or choose another --output.dir.")
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
+                              f"choose another --output.dir.")
+
+
+def preflight_job(cfg: RunConfig, world_size: int) -> None:
+    """preflight for a job submitted from here: it runs on the GPUs it asks for, if any."""
+    on_gpus = cfg.slurm.gpus_per_node > 0
+    if cfg.launch.device == "cuda" and not on_gpus:
+        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N, or use "
+                          "--launch.device auto.")
+    preflight(cfg, world_size, job_on_cuda=on_gpus and cfg.launch.device != "cpu")
+
+
+def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers: int | None,
+                          command: str) -> tuple[Path, RunConfig, dict[str, Any]]:
+    """(the snapshot that --checkpoint names, given: a snapshot folder or a run directory; the run's configuration with
+    the command's overrides and its number of workers, default 1; the snapshot's manifest), verified safe and whole
+    before any worker starts."""
+    snapshot = checkpoint.find_snapshot(given)
+    saved = snapshot.parent.parent / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
+                          f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
+    try:  # it names the data and the model (even code to import): it is as much input from others as the snapshot
+        check_private_file(saved, "the run's configuration")
+    except UnsafeFileError as exc:
+        raise ConfigError(str(exc)) from None
+    # The run's folder is where the snapshot lies, whatever its config says (an older dptrain allowed names that are
+    # refused now, such as "my run": eval and predict write nothing there, and must still read such a run).
+    run_dir = snapshot.parent.parent
+    cfg = config_mod.load(saved, [("output.name", "run"), ("output.dir", str(run_dir)), *overrides,
+                                  ("launch.nproc_per_node", str(workers or 1)), ("launch.max_restarts", "0")])
+    return snapshot, cfg, checkpoint.verify(snapshot)
+
+
+def check_predictions_path(path: Path) -> None:
+    """Write over an earlier predictions file only, never over another file (a run's config.toml, say)."""
+    from dptrain.evaluate import PREDICTIONS_HEADER
+
+    if path.is_dir():
+        raise ConfigError(f"--predictions {path} is a folder; give a file name, for example {path / 'predictions.csv'}.")
+    if path.exists():
+        with path.open(errors="replace") as f:
+            first = f.readline().strip()
+        if first != ",".join(PREDICTIONS_HEADER):
+            raise ConfigError(f"--predictions {path} exists and is not a predictions file; choose another path.")
