@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dptrain.run_folder import RunFolder
+from dptrain.files import fsync_dir, written_whole
 from dptrain import config as config_mod
 from dptrain import faults, runtime
 from dptrain.config import ConfigError, RunConfig
@@ -92,16 +94,9 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """A rename is durable only once its directory is flushed."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -143,7 +138,7 @@ class Snapshotter:
         self.cfg, self.env, self.device = cfg, env, device
         self.strategy, self.optimizer, self.scheduler = strategy, optimizer, scheduler
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
-        self.root = cfg.output.run_dir / "checkpoints"
+        self.root = cfg.output.folder.checkpoints
         self.group = None  # the background writes' own gloo group, made by start() (a collective)
         self.pending: tuple[Any, Path, Path] | None = None  # (future, tmp folder, final folder)
         self.last_step: int | None = None
@@ -295,10 +290,8 @@ class Snapshotter:
         os.replace(tmp, final)
         shutil.rmtree(replaced, ignore_errors=True)
         self.damage[final.name] = None  # every file was just hashed: whole, without reading it again
-        pointer = final.parent / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, final.parent / LATEST)
-        _fsync_dir(final.parent)
+        with written_whole(final.parent / LATEST) as pointer:
+            pointer.write_text(final.name + "\n")
         _prune(final.parent, self.cfg.checkpoint.keep_last, manifest["config_hash"], self._damage)
         log.info("snapshot %s written", final)
 
@@ -360,7 +353,7 @@ def _writing(write: Any, tmp: Path, run_dir: Path) -> Any:
         if reason is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        rerun = (" to resume from the last snapshot." if newest_whole(run_dir / "checkpoints") is not None
+        rerun = (" to resume from the last snapshot." if newest_whole(RunFolder(run_dir).checkpoints) is not None
                  else " (no snapshot was written yet: it starts again from step 0).")
         raise SnapshotError(f"could not write a snapshot into {run_dir / 'checkpoints'} ({reason}); "
                             f"free space or fix permissions there, then run the same command{rerun}") from exc
@@ -637,7 +630,7 @@ def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
     found: list[Any] = [None, None]
     if is_main:
         try:
-            latest = find_latest(cfg.output.run_dir / "checkpoints")
+            latest = find_latest(cfg.output.folder.checkpoints)
             found[0] = str(latest) if latest is not None else None
         except SnapshotError as exc:
             found[1] = str(exc)
@@ -652,7 +645,8 @@ def find_snapshot(path: Path) -> Path:
     """A snapshot folder as given, or the newest valid one of a run directory."""
     if (path / MANIFEST).is_file():
         return path
-    found = find_latest(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+    snapshots = RunFolder(path).checkpoints
+    found = find_latest(snapshots) if snapshots.is_dir() else None
     if found is None:
         raise SnapshotError(f"{path} is neither a snapshot nor a run directory with a valid snapshot; "
                             f"give a folder that dptrain checkpoint list shows as ok.")

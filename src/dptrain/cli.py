@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from dptrain.run_folder import RunFolder
 from dptrain import checkpoint
 from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig
@@ -78,7 +79,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
         print(dry_run(cfg, world_size, launched_outside))
         return 0
-    run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.run_dir / "logs",
+    run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.folder.launcher_log,
               nodes)
     return 0
 
@@ -99,7 +100,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         print(script, end="")
         return 0
     slurm.check_nodes_fit(cfg.slurm)  # after the dry run, which prints the script on a machine with no cluster too
-    (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
     job.config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
     job_id = slurm.submit(job.script)
@@ -175,7 +176,7 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{path}: ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
               f"{len(manifest['files'])} files verified")
         return 0
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    root = RunFolder(path).checkpoints if RunFolder(path).checkpoints.is_dir() else path
     rows = checkpoint.list_snapshots(root)
     if not rows:
         raise ConfigError(f"no snapshots in {root}; give a run directory or its checkpoints folder.")

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dptrain.run_folder import RunFolder
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -425,6 +427,11 @@ class OutputConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.dir) if self.dir else Path("runs") / self.name
+
+    @property
+    def folder(self) -> RunFolder:
+        """The run directory's files and folders by name."""
+        return RunFolder(self.run_dir)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -103,7 +103,7 @@ def _resume_plan(cfg: RunConfig, total_steps: int) -> str:
     if cfg.train.resume == "never":
         return "never (a fresh start)"
     if cfg.train.resume == "auto":
-        folder = cfg.output.run_dir / "checkpoints"
+        folder = cfg.output.folder.checkpoints
         path = checkpoint.find_latest(folder) if folder.is_dir() else None  # SnapshotError if none can be used
         if path is None:
             return "nothing to resume from: a fresh start"

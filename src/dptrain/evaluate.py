@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.files import written_whole
 from dptrain.data.loader import Loader
 from dptrain.metrics import finite_or_none
 
@@ -64,9 +65,7 @@ PREDICTIONS_HEADER = ("index", "label", "predicted")
 def write_predictions(rows: torch.Tensor, path: Path) -> None:
     """index,label,predicted per test sample, in the split's order; written whole, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
+    with written_whole(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(PREDICTIONS_HEADER)
         writer.writerows(rows.tolist())
-    tmp.replace(path)

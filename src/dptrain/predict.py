@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dptrain.files import written_whole
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import input_record
 from dptrain.data.formats import DataError, read_idx
@@ -394,17 +395,12 @@ def check_output_path(path: Path) -> None:
 def write_predictions(inputs: Inputs, probs: torch.Tensor, errors: dict[int, str], path: Path) -> None:
     """index,source,predicted,prob_0..prob_{K-1},error per input, in input order; written whole, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     predicted = probs.nan_to_num(-1.0).argmax(1).tolist()
-    try:
-        with tmp.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header(probs.shape[1]))
-            for i, row in enumerate(probs.tolist()):
-                if i in errors:
-                    writer.writerow([i, inputs.source(i), "", *([""] * len(row)), errors[i]])
-                else:  # 9 significant digits: a float32 written and read back is the same float32
-                    writer.writerow([i, inputs.source(i), predicted[i], *(f"{p:.9g}" for p in row), ""])
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with written_whole(path) as tmp, tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header(probs.shape[1]))
+        for i, row in enumerate(probs.tolist()):
+            if i in errors:
+                writer.writerow([i, inputs.source(i), "", *([""] * len(row)), errors[i]])
+            else:  # 9 significant digits: a float32 written and read back is the same float32
+                writer.writerow([i, inputs.source(i), predicted[i], *(f"{p:.9g}" for p in row), ""])

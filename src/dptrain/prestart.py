@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dptrain.run_folder import RunFolder
 from dptrain import checkpoint
 from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig
@@ -48,7 +49,7 @@ def check_resume_target(cfg: RunConfig) -> None:
     if cfg.train.resume not in ("auto", "never"):
         checkpoint.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
         return
-    snapshots = cfg.output.run_dir / "checkpoints"
+    snapshots = cfg.output.folder.checkpoints
     if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
         raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
                           f"choose another --output.name, or delete {snapshots} to start afresh there.")
@@ -80,8 +81,7 @@ def check_output_dir(run_dir: Path) -> None:
                           f"choose another --output.dir, or fix its permissions.")
     # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
     # checkpoints/ cost the steps before it, and 2 workers printed 15 lines of C++ frames around the sentence.
-    for part, folder in (("checkpoints", True), ("logs", True), ("tb", True), ("metrics.jsonl", False)):
-        path = run_dir / part
+    for path, folder in RunFolder(run_dir).written_by_a_run():
         if not path.exists():
             continue
         if path.is_dir() != folder:
@@ -107,7 +107,7 @@ def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers:
     the command's overrides and its number of workers, default 1; the snapshot's manifest), verified safe and whole
     before any worker starts."""
     snapshot = checkpoint.find_snapshot(given)
-    saved = snapshot.parent.parent / "config.toml"
+    saved = RunFolder(snapshot.parent.parent).config
     if not saved.is_file():
         raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
                           f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.files import written_whole
 from dptrain import checkpoint, faults
 from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders
@@ -125,7 +125,7 @@ class Run:
                     self.snapshots.save_if_due(state, after_evaluation=True)
             progress.stop()
             with self.phase("saving the final weights"):
-                self._save_weights(self.cfg.output.run_dir / "model.pt")
+                self._save_weights(self.cfg.output.folder.model)
             with self.phase(f"snapshot at step {state.step}"):
                 self.snapshots.save(state, wait=True)
             completed = True
@@ -146,15 +146,13 @@ class Run:
         """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
         state = self.strategy.full_state_dict()
         if self.env.is_main:
-            tmp = path.with_name(f".{path.name}.tmp")
             try:
-                torch.save(state, tmp)
-                os.replace(tmp, path)
+                with written_whole(path) as tmp:
+                    torch.save(state, tmp)
             except Exception as exc:
                 reason = checkpoint.write_failure(exc)
                 if reason is None:
                     raise
-                tmp.unlink(missing_ok=True)
                 rerun = (": it resumes from the last snapshot." if checkpoint.newest_whole(self.snapshots.root) is not None
                          else " (no snapshot was written yet: it starts again from step 0).")
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "

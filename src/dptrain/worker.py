@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
+from dptrain.run_folder import RunFolder
+from dptrain.files import written_whole
 from dptrain import config as config_mod
 from dptrain.config import RunConfig
 from dptrain.launch import slurm
@@ -30,7 +32,7 @@ log = logging.getLogger("dptrain")
 
 def rank_log(run_dir: Path, global_rank: int) -> Path:
     """logs/rank<R>.log of a run: the rank's log lines, and the stacks of a failed rank that was slow to leave."""
-    return run_dir / "logs" / f"rank{global_rank}.log"
+    return RunFolder(run_dir).rank_log(global_rank)
 
 
 class LogFile(logging.FileHandler):
@@ -58,7 +60,7 @@ def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
     root.setLevel(logging.INFO)
     fmt = logging.Formatter(f"%(asctime)s rank{env.global_rank} %(levelname)s %(message)s")
     if run_dir is not None:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        RunFolder(run_dir).logs.mkdir(parents=True, exist_ok=True)
         file_handler = LogFile(rank_log(run_dir, env.global_rank))
         file_handler.setFormatter(fmt)
         root.addHandler(file_handler)
@@ -142,7 +144,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     try:
         with rank_life(cfg, run_dir) as (env, phase, device, threads):
             if env.is_main:
-                events = EventLog([JsonlSink(run_dir / "metrics.jsonl"), MetricLineSink()])
+                events = EventLog([JsonlSink(cfg.output.folder.metrics), MetricLineSink()])
                 log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
                          env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
             run = build(cfg, env, device, events, phase)
@@ -150,8 +152,8 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             if env.is_main:  # only now: a refused resume leaves the run directory as it was
                 record = environment_record(env, device, threads)
                 with phase("writing config.toml and env.json"):
-                    write_run_file(run_dir / "config.toml", config_mod.to_toml(cfg))
-                    write_run_file(run_dir / "env.json", json.dumps(record, indent=2) + "\n")
+                    write_run_file(cfg.output.folder.config, config_mod.to_toml(cfg))
+                    write_run_file(cfg.output.folder.env, json.dumps(record, indent=2) + "\n")
                 # runs/<name>/tb/: continues the curves of an earlier process from this run's step on
                 board = tensorboard.open_sink(run_dir, step, config_mod.to_dict(cfg), config_mod.to_toml(cfg), record)
                 if board is not None:
@@ -180,15 +182,10 @@ def write_run_file(path: Path, text: str) -> None:
     """One of the run's own files, replaced whole or not at all (a resume rewrites them); a full disk is one sentence."""
     from dptrain.train import OutputError
 
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.unlink(missing_ok=True)
-        # Never group- or other-writable, whatever the umask: eval and predict refuse a config.toml others could change.
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as file:
-            file.write(text)
-        os.replace(tmp, path)
+        with written_whole(path) as tmp:
+            tmp.write_text(text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise OutputError(f"could not write {path} ({exc.strerror or exc}); free space or fix permissions there, "
                           f"then run the same command.") from exc
 

@@ -37,7 +37,7 @@ def failing_rank(tree):
 
 start = time.monotonic()
 try:
-    launch_local(failing_rank, ({"output": {"dir": str(run_dir)}},), 2, timeout_s=30, log_dir=run_dir / "logs",
+    launch_local(failing_rank, ({"output": {"dir": str(run_dir)}},), 2, timeout_s=30, log_file=run_dir / "logs" / "launcher.log",
                  on_cuda=False)
 except LaunchError as exc:
     print(round(time.monotonic() - start, 1))

@@ -180,7 +180,7 @@ def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp
 
     started = time.monotonic()
     with pytest.raises(LaunchError) as failed:
-        launch_local(_stop_rank_1_fail_rank_0, (), nproc_per_node=2, timeout_s=10, log_dir=tmp_path, on_cuda=False)
+        launch_local(_stop_rank_1_fail_rank_0, (), nproc_per_node=2, timeout_s=10, log_file=tmp_path / "launcher.log", on_cuda=False)
     assert "rank 0 gives up" in str(failed.value)
     assert time.monotonic() - started < 20  # the grace it waited was 30 s; this run takes about 1 s
 
@@ -207,6 +207,6 @@ def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, refuse, atte
     tally = tmp_path / "attempts"
     with pytest.raises(LaunchError) as failed:
         launch_local(_fail_counting_attempts, (str(tally), refuse), nproc_per_node=2, timeout_s=10, max_restarts=2,
-                     log_dir=tmp_path, on_cuda=False)
+                     log_file=tmp_path / "launcher.log", on_cuda=False)
     assert tally.read_text().count("attempt") == attempts
     assert str(failed.value) == ("rank 0 failed during resume: no snapshot can be used" if refuse else "rank 0 crashed")

@@ -18,6 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from dptrain.run_folder import RunFolder
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
 from dptrain.config import ConfigError, read_config_text
@@ -126,14 +127,14 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     row: dict[str, Any] = {"engine": match["engine"], "strategy": match["strategy"], "nodes": run_nodes(run_dir),
                            "workers": int(match["workers"]), "repeat": int(match["repeat"]),
                            "run_dir": f"runs/{run_dir.name}"}  # relative to the bench folder, which may move
-    events, skipped = read_run_events(run_dir / "metrics.jsonl")
+    events, skipped = read_run_events(RunFolder(run_dir).metrics)
     if skipped:
         several = len(skipped) > 1
         lines = f"{len(skipped)} line{'s' if several else ''} skipped ({skipped[0]}{'; ...' if several else ''})"
         log.warning(f"{run_dir / 'metrics.jsonl'}: {lines}; the run's numbers leave {'them' if several else 'it'} out.")
         # not a results.csv column: the report lists it when it collects the runs itself (relative to report.md)
         row["skipped_events"] = f"{row['run_dir']}/metrics.jsonl: {lines}"
-    env = _read_json(run_dir / "env.json")
+    env = _read_json(RunFolder(run_dir).env)
     row["torch"], row["host"] = (value if isinstance(value := env.get(key), str) else "" for key in ("torch", "host"))
     start = next((e for e in events if e.get("event") == "run_start"), {})
     row["global_batch_size"] = start.get("global_batch_size", "")

@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from dptrain.run_folder import RunFolder
 from dptrain import config as config_mod
 from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, describe_plan, error_line, is_done,
                                  job_shape, last_line, plan)
@@ -126,7 +127,7 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm.Job]:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a job that ended without a run_end: a fresh start, never a resume from a partial run
     cfg, job, script = job_of(sweep, point)
-    (job.run_dir / "logs").mkdir(parents=True)
+    RunFolder(job.run_dir).logs.mkdir(parents=True)
     job.config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
     job_id = slurm.submit(job.script)

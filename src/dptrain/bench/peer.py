@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from dptrain.run_folder import RunFolder
 from dptrain.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def check_plain(cfg: RunConfig, engine: str, strategies: Iterable[str]) -> None:
 def run_config(run_dir: Path) -> RunConfig:
     from dptrain import config as config_mod
 
-    return config_mod.load(run_dir / "config.toml")
+    return config_mod.load(RunFolder(run_dir).config)
 
 
 def pick_device(cfg: RunConfig) -> Any:
@@ -217,7 +218,7 @@ class Sink:
 
     def write(self, event: dict) -> None:
         if self.main:
-            with (self.run_dir / "metrics.jsonl").open("a") as f:
+            with RunFolder(self.run_dir).metrics.open("a") as f:
                 f.write(json.dumps({"event": event.pop("event"), "time": round(time.time(), 3), **event}) + "\n")
             if event.get("epoch"):
                 print(f"epoch {event['epoch']}: {event['epoch_time_s']:.3f} s, train_loss {event['train_loss']:.4f}, "
@@ -237,4 +238,4 @@ class Sink:
             record = {"engine": self.engine, **(versions or {}), "python": platform.python_version(),
                       "torch": torch.__version__, "host": platform.node(), "world_size": world,
                       "launched_by": "torchrun", "device": device.type, "cpu_threads_per_rank": torch.get_num_threads()}
-            (self.run_dir / "env.json").write_text(json.dumps(record, indent=2) + "\n")
+            RunFolder(self.run_dir).env.write_text(json.dumps(record, indent=2) + "\n")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
+from dptrain.run_folder import RunFolder
 from dptrain import config as config_mod
 from dptrain.bench import deepspeed_engine, lightning_engine, peak, tutorial
 from dptrain.config import ConfigError, RunConfig, SlurmConfig
@@ -325,7 +326,7 @@ def describe_plan(sweep: Sweep, points: list[Point]) -> str:
 
 def read_events(run_dir: Path) -> list[dict]:
     """metrics.jsonl's events; a line cut short by a killed run is skipped."""
-    path = run_dir / "metrics.jsonl"
+    path = RunFolder(run_dir).metrics
     if not path.is_file():
         return []
     events = []
@@ -390,7 +391,7 @@ def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
         cfg = sweep.config
         cfg = replace(cfg, strategy=replace(cfg.strategy, name=point.strategy),
                       launch=replace(cfg.launch, nproc_per_node=point.workers), output=replace(cfg.output, dir=str(run_dir)))
-        (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+        RunFolder(run_dir).config.write_text(config_mod.to_toml(cfg))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(point.workers),
                 "-m", PEERS[point.engine].__name__, str(run_dir)]
     # no epoch snapshots: saving is not what is measured (the user's --checkpoint.every_epochs, given later, wins)

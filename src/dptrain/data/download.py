@@ -11,12 +11,11 @@ import fcntl
 import hashlib
 import http.client
 import logging
-import os
-import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from dptrain.files import written_whole
 from dptrain.data.formats import DataError
 
 log = logging.getLogger(__name__)
@@ -78,22 +77,12 @@ def _fetch_one(dest: Path, name: str, md5: str, mirrors: list[str]) -> Path:
 
 def _download(url: str, target: Path, md5: str) -> None:
     """Stream to a temporary file beside target, check the md5, then rename: no half file is ever found."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    tmp = Path(tmp_name)
-    try:
+    # 0o666 less the umask, as any download: a shared data root needs the files readable by the group.
+    with written_whole(target, mode=0o666) as tmp:
         digest = hashlib.md5()
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+        with tmp.open("wb") as out, urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
             for chunk in iter(lambda: response.read(CHUNK), b""):
                 digest.update(chunk)
                 out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
         if digest.hexdigest() != md5:
             raise DataError(f"md5 {digest.hexdigest()} does not match the expected {md5}")
-        # mkstemp makes the file 0600; a shared data root needs it readable like any other download.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)

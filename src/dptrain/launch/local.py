@@ -31,7 +31,7 @@ WORKER_IMPORTS = ("dptrain.train", "torch.nn.parallel", "torch._dynamo")
 
 
 def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: int, timeout_s: float, max_restarts: int = 0,
-                 log_dir: Path | None = None, nodes: Nodes | None = None, on_cuda: bool = True) -> None:
+                 log_file: Path | None = None, nodes: Nodes | None = None, on_cuda: bool = True) -> None:
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks.
 
     On the CPU (on_cuda False) the agent forks the workers, which then start with everything already imported
@@ -41,7 +41,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
 
     With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
     listens on that address only); without, everything listens on loopback. The agent's own log (restarts,
-    tracebacks of failed workers) goes to log_dir/launcher.log, not to the console: the user sees the one
+    tracebacks of failed workers) goes to log_file (the run's logs/launcher.log), not to the console: the user sees the one
     sentence of the LaunchError, the details stay in the run's logs.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -85,7 +85,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     previous = signal.signal(signal.SIGUSR1, forward)
     continuer = ContinueStoppedWorkers()
     try:
-        with _agent_log_to(log_dir), continuer:
+        with _agent_log_to(log_file), continuer:
             worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint, os.getpid()), entrypoint)  # its name in logs
             elastic_launch(config, worker)(*args)
     except RendezvousTimeoutError:
@@ -259,14 +259,14 @@ AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "tor
 
 
 @contextlib.contextmanager
-def _agent_log_to(log_dir: Path | None) -> Iterator[None]:
-    """Send the elastic agent's log records to log_dir/launcher.log (or nowhere) instead of the console."""
+def _agent_log_to(log_file: Path | None) -> Iterator[None]:
+    """Send the elastic agent's log records to log_file (or nowhere) instead of the console."""
     handler: logging.Handler = logging.NullHandler()
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
         from dptrain.worker import LogFile  # quiet on a full disk, as the ranks' own logs
 
-        handler = LogFile(log_dir / "launcher.log")
+        handler = LogFile(log_file)
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = []
     for name in AGENT_LOGGERS:
@@ -381,7 +381,7 @@ def _first_line(message: str) -> str:
 
 
 def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world_size: int, launched_outside: bool,
-              log_dir: Path | None = None, nodes: Nodes | None = None) -> None:
+              log_file: Path | None = None, nodes: Nodes | None = None) -> None:
     """Run `entrypoint(*args)` here when a launcher (torchrun, srun) started this process or one process suffices;
     else start this node's workers through the elastic agent (which restarts them, if asked), meeting the other
     nodes' agents where nodes says."""
@@ -389,7 +389,7 @@ def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world
         entrypoint(*args)
         return
     per_node = world_size // (nodes.count if nodes else 1)
-    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_dir, nodes,
+    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_file, nodes,
                  on_cuda=wants_cuda(cfg.launch.device))
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from dptrain.run_folder import RunFolder
 from dptrain.config import ConfigError, RunConfig, SlurmConfig
 from dptrain.launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
 
@@ -76,10 +77,10 @@ class Job:
         return self.nodes * self.ranks_per_node
 
     def output(self, job_id: str = "%j") -> Path:
-        return self.run_dir / "logs" / f"slurm-{job_id}.out"
+        return RunFolder(self.run_dir).job_output(job_id, "out")
 
     def errors(self, job_id: str = "%j") -> Path:
-        return self.run_dir / "logs" / f"slurm-{job_id}.err"
+        return RunFolder(self.run_dir).job_output(job_id, "err")
 
 
 def job_for(cfg: RunConfig, workdir: Path) -> Job:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptrain.run_folder import RunFolder
 from dptrain.config import ConfigError
 from dptrain.metrics.utilisation import FIELDS as UTILISATION_FIELDS
 
@@ -185,15 +186,15 @@ def open_sink(run_dir: Path, start_step: int, config: dict[str, Any], config_tom
     cannot be started (a full disk)."""
     started = time.perf_counter()
     try:
-        sink = TensorBoardSink(run_dir / "tb", start_step, config, config_toml, environment)
+        sink = TensorBoardSink(RunFolder(run_dir).tb, start_step, config, config_toml, environment)
     except ImportError as exc:
         log.warning("no TensorBoard files: %s (pip install tensorboard)", exc)
         return None
     except OSError as exc:
-        log.warning("%s", cannot_write(run_dir / "tb", exc, start_step))
+        log.warning("%s", cannot_write(RunFolder(run_dir).tb, exc, start_step))
         return None
     log.info("TensorBoard files in %s (%.2f s to start the writer); watch them with: dptrain tensorboard %s",
-             run_dir / "tb", time.perf_counter() - started, run_dir)
+             RunFolder(run_dir).tb, time.perf_counter() - started, run_dir)
     return sink
 
 
@@ -204,19 +205,19 @@ def logdir_args(run_dirs: list[Path]) -> list[str]:
             raise ConfigError(f"{run_dir} is a file, not a run directory; give a run directory such as runs/run.")
         if not run_dir.is_dir():
             raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory such as runs/run.")
-        if not (run_dir / "tb").is_dir():
+        if not RunFolder(run_dir).tb.is_dir():
             raise ConfigError(f"{run_dir} has no tb/ folder: no run with TensorBoard files has been written there yet.")
         if "," in str(run_dir.resolve()):
             raise ConfigError(f"{run_dir}: TensorBoard cannot take several run directories whose paths hold a comma; "
                               f"rename it or show it alone.")
     if len(run_dirs) == 1:
-        return ["--logdir", str(run_dirs[0] / "tb")]
+        return ["--logdir", str(RunFolder(run_dirs[0]).tb)]
     names: dict[str, Path] = {}
     for run_dir in run_dirs:
         name, n = run_dir.resolve().name, 2
         while name in names:
             name, n = f"{run_dir.resolve().name}-{n}", n + 1
-        names[name] = run_dir / "tb"
+        names[name] = RunFolder(run_dir).tb
     return ["--logdir_spec", ",".join(f"{name}:{path.resolve()}" for name, path in names.items())]
 
 

@@ -1,0 +1,42 @@
+"""Files written whole or not at all: a reader (a resume, eval, a user's script) finds the old file or the new one,
+never half of one, whatever kills the writer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def written_whole(path: Path, mode: int = 0o644) -> Iterator[Path]:
+    """Yields a temporary path beside path for the block to write; then flushes it to the disk and renames it over
+    path. On any failure the temporary file is removed and path is left as it was.
+
+    mode: the new file's permissions, less the umask (0o644: never writable by group or others, even under umask 002;
+    eval refuses a config.toml others could change). The temporary name holds this process's id, so that writers on
+    several nodes of a shared folder do not meet. The cost: one fsync of the file and one of its folder.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a writer of this pid that was killed
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def fsync_dir(folder: Path) -> None:
+    """A rename is durable only once its folder is flushed."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,64 @@
+"""The run folder's layout: every file and folder a run writes, named once.
+
+    runs/<name>/
+      config.toml     the resolved configuration (eval and predict rebuild the model from it)
+      env.json        versions, host, device, git revision
+      metrics.jsonl   one event a line: run_start, step, epoch, eval, run_end
+      logs/           rank<R>.log for every rank, launcher.log (the elastic agent), slurm-<job>.out/.err
+      checkpoints/    step-<N>/ snapshots and `latest`
+      model.pt        the final weights, whole, for plain torch.load
+      tb/             TensorBoard's event files
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def env(self) -> Path:
+        return self.root / "env.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model.pt"
+
+    @property
+    def tb(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.logs / "launcher.log"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def job_output(self, job_id: str, stream: str) -> Path:
+        """SLURM's file for the job's stdout (stream "out") or stderr ("err")."""
+        return self.logs / f"slurm-{job_id}.{stream}"
+
+    def written_by_a_run(self) -> tuple[tuple[Path, bool], ...]:
+        """(path, whether it is a folder) of what a run writes into or appends to, rather than replaces whole."""
+        return ((self.checkpoints, True), (self.logs, True), (self.tb, True), (self.metrics, False))
