@@ -130,3 +130,17 @@ def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= README_MAX_LINES, (
         f"README.md has {lines} lines, more than {README_MAX_LINES}; move the detail to a page in docs/ and link it.")
+
+
+def test_the_readmes_layers_and_code_map_are_pyprojects_and_the_trees():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    layers = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    block = readme.split("\n__main__\n", 1)[1].split("```", 1)[0]
+    shown = ["__main__", *(re.split(r"\s{2,}", line.strip())[0] for line in block.strip().splitlines())]
+    assert shown == layers, "the README's layer list differs from [tool.importlinter] in pyproject.toml"
+    modules = {p.relative_to(root / "src" / "dptrain").as_posix() for p in (root / "src" / "dptrain").glob("*.py")}
+    mapped = set(re.findall(r"^([a-z_]+\.py)\s", readme, flags=re.MULTILINE))
+    assert modules - {"__init__.py"} <= mapped, f"modules missing from the README's map: {sorted(modules - mapped - {'__init__.py'})}"
