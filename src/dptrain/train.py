@@ -337,11 +337,11 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
     snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
     run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase,
               total_steps, snapshots, flops_per_sample=flops)
+    snapshots.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
     with phase("resume"):
         path = checkpoint.choose(cfg, env.is_main, env.world_size)
         if path is not None:
             snapshots.load(path, run.state)
-    snapshots.start()
     run.stop = StopRequest(env.world_size)
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
         step = lambda images, labels: run._train_step(images, labels, len(labels))  # noqa: E731 - one device: the batch is global
