@@ -186,6 +186,6 @@ def test_submit_refuses_a_job_that_would_pend_for_ever_before_writing_anything(s
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
-    assert main(["submit", *SHORT, "--output.name", "too-wide", "--ranks-per-node", "64"]) == 2
+    assert main(["submit", *SHORT, "--output.name", "too-wide", "--ranks-per-node", "64", "--train.global_batch_size", "128"]) == 2
     assert "would wait in the queue for ever" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
