@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from dptrain import config as config_mod
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.worker import join_world
 from dptrain.metrics import EventLog, ProgressBar
-from dptrain.runtime import Phase
+from dptrain.dist.failures import Phase
 from dptrain.train import build
 
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dptrain.launch.env import DistEnv
-from dptrain.runtime import Phase, WorkerFailure, init_process_group, join_store, roll_call
+from dptrain.dist.env import DistEnv
+from dptrain.dist.failures import Phase, WorkerFailure, roll_call
+from dptrain.dist.store import join_store
+from dptrain.dist.world import init_process_group
 from tests.distributed import run_on_ranks
 
 # join_store gives up at its deadline, checking every 0.05-0.1 s; the rest is scheduling on a busy machine.

@@ -17,7 +17,7 @@ import torch
 from dptrain import checkpoint, config
 from dptrain.checkpoint import SnapshotError, Snapshotter
 from dptrain.config import ConfigError
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.train_state import TrainState
 
 # Snapshots of one process: DCP says it assumes one process, which is the point here.

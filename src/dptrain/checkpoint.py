@@ -30,11 +30,13 @@ import torch.distributed as dist
 from dptrain.run_folder import RunFolder
 from dptrain.files import fsync_dir, written_whole
 from dptrain import config as config_mod
-from dptrain import faults, runtime
+from dptrain import faults
+from dptrain.dist.world import barrier
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import input_record
 from dptrain.safe_load import UnsafeFileError, check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private, read_metadata
 from dptrain.train_state import TrainState
+from dptrain.errors import SnapshotError
 
 log = logging.getLogger("dptrain")
 
@@ -58,10 +60,6 @@ LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
 # A manifest holds about 300 bytes per rank (its rank file and shard, each with size and sha256) and a few kB of
 # options: 1 MiB is the manifest of some 3,000 ranks. A larger one is damaged, or not ours, and is not read whole.
 MANIFEST_MAX_BYTES = 1 << 20
-
-
-class SnapshotError(ValueError):
-    """A snapshot that cannot be used; the message names it and what is wrong."""
 
 
 def computation_options(cfg: RunConfig) -> dict[str, Any]:
@@ -154,13 +152,13 @@ class Snapshotter:
             probe = self.root / ".seen-by-every-rank"
             if self.env.is_main:
                 probe.mkdir(parents=True, exist_ok=True)
-            runtime.barrier()
+            barrier()
             unshared = None
             try:
                 check_one_folder(probe)
             except SnapshotError as exc:  # raised on every rank alike: they all meet at the barrier
                 unshared = exc
-            runtime.barrier()  # every rank has looked before rank 0 takes it away
+            barrier()  # every rank has looked before rank 0 takes it away
             if self.env.is_main:
                 shutil.rmtree(probe, ignore_errors=True)
             if unshared is not None:
@@ -198,7 +196,7 @@ class Snapshotter:
             self.wait()
             # Every rank returns only once rank 0 has committed: a rank that then exits first (after a stop signal)
             # makes srun --kill-on-bad-exit, or the elastic agent, kill the others, rank 0 among them.
-            runtime.barrier()
+            barrier()
         return final
 
     def _write(self, state: TrainState, final: Path) -> None:
@@ -207,7 +205,7 @@ class Snapshotter:
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
             tmp.mkdir(parents=True)
-        runtime.barrier()
+        barrier()
         try:
             check_one_folder(tmp)  # else a rank that cannot see it fails at its first file, alone, with torch's words
         except SnapshotError:
@@ -235,9 +233,9 @@ class Snapshotter:
             from torch.distributed.checkpoint import save as dcp_save
 
             _writing(lambda: dcp_save(shards, checkpoint_id=str(tmp)), tmp, run_dir)
-            runtime.barrier()
+            barrier()
             self._commit(tmp, final)
-            runtime.barrier()
+            barrier()
         else:
             from torch.distributed.checkpoint import async_save as dcp_async_save
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -27,10 +26,12 @@ from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import DataError, describe
 from dptrain.checkpoint import SnapshotError
-from dptrain.launch.env import LaunchError, Nodes
+from dptrain.dist.env import Nodes
+from dptrain.errors import LaunchError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.prestart import check_predictions_path, preflight, preflight_job, snapshot_and_its_run
-from dptrain.runtime import WorkerFailure, leave_now, lift_exit_deadline
+from dptrain.dist.ending import leave_now, lift_exit_deadline
+from dptrain.dist.failures import WorkerFailure
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The `dptrain` program: main(), then leave at once, without Python's teardown (see runtime.leave_now)."""
+    """The `dptrain` program: main(), then leave at once, without Python's teardown (see dist.ending.leave_now)."""
     leave_now(main())
 
 

@@ -26,15 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dptrain.run_folder import RunFolder
+from dptrain.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration; its message is one sentence saying what to change."""
 
 
 def _choice(value: Any, name: str, choices: tuple[Any, ...]) -> None:

@@ -18,7 +18,8 @@ from dptrain.data.catalog import DATASETS, locate
 from dptrain.data.formats import DataError
 from dptrain.data.sharding import num_batches
 from dptrain.models import build_model
-from dptrain.runtime import pick_backend, wants_cuda
+from dptrain.dist.world import pick_backend
+from dptrain.runtime import wants_cuda
 from dptrain.schedule import peak_lr
 from dptrain.strategies import STRATEGIES
 

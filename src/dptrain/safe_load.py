@@ -23,10 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-
-class UnsafeFileError(ValueError):
-    """A file or folder that could run code on load or that others could have written; the message says which."""
+from dptrain.errors import UnsafeFileError
 
 
 def check_private(folder: Path, what: str) -> None:

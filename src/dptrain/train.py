@@ -24,10 +24,12 @@ from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
 from dptrain.evaluate import evaluate, sync
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
 from dptrain.models import build_model, training_flops_per_sample
-from dptrain.runtime import Phase, WorkerFailure, barrier, bf16_autocast
+from dptrain.dist.failures import Phase, WorkerFailure
+from dptrain.dist.world import barrier
+from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.checkpoint import Snapshotter
 from dptrain.train_state import TrainState
@@ -35,12 +37,9 @@ from dptrain.step_graph import StepGraph
 from dptrain.stopping import Stopped, StopRequest
 from dptrain.strategies import Strategy, build_strategy, check_world
 from dptrain.strategies.base import OptimizerSpec
+from dptrain.errors import OutputError
 
 log = logging.getLogger("dptrain")
-
-
-class OutputError(RuntimeError):
-    """The run directory could not be written; the message names the path and the cause."""
 
 
 class Diverged(WorkerFailure):

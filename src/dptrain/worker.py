@@ -21,10 +21,13 @@ from dptrain.files import written_whole
 from dptrain import config as config_mod
 from dptrain.config import RunConfig
 from dptrain.launch import slurm
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
-from dptrain.runtime import (Phase, barrier, bf16_autocast, destroy_process_group, exit_deadline, init_process_group,
-                             keep_freed_memory, pick_device, seed_everything, set_cpu_threads, use_deterministic_kernels)
+from dptrain.dist.ending import exit_deadline
+from dptrain.dist.failures import Phase
+from dptrain.dist.world import barrier, destroy_process_group, init_process_group
+from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
+                             use_deterministic_kernels)
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")

@@ -4,7 +4,8 @@ from unittest import mock
 
 import pytest
 
-from dptrain.launch.env import DistEnv, LaunchError, Nodes, check_master_resolves, expand_nodelist
+from dptrain.dist.env import DistEnv, Nodes, check_master_resolves, expand_nodelist
+from dptrain.errors import LaunchError
 
 
 def test_no_launcher_is_one_process():

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dptrain.runtime import exit_deadline, lift_exit_deadline
+from dptrain.dist.ending import exit_deadline, lift_exit_deadline
 from tests.conftest import REPO
 
 # Two local workers through dptrain's agent; each fails in "step 3", then its teardown (leaving the process group)
@@ -18,8 +18,9 @@ from tests.conftest import REPO
 HANGING_TEARDOWN = """
 import functools, sys, time
 from pathlib import Path
-from dptrain import config, runtime, worker
-from dptrain.launch.env import LaunchError
+from dptrain import config, worker
+from dptrain.dist import ending
+from dptrain.errors import LaunchError
 from dptrain.launch.local import launch_local
 
 run_dir = Path(sys.argv[1])
@@ -28,7 +29,7 @@ def teardown_that_hangs():
     time.sleep(3600)
 
 worker.destroy_process_group = teardown_that_hangs
-worker.exit_deadline = functools.partial(runtime.exit_deadline, seconds=2)
+worker.exit_deadline = functools.partial(ending.exit_deadline, seconds=2)
 
 def failing_rank(tree):
     with worker.rank_life(config.from_dict(tree), run_dir) as (env, phase, device, threads):

@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
 from dptrain.launch.local import describe_failure
-from dptrain.runtime import WorkerFailure
+from dptrain.dist.failures import WorkerFailure
 
 
 def error_file(tmp_path: Path, name: str, exc: BaseException, monkeypatch, timestamp: int | None = None) -> str:

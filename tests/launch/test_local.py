@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.runtime import listening_store
+from dptrain.dist.store import listening_store
 from tests.conftest import start_cli
 
 
@@ -81,7 +81,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
 
 
 def test_a_store_for_a_master_address_that_is_not_this_host_is_one_sentence():
-    from dptrain.launch.env import LaunchError
+    from dptrain.errors import LaunchError
 
     with pytest.raises(LaunchError, match=r"rank 0 cannot listen on 192\.0\.2\.1:\d+ .*MASTER_ADDR must be an address of rank 0's host"):
         listening_store("192.0.2.1", 0, 5)  # TEST-NET-1: never an address of this host
@@ -90,7 +90,7 @@ def test_a_store_for_a_master_address_that_is_not_this_host_is_one_sentence():
 def test_a_taken_port_is_one_sentence():
     import socket
 
-    from dptrain.launch.env import LaunchError
+    from dptrain.errors import LaunchError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -116,7 +116,7 @@ def test_backend_choice(capsys):
     import torch
 
     from dptrain.cli import main
-    from dptrain.runtime import pick_backend
+    from dptrain.dist.world import pick_backend
 
     assert pick_backend("auto", torch.device("cpu")) == "gloo"
     assert pick_backend("auto", torch.device("cuda", 0)) == "nccl"
@@ -175,7 +175,7 @@ def _stop_rank_1_fail_rank_0() -> None:
 def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp_path):
     # The agent ends the others with SIGTERM, which a stopped process takes only once continued: torch waited 30 s
     # before its SIGKILL, so the run ended its timeout + 30 s after the stop.
-    from dptrain.launch.env import LaunchError
+    from dptrain.errors import LaunchError
     from dptrain.launch.local import launch_local
 
     started = time.monotonic()
@@ -187,7 +187,7 @@ def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp
 
 def _fail_counting_attempts(tally: str, refuse: bool) -> None:
     from dptrain.checkpoint import SnapshotError
-    from dptrain.runtime import WorkerFailure
+    from dptrain.dist.failures import WorkerFailure
 
     if os.environ["RANK"] == "0":
         with open(tally, "a") as f:
@@ -201,7 +201,7 @@ def _fail_counting_attempts(tally: str, refuse: bool) -> None:
 @pytest.mark.parametrize("refuse, attempts", [(True, 1), (False, 3)])
 def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, refuse, attempts):
     # Every snapshot damaged was refused once per launch.max_restarts: 101 attempts and 405 lines at 100 restarts.
-    from dptrain.launch.env import LaunchError
+    from dptrain.errors import LaunchError
     from dptrain.launch.local import launch_local
 
     tally = tmp_path / "attempts"

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from dptrain.launch.env import LaunchError, Nodes
+from dptrain.dist.env import Nodes
+from dptrain.errors import LaunchError
 from tests.conftest import FLOAT64_ENV, REPO, log_tail, plan_runs, read_events, run_cli
 from tests.netns_hosts import TwoHosts
 
@@ -271,7 +272,7 @@ def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
 def test_a_master_the_network_does_not_lead_to_fails_soon_naming_it(two_hosts):
     """No route to node1 (the link is down): not the whole timeout of a refused port, but half of it (30 s at most)."""
     two_hosts.cut_link()
-    code = ("import time; from dptrain.runtime import reach_store; from dptrain.launch.env import LaunchError\n"
+    code = ("import time; from dptrain.dist.store import reach_store; from dptrain.errors import LaunchError\n"
             "start = time.monotonic()\n"
             "try:\n    reach_store('node1', 29500, 6, 'the store of rank 0', 'rank 0')\n"
             "except LaunchError as exc:\n    print(round(time.monotonic() - start, 1)); print(exc)\n")

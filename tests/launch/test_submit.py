@@ -16,7 +16,7 @@ import pytest
 from dptrain import config as config_mod
 from dptrain.config import ConfigError
 from dptrain.launch import slurm
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.runtime import set_cpu_threads
 
 GOLDEN = Path(__file__).parent / "golden"

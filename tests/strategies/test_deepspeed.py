@@ -22,7 +22,7 @@ from dptrain import checkpoint
 from dptrain.cli import main
 from dptrain.config import ConfigError, OptimConfig, RunConfig, StrategyConfig, TrainConfig
 from dptrain.config import load as load_config
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.schedule import build_scheduler
 from dptrain.strategies import build_strategy, check_world
 from dptrain.strategies.deepspeed import engine_config

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.config import OptimConfig, RunConfig, StrategyConfig
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.strategies import build_strategy
 from dptrain.train import optimizer_spec
 from tests.distributed import run_on_ranks

@@ -24,7 +24,7 @@ from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, des
                                  job_shape, last_line, plan)
 from dptrain.config import RunConfig
 from dptrain.launch import slurm
-from dptrain.launch.env import LaunchError
+from dptrain.errors import LaunchError
 
 log = logging.getLogger(__name__)
 

@@ -125,7 +125,7 @@ def leave_world() -> None:
     of the tutorial engine here, 0 in 20 with the pause)."""
     import torch.distributed as dist
 
-    from dptrain.runtime import destroy_process_group
+    from dptrain.dist.world import destroy_process_group
 
     dist.barrier()
     destroy_process_group()

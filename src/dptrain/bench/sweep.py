@@ -155,7 +155,7 @@ def runs_on_cpu(cfg: RunConfig, slurm: bool) -> bool:
     """Whether the points' workers run on the CPU: a job's on the GPUs it asks for, here on what launch.device gives."""
     if slurm:
         return not (cfg.slurm.gpus_per_node > 0 and cfg.launch.device != "cpu")
-    from dptrain.runtime import wants_cuda  # imports torch: only once a sweep is planned
+    from dptrain.runtime import wants_cuda
 
     return not wants_cuda(cfg.launch.device)
 
@@ -167,7 +167,7 @@ def default_warmup(epochs: int) -> int:
 
 def worker_cap(device: str) -> tuple[int, str]:
     """(workers this machine runs without oversubscribing, in words): GPUs on a GPU run, CPU cores on the CPU."""
-    from dptrain.runtime import wants_cuda  # imports torch: only once a sweep is planned
+    from dptrain.runtime import wants_cuda
 
     if wants_cuda(device):
         import torch
@@ -478,7 +478,7 @@ def record_peaks(sweep: Sweep) -> None:
     """The matmul probe (peak.py) of every worker count not yet in BENCH/peak.json, on the points' device and dtype
     (bfloat16 with train.bf16): once per sweep and worker count, since W ranks sharing a machine's cores and memory
     get neither W times one process's peak nor one process's. A probe that fails leaves the columns empty."""
-    from dptrain.runtime import wants_cuda  # imports torch: only once a sweep runs
+    from dptrain.runtime import wants_cuda
 
     device: peak.Device = "cuda" if wants_cuda(sweep.config.launch.device) else "cpu"
     dtype: peak.Dtype = "bfloat16" if sweep.config.train.bf16 else "float32"

@@ -21,6 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
+from dptrain.errors import DataError
 
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_UBYTE = 0x08
@@ -31,10 +32,6 @@ DEFLATE_MAX_RATIO = 1032
 # The payload is unpacked into its tensor this many bytes at a time: reading in chunks keeps only the bytes the
 # stream really holds resident, and costs one small temporary bytes object per chunk.
 READ_CHUNK_BYTES = 1 << 20
-
-
-class DataError(ValueError):
-    """A dataset file is missing, truncated or corrupt; the message names the file and the fix."""
 
 
 def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 from dptrain.config import ConfigError, LaunchConfig, RunConfig
-from dptrain.launch.env import DistEnv, LaunchError, Nodes
-from dptrain.runtime import (address_towards, leave_now, libc_function, listening_store, reach_store,
-                             record_for_launcher, wants_cuda)
+from dptrain.dist.env import DistEnv, Nodes
+from dptrain.errors import LaunchError
+from dptrain.dist.ending import leave_now, record_for_launcher
+from dptrain.dist.store import address_towards, listening_store, reach_store
+from dptrain.runtime import libc_function, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -223,7 +225,7 @@ def leave_after_failure(exc: Exception) -> NoReturn:
     launcher reports; worker.rank_life has logged its traceback). Not through Python's unwinding: freeing a failed run's
     objects (its model, DDP's reducer, its process groups) can block for good while collectives towards a lost peer
     are still in flight. Seen after a cut link: rank 0 still in multiprocessing's _bootstrap, in C code, 30 s after its
-    failure (runtime.exit_deadline ended it). Call it from the except block: the error file holds that traceback."""
+    failure (dist.ending.exit_deadline ended it). Call it from the except block: the error file holds that traceback."""
     record_for_launcher(exc)
     leave_now(1)
 

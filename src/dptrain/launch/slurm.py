@@ -26,7 +26,8 @@ from typing import Callable, Iterable
 
 from dptrain.run_folder import RunFolder
 from dptrain.config import ConfigError, RunConfig, SlurmConfig
-from dptrain.launch.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError
+from dptrain.dist.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from dptrain.errors import LaunchError
 
 # slurm.<field> -> the sbatch option it becomes, for the options passed through as given.
 SBATCH_OPTIONS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.ddp import DDP
 from dptrain.strategies.deepspeed import DeepSpeed

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
-from dptrain.launch.env import DistEnv
+from dptrain.dist.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
 
 

@@ -12,7 +12,7 @@ two ranks they are gloo's bits too (a + b = b + a). A tensor larger than a slot 
 The barriers are FIFOs, one inbox per rank: a rank writes its number to every peer's inbox and reads its own
 until every peer has written as often as it has. A rank that dies closes its ends: with two ranks the survivor
 reads the end at once; with more, the others wait out the run's collective timeout, as in gloo. Either is an
-error that the worker's roll call counts as a peer's failure (runtime.SHARED_MEMORY_PEER_LOST).
+error that the worker's roll call counts as a peer's failure (dist.failures.SHARED_MEMORY_PEER_LOST).
 
 Nothing outside the run can reach the buffer: rank 0 creates it and the FIFOs in a new private directory
 (mode 0700) and, once every rank has opened them, removes the directory; the memory lives on while the ranks
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dptrain.runtime import SHARED_MEMORY_PEER_LOST
+from dptrain.dist.failures import SHARED_MEMORY_PEER_LOST
 from dptrain.strategies import comm_hooks
 
 log = logging.getLogger(__name__)

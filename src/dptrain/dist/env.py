@@ -1,4 +1,5 @@
-"""Where ranks come from: torchrun's or SLURM's environment variables, read once into a DistEnv."""
+"""Where ranks come from: torchrun's or SLURM's environment variables, read once into a DistEnv; the nodes of a run
+started without a scheduler (Nodes)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import re
 import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
+
+from dptrain.errors import LaunchError
+
 
 TORCHRUN_VARS = {
     "global_rank": "RANK",
@@ -31,10 +35,6 @@ SLURM_VARS = {
 # sharing a node do not collide on a hard-coded port.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
-
-
-class LaunchError(RuntimeError):
-    """The environment describes a world that cannot be joined; the message says what to fix."""
 
 
 @dataclass(frozen=True)

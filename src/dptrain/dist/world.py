@@ -1,0 +1,60 @@
+"""The world: the backend, the process group with bounded timeouts, the barrier, and leaving it."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from dptrain.dist.env import DistEnv, check_master_resolves
+from dptrain.dist.store import join_store, pin_collective_interface
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    """launch.backend resolved: auto is nccl for CUDA devices and gloo for the CPU."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return requested
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float, backend: str = "auto") -> dist.Store | None:
+    """Join the world with a bounded timeout, on launch.backend (auto: nccl for CUDA, gloo for CPU).
+
+    torch's default waits 30 minutes on a dead peer; here every collective and the rendezvous
+    fail after timeout_s instead. Returns the world's store (None for one process without a launcher).
+    """
+    backend = pick_backend(backend, device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {"device_id": device} if backend == "nccl" else {}  # binds nccl to this rank's GPU, no guessing
+    if env.world_size == 1 and env.source == "none":
+        # One process, no launcher: an in-memory store, no port needed.
+        pin_collective_interface("127.0.0.1")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+        return None
+    check_master_resolves(env.master_addr)
+    pin_collective_interface(env.master_addr)
+    store = join_store(env, timeout_s)
+    dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    return store
+
+
+def barrier() -> None:
+    """dist.barrier on the default group, a no-op for one process; on nccl it names this rank's GPU (else torch
+    guesses from the rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def destroy_process_group() -> None:
+    """Leave the world. First a short sleep without the GIL: gloo's worker threads free the last finished work,
+    whose tensors they can only release holding the GIL; a group destroyed meanwhile (its destructor joins those
+    threads while holding the GIL) deadlocks. Seen after a snapshot's final barrier: a rank hung at exit."""
+    if dist.is_initialized():
+        time.sleep(0.05)
+        dist.destroy_process_group()
