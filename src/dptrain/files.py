@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from dptrain.errors import ConfigError
 
 
 @contextlib.contextmanager
@@ -40,3 +42,16 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_replaceable(path: Path, option: str, ours: Callable[[list[str]], bool], what: str) -> None:
+    """A CSV that a command writes (eval's --predictions, predict's --output) may replace an earlier file of its own
+    only, never another file (a run's config.toml, say): ours(the first line's cells) says whether it is one.
+    ConfigError in one sentence otherwise; nothing is written here."""
+    if path.is_dir():
+        raise ConfigError(f"{option} {path} is a folder; give a file name, for example {path / 'predictions.csv'}.")
+    if path.exists():
+        with path.open(errors="replace") as f:
+            first = f.readline().rstrip("\r\n").split(",")
+        if not ours(first):
+            raise ConfigError(f"{option} {path} exists and is not {what}; choose another path.")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dptrain.files import written_whole
+from dptrain.files import check_replaceable, written_whole
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import input_record
 from dptrain.data.formats import DataError, read_idx
@@ -383,13 +383,8 @@ def header(num_classes: int) -> list[str]:
 
 def check_output_path(path: Path) -> None:
     """Write over an earlier predictions file of `dptrain predict` only, never over another file."""
-    if path.is_dir():
-        raise ConfigError(f"--output {path} is a folder; give a file name, for example {path / 'predictions.csv'}.")
-    if path.exists():
-        with path.open(errors="replace") as f:
-            first = f.readline().rstrip("\r\n").split(",")
-        if first != header(len(first) - 4):
-            raise ConfigError(f"--output {path} exists and is not a predictions file of dptrain predict; choose another path.")
+    check_replaceable(path, "--output", lambda first: first == header(len(first) - 4),
+                      "a predictions file of dptrain predict")
 
 
 def write_predictions(inputs: Inputs, probs: torch.Tensor, errors: dict[int, str], path: Path) -> None:

@@ -11,13 +11,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dptrain.run_folder import RunFolder
 from dptrain import checkpoint
 from dptrain import config as config_mod
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data import describe
+from dptrain.files import check_replaceable
 from dptrain.imports import import_object
 from dptrain.models import check_input
+from dptrain.run_folder import RunFolder
 from dptrain.runtime import wants_cuda
 from dptrain.safe_load import UnsafeFileError, check_private_file
 
@@ -124,13 +125,7 @@ def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers:
 
 
 def check_predictions_path(path: Path) -> None:
-    """Write over an earlier predictions file only, never over another file (a run's config.toml, say)."""
+    """Write over an earlier predictions file of eval only, never over another file (a run's config.toml, say)."""
     from dptrain.evaluate import PREDICTIONS_HEADER
 
-    if path.is_dir():
-        raise ConfigError(f"--predictions {path} is a folder; give a file name, for example {path / 'predictions.csv'}.")
-    if path.exists():
-        with path.open(errors="replace") as f:
-            first = f.readline().strip()
-        if first != ",".join(PREDICTIONS_HEADER):
-            raise ConfigError(f"--predictions {path} exists and is not a predictions file; choose another path.")
+    check_replaceable(path, "--predictions", lambda first: first == list(PREDICTIONS_HEADER), "a predictions file")
