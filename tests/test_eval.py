@@ -64,3 +64,15 @@ def test_eval_of_a_path_without_snapshot_is_one_sentence(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (f"dptrain: error: {tmp_path} is neither a snapshot nor a run directory "
                                                f"with a valid snapshot; give a folder that dptrain checkpoint list shows as ok.")
+
+
+def test_predictions_never_replace_a_file_that_is_not_one(trained, tmp_path, capsys):
+    config = trained / "config.toml"
+    before = config.read_text()
+    assert main(["eval", "--checkpoint", str(trained), "--predictions", str(config)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: --predictions {config} exists and is not a predictions "
+                                               f"file; choose another path.")
+    assert config.read_text() == before
+    assert main(["eval", "--checkpoint", str(trained), "--predictions", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: --predictions {tmp_path} is a folder; give a file name, "
+                                               f"for example {tmp_path / 'predictions.csv'}.")
