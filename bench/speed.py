@@ -209,7 +209,7 @@ def met(ok: bool) -> str:
 
 
 def table(rows: list[tuple[str, str, str, str]], machine: str) -> str:
-    lines = ["# Speed targets (issue 13)", "", machine, "", "| target | value | spread | command |", "| --- | --- | --- | --- |"]
+    lines = ["# Speed targets", "", machine, "", "| target | value | spread | command |", "| --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(cell.replace('|', '/') for cell in row)} |" for row in rows]
     return "\n".join(lines) + "\n"
 
