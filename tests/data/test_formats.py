@@ -413,8 +413,9 @@ def test_payload_class_really_would_run(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.parametrize("protocol", [2, 4])  # 2: Python 3 writes bytes through _codecs.encode, admitted for data only
 @pytest.mark.parametrize("kind", ["module-class", "os.system", "builtins.exec"])
-def test_read_cifar_refuses_disallowed_globals(tmp_path, kind):
+def test_read_cifar_refuses_disallowed_globals(tmp_path, kind, protocol):
     marker = tmp_path / f"pwned-{kind}"
     evil = {
         "module-class": lambda: Payload(str(marker)),
@@ -422,13 +423,13 @@ def test_read_cifar_refuses_disallowed_globals(tmp_path, kind):
         "builtins.exec": lambda: ExecCall(f"open({str(marker)!r}, 'w').close()"),
     }[kind]()
     # The payload sits inside an otherwise valid batch, where a careless loader would run it.
-    raw = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"batch_label": evil}, protocol=4)
+    raw = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"batch_label": evil}, protocol=protocol)
     path = tmp_path / "data_batch_1"
     path.write_bytes(raw)
     with pytest.raises(DataError) as info:
         read_cifar_batch(path)
     message = assert_names_file(info, path)
-    assert "refusing" in message
+    assert "refusing to load" in message
     assert not marker.exists(), "the pickle's code ran"
 
 
@@ -505,18 +506,3 @@ def test_read_cifar_admits_only_the_calls_protocol_2_writes(tmp_path, call):
     assert "refusing to call" in assert_names_file(info, path)
 
 
-@pytest.mark.parametrize("kind", ["module-class", "os.system", "builtins.exec"])
-def test_read_cifar_protocol_2_still_refuses_disallowed_globals(tmp_path, kind):
-    marker = tmp_path / f"pwned-{kind}"
-    evil = {
-        "module-class": lambda: Payload(str(marker)),
-        "os.system": lambda: SystemCall(f"touch '{marker}'"),
-        "builtins.exec": lambda: ExecCall(f"open({str(marker)!r}, 'w').close()"),
-    }[kind]()
-    raw = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"batch_label": evil}, protocol=2)
-    path = tmp_path / "data_batch_1"
-    path.write_bytes(raw)
-    with pytest.raises(DataError) as info:
-        read_cifar_batch(path)
-    assert "refusing to load" in assert_names_file(info, path)
-    assert not marker.exists(), "the pickle's code ran"
