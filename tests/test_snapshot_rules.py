@@ -18,6 +18,7 @@ from dptrain import checkpoint, config
 from dptrain.checkpoint import SnapshotError, Snapshotter
 from dptrain.config import ConfigError
 from dptrain.dist.env import DistEnv
+from dptrain.strategies.state import Shards
 from dptrain.train_state import TrainState
 
 # Snapshots of one process: DCP says it assumes one process, which is the point here.
@@ -114,17 +115,11 @@ def test_the_one_rule_of_when_a_snapshot_is_due():
 class OneTensorStrategy:
     """What a Snapshotter asks of a strategy, with one tensor for DCP to write: snapshots in a second, no model."""
 
-    own_folder = None
-    optimizer_in_dcp = True
-
     def __init__(self) -> None:
         self.weight = torch.arange(4.0)
 
-    def whole_optimizer_state(self, optimizer) -> None:
-        return None
-
-    def snapshot_state(self, optimizer) -> dict:
-        return {"model": {"weight": self.weight}}
+    def state_parts(self, optimizer) -> list:
+        return [Shards("model", lambda: {"model": {"weight": self.weight}}, lambda shards: None)]
 
 
 class ConstantScheduler:

@@ -44,7 +44,6 @@ PREFIX = "step-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 EXTRA = "extra.pt"  # the loop's TrainState and the scheduler
-WHOLE_OPTIMIZER = "optimizer.pt"  # for strategies whose optimizer DCP cannot shard (zero1, ps)
 # Options that may change between a snapshot and its resume: how long to run, where data and logs
 # live, how often to save, how evaluation is batched, which device. Every other option changes the
 # computation, so a resume refuses it. The world size may change too: the shards are resharded on
@@ -119,9 +118,9 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 class Snapshotter:
     """Saves and restores a run's named stateful parts, and decides when a snapshot is due.
 
-    The parts: the loop's TrainState, the scheduler, the model and optimizer through the strategy
-    (DCP shards, or the whole optimizer on rank 0 where DCP cannot see into it), each rank's RNG
-    streams and partial-epoch sums. The loop calls save_if_due() after every step and after every
+    The parts: the loop's TrainState, the scheduler, the strategy's state parts (Strategy.state_parts:
+    each says how it is stored and which files it reads; all are saved and loaded alike), each rank's
+    RNG streams and partial-epoch sums. The loop calls save_if_due() after every step and after every
     evaluation; the rule of when lives in due() alone.
 
     With async_save the DCP shards are copied to CPU memory at the step (DCP's staging), then
@@ -216,19 +215,18 @@ class Snapshotter:
         # DCP's coordinator has finished, every rank's files are therefore complete.
         rank_state = {"rng": _rng_state(self.device), "epoch_sums": state.epoch_sums.cpu() if state.epoch_sums is not None else None}
         _save_file(rank_state, tmp / f"rank{self.env.global_rank}.pt", run_dir)
-        whole_optimizer = self.strategy.whole_optimizer_state(self.optimizer)
+        parts = self.strategy.state_parts(self.optimizer)
+        for part in parts:  # synchronous, before DCP's write: complete once DCP's is
+            _writing(lambda: part.save(tmp, torch.save), tmp, run_dir)
         if self.env.is_main:
-            if whole_optimizer is not None:
-                _save_file(whole_optimizer, tmp / WHOLE_OPTIMIZER, run_dir)
             _save_file({"loop": state.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp / EXTRA, run_dir)
             manifest = {"world_size": self.env.world_size, "strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
                         "config_hash": config_hash(self.cfg), "config": computation_options(self.cfg),
                         "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step,
-                        "input": input_record(self.cfg.data)}  # what `dptrain predict` feeds the model (None: a user's Dataset)
+                        "input": input_record(self.cfg.data),  # what `dptrain predict` feeds the model (None: a user's Dataset)
+                        "parts": {part.name: {"storage": part.storage, "files": sorted(part.files())} for part in parts}}
             (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
-        if self.strategy.own_folder is not None:  # synchronous, before DCP's write: complete once DCP's is
-            _writing(lambda: self.strategy.save_own_state(tmp), tmp, run_dir)
-        shards = self.strategy.snapshot_state(self.optimizer)
+        shards = _shards_of(parts)
         if self.group is None:
             from torch.distributed.checkpoint import save as dcp_save
 
@@ -300,17 +298,17 @@ class Snapshotter:
             self.damage[path.name] = None  # verified just now
         check_compatible(manifest, self.cfg, path, self.total_steps)
         world = manifest["world_size"]
-        if self.strategy.own_folder is not None and world != self.env.world_size:
+        parts = self.strategy.state_parts(self.optimizer)
+        if world != self.env.world_size and any(part.same_world_only for part in parts):
             raise ConfigError(f"snapshot {path} holds the state of strategy {self.cfg.strategy.name} partitioned over {world} "
                               f"processes, and it resumes on as many only, not on {self.env.world_size}; run on {world} "
                               f"processes, or use another --output.name to start afresh.")
-        shards = self.strategy.snapshot_state(self.optimizer)
+        for name in sorted(set().union(*(part.files() for part in parts)) - set(manifest["files"])):  # a manifest without "parts"
+            raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
+        shards = _shards_of(parts)
         dcp_load(shards, path)
-        self.strategy.restore_snapshot_state(self.optimizer, shards)
-        if _whole_optimizer(self.strategy):
-            self.strategy.restore_whole_optimizer_state(self.optimizer, load_tensors(path / WHOLE_OPTIMIZER))
-        if self.strategy.own_folder is not None:
-            self.strategy.load_own_state(path)
+        for part in parts:
+            part.load(path, shards, load_tensors)
         extra = load_tensors(path / EXTRA)
         self.scheduler.load_state_dict(extra["scheduler"])
         state.load_state_dict(extra["loop"])
@@ -332,6 +330,11 @@ class Snapshotter:
         state.roll_over(self.steps_per_epoch)
         self.last_step = manifest["step"]
         log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, state.step, state.epoch + 1, state.batches_consumed)
+
+
+def _shards_of(parts: list[Any]) -> dict[str, Any]:
+    """What DCP writes or loads in place: every part's shards, under the part's top-level keys."""
+    return {key: value for part in parts for key, value in part.shards().items()}
 
 
 def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -451,7 +454,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         files = manifest["files"]
         well_formed = (all(key in manifest for key in ("world_size", "strategy", "model", "config_hash", "step"))
                        and isinstance(files, dict) and isinstance(manifest["step"], int) and isinstance(manifest["world_size"], int)
-                       and all(isinstance(m, dict) and "bytes" in m and "sha256" in m for m in files.values()))
+                       and all(isinstance(m, dict) and "bytes" in m and "sha256" in m for m in files.values())
+                       and _parts_well_formed(manifest.get("parts", {})))
     except (ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
         well_formed = False
     if not well_formed:
@@ -459,22 +463,20 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _whole_optimizer(strategy: Any) -> bool:
-    """Whether the strategy's optimizer is written whole by rank 0 (optimizer.pt): outside DCP and not in files of its own."""
-    return not strategy.optimizer_in_dcp and strategy.own_folder is None
+def _parts_well_formed(parts: Any) -> bool:
+    """A manifest's "parts": part name -> {"storage": words, "files": [file names]}."""
+    return isinstance(parts, dict) and all(
+        isinstance(p, dict) and isinstance(p.get("files"), list) and all(isinstance(f, str) for f in p["files"])
+        for p in parts.values())
 
 
 def _required_files(manifest: dict[str, Any], metadata: Any) -> set[str]:
-    """Every file the loader will read: DCP's metadata and the shards it names, the loop state, each rank's file,
-    the whole optimizer where the strategy keeps it outside DCP, and the files of the strategy's own checkpoint."""
-    from dptrain.strategies import STRATEGIES
-
+    """Every file the loader will read: DCP's metadata and the shards it names, the loop state, each rank's file, and
+    the files of each of the strategy's state parts, as the manifest records them (Snapshotter.load checks the
+    strategy's own list too: a manifest written before the parts were recorded has none)."""
     required = {".metadata", EXTRA, *(f"rank{r}.pt" for r in range(manifest["world_size"]))}
-    strategy = STRATEGIES.get(manifest["strategy"])
-    if strategy is not None and _whole_optimizer(strategy):
-        required.add(WHOLE_OPTIMIZER)
-    if strategy is not None:
-        required |= strategy.own_files(manifest)
+    for part in manifest.get("parts", {}).values():
+        required |= set(part["files"])
     if metadata is not None:
         required |= data_files(metadata)
     return required

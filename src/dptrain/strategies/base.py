@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
 from dptrain.dist.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
+from dptrain.strategies.state import Shards, StatePart
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,14 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * local.element_size()
     return total
+
+
+def model_shards(module: nn.Module) -> Shards:
+    """The model alone through DCP, for strategies whose optimizer state is stored another way."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    return Shards("model", lambda: {"model": get_model_state_dict(module)},
+                  lambda shards: set_model_state_dict(module, shards["model"]))
 
 
 def refuse_more_than_one_process(name: str, world_size: int, why: str) -> None:
@@ -126,53 +134,22 @@ class Strategy:
         """Bytes this rank sent for gradient/parameter synchronisation over the last `steps` steps."""
         return 0
 
-    # Snapshots. The model, and by default the optimizer, go through DCP's state-dict API, which
-    # keeps each rank's shards as held and reshards them on load at another world size. Where DCP
-    # cannot see into the optimizer (ZeroRedundancyOptimizer, the parameter server's), the strategy
-    # sets optimizer_in_dcp = False and gives the whole optimizer state on rank 0 instead, written
-    # as one file; that loads at any world size too.
-    optimizer_in_dcp = True
+    # Snapshots: the parts this strategy's state is made of, each saying how it is stored (strategies/state.py). By
+    # default the model and the optimizer go through DCP's state-dict API, which keeps each rank's shards as held and
+    # reshards them on load at another world size.
 
-    def snapshot_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """What DCP writes (and loads in place): the model, and the optimizer if optimizer_in_dcp, as held here."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    def state_parts(self, optimizer: torch.optim.Optimizer) -> list[StatePart]:
+        """The named stateful parts of a snapshot of this strategy (the Snapshotter saves and loads them alike)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        if not self.optimizer_in_dcp:
-            return {"model": get_model_state_dict(self.eval_module)}
-        model_state, optim_state = get_state_dict(self.eval_module, optimizer)
-        return {"model": model_state, "optim": optim_state}
+        def state() -> dict[str, Any]:
+            model_state, optim_state = get_state_dict(self.eval_module, optimizer)
+            return {"model": model_state, "optim": optim_state}
 
-    def restore_snapshot_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        def restore(shards: dict[str, Any]) -> None:
+            set_state_dict(self.eval_module, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
 
-        if not self.optimizer_in_dcp:
-            set_model_state_dict(self.eval_module, state["model"])
-        else:
-            set_state_dict(self.eval_module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """Where not optimizer_in_dcp: the optimizer's whole state on rank 0, None elsewhere (a collective)."""
-        return None
-
-    def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        raise NotImplementedError(f"strategy {self.name} keeps its optimizer state in DCP")
-
-    # A strategy whose engine writes its own checkpoint (DeepSpeed) names a subfolder of the snapshot for it.
-    # The Snapshotter calls save_own_state on every rank before DCP's write, and load_own_state after DCP's
-    # load; verify() reads every file there as plain data, like the others, and requires own_files().
-    # Such a snapshot resumes at the world size it was written at only.
-    own_folder: str | None = None
-
-    def save_own_state(self, snapshot: Path) -> None:
-        """Write this strategy's own state into snapshot / own_folder (every rank; a collective)."""
-
-    def load_own_state(self, snapshot: Path) -> None:
-        """Load this strategy's own state from snapshot / own_folder, a verified snapshot (every rank)."""
-
-    @classmethod
-    def own_files(cls, manifest: dict[str, Any]) -> set[str]:
-        """The files of own_folder that load_own_state reads, relative to the snapshot, for the snapshot of `manifest`."""
-        return set()
+        return [Shards("model and optimizer", state, restore)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU, on rank 0 (a collective: every rank must call it)."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig, read_config_text
 from dptrain.strategies.base import OptimizerSpec, Strategy
+from dptrain.strategies.state import OwnFolder, Shards, StatePart
 
 INSTALL = "pip install 'dptrain[deepspeed]'"
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the snapshot's subfolder holding its files
@@ -357,8 +358,6 @@ class DeepSpeed(Strategy):
 
     name = "deepspeed"
     step_is_local = False  # collectives inside the step
-    optimizer_in_dcp = False  # nor in optimizer.pt: in DeepSpeed's checkpoint, in own_folder
-    own_folder = TAG
 
     def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device,
                  timeout_s: float = LaunchConfig.timeout_s) -> None:
@@ -486,34 +485,36 @@ class DeepSpeed(Strategy):
         else:
             yield
 
-    def snapshot_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        with self._whole_parameters():
-            return {"model": {k: v.detach().clone() for k, v in self.eval_module.state_dict().items()}}
+    def state_parts(self, optimizer: torch.optim.Optimizer) -> list[StatePart]:
+        """The whole model in DCP, for `dptrain eval` and `predict` (a resume restores it from DeepSpeed's checkpoint,
+        with the optimizer); everything else in DeepSpeed's own checkpoint, in the snapshot's subfolder TAG."""
 
-    def restore_snapshot_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Nothing: load_own_state() restores the model with the optimizer, from DeepSpeed's checkpoint."""
+        def whole_model() -> dict[str, Any]:
+            with self._whole_parameters():
+                return {"model": {k: v.detach().clone() for k, v in self.eval_module.state_dict().items()}}
+
+        return [Shards("model", whole_model, lambda shards: None),
+                OwnFolder("engine", self._save_engine, self._load_engine, self._engine_files)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         with self._whole_parameters():
             return {k: v.detach().cpu().clone() for k, v in self.eval_module.state_dict().items()}
 
-    def save_own_state(self, snapshot: Path) -> None:
+    def _save_engine(self, snapshot: Path) -> None:
         self.engine.save_checkpoint(str(snapshot), tag=TAG, client_state={}, save_latest=False)
         if self.env.global_rank == 0:  # save_checkpoint ends with a barrier: every rank's files are written
             for script in RECOVERY_SCRIPTS:  # a snapshot holds data, never code
                 (snapshot / script).unlink(missing_ok=True)
 
-    def load_own_state(self, snapshot: Path) -> None:
+    def _load_engine(self, snapshot: Path) -> None:
         loaded, _ = self.engine.load_checkpoint(str(snapshot), tag=TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
         assert loaded is not None, f"DeepSpeed found no checkpoint in {snapshot / TAG}, which verify() passed"
 
-    @classmethod
-    def own_files(cls, manifest: dict[str, Any]) -> set[str]:
+    def _engine_files(self) -> set[str]:
         """DeepSpeed's file names (stable since 0.3): the model on rank 0, with ZeRO-3 on every rank; the
         optimizer's partition of every rank."""
-        world, stage = manifest["world_size"], manifest.get("config", {}).get("strategy.zero_stage", 2)
+        world, stage = self.env.world_size, self.cfg.zero_stage
         models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3 else ["mp_rank_00_model_states.pt"]
         optims = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
         return {f"{TAG}/{name}" for name in models + optims}
-

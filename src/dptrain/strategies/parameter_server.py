@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.config import ConfigError, StrategyConfig
-from dptrain.strategies.base import OptimizerSpec, Strategy
+from dptrain.strategies.base import OptimizerSpec, Strategy, model_shards
+from dptrain.strategies.state import WHOLE_OPTIMIZER, StatePart, WholeFile
 
 SERVER = 0
 
@@ -131,11 +132,14 @@ class ParameterServer(Strategy):
     def comm_bytes(self, steps: int) -> int:
         return self.counter.take()
 
-    optimizer_in_dcp = False  # only the server holds optimizer state
+    def state_parts(self, optimizer: torch.optim.Optimizer) -> list[StatePart]:
+        """The model in DCP; the optimizer state, which only the server holds, as one file written by it."""
 
-    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        return optimizer.state_dict() if self.env.global_rank == SERVER else None
+        def on_server() -> dict[str, Any] | None:
+            return optimizer.state_dict() if self.env.global_rank == SERVER else None
 
-    def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if self.env.global_rank == SERVER:  # workers never step, so they stay without state
-            optimizer.load_state_dict(state)
+        def restore(state: dict[str, Any]) -> None:
+            if self.env.global_rank == SERVER:  # workers never step, so they stay without state
+                optimizer.load_state_dict(state)
+
+        return [model_shards(self.eval_module), WholeFile("optimizer", WHOLE_OPTIMIZER, on_server, restore)]

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from dptrain.strategies import comm_hooks
-from dptrain.strategies.base import OptimizerSpec
+from dptrain.strategies.base import OptimizerSpec, model_shards
 from dptrain.strategies.ddp import DDP
+from dptrain.strategies.state import WHOLE_OPTIMIZER, StatePart, WholeFile
 
 
 class Zero1(DDP):
@@ -25,14 +26,15 @@ class Zero1(DDP):
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=spec.cls, **spec.kwargs)
 
-    optimizer_in_dcp = False  # ZeroRedundancyOptimizer's state_dict is its whole state, consolidated on one rank
+    def state_parts(self, optimizer: torch.optim.Optimizer) -> list[StatePart]:
+        """The model in DCP; ZeroRedundancyOptimizer's state_dict is its whole state, consolidated on rank 0 (every
+        rank sends its partition), written as one file; on load each rank keeps its own partition, at any world size."""
 
-    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # every rank sends its partition
-        return optimizer.state_dict() if self.env.global_rank == 0 else None
+        def consolidated() -> dict[str, Any] | None:
+            optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # a collective
+            return optimizer.state_dict() if self.env.global_rank == 0 else None
 
-    def restore_whole_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)  # each rank keeps its own partition, at any world size
+        return [model_shards(self.eval_module), WholeFile("optimizer", WHOLE_OPTIMIZER, consolidated, optimizer.load_state_dict)]
 
     def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer.optim  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer's own shard optimizer
