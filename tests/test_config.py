@@ -93,11 +93,11 @@ def test_run_config_is_frozen():
 
 
 def test_strategy_options_are_checked_together():
-    with pytest.raises(ConfigError, match="strategy.comm_hook ring applies to ddp and zero1 only, not fsdp"):
-        config.load(None, [("strategy.name", "fsdp"), ("strategy.comm_hook", "ring")])
-    with pytest.raises(ConfigError, match="strategy.param_dtype = 'fp8' is not one of auto, float32, bfloat16, float16"):
-        config.load(None, [("strategy.param_dtype", "fp8")])
-    dedicated = config.load(None, [("strategy.name", "ps"), ("strategy.dedicated_server", "true"), ("train.global_batch_size", "128")])
+    with pytest.raises(ConfigError, match="strategy.ddp.comm_hook ring applies to ddp and zero1 only, not fsdp"):
+        config.load(None, [("strategy.name", "fsdp"), ("strategy.ddp.comm_hook", "ring")])
+    with pytest.raises(ConfigError, match="strategy.fsdp.param_dtype = 'fp8' is not one of auto, float32, bfloat16, float16"):
+        config.load(None, [("strategy.fsdp.param_dtype", "fp8")])
+    dedicated = config.load(None, [("strategy.name", "ps"), ("strategy.ps.dedicated_server", "true"), ("train.global_batch_size", "128")])
     assert data_world_size(dedicated.strategy, 4) == 3
     with pytest.raises(ConfigError, match="not divisible by the number of training ranks 3"):
         check_world(dedicated, 4, 1000)  # 3 workers take the data; rank 0 only serves
@@ -211,10 +211,20 @@ def test_names_are_checked_against_one_list_or_taken_as_import_paths():
     assert config.load(None, [("model.name", "my_pkg.nets:Net")]).model.name == "my_pkg.nets:Net"  # preflight imports it
 
 
+def leaf_options(cls: type, prefix: str) -> list[str]:
+    """Every option's dotted name, a strategy's table (strategy.ddp) entered."""
+    names = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if typing.get_origin(tp) is typing.ClassVar:
+            continue
+        names += leaf_options(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+    return names
+
+
 def test_every_option_has_a_docstring_and_a_default_that_reads_back():
     """--help is generated from these; a new option without a docstring fails here."""
     listed = {f"{o.section}.{o.name}": o for o in config.options()}
-    assert set(listed) == {f"{s}.{f.name}" for s, cls in typing.get_type_hints(RunConfig).items() for f in dataclasses.fields(cls)}
+    assert set(listed) == set(leaf_options(RunConfig, ""))
     for key, option in listed.items():
         assert option.doc.strip(), f"{key} has no docstring"
         assert config.load(None, [(key, option.default)]) == RunConfig(), key  # the shown default is the default

@@ -29,11 +29,11 @@ COMMON = ["--data.name", "synthetic", "--data.synthetic_train_size", "1000", "--
 
 EXACT = {
     "ddp": ["--strategy.name", "ddp"],
-    "fsdp-zero3": ["--strategy.name", "fsdp", "--strategy.reshard_after_forward", "true"],
-    "fsdp-zero2": ["--strategy.name", "fsdp", "--strategy.reshard_after_forward", "false"],
+    "fsdp-zero3": ["--strategy.name", "fsdp", "--strategy.fsdp.reshard_after_forward", "true"],
+    "fsdp-zero2": ["--strategy.name", "fsdp", "--strategy.fsdp.reshard_after_forward", "false"],
     "zero1": ["--strategy.name", "zero1"],
     "ps": ["--strategy.name", "ps"],
-    "ps-dedicated": ["--strategy.name", "ps", "--strategy.dedicated_server", "true"],
+    "ps-dedicated": ["--strategy.name", "ps", "--strategy.ps.dedicated_server", "true"],
 }
 
 
@@ -46,7 +46,7 @@ PLAN: dict[str, tuple[list[str], tuple[int, ...]]] = {
     **{name: (args, (2, 4)) for name, args in EXACT.items()},
     "clip-fsdp": (["--strategy.name", "fsdp", *CLIP], (2,)),
     "clip-ps": (["--strategy.name", "ps", *CLIP], (2,)),
-    "fsdp-bf16": (["--strategy.name", "fsdp", "--strategy.param_dtype", "bfloat16", "--strategy.reduce_dtype", "float32"], (2,)),
+    "fsdp-bf16": (["--strategy.name", "fsdp", "--strategy.fsdp.param_dtype", "bfloat16", "--strategy.fsdp.reduce_dtype", "float32"], (2,)),
     **{f"held-{strategy}": (["--strategy.name", strategy, *SHARDING], (2, 4)) for strategy in ("ddp", "zero1", "fsdp", "ps")},
 }
 plan_runs({f"strategies/{name}": (["train", *COMMON, *args, "--launch.timeout_s", "60"], worlds)
@@ -133,7 +133,7 @@ def test_fsdp_mixed_precision_gathers_bfloat16_and_stays_close(runs, reference):
 # the float64 runs of test_train_distributed.py: one process (ddp), and fsdp on 4 ranks with either reshard setting.
 plan_runs({"strategies/float64-w1": (["train", *COMMON, "--strategy.name", "ddp"], (1,)),
            **{f"strategies/float64-fsdp-{reshard}": (["train", *COMMON, "--strategy.name", "fsdp",
-                                                      "--strategy.reshard_after_forward", reshard], (4,))
+                                                      "--strategy.fsdp.reshard_after_forward", reshard], (4,))
               for reshard in ("true", "false")}}, precision="float64")
 
 

@@ -44,16 +44,6 @@ PREFIX = "step-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 EXTRA = "extra.pt"  # the loop's TrainState and the scheduler
-# Options that may change between a snapshot and its resume: how long to run, where data and logs
-# live, how often to save, how evaluation is batched, which device. Every other option changes the
-# computation, so a resume refuses it. The world size may change too: the shards are resharded on
-# load (see load()).
-RESUMABLE_CHANGES = {("train", "epochs"), ("train", "max_steps"), ("train", "resume"), ("train", "log_every"),
-                     ("train", "deterministic"), ("train", "cuda_graph"), ("train", "compile"), ("train", "eval_batch_size"),
-                     ("data", "root"), ("data", "download"), ("data", "mirror"), ("data", "num_workers"),
-                     ("launch", "timeout_s"), ("launch", "nproc_per_node"), ("launch", "max_restarts"), ("launch", "device"), ("launch", "backend"),
-                     ("train", "eval_every_epochs"), ("train", "progress_every_s"),
-                     ("output", "name"), ("output", "dir"), ("strategy", "deepspeed_config")}
 # Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
 LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
 # A manifest holds about 300 bytes per rank (its rank file and shard, each with size and sha256) and a few kB of
@@ -62,20 +52,34 @@ MANIFEST_MAX_BYTES = 1 << 20
 
 
 def computation_options(cfg: RunConfig) -> dict[str, Any]:
-    """Every option that changes the computation, as dotted names: what a resume must keep."""
-    tree = config_mod.to_dict(cfg)
-    options = {f"{s}.{k}": v for s, opts in tree.items() if s not in ("checkpoint", "slurm")
-               for k, v in opts.items() if (s, k) not in RESUMABLE_CHANGES}
-    if cfg.strategy.deepspeed_config is not None:  # the file may move; what it says is part of the computation
+    """Every option that changes the computation, as dotted names: what a resume must keep (config.fixed_at_resume;
+    each other option's field says it may change)."""
+    options = config_mod.fixed_at_resume(cfg)
+    if cfg.strategy.deepspeed.config is not None:  # the file may move; what it says is part of the computation
         from dptrain.strategies.deepspeed import config_digest
 
-        options["strategy.deepspeed_config (sha256 of its settings)"] = config_digest(cfg.strategy.deepspeed_config)
+        options["strategy.deepspeed.config (sha256 of its settings)"] = config_digest(cfg.strategy.deepspeed.config)
     return json.loads(json.dumps(options, default=str))  # as the manifest holds them: tuples become lists
 
 
 def config_hash(cfg: RunConfig) -> str:
     """Hash of computation_options(cfg)."""
-    return hashlib.sha256(json.dumps(computation_options(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _hash(computation_options(cfg))
+
+
+def _hash(options: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def recorded_options(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The options a manifest records, under today's names (a snapshot of before the strategy tables says
+    strategy.comm_hook for strategy.ddp.comm_hook)."""
+    return {config_mod.current_name(name): value for name, value in manifest.get("config", {}).items()}
+
+
+def recorded_hash(manifest: dict[str, Any]) -> str:
+    """The manifest's config_hash, as config_hash() computes it today: from its options where it records them."""
+    return _hash(recorded_options(manifest)) if "config" in manifest else manifest["config_hash"]
 
 
 def _sha256(path: Path) -> str:
@@ -411,7 +415,7 @@ def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path
     for path in sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True):
         try:
             check_private(path, "snapshot")
-            theirs = _read_manifest(path).get("config_hash")
+            theirs = recorded_hash(_read_manifest(path))
         except UnsafeFileError:
             continue
         except (SnapshotError, OSError):
@@ -602,8 +606,8 @@ def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total
     for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name)):
         if manifest[key] != ours:
             raise ConfigError(f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; {how_to}.")
-    if manifest["config_hash"] != config_hash(cfg):
-        theirs, ours = manifest.get("config", {}), computation_options(cfg)
+    if recorded_hash(manifest) != config_hash(cfg):
+        theirs, ours = recorded_options(manifest), computation_options(cfg)
         changed = [name for name in sorted(set(theirs) | set(ours)) if theirs.get(name) != ours.get(name)]
         if changed:
             name = changed[0]

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import logging
 import math
 import re
 import sys
@@ -23,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Iterator, Literal
 
 from dptrain.run_folder import RunFolder
 from dptrain.errors import ConfigError
@@ -67,6 +68,22 @@ def _key_shown(key: str) -> str:
     return key if key.isprintable() and len(key) <= 60 else _shown(key)
 
 
+MAY_CHANGE_AT_RESUME = {"may_change_at_resume": True}
+"""A field's metadata: the option may change between a snapshot and its resume (how long to run, where data and logs
+live, how often to save, how evaluation is batched, which device). Every other option changes the computation, so a
+resume refuses it (checkpoint.check_compatible); the world size may change too (the shards are resharded on load)."""
+
+
+REFUSED_ELSEWHERE = {"refused_elsewhere": True}
+"""A strategy option's metadata: set (to other than its default) with a strategy its table does not apply to, the run is
+refused, since the user expects an effect that would not come (a comm hook with fsdp, a ZeRO stage with ddp)."""
+
+
+def may_change_at_resume(default: Any) -> Any:
+    """A field of that default whose option may change at resume."""
+    return field(default=default, metadata=MAY_CHANGE_AT_RESUME)
+
+
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
 MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
 MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take seconds: a shorter bound fails healthy runs
@@ -85,11 +102,11 @@ class DataConfig:
     name: str = "fashion-mnist"
     """fashion-mnist, mnist, cifar10, synthetic, or `package.module:Factory` called as
     `Factory(root=data.root, train=True|False)` returning a map-style torch Dataset."""
-    root: str = "data"
+    root: str = may_change_at_resume("data")
     """Folder searched first for dataset files (torchvision layouts or plain files); downloads go here."""
-    download: bool = False
+    download: bool = may_change_at_resume(False)
     """Fetch missing files from the official mirrors (md5-checked, once per machine under a file lock)."""
-    mirror: str | None = None
+    mirror: str | None = may_change_at_resume(None)
     """Base URL tried before the official mirrors, e.g. a site-local copy."""
     synthetic_train_size: int = 4096
     """Samples in the synthetic training split."""
@@ -99,7 +116,7 @@ class DataConfig:
     """Channels, height, width of synthetic images."""
     synthetic_num_classes: int = 10
     """Classes of the synthetic dataset."""
-    num_workers: int = 0
+    num_workers: int = may_change_at_resume(0)
     """DataLoader workers per rank; used only for a user's Dataset (built-in data lives on the device)."""
     augment: Literal["none", "crop-flip"] = "none"
     """Training augmentation on the device: none, or crop-flip (random crop of the 4-pixel zero-padded image,
@@ -165,44 +182,44 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    epochs: int = 2
+    epochs: int = may_change_at_resume(2)
     """Passes over the training split."""
-    max_steps: int | None = None
+    max_steps: int | None = may_change_at_resume(None)
     """Stop after this many optimizer steps, even mid-epoch (None: run all epochs)."""
     global_batch_size: int = 128
     """Samples per optimizer step over all ranks; each rank takes global_batch_size / world_size."""
-    eval_batch_size: int = 128
+    eval_batch_size: int = may_change_at_resume(128)
     """Samples per evaluation forward pass on each rank. Small batches keep the activations in the CPU's caches:
     the tutorials' CNN evaluates 2.3x faster on one core at 128 than at 1000, and holds about 200 MB less."""
     seed: int = 0
     """Seeds the model init, the data order and every rank's RNG."""
     bf16: bool = False
     """Autocast the forward pass to bfloat16."""
-    deterministic: bool = False
+    deterministic: bool = may_change_at_resume(False)
     """On CUDA, deterministic kernels only (cuDNN, cuBLAS, no atomic adds), so that a run repeats bit for bit and
     resumes bit-identical; slower. A kernel with no deterministic version warns. The CPU path is deterministic anyway."""
-    cuda_graph: bool = False
+    cuda_graph: bool = may_change_at_resume(False)
     """On one GPU (strategies single, ddp or dp with one process), capture the whole training step as a CUDA
     graph and replay it: one launch instead of dozens per step, for small models whose steps are
     launch-bound. Needs optim.name adam or adamw and a schedule other than onecycle; ignored, with a
     warning, on the CPU and for strategies that communicate inside the step."""
-    compile: bool = False
+    compile: bool = may_change_at_resume(False)
     """Compile the model's training forward and backward with torch.compile (inductor): fused kernels, fewer
     launches; the first steps wait for the compiler (tens of seconds). It pays on GPUs; on the CPU inductor's
     dropout and max-pool kernels made the tutorials' CNN slower than dptrain's eager path here (measure with
     `python bench/speed.py`). Evaluation stays eager. Not with strategy dp or train.cuda_graph."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value (None: no clipping)."""
-    log_every: int = 50
+    log_every: int = may_change_at_resume(50)
     """Optimizer steps between step events; each one costs a host sync and a collective."""
-    progress_every_s: float = 30.0
+    progress_every_s: float = may_change_at_resume(30.0)
     """When stdout is not a terminal (a SLURM output file, a pipe), rank 0 logs a plain progress line this often:
     epoch, step of the run's total, images/s, ETA (0: none). A terminal shows a live bar instead."""
     channels_last: bool = True
     """Store activations NHWC; faster convolutions on most CPUs and GPUs, same results to float tolerance."""
-    resume: str = "auto"
+    resume: str = may_change_at_resume("auto")
     """auto: continue from the newest valid snapshot in the run directory; never; or a snapshot folder."""
-    eval_every_epochs: int = 1
+    eval_every_epochs: int = may_change_at_resume(1)
     """Evaluate on the test split after every this many epochs (0: only at the end); the run's last epoch, or the
     partial epoch a train.max_steps stop ends in, is always evaluated."""
 
@@ -224,61 +241,125 @@ class TrainConfig:
             _positive(self.grad_clip, "train.grad_clip")
 
 
+StrategyName = Literal["ddp", "fsdp", "zero1", "ps", "dp", "single", "deepspeed"]
+"""strategies.STRATEGIES' names (a test pins the two together: that table imports torch, this module must not)."""
+CommHook = Literal["allreduce", "fp16", "bf16", "powersgd", "ring"]
+"""strategies.comm_hooks' hooks, and allreduce (none: DDP's own); pinned to them by a test."""
+FloatDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """[strategy.ddp]: how ddp and zero1 (DDP with a sharded optimizer) send their gradients."""
+
+    applies_to: ClassVar[tuple[str, ...]] = ("ddp", "zero1")
+    comm_hook: CommHook = field(default="allreduce", metadata=REFUSED_ELSEWHERE)
+    """Gradient communication: allreduce, fp16 or bf16 compression, powersgd, or ring (hand-written)."""
+    shared_memory: bool = True
+    """With comm_hook allreduce, on CPU ranks that all run on one host: sum the gradients through a buffer in /dev/shm
+    instead of gloo's TCP loopback (the same sum; a tenth of the time for the tutorials' CNN). Where it cannot be set
+    up, gloo's all-reduce, with one log line saying why."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.powersgd_rank, "strategy.ddp.powersgd_rank")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPOptions:
+    """[strategy.fsdp]: FSDP2's resharding and mixed precision."""
+
+    applies_to: ClassVar[tuple[str, ...]] = ("fsdp",)
+    reshard_after_forward: bool = True
+    """true frees gathered parameters after forward (ZeRO-3 / FULL_SHARD), false keeps them (ZeRO-2)."""
+    param_dtype: FloatDtype = "auto"
+    """Mixed precision: dtype of the gathered parameters used in forward and backward (auto: the parameters' own)."""
+    reduce_dtype: FloatDtype = "auto"
+    """Mixed precision: dtype of the gradient reduce-scatter (auto: the parameters' own)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSOptions:
+    """[strategy.ps]: the parameter server's roles."""
+
+    applies_to: ClassVar[tuple[str, ...]] = ("ps",)
+    dedicated_server: bool = False
+    """Rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedOptions:
+    """[strategy.deepspeed]: DeepSpeed's ZeRO stage and its own settings."""
+
+    applies_to: ClassVar[tuple[str, ...]] = ("deepspeed",)
+    zero_stage: int = field(default=2, metadata=REFUSED_ELSEWHERE)
+    """ZeRO stage, 1, 2 or 3; 1 shards the optimizer state over the ranks, 2 the gradients too, 3 the parameters too."""
+    config: str | None = field(default=None, metadata={**MAY_CHANGE_AT_RESUME, **REFUSED_ELSEWHERE})
+    """A DeepSpeed JSON file (ds_config.json) for the engine's own settings, such as ZeRO's buckets and communication
+    (None: DeepSpeed's defaults). The batch, optimizer, schedule, clipping, precision and ZeRO stage stay dptrain's
+    options: the file may repeat them, and a run that it contradicts is refused. A resume may name another file that
+    says the same: what it says is part of the snapshot's configuration."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"strategy.deepspeed.zero_stage = {self.zero_stage} is not a ZeRO stage that strategy "
+                              f"deepspeed runs; pick 1, 2 or 3.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StrategyConfig:
-    name: Literal["ddp", "fsdp", "zero1", "ps", "dp", "single", "deepspeed"] = "ddp"
+    name: StrategyName = "ddp"
     """ddp, fsdp (FSDP2), zero1 (DDP + sharded optimizer state), ps (parameter server),
     dp (nn.DataParallel, one process), single (one process, one device), deepspeed (DeepSpeed's ZeRO engine;
     pip install 'dptrain[deepspeed]')."""
-    comm_hook: Literal["allreduce", "fp16", "bf16", "powersgd", "ring"] = "allreduce"
-    """ddp/zero1 gradient communication: allreduce, fp16 or bf16 compression, powersgd, or ring (hand-written)."""
-    shared_memory: bool = True
-    """ddp/zero1 with comm_hook allreduce, on CPU ranks that all run on one host: sum the gradients through a buffer
-    in /dev/shm instead of gloo's TCP loopback (the same sum; a tenth of the time for the tutorials' CNN). Where it
-    cannot be set up, gloo's all-reduce, with one log line saying why."""
-    powersgd_rank: int = 4
-    """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
-    reshard_after_forward: bool = True
-    """fsdp: true frees gathered parameters after forward (ZeRO-3 / FULL_SHARD), false keeps them (ZeRO-2)."""
-    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """fsdp mixed precision: dtype of the gathered parameters used in forward and backward (auto: the parameters' own)."""
-    reduce_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """fsdp mixed precision: dtype of the gradient reduce-scatter (auto: the parameters' own)."""
-    dedicated_server: bool = False
-    """ps: rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
-    zero_stage: int = 2
-    """deepspeed: ZeRO stage, 1, 2 or 3; 1 shards the optimizer state over the ranks, 2 the gradients too, 3 the
-    parameters too."""
-    deepspeed_config: str | None = None
-    """deepspeed: a DeepSpeed JSON file (ds_config.json) for the engine's own settings, such as ZeRO's buckets and
-    communication (None: DeepSpeed's defaults). The batch, optimizer, schedule, clipping, precision and ZeRO stage
-    stay dptrain's options: the file may repeat them, and a run that it contradicts is refused."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    ps: PSOptions = field(default_factory=PSOptions)
+    deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
 
     def __post_init__(self) -> None:
-        _positive(self.powersgd_rank, "strategy.powersgd_rank")
-        if self.zero_stage not in (1, 2, 3):
-            raise ConfigError(f"strategy.zero_stage = {self.zero_stage} is not a ZeRO stage that strategy deepspeed runs; "
-                              f"pick 1, 2 or 3.")
-        if self.name != "deepspeed" and (self.deepspeed_config is not None or self.zero_stage != 2):
-            option = "strategy.deepspeed_config" if self.deepspeed_config is not None else "strategy.zero_stage"
-            raise ConfigError(f"{option} applies to strategy deepspeed only, not {self.name}; drop it or use --strategy.name deepspeed.")
-        if self.comm_hook != "allreduce" and self.name not in ("ddp", "zero1"):
-            raise ConfigError(f"strategy.comm_hook {self.comm_hook} applies to ddp and zero1 only, not {self.name}; drop it or use --strategy.name ddp.")
+        # A table's options belong to the strategies it applies to; set for another strategy, those marked
+        # REFUSED_ELSEWHERE are refused (the others are left unread, so that one config serves a sweep of strategies).
+        for table, options in self.tables().items():
+            if self.name in options.applies_to:
+                continue
+            for f in dataclasses.fields(options):
+                value = getattr(options, f.name)
+                if f.metadata.get("refused_elsewhere") and value != f.default:
+                    who = " and ".join(options.applies_to)
+                    who = f"strategy {who}" if len(options.applies_to) == 1 else who
+                    raise ConfigError(f"strategy.{table}.{f.name} {value} applies to {who} only, not {self.name}; "
+                                      f"drop it or use --strategy.name {options.applies_to[0]}.")
+
+    def tables(self) -> dict[str, Any]:
+        """Table name -> its options, for every strategy that has options of its own."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+
+
+# The flat keys of [strategy] before each strategy had its table (strategy.comm_hook, ...): read for one release, each
+# moved to its table's key with one log line.
+LEGACY_STRATEGY_KEYS = {
+    **{f.name: f"{table.name}.{f.name}" for table in dataclasses.fields(StrategyConfig) if table.name != "name"
+       for f in dataclasses.fields(table.default_factory)},  # type: ignore[arg-type]  # every table has a factory
+    "deepspeed_config": "deepspeed.config",
+}
+LEGACY_STRATEGY_KEYS.pop("config")  # strategy.config never was a key: DeepSpeed's file was strategy.deepspeed_config
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    nproc_per_node: int | Literal["auto"] = "auto"
+    nproc_per_node: int | Literal["auto"] = may_change_at_resume("auto")
     """Local workers started through torch's elastic agent (ignored under torchrun or srun); auto: one per visible
     GPU (as the tutorials' world_size = torch.cuda.device_count()), one on a machine without (it uses every core)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = may_change_at_resume("auto")
     """auto: cuda:<local_rank> when CUDA is available, else cpu."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = may_change_at_resume("auto")
     """Collective backend: auto is nccl on GPUs and gloo on the CPU; gloo on GPUs is the fallback to try when nccl
     misbehaves (slower: it stages tensors through host memory for some collectives)."""
-    timeout_s: float = 300.0
+    timeout_s: float = may_change_at_resume(300.0)
     """Seconds (1 to 604800, a week) bounding rendezvous and any collective; a missing peer fails the run after this."""
-    max_restarts: int = 0
+    max_restarts: int = may_change_at_resume(0)
     """Times the elastic agent restarts the local workers after one fails; each restart resumes from the newest snapshot."""
 
     def __post_init__(self) -> None:
@@ -406,10 +487,10 @@ RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,99}")
 
 @dataclass(frozen=True, kw_only=True)
 class OutputConfig:
-    name: str = "run"
+    name: str = may_change_at_resume("run")
     """Run name; the run directory is runs/<name> unless output.dir is set. Up to 100 letters, digits and ._-+=@,
     starting with a letter, digit or _ (a folder elsewhere is output.dir)."""
-    dir: str | None = None
+    dir: str | None = may_change_at_resume(None)
     """Run directory (None: runs/<name>)."""
 
     def __post_init__(self) -> None:
@@ -439,9 +520,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata=MAY_CHANGE_AT_RESUME)
     output: OutputConfig = field(default_factory=OutputConfig)
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig, metadata=MAY_CHANGE_AT_RESUME)
 
     def __post_init__(self) -> None:
         if self.train.cuda_graph and self.optim.name == "sgd":
@@ -533,6 +614,11 @@ def _type_words(tp: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(tp, str(tp))
 
 
+def _is_table(tp: Any) -> bool:
+    """A field holding a table of options of its own ([strategy.ddp])."""
+    return dataclasses.is_dataclass(tp)
+
+
 def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
     types_ = _field_types(cls)
     unknown = sorted(set(values) - set(types_))
@@ -540,7 +626,42 @@ def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
         raise ConfigError(
             f"unknown option {section}.{_key_shown(unknown[0])}; valid options in [{section}] are: {', '.join(types_)}."
         )
-    return cls(**{k: _coerce(v, types_[k], f"{section}.{k}") for k, v in values.items()})
+    built = {}
+    for key, value in values.items():
+        if _is_table(types_[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{section}.{key}] must be a table of options, got {value!r}.")
+            built[key] = _build_section(types_[key], value, f"{section}.{key}")
+        else:
+            built[key] = _coerce(value, types_[key], f"{section}.{key}")
+    return cls(**built)
+
+
+def _move_legacy_keys(tree: dict[str, Any]) -> list[str]:
+    """Move [strategy]'s flat keys of before its tables (comm_hook) to their tables (ddp.comm_hook), in place; the
+    keys moved, as `old -> new` for the note that names them."""
+    strategy = tree.get("strategy")
+    if not isinstance(strategy, dict):
+        return []
+    moved = []
+    for old in [key for key in strategy if key in LEGACY_STRATEGY_KEYS]:
+        table, option = LEGACY_STRATEGY_KEYS[old].split(".")
+        into = strategy.setdefault(table, {})
+        if not isinstance(into, dict):
+            raise ConfigError(f"[strategy.{table}] must be a table of options, got {into!r}.")
+        if option in into:
+            raise ConfigError(f"strategy.{old} and strategy.{table}.{option} are the same option, given twice; keep "
+                              f"strategy.{table}.{option} only.")
+        into[option] = strategy.pop(old)
+        moved.append(f"strategy.{old} -> strategy.{table}.{option}")
+    return moved
+
+
+def _note_legacy_keys(moved: list[str]) -> None:
+    if moved:
+        logging.getLogger("dptrain").warning(
+            "each strategy's options now sit in its own table; read as the new keys, which to write instead (the old "
+            "ones are read for one release only): %s", ", ".join(moved))
 
 
 def from_dict(tree: dict[str, Any]) -> RunConfig:
@@ -549,6 +670,9 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     unknown = sorted(set(tree) - set(sections))
     if unknown:
         raise ConfigError(f"unknown config section [{_key_shown(unknown[0])}]; valid sections are: {', '.join(sections)}.")
+    if any(key in LEGACY_STRATEGY_KEYS for key in tree.get("strategy") or ()):  # a config.toml of before the tables
+        tree = {**tree, "strategy": _deep_copy(tree["strategy"])}
+        _note_legacy_keys(_move_legacy_keys(tree))
     built = {}
     for name, cls in sections.items():
         values = tree.get(name, {})
@@ -558,23 +682,87 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     return RunConfig(**built)
 
 
+def _deep_copy(values: Any) -> Any:
+    return {k: _deep_copy(v) for k, v in values.items()} if isinstance(values, dict) else values
+
+
 def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """Nested plain data; from_dict(to_dict(c)) == c."""
     return {name: dataclasses.asdict(getattr(cfg, name)) for name in _field_types(RunConfig)}
 
 
-def parse_overrides(pairs: list[tuple[str, str]]) -> dict[str, dict[str, str]]:
-    """[("optim.lr", "3e-4")] -> {"optim": {"lr": "3e-4"}}; strings are typed later by from_dict."""
-    tree: dict[str, dict[str, str]] = {}
+def _flat_fields(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every option of a section as (dotted name, its field), tables' options included."""
+    for f in dataclasses.fields(cls):
+        tp = _field_types(cls)[f.name]
+        if _is_table(tp):
+            yield from _flat_fields(tp, f"{prefix}.{f.name}")
+        else:
+            yield f"{prefix}.{f.name}", f
+
+
+def fixed_at_resume(cfg: RunConfig) -> dict[str, Any]:
+    """Every option that a resume must keep (it changes the computation), by dotted name; the others' fields, or
+    their sections', say MAY_CHANGE_AT_RESUME."""
+    fixed = {}
+    for section in dataclasses.fields(RunConfig):
+        if section.metadata.get("may_change_at_resume"):
+            continue
+        for name, f in _flat_fields(_field_types(RunConfig)[section.name], section.name):
+            if not f.metadata.get("may_change_at_resume"):
+                value: Any = cfg
+                for part in name.split("."):
+                    value = getattr(value, part)
+                fixed[name] = value
+    return fixed
+
+
+def current_name(name: str) -> str:
+    """An option's dotted name as a snapshot of before the strategy tables recorded it (strategy.comm_hook), now."""
+    section, _, rest = name.partition(".")
+    key, space, words = rest.partition(" ")  # "strategy.deepspeed_config (sha256 of its settings)"
+    if section == "strategy" and key in LEGACY_STRATEGY_KEYS:
+        return f"strategy.{LEGACY_STRATEGY_KEYS[key]}{space}{words}"
+    return name
+
+
+def parse_overrides(pairs: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """[("optim.lr", "3e-4"), ("strategy.ddp.comm_hook", "fp16")] -> {"optim": {"lr": "3e-4"}, "strategy": {"ddp":
+    {"comm_hook": "fp16"}}}; strings are typed later by from_dict. Old flat strategy keys are moved to their tables."""
+    return _parse_overrides(pairs)[0]
+
+
+def _parse_overrides(pairs: list[tuple[str, str]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    tree: dict[str, dict[str, Any]] = {}
     sections = _field_types(RunConfig)
     for key, value in pairs:
-        section, _, option = key.partition(".")
-        if not option or "." in option:
-            raise ConfigError(f"option --{key} is not of the form --section.option (for example --optim.lr 3e-4).")
+        section, *path = key.split(".")
+        if not path or not all(path) or len(path) > 2:
+            raise ConfigError(f"option --{key} is not of the form --section.option (for example --optim.lr 3e-4, "
+                              f"or --strategy.ddp.comm_hook fp16 for a strategy's own option).")
         if section not in sections:
             raise ConfigError(f"unknown option --{key}; valid sections are: {', '.join(sections)}.")
-        tree.setdefault(section, {})[option] = value
-    return tree
+        into = tree.setdefault(section, {})
+        if len(path) == 2:
+            table = into.setdefault(path[0], {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"option --{section}.{path[0]} is a table of options, not a value; give one of its "
+                                  f"options, as --{key} does.")
+            into = table
+        into[path[-1]] = value
+    return tree, _move_legacy_keys(tree)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], where: str) -> None:
+    """over's values into base, table by table (a CLI option replaces the file's value, and only it)."""
+    for key, value in over.items():
+        if isinstance(value, dict):
+            inner = base.setdefault(key, {})
+            if not isinstance(inner, dict):
+                raise ConfigError(f"[{key}] must be a table of options in {where}.")
+            _merge(inner, value, where)
+        else:
+            base[key] = value
 
 
 # Bounds on a config file (TOML, or DeepSpeed's JSON), checked before a parser sees it. A config is a few KB:
@@ -643,11 +831,10 @@ def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None
             raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML ({exc}); fix the file.") from None
-    for section, values in parse_overrides(overrides or []).items():
-        base = tree.setdefault(section, {})
-        if not isinstance(base, dict):
-            raise ConfigError(f"[{section}] must be a table of options in {path}.")
-        base.update(values)
+    moved = _move_legacy_keys(tree)
+    over, moved_here = _parse_overrides(overrides or [])
+    _merge(tree, over, str(path))
+    _note_legacy_keys(moved + moved_here)
     return from_dict(tree)
 
 
@@ -665,11 +852,18 @@ def _toml_value(value: Any) -> str:
 
 def to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML that load() reads back; None values are left out (None is the default)."""
-    lines = []
-    for section, values in to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+    lines: list[str] = []
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict))
         lines.append("")
+        for key, inner in values.items():
+            if isinstance(inner, dict):
+                table(f"{name}.{key}", inner)
+
+    for section, values in to_dict(cfg).items():
+        table(section, values)
     return "\n".join(lines)
 
 
@@ -743,13 +937,22 @@ def field_docs(cls: type) -> dict[str, str]:
 
 @functools.cache
 def options() -> tuple[Option, ...]:
-    """Every option of every section, in declaration order."""
+    """Every option of every section, in declaration order; a strategy's own options in their table's section
+    (strategy.ddp), after the section's own."""
+    found: list[Option] = []
+
+    def add(section: str, cls: type, defaults: dict[str, Any]) -> None:
+        types_ = _field_types(cls)
+        found.extend(Option(section, name, _metavar(tp), _cli_value(defaults[name]), field_docs(cls).get(name, ""))
+                     for name, tp in types_.items() if not _is_table(tp))
+        for name, tp in types_.items():
+            if _is_table(tp):
+                add(f"{section}.{name}", tp, defaults[name])
+
     defaults = to_dict(RunConfig())
-    return tuple(
-        Option(section, name, _metavar(tp), _cli_value(defaults[section][name]), field_docs(cls).get(name, ""))
-        for section, cls in _field_types(RunConfig).items()
-        for name, tp in _field_types(cls).items()
-    )
+    for section, cls in _field_types(RunConfig).items():
+        add(section, cls, defaults[section])
+    return tuple(found)
 
 
 def options_help(width: int = 72) -> dict[str, str]:

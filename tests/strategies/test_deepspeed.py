@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from dptrain import checkpoint
 from dptrain.cli import main
-from dptrain.config import ConfigError, OptimConfig, RunConfig, StrategyConfig, TrainConfig
+from dptrain.config import ConfigError, DeepSpeedOptions, OptimConfig, RunConfig, StrategyConfig, TrainConfig
 from dptrain.config import load as load_config
 from dptrain.dist.env import DistEnv
 from dptrain.schedule import build_scheduler
@@ -43,7 +43,7 @@ def run_config(tmp_path: Path, ds: dict | str | None, *overrides: tuple[str, str
     if ds is not None:
         path = tmp_path / "ds_config.json"
         path.write_text(ds if isinstance(ds, str) else json.dumps(ds))
-        pairs.append(("strategy.deepspeed_config", str(path)))
+        pairs.append(("strategy.deepspeed.config", str(path)))
     return load_config(None, pairs)
 
 
@@ -60,9 +60,9 @@ HOSTILE = {  # name -> (the file's settings, the options, a fragment of the one 
     "zero stage 4": ({"zero_optimization": {"stage": 4}}, (), "sets zero_optimization.stage 4, which is not a ZeRO stage \\(DeepSpeed has 0 to 3"),
     "zero stage 0": ({"zero_optimization": {"stage": 0}}, (), "stage 0 \\(no ZeRO\\), which strategy deepspeed does not run; set 1, 2 or 3, or use --strategy.name ddp"),
     "offload to nvme": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}},
-                        (("strategy.zero_stage", "3"),), "offloads the parameters to nvme \\(zero_optimization.offload_param\\), which strategy deepspeed does not support \\(it needs DeepSpeed's compiled async I/O"),
+                        (("strategy.deepspeed.zero_stage", "3"),), "offloads the parameters to nvme \\(zero_optimization.offload_param\\), which strategy deepspeed does not support \\(it needs DeepSpeed's compiled async I/O"),
     "offload to the CPU": ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, (), "offloads the optimizer state to cpu \\(zero_optimization.offload_optimizer\\), which strategy deepspeed does not support \\(it needs DeepSpeed's compiled CPU Adam\\)"),
-    "another stage": ({"zero_optimization": {"stage": 3}}, (), "sets zero_optimization.stage 3 but strategy.zero_stage is 2; set --strategy.zero_stage 3, or remove"),
+    "another stage": ({"zero_optimization": {"stage": 3}}, (), "sets zero_optimization.stage 3 but strategy.deepspeed.zero_stage is 2; set --strategy.deepspeed.zero_stage 3, or remove"),
     "another batch": ({"train_batch_size": 64}, (), "sets train_batch_size 64 but train.global_batch_size is 128; set --train.global_batch_size 64, or remove"),
     "another micro batch": ({"train_micro_batch_size_per_gpu": 16}, (), "sets train_micro_batch_size_per_gpu 16, but each of the 2 ranks takes 64 samples of train.global_batch_size 128; set --train.global_batch_size 32"),
     "accumulation": ({"gradient_accumulation_steps": 4}, (), "sets gradient_accumulation_steps 4, but dptrain takes one optimizer step per global batch"),
@@ -92,19 +92,19 @@ def test_a_ds_config_that_cannot_run_here_or_contradicts_the_run_is_one_sentence
 
 
 def test_a_missing_or_unreadable_file_is_one_sentence(tmp_path):
-    missing = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(tmp_path / "nope.json"))])
-    assert refusal(missing) == (f"strategy.deepspeed_config {tmp_path / 'nope.json'} does not exist; check the path, "
+    missing = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(tmp_path / "nope.json"))])
+    assert refusal(missing) == (f"strategy.deepspeed.config {tmp_path / 'nope.json'} does not exist; check the path, "
                                 f"or leave the option out for DeepSpeed's defaults.")
-    folder = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(tmp_path))])
-    assert refusal(folder) == f"strategy.deepspeed_config {tmp_path} is a directory, not a file; give the path of the file."
+    folder = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(tmp_path))])
+    assert refusal(folder) == f"strategy.deepspeed.config {tmp_path} is a directory, not a file; give the path of the file."
     # /dev/zero was read without a bound (7 GB before a MemoryError under a cap).
-    endless = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", "/dev/zero")])
-    assert refusal(endless) == ("strategy.deepspeed_config /dev/zero is larger than 1 MiB, far more than a config holds; "
+    endless = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", "/dev/zero")])
+    assert refusal(endless) == ("strategy.deepspeed.config /dev/zero is larger than 1 MiB, far more than a config holds; "
                                 "check that the path names the right file.")
     binary = tmp_path / "weights.bin"
     binary.write_bytes(b"\x80\x02}q\x00")
-    wrong = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(binary))])
-    assert refusal(wrong) == (f"strategy.deepspeed_config {binary} is not UTF-8 text (byte 0 is 0x80; a binary file?); "
+    wrong = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(binary))])
+    assert refusal(wrong) == (f"strategy.deepspeed.config {binary} is not UTF-8 text (byte 0 is 0x80; a binary file?); "
                               f"check that the path names the right file.")
 
 
@@ -119,7 +119,7 @@ def test_a_file_that_repeats_the_run_is_accepted_and_its_own_settings_kept(tmp_p
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0,
                                                    "adam_w_mode": False, "torch_adam": True}},
           "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e5}, "steps_per_print": 100}
-    cfg = run_config(tmp_path, ds, ("strategy.zero_stage", "3"), ("train.grad_clip", "0.5"))
+    cfg = run_config(tmp_path, ds, ("strategy.deepspeed.zero_stage", "3"), ("train.grad_clip", "0.5"))
     check_world(cfg, 2, 1000, on_cpu=True)
     assert engine_config(ds, 3) == {
         "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e5}, "steps_per_print": 100,
@@ -127,10 +127,10 @@ def test_a_file_that_repeats_the_run_is_accepted_and_its_own_settings_kept(tmp_p
 
 
 def test_the_deepspeed_options_belong_to_strategy_deepspeed():
-    with pytest.raises(ConfigError, match="strategy.zero_stage applies to strategy deepspeed only, not ddp"):
-        StrategyConfig(zero_stage=3)
-    with pytest.raises(ConfigError, match="strategy.deepspeed_config applies to strategy deepspeed only, not fsdp"):
-        StrategyConfig(name="fsdp", deepspeed_config="ds_config.json")
+    with pytest.raises(ConfigError, match="strategy.deepspeed.zero_stage 3 applies to strategy deepspeed only, not ddp"):
+        StrategyConfig(deepspeed=DeepSpeedOptions(zero_stage=3))
+    with pytest.raises(ConfigError, match="strategy.deepspeed.config ds_config.json applies to strategy deepspeed only, not fsdp"):
+        StrategyConfig(name="fsdp", deepspeed=DeepSpeedOptions(config="ds_config.json"))
 
 
 def test_without_deepspeed_installed_train_says_how_to_install_it(tmp_path, monkeypatch, capsys):
@@ -259,7 +259,7 @@ def resumed(tmp_path_factory):
     def get(stage: int) -> tuple[Path, Path]:
         if stage not in made:
             whole, resumed_ = root / f"zero{stage}-whole", root / f"zero{stage}-resumed"
-            args = [*RUN, "--strategy.zero_stage", str(stage)]
+            args = [*RUN, "--strategy.deepspeed.zero_stage", str(stage)]
             assert run_cli_on_ranks(2, [["train", *args, "--output.dir", str(whole)]], str(root), timeout=60) == [0]
             snapshot = whole / "checkpoints" / f"step-{RESUMED_AT:08d}"
             resume = ["train", *args, "--output.dir", str(resumed_), "--train.resume", str(snapshot)]
@@ -310,7 +310,7 @@ def test_a_pickle_planted_in_deepspeeds_files_never_runs(resumed, tmp_path, caps
     torch.save({"optimizer_state_dict": Planted(marker), "ds_version": Planted(marker)}, target)
     if rehashed:
         rehash(snapshot)
-    args = [*RUN, "--strategy.zero_stage", "3", "--output.dir", str(tmp_path / "again"), "--train.resume", str(snapshot)]
+    args = [*RUN, "--strategy.deepspeed.zero_stage", "3", "--output.dir", str(tmp_path / "again"), "--train.resume", str(snapshot)]
     codes = [main(["train", *args]), main(["eval", "--checkpoint", str(snapshot)])]
     errors = capsys.readouterr().err.strip().splitlines()
     assert not marker.exists(), "the planted pickle ran"
@@ -326,7 +326,7 @@ def test_a_pickle_planted_in_deepspeeds_files_never_runs(resumed, tmp_path, caps
 @pytest.mark.slow
 def test_a_snapshot_resumes_at_its_own_world_size_only(resumed, tmp_path, capsys):
     snapshot = snapshot_copy(resumed, tmp_path)
-    args = [*RUN, "--strategy.zero_stage", "3", "--output.dir", str(tmp_path / "again"), "--train.resume", str(snapshot)]
+    args = [*RUN, "--strategy.deepspeed.zero_stage", "3", "--output.dir", str(tmp_path / "again"), "--train.resume", str(snapshot)]
     assert main(["train", *args, "--nproc-per-node", "1"]) == 1  # refused by the worker, which picks the snapshot
     assert capsys.readouterr().err.strip().splitlines() == [
         f"dptrain: error: rank 0 failed during resume: snapshot {snapshot} holds the state of strategy deepspeed partitioned over 2 processes, and it "
@@ -339,11 +339,11 @@ def test_a_changed_ds_config_refuses_the_resume(tmp_path):
     manifest = {"model": first.model.name, "strategy": "deepspeed", "config_hash": checkpoint.config_hash(first),
                 "config": checkpoint.computation_options(first)}
     moved = tmp_path / "moved.json"
-    shutil.copy(first.strategy.deepspeed_config, moved)
-    checkpoint.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(moved))]),
+    shutil.copy(first.strategy.deepspeed.config, moved)
+    checkpoint.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(moved))]),
                                 tmp_path, 10)
     moved.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 5e7}}))
-    with pytest.raises(ConfigError, match=r"was written with strategy.deepspeed_config \(sha256 of its settings\) = '[0-9a-f]{16}' "
+    with pytest.raises(ConfigError, match=r"was written with strategy.deepspeed.config \(sha256 of its settings\) = '[0-9a-f]{16}' "
                                           r"but this run has '[0-9a-f]{16}'"):
-        checkpoint.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed_config", str(moved))]),
+        checkpoint.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(moved))]),
                                     tmp_path, 10)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.config import OptimConfig, RunConfig, StrategyConfig
+from dptrain.config import DDPOptions, OptimConfig, PSOptions, RunConfig, StrategyConfig
 from dptrain.dist.env import DistEnv
 from dptrain.strategies import build_strategy
 from dptrain.train import optimizer_spec
@@ -38,13 +38,13 @@ STEPS = 3
 # (test_powersgd_*), as are fp16 and bf16 (test_compressed_gradient_*).
 EXACT = {
     "ddp": StrategyConfig(name="ddp"),
-    "ddp-ring": StrategyConfig(name="ddp", comm_hook="ring"),
+    "ddp-ring": StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook="ring")),
     "zero1": StrategyConfig(name="zero1"),
     "fsdp": StrategyConfig(name="fsdp"),
     "ps": StrategyConfig(name="ps"),
-    "ps-dedicated": StrategyConfig(name="ps", dedicated_server=True),
+    "ps-dedicated": StrategyConfig(name="ps", ps=PSOptions(dedicated_server=True)),
 }
-LOSSY = {hook: StrategyConfig(name="ddp", comm_hook=hook) for hook in ("powersgd", "fp16", "bf16")}
+LOSSY = {hook: StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook=hook)) for hook in ("powersgd", "fp16", "bf16")}
 EXACT_STEPS = {"powersgd": 2, "fp16": 0, "bf16": 0}
 
 # Final weights, max difference relative to each tensor's scale (max |w|). float64: 1e-10, where the

@@ -6,16 +6,24 @@ import typing
 
 import pytest
 
-from dptrain.config import ConfigError, StrategyConfig
+from dptrain.config import ConfigError, DDPOptions, FSDPOptions, PSOptions, StrategyConfig
 from dptrain.strategies import STRATEGIES, check_world, data_world_size
 from dptrain.strategies.comm_hooks import COMM_HOOKS
+from dptrain.strategies.fsdp import DTYPES
 from dptrain import config
 
 
 def test_the_tables_cover_the_configs_choices():
     hints = typing.get_type_hints(StrategyConfig)
     assert set(typing.get_args(hints["name"])) == set(STRATEGIES)
-    assert set(typing.get_args(hints["comm_hook"])) == set(COMM_HOOKS)
+    assert set(typing.get_args(typing.get_type_hints(DDPOptions)["comm_hook"])) == set(COMM_HOOKS)
+    for dtype in ("param_dtype", "reduce_dtype"):
+        assert set(typing.get_args(typing.get_type_hints(FSDPOptions)[dtype])) == set(DTYPES)
+
+
+def test_every_table_applies_to_strategies_that_exist():
+    for options in StrategyConfig().tables().values():
+        assert set(options.applies_to) <= set(STRATEGIES)
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -33,7 +41,7 @@ def test_one_process_strategies_refuse_more(name, world, refusal):
 
 
 def test_a_dedicated_server_leaves_the_data_to_the_others():
-    served = StrategyConfig(name="ps", dedicated_server=True)
+    served = StrategyConfig(name="ps", ps=PSOptions(dedicated_server=True))
     assert data_world_size(served, 4) == 3
     assert data_world_size(StrategyConfig(name="ps"), 4) == data_world_size(StrategyConfig(name="ddp"), 4) == 4
     with pytest.raises(ConfigError, match="dedicated_server needs at least 2 processes"):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # What the plain loops do not do; a sweep that asks for it is refused rather than compared unlike with like.
 PLAIN = {"optim.schedule": "constant", "optim.warmup_steps": 0, "optim.scale_lr_with": "none", "train.max_steps": None,
-         "train.bf16": False, "train.grad_clip": None, "data.augment": "none", "strategy.comm_hook": "allreduce"}
+         "train.bf16": False, "train.grad_clip": None, "data.augment": "none", "strategy.ddp.comm_hook": "allreduce"}
 
 
 def require(engine: str, package: str) -> None:
@@ -50,8 +50,9 @@ def check_plain(cfg: RunConfig, engine: str, strategies: Iterable[str]) -> None:
         raise ConfigError(f"--engines {engine} runs strategies {', '.join(strategies)} only, not {cfg.strategy.name}; "
                           f"drop it from --strategies or run the {engine} engine in a sweep of its own.")
     for key, plain in PLAIN.items():
-        section, option = key.split(".")
-        value = getattr(getattr(cfg, section), option)
+        value: Any = cfg
+        for part in key.split("."):  # strategy.ddp.comm_hook: a strategy's option, in its table
+            value = getattr(value, part)
         if value != plain:
             raise ConfigError(f"--engines {engine} runs the plain loop, which has no {key} = {value}; "
                               f"drop --{key} or the {engine} engine.")

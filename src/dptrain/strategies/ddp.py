@@ -16,7 +16,7 @@ class DDP(Strategy):
 
     name = "ddp"
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
-    """The all-reduce through /dev/shm that the gradients take (strategy.shared_memory), once wrapped; None: gloo's."""
+    """The all-reduce through /dev/shm that the gradients take (strategy.ddp.shared_memory), once wrapped; None: gloo's."""
 
     @property
     def step_is_local(self) -> bool:
@@ -28,7 +28,7 @@ class DDP(Strategy):
             return self.module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         gradients = [p for p in self.module.parameters() if p.requires_grad]
-        if self.cfg.comm_hook == "allreduce" and self.uses_shared_memory():
+        if self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
             self.shared_memory_sum = shared_memory.open_on_this_host(
                 max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
                 timeout_s=self.timeout_s)
@@ -41,19 +41,19 @@ class DDP(Strategy):
             buckets["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
-        if self.cfg.comm_hook != "allreduce":
-            comm_hooks.install(ddp, self.cfg.comm_hook, self.cfg.powersgd_rank, self.counter)
+        if self.cfg.ddp.comm_hook != "allreduce":
+            comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
         elif self.shared_memory_sum is not None:
             ddp.register_comm_hook(None, shared_memory.allreduce_mean_hook(self.shared_memory_sum))
         return ddp
 
     def uses_shared_memory(self) -> bool:
-        """strategy.shared_memory applies: CPU ranks, all on this host (a decision every rank makes alike)."""
-        return (self.cfg.shared_memory and self.device.type == "cpu"
+        """strategy.ddp.shared_memory applies: CPU ranks, all on this host (a decision every rank makes alike)."""
+        return (self.cfg.ddp.shared_memory and self.device.type == "cpu"
                 and self.env.world_size == self.env.local_world_size > 1)
 
     def comm_bytes(self, steps: int) -> int:
-        if self.cfg.comm_hook != "allreduce":
+        if self.cfg.ddp.comm_hook != "allreduce":
             return self.counter.take()
         if self.shared_memory_sum is not None:
             return self.shared_memory_sum.counter.take()

@@ -1,8 +1,8 @@
 """DeepSpeed's engine as one more strategy: ZeRO stage 1, 2 or 3 over dptrain's process group.
 
     $ pip install 'dptrain[deepspeed]'
-    $ dptrain train --strategy.name deepspeed --strategy.zero_stage 3 --nproc-per-node 4
-    $ dptrain train --strategy.name deepspeed --strategy.deepspeed_config ds_config.json
+    $ dptrain train --strategy.name deepspeed --strategy.deepspeed.zero_stage 3 --nproc-per-node 4
+    $ dptrain train --strategy.name deepspeed --strategy.deepspeed.config ds_config.json
 
 dptrain's options stay the one source of what is computed: the batch, the optimizer (train.optimizer_spec,
 handed to DeepSpeed as its client optimizer), the learning-rate schedule, gradient clipping, precision
@@ -62,7 +62,7 @@ def skip_shared_memory_op() -> None:
 def read_user_config(path: str) -> dict[str, Any]:
     """The ds_config.json as a dict; ConfigError in one sentence if it is missing, unreadable, not a small text file
     (read_config_text's bounds) or not a JSON object."""
-    where = f"strategy.deepspeed_config {path}"
+    where = f"strategy.deepspeed.config {path}"
     try:
         text = read_config_text(Path(path), where)
     except FileNotFoundError:
@@ -94,7 +94,7 @@ def config_digest(path: str | None) -> str | None:
 def _section(tree: dict[str, Any], key: str, path: str) -> dict[str, Any]:
     value = tree.get(key, {})
     if not isinstance(value, dict):
-        raise ConfigError(f"strategy.deepspeed_config {path}: {key} must be a JSON object, not {json.dumps(value)}; fix the file.")
+        raise ConfigError(f"strategy.deepspeed.config {path}: {key} must be a JSON object, not {json.dumps(value)}; fix the file.")
     return value
 
 
@@ -110,9 +110,9 @@ def _given(tree: dict[str, Any], key: str) -> bool:
 
 def check_against_run(tree: dict[str, Any], cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
     """ConfigError naming the first setting of the file that DeepSpeed cannot run here, or that contradicts dptrain's."""
-    path = cfg.strategy.deepspeed_config
+    path = cfg.strategy.deepspeed.config
     assert path is not None
-    _check_zero(_section(tree, "zero_optimization", path), cfg.strategy.zero_stage, path)
+    _check_zero(_section(tree, "zero_optimization", path), cfg.strategy.deepspeed.zero_stage, path)
     _check_precision(tree, on_cpu, path)
     _check_batch(tree, cfg.train.global_batch_size, world_size, path)
     if _given(tree, "gradient_clipping") and (tree["gradient_clipping"] or None) != cfg.train.grad_clip:
@@ -136,8 +136,8 @@ def _check_zero(zero: dict[str, Any], stage: int, path: str) -> None:
         raise ConfigError(f"{path} sets zero_optimization.stage 0 (no ZeRO), which strategy deepspeed does not run; "
                           f"set 1, 2 or 3, or use --strategy.name ddp for plain data parallelism.")
     if given != stage:
-        raise ConfigError(f"{path} sets zero_optimization.stage {given} but strategy.zero_stage is {stage}; "
-                          f"set --strategy.zero_stage {given}, or remove the stage from the file.")
+        raise ConfigError(f"{path} sets zero_optimization.stage {given} but strategy.deepspeed.zero_stage is {stage}; "
+                          f"set --strategy.deepspeed.zero_stage {given}, or remove the stage from the file.")
     for key, what in OFFLOADS.items():
         device = _section(zero, key, path).get("device", "none") if key in zero else "none"
         if device not in ("none", None):
@@ -374,8 +374,8 @@ class DeepSpeed(Strategy):
 
     @classmethod
     def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
-        if cfg.strategy.deepspeed_config is not None:
-            check_against_run(read_user_config(cfg.strategy.deepspeed_config), cfg, world_size, on_cpu)
+        if cfg.strategy.deepspeed.config is not None:
+            check_against_run(read_user_config(cfg.strategy.deepspeed.config), cfg, world_size, on_cpu)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # DeepSpeed flattens the parameters and broadcasts them as bytes, which needs contiguous ones: channels_last
@@ -391,7 +391,7 @@ class DeepSpeed(Strategy):
         # SLURM task; dist_init_required=False: it wraps dptrain's process group instead of making one.
         args = SimpleNamespace(device_rank=self.device.index if self.device.type == "cuda" else 0)
         engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=spec.build, model_parameters=model.parameters(),
-                                               config=engine_config(user, self.cfg.zero_stage), dist_init_required=False)
+                                               config=engine_config(user, self.cfg.deepspeed.zero_stage), dist_init_required=False)
         engine.checkpoint_engine = plain_data_checkpoint_engine()
         self.engine = engine
         assert self.forward_module is not None, "wrap() first"
@@ -427,14 +427,14 @@ class DeepSpeed(Strategy):
 
     def _user_config(self) -> dict[str, Any]:
         """The JSON (checked by check_run in every worker), the same on every rank: one file read on each host."""
-        path = self.cfg.deepspeed_config
+        path = self.cfg.deepspeed.config
         user = read_user_config(path) if path is not None else {}
         if self.env.world_size > 1:
             digests: list[Any] = [None] * self.env.world_size
             dist.all_gather_object(digests, hashlib.sha256(json.dumps(user, sort_keys=True).encode()).hexdigest())
             differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
             if differing:
-                raise ConfigError(f"strategy.deepspeed_config {path} reads differently on rank {differing[0]} than on rank 0 "
+                raise ConfigError(f"strategy.deepspeed.config {path} reads differently on rank {differing[0]} than on rank 0 "
                                   f"(another file on that host); give every host the same file.")
         return user
 
@@ -468,7 +468,7 @@ class DeepSpeed(Strategy):
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         param_size = params[0].element_size()
         grad_size = torch.empty(0, dtype=self.engine.communication_data_type).element_size()
-        gathers = 2 if self.cfg.zero_stage == 3 else 1
+        gathers = 2 if self.cfg.deepspeed.zero_stage == 3 else 1
         world = self.env.world_size
         return steps * (gathers * numel * param_size + numel * grad_size) * (world - 1) // world
 
@@ -477,7 +477,7 @@ class DeepSpeed(Strategy):
     @contextlib.contextmanager
     def _whole_parameters(self) -> Iterator[None]:
         """ZeRO-3's parameters gathered on every rank (a collective), partitioned again on exit."""
-        if self.cfg.zero_stage == 3:
+        if self.cfg.deepspeed.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.eval_module.parameters())):
@@ -514,7 +514,7 @@ class DeepSpeed(Strategy):
     def _engine_files(self) -> set[str]:
         """DeepSpeed's file names (stable since 0.3): the model on rank 0, with ZeRO-3 on every rank; the
         optimizer's partition of every rank."""
-        world, stage = self.env.world_size, self.cfg.zero_stage
+        world, stage = self.env.world_size, self.cfg.deepspeed.zero_stage
         models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3 else ["mp_rank_00_model_states.pt"]
         optims = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)]
         return {f"{TAG}/{name}" for name in models + optims}

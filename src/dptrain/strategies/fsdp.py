@@ -51,19 +51,19 @@ class FSDP(Strategy):
         # FSDP2 shards contiguous parameters only: channels_last weights go back to NCHW (inputs may stay NHWC).
         model = model.to(self.device, memory_format=torch.contiguous_format)
         mesh = init_device_mesh(self.device.type, (self.env.world_size,))
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[self.cfg.param_dtype], reduce_dtype=DTYPES[self.cfg.reduce_dtype])
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[self.cfg.fsdp.param_dtype], reduce_dtype=DTYPES[self.cfg.fsdp.reduce_dtype])
         for block in blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
         self.module = model
         return model
 
     def comm_bytes(self, steps: int) -> int:
         world = self.env.world_size
         numel = sum(p.numel() for p in self.eval_module.parameters())  # DTensor numel: the full size
-        gathers = 2 if self.cfg.reshard_after_forward else 1
+        gathers = 2 if self.cfg.fsdp.reshard_after_forward else 1
         own_size = next(self.eval_module.parameters()).element_size()
-        param_size = getattr(DTYPES[self.cfg.param_dtype], "itemsize", own_size)
-        reduce_size = getattr(DTYPES[self.cfg.reduce_dtype], "itemsize", own_size)
+        param_size = getattr(DTYPES[self.cfg.fsdp.param_dtype], "itemsize", own_size)
+        reduce_size = getattr(DTYPES[self.cfg.fsdp.reduce_dtype], "itemsize", own_size)
         per_step = (gathers * numel * param_size + numel * reduce_size) * (world - 1) // world
         return steps * per_step

@@ -101,13 +101,13 @@ class ParameterServer(Strategy):
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
-        if cfg.dedicated_server and world_size < 2:
+        if cfg.ps.dedicated_server and world_size < 2:
             raise ConfigError("strategy ps with dedicated_server needs at least 2 processes (a server and a worker); "
                               "start more workers.")
 
     @classmethod
     def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:
-        return world_size - 1 if cfg.dedicated_server else world_size
+        return world_size - 1 if cfg.ps.dedicated_server else world_size
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         self.clip_norm = max_norm
@@ -124,7 +124,7 @@ class ParameterServer(Strategy):
         return ServerOptimizer(params, spec.build(params), self)
 
     def data_share(self) -> tuple[int | None, int]:
-        if not self.cfg.dedicated_server:
+        if not self.cfg.ps.dedicated_server:
             return super().data_share()
         rank = self.env.global_rank  # the workers 1..N-1 take the data as ranks 0..N-2
         return (None if rank == SERVER else rank - 1), self.data_world_size(self.cfg, self.env.world_size)
