@@ -41,7 +41,7 @@ def test_paths_run_length_logging_and_device_may_change_the_math_may_not():
                        ("checkpoint.every_steps", "10"), ("output.name", "other")):
         assert checkpoint.config_hash(cfg((key, value))) == base, key
     for key, value in (("optim.lr", "0.5"), ("train.global_batch_size", "64"), ("train.seed", "3"), ("train.bf16", "true"),
-                       ("model.dropout", "false"), ("strategy.comm_hook", "fp16"), ("data.synthetic_train_size", "99")):
+                       ("model.dropout", "false"), ("strategy.ddp.comm_hook", "fp16"), ("data.synthetic_train_size", "99")):
         assert checkpoint.config_hash(cfg((key, value))) != base, key
 
 

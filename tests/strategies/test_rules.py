@@ -21,6 +21,13 @@ def test_the_tables_cover_the_configs_choices():
         assert set(typing.get_args(typing.get_type_hints(FSDPOptions)[dtype])) == set(DTYPES)
 
 
+def test_the_optimizer_table_covers_the_configs_choice():
+    from dptrain.config import OptimConfig
+    from dptrain.strategies.base import OPTIMIZERS
+
+    assert set(typing.get_args(typing.get_type_hints(OptimConfig)["name"])) == set(OPTIMIZERS)
+
+
 def test_every_table_applies_to_strategies_that_exist():
     for options in StrategyConfig().tables().values():
         assert set(options.applies_to) <= set(STRATEGIES)

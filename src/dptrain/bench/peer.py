@@ -87,13 +87,11 @@ def train_loader(dataset: Any, cfg: RunConfig, rank: int, world: int) -> Any:
 
 
 def make_optimizer(cfg: RunConfig, params: Any) -> Any:
-    import torch
+    """dptrain's choice of optimizer (strategies.base.optimizer_choice), unfused: the plain loops step with torch's
+    default kernels, as the tutorials they stand for do, so that the comparison measures the engine, not the kernel."""
+    from dptrain.strategies.base import optimizer_choice
 
-    o = cfg.optim
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(params, lr=o.lr, weight_decay=o.weight_decay)
+    return optimizer_choice(cfg.optim, cfg.optim.lr, fused=False).build(params)
 
 
 class Totals:

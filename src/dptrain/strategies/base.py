@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig
+from dptrain.config import ConfigError, LaunchConfig, OptimConfig, RunConfig, StrategyConfig
 from dptrain.dist.env import DistEnv
 from dptrain.strategies.comm_hooks import CommCounter
 from dptrain.strategies.state import Shards, StatePart
@@ -24,6 +24,21 @@ class OptimizerSpec:
 
     def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return self.cls(params, **self.kwargs)
+
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                                                     "adamw": torch.optim.AdamW}
+"""optim.name -> torch's optimizer; the one table of the choice, for dptrain's loop and the peer engines alike."""
+
+
+def optimizer_choice(optim: OptimConfig, lr: float, fused: bool, capturable: bool = False) -> OptimizerSpec:
+    """The optimizer optim.name names, with its arguments. fused (Adam, AdamW): one kernel over all parameters instead
+    of a dozen foreach passes; capturable: the state and learning rate stay on the GPU, for a CUDA graph's replay."""
+    cls = OPTIMIZERS[optim.name]
+    if cls is torch.optim.SGD:
+        return OptimizerSpec(cls, {"lr": lr, "momentum": optim.momentum, "weight_decay": optim.weight_decay})
+    kernels = {"fused": True, "capturable": capturable} if fused else {}
+    return OptimizerSpec(cls, {"lr": lr, "weight_decay": optim.weight_decay, **kernels})
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
