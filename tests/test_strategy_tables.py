@@ -124,3 +124,13 @@ def test_a_snapshot_written_before_the_strategy_tables_resumes(tmp_path, capsys)
     assert "was written with strategy.ddp.comm_hook = 'fp16' but this run has 'allreduce'" in capsys.readouterr().err
     assert main(["train", *new, "--train.max_steps", "3"]) == 0, capsys.readouterr().err
     assert "at step 2" in log_tail(again) and (again / "checkpoints" / "step-00000003").is_dir()
+
+
+def test_a_record_of_before_the_tables_compares_equal_once_upgraded():
+    """bench/sweep: a sweep recorded before the tables resumes; its sweep.json's config says strategy.comm_hook."""
+    new = config.to_dict(config.load(None, [("strategy.ddp.comm_hook", "fp16")]))
+    old = {**new, "strategy": {"name": "ddp", "comm_hook": "fp16", "shared_memory": True, "powersgd_rank": 4,
+                               "reshard_after_forward": True, "param_dtype": "auto", "reduce_dtype": "auto",
+                               "dedicated_server": False, "zero_stage": 2, "deepspeed_config": None}}
+    assert old != new and config.upgraded(old) == new
+    assert config.upgraded(None) is None

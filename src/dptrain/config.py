@@ -657,6 +657,19 @@ def _move_legacy_keys(tree: dict[str, Any]) -> list[str]:
     return moved
 
 
+def upgraded(tree: Any) -> Any:
+    """A copy of a config tree with [strategy]'s flat keys of before the tables moved to their tables (no note): for
+    records written then, such as a sweep's sweep.json. Anything but a table is returned as it is."""
+    if not isinstance(tree, dict):
+        return tree
+    copy = _deep_copy(tree)
+    try:
+        _move_legacy_keys(copy)
+    except ConfigError:  # a key given twice: left as it is, so that it compares unequal
+        return tree
+    return copy
+
+
 def _note_legacy_keys(moved: list[str]) -> None:
     if moved:
         logging.getLogger("dptrain").warning(

@@ -366,7 +366,8 @@ def check_and_record(sweep: Sweep) -> None:
             earlier = json.loads(path.read_text())
         except json.JSONDecodeError:
             earlier = None
-        if isinstance(earlier, dict) and earlier.get("config") != record["config"]:
+        # config_mod.upgraded: a sweep recorded before the strategy tables wrote strategy.comm_hook for strategy.ddp.comm_hook
+        if isinstance(earlier, dict) and config_mod.upgraded(earlier.get("config")) != record["config"]:
             raise ConfigError(f"{sweep.bench_dir} holds a sweep with other train options; run it with the same options "
                               f"to resume it, or choose another --output.dir.")
         if isinstance(earlier, dict) and bool(earlier.get("slurm")) != record["slurm"]:
