@@ -87,26 +87,25 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id."""
-    from dptrain.launch import slurm
+    from dptrain.slurm import job as slurm_job
 
     cfg = config_mod.load(args.config, [*split_overrides(extra), *submit_overrides(args)])
     lines = job_lines(args)
     if lines:  # lines on the command line replace the file's list
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
     workdir = Path.cwd()
-    job = slurm.job_for(cfg, workdir)
+    job = slurm_job.job_for(cfg, workdir)
     preflight_job(cfg, job.world_size)
-    script = slurm.render(cfg, job, workdir, slurm.python_for(cfg.slurm))
+    script = slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
     if args.dry_run:
         print(script, end="")
         return 0
-    slurm.check_nodes_fit(cfg.slurm)  # after the dry run, which prints the script on a machine with no cluster too
+    slurm_job.check_nodes_fit(cfg.slurm)  # after the dry run, which prints the script on a machine with no cluster too
     RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
     job.config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
-    job_id = slurm.submit(job.script)
-    print(f"dptrain: submitted job {job_id} ({job.nodes} node{'s' if job.nodes > 1 else ''} x {job.ranks_per_node} "
-          f"rank{'s' if job.ranks_per_node > 1 else ''}, {job.mode}): {job.script}\n"
+    job_id = slurm_job.submit(job.script)
+    print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"
           f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
     return 0
 
@@ -233,12 +232,9 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         for cfg, world_size in jobs.checks(sweep):  # every job's run, as dptrain submit checks it, before the first
             preflight_job(cfg, world_size)
         if args.dry_run:
-            print(jobs.dry_run(sweep), end="")
+            print(jobs.job_scripts_preview(sweep), end="")
             return 0
-        from dptrain.launch import slurm
-
-        for cfg, _ in jobs.checks(sweep):
-            slurm.check_nodes_fit(cfg.slurm)
+        jobs.check_nodes_fit(sweep)
         failures = jobs.run_jobs(sweep)
     else:
         failures = run_sweep(sweep)

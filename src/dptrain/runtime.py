@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from dptrain.dist.env import DistEnv
+from dptrain.slurm.env import slurm_count
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,10 @@ def set_cpu_threads(env: DistEnv) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
         cores = os.cpu_count() or 1
-    task_cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    counted = task_cpus.isdigit() and int(task_cpus) > 0
-    if counted:
-        cores = min(cores, int(task_cpus))
-    sharing = 1 if env.source == "slurm" and counted else env.local_world_size
+    task_cpus = slurm_count("task_cpus")  # None without --cpus-per-task; 0 is no count either
+    if task_cpus:
+        cores = min(cores, task_cpus)
+    sharing = 1 if env.source == "slurm" and task_cpus else env.local_world_size
     threads = max(1, cores // sharing)
     torch.set_num_threads(threads)
     return threads

@@ -20,7 +20,6 @@ from dptrain.run_folder import RunFolder
 from dptrain.files import written_whole
 from dptrain import config as config_mod
 from dptrain.config import RunConfig
-from dptrain.launch import slurm
 from dptrain.dist.env import DistEnv
 from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
 from dptrain.dist.ending import exit_deadline
@@ -28,6 +27,8 @@ from dptrain.dist.failures import Phase
 from dptrain.dist.world import barrier, destroy_process_group, init_process_group
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
                              use_deterministic_kernels)
+from dptrain.slurm.env import slurm_count, slurm_value
+from dptrain.slurm.job import requeue_after_stop
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -175,7 +176,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
         log.warning("%s", exc)  # in every rank's log: which rank saw the signal
         if DistEnv.from_environ().is_main:
             print(f"dptrain: {exc}", file=sys.stderr, flush=True)
-            requeue_after_stop(events, step)
+            requeue_after_stop(step, events.emit)
         raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
     finally:
         events.close()
@@ -193,28 +194,14 @@ def write_run_file(path: Path, text: str) -> None:
                           f"then run the same command.") from exc
 
 
-def requeue_after_stop(events: EventLog, step: int) -> None:
-    """In a job that `dptrain submit` wrote with requeue: put it back in the queue once the stop's snapshot is whole
-    (every rank has passed its last barrier); the rerun resumes from it. SLURM then ends this job's processes."""
-    job_id = os.environ.get(slurm.JOB_ID)
-    if os.environ.get(slurm.REQUEUE_VAR) != "1" or not job_id:
-        return
-    # Said first: once the job is requeued, SLURM ends this process at once, before any line written after.
-    log.warning("requeueing job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
-    events.emit("requeue", step=step, job_id=job_id)
-    refused = slurm.requeue(job_id)
-    if refused is not None:
-        log.error("could not requeue job %s (%s); resubmit its job.sbatch to resume", job_id, refused)
-        events.emit("requeue_failed", step=step, job_id=job_id, reason=refused)
-
-
 def restart_counts() -> dict[str, int]:
     """How many times this run's processes were started again: by SLURM (a requeue) and by the elastic agent."""
     counts = {}
-    for field, var in (("slurm_restarts", "SLURM_RESTART_COUNT"), ("agent_restarts", "TORCHELASTIC_RESTART_COUNT")):
-        if os.environ.get(var, "").isdigit():
-            counts[field] = int(os.environ[var])
-    if job_id := os.environ.get(slurm.JOB_ID):
+    if (requeues := slurm_count("restarts")) is not None:
+        counts["slurm_restarts"] = requeues
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "").isdigit():
+        counts["agent_restarts"] = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if job_id := slurm_value("job_id"):
         counts.setdefault("slurm_restarts", 0)
         counts["slurm_job_id"] = job_id
     return counts

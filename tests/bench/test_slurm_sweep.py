@@ -19,7 +19,8 @@ from dptrain.bench import jobs as jobs_mod
 from dptrain.bench.collect import RESULT_COLUMNS
 from dptrain.bench.sweep import ERROR_FILE, build, job_shape, plan
 from dptrain.config import ConfigError, SlurmConfig
-from dptrain.launch import slurm
+from dptrain.errors import LaunchError
+from dptrain.slurm import job as slurm_job, queue as slurm_queue
 
 TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
         "--train.epochs", "2", "--train.global_batch_size", "32", "--train.progress_every_s", "0"]
@@ -176,18 +177,18 @@ def fake_squeue(tmp_path: Path, lines: str, code: int = 0, stderr: str = "") -> 
 def test_job_states_asks_squeue_about_ended_jobs_too(tmp_path, monkeypatch):
     for key, value in fake_squeue(tmp_path, "12|RUNNING\\n13|COMPLETED\\n").items():
         monkeypatch.setenv(key, value)
-    assert slurm.job_states(["12", "13", "14"]) == {"12": "RUNNING", "13": "COMPLETED"}
+    assert slurm_queue.job_states(["12", "13", "14"]) == {"12": "RUNNING", "13": "COMPLETED"}
     assert (tmp_path / "args.txt").read_text().split() == ["--noheader", "--states=all", "--format=%i|%T",
                                                            "--jobs=12,13,14"]
-    assert [slurm.has_ended(s) for s in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED", "TIMEOUT", None)] == [
+    assert [slurm_queue.has_ended(s) for s in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED", "TIMEOUT", None)] == [
         False, False, False, True, True, True]
     for key, value in fake_squeue(tmp_path, "", 1, "slurm_load_jobs error: Invalid job id specified").items():
         monkeypatch.setenv(key, value)
-    assert slurm.job_states(["14"]) == {}  # forgotten by the scheduler: ended
+    assert slurm_queue.job_states(["14"]) == {}  # forgotten by the scheduler: ended
     for key, value in fake_squeue(tmp_path, "", 1, "slurm_load_jobs error: Unable to contact slurm controller").items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(slurm.LaunchError, match=r"^squeue failed \(slurm_load_jobs error: Unable to contact slurm "):
-        slurm.job_states(["14"])
+    with pytest.raises(LaunchError, match=r"^squeue failed \(slurm_load_jobs error: Unable to contact slurm "):
+        slurm_queue.job_states(["14"])
 
 
 def finish(run_dir: Path) -> None:
@@ -209,9 +210,9 @@ def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(tmp_path, m
         (run_dir / jobs_mod.JOB_ID_FILE).write_text(job_id + "\n")
     finish(sweep.run_dir(names["dptrain-ddp-w1-r1"]))
     (sweep.run_dir(names["dptrain-ddp-w2-r2"]) / "stale").write_text("from the failed job")
-    monkeypatch.setattr(slurm, "job_states", lambda ids: {"12": "RUNNING", "13": "FAILED"})
+    monkeypatch.setattr(slurm_queue, "job_states", lambda ids: {"12": "RUNNING", "13": "FAILED"})
     submitted: list[Path] = []
-    monkeypatch.setattr(slurm, "submit", lambda script: submitted.append(script) or str(19 + len(submitted)))
+    monkeypatch.setattr(slurm_job, "submit", lambda script: submitted.append(script) or str(19 + len(submitted)))
 
     def wait_for(job_ids, on_end):
         assert list(job_ids) == ["12", "20", "21"]
@@ -224,7 +225,7 @@ def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(tmp_path, m
         finish(sweep.run_dir(names["dptrain-ddp-w1-r2"]))
         on_end("21", None)  # ended and already forgotten by the scheduler
 
-    monkeypatch.setattr(slurm, "wait_for", wait_for)
+    monkeypatch.setattr(slurm_queue, "wait_for", wait_for)
     with caplog.at_level(logging.INFO, logger="dptrain"):
         failures = jobs_mod.run_jobs(sweep)
     assert [(p.name, e) for p, e in failures] == [("dptrain-ddp-w2-r2", "dptrain: error: boom in the job.")]
@@ -264,13 +265,13 @@ def cluster_sweep(slurm_cluster, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("bench-slurm")
     env = slurm_cluster.env
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(slurm, "POLL_S", 0.2)
+        patch.setattr(slurm_queue, "POLL_S", 0.2)
 
         def interrupted(job_ids, on_end):
             raise KeyboardInterrupt
 
         with patch.context() as ctrl_c:
-            ctrl_c.setattr(slurm, "wait_for", interrupted)
+            ctrl_c.setattr(slurm_queue, "wait_for", interrupted)
             first = bench(cwd, SWEEP, env)
         second = bench(cwd, SWEEP, env)
     return cwd, env, first, second
@@ -323,7 +324,7 @@ def test_running_it_again_submits_nothing(slurm_cluster, cluster_sweep):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_job_that_fails_is_recorded_with_its_error_line(slurm_cluster, tmp_path, monkeypatch):
-    monkeypatch.setattr(slurm, "POLL_S", 0.2)
+    monkeypatch.setattr(slurm_queue, "POLL_S", 0.2)
     code, logs, err = bench(tmp_path, ["bench", "--slurm", "--workers", "1", "--strategies", "ddp", "--cpus-per-node",
                                        "1", "--setup", "ls /no/such/dir", "--output.dir", "out", *TINY],
                             slurm_cluster.env)

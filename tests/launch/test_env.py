@@ -4,7 +4,8 @@ from unittest import mock
 
 import pytest
 
-from dptrain.dist.env import DistEnv, Nodes, check_master_resolves, expand_nodelist
+from dptrain.dist.env import DistEnv, Nodes, check_master_resolves
+from dptrain.slurm.env import expand_nodelist
 from dptrain.errors import LaunchError
 
 

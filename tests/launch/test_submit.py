@@ -15,7 +15,7 @@ import pytest
 
 from dptrain import config as config_mod
 from dptrain.config import ConfigError
-from dptrain.launch import slurm
+from dptrain.slurm import job as slurm_job
 from dptrain.dist.env import DistEnv
 from dptrain.runtime import set_cpu_threads
 
@@ -63,7 +63,7 @@ def rendered(options: list[str]) -> str:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, setup=tuple(args.setup), sbatch=tuple(args.sbatch)))
-    script = slurm.render(cfg, slurm.job_for(cfg, WORKDIR), WORKDIR, slurm.python_for(cfg.slurm))
+    script = slurm_job.render(cfg, slurm_job.job_for(cfg, WORKDIR), WORKDIR, slurm_job.python_for(cfg.slurm))
     return script.replace(sys.executable, PYTHON)
 
 
@@ -216,14 +216,14 @@ sinfo: error: a line that is no node
 
 
 @pytest.mark.parametrize("partition, nodes", [
-    (None, [slurm.Node("cpu01", 16, 0), slurm.Node("cpu02", 16, 0)]),  # the default partition, marked *
-    ("gpu", [slurm.Node("gpu01", 64, 4), slurm.Node("gpu02", 64, 4)]),
-    ("all", [slurm.Node("cpu01", 16, 0), slurm.Node("big01", 128, 0)]),
-    ("small,all", [slurm.Node("cpu01", 16, 0), slurm.Node("cpu02", 16, 0), slurm.Node("big01", 128, 0)]),
+    (None, [slurm_job.Node("cpu01", 16, 0), slurm_job.Node("cpu02", 16, 0)]),  # the default partition, marked *
+    ("gpu", [slurm_job.Node("gpu01", 64, 4), slurm_job.Node("gpu02", 64, 4)]),
+    ("all", [slurm_job.Node("cpu01", 16, 0), slurm_job.Node("big01", 128, 0)]),
+    ("small,all", [slurm_job.Node("cpu01", 16, 0), slurm_job.Node("cpu02", 16, 0), slurm_job.Node("big01", 128, 0)]),
     ("nosuch", []),
 ])
 def test_sinfo_nodes_are_read_per_partition(partition, nodes):
-    assert slurm.partition_nodes(SINFO, partition) == nodes
+    assert slurm_job.partition_nodes(SINFO, partition) == nodes
 
 
 @pytest.mark.parametrize("options, request_", [
@@ -237,9 +237,9 @@ def test_the_cpus_and_gpus_one_node_must_have_are_those_the_script_asks_for(opti
     from dptrain.cli import build_parser, submit_overrides
 
     args, _ = build_parser().parse_known_args(["submit", *options])
-    assert slurm.per_node_request(config_mod.load(None, submit_overrides(args)).slurm) == request_
+    assert slurm_job.per_node_request(config_mod.load(None, submit_overrides(args)).slurm) == request_
 
 
 def test_without_sinfo_the_partition_is_not_checked(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    slurm.check_nodes_fit(config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm)
+    slurm_job.check_nodes_fit(config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm)

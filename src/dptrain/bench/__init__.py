@@ -4,7 +4,7 @@
     $ dptrain report bench/fmnist
 
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
-job per point instead, written and submitted by launch.slurm, then waited for), peak.py (a short matmul probe per
+job per point instead, written and submitted by slurm.job, then waited for), peak.py (a short matmul probe per
 worker count, BENCH/peak.json: the denominator of fraction_of_peak), collect.py (run directories -> results.csv and
 summary.csv), report.py (CSV -> PNGs and report.md). The peer engines, each run under torchrun and
 writing the same metrics.jsonl events: tutorial.py (the tutorials' plain loop), lightning_engine.py (Lightning's

@@ -22,7 +22,7 @@ from dptrain.run_folder import RunFolder
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
 from dptrain.config import ConfigError, read_config_text
-from dptrain.launch.slurm import CONFIG_NAME
+from dptrain.slurm.job import CONFIG_NAME
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 Each point's folder BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ is the run directory of its job, written as `dptrain
 submit` writes one (job.sbatch, job.toml: the resolved config, the job's shape from sweep.job_shape), with the id of
 the job submitted for it (job_id.txt); the job's output goes to logs/slurm-<id>.out and .err there. The sweep then
-asks the scheduler (launch.slurm.wait_for) until every job has ended, and records a failed one as the local sweep
+asks the scheduler (slurm.queue.wait_for) until every job has ended, and records a failed one as the local sweep
 does (bench_error.txt: its first error line). Running the same command again submits only the points that are
 neither done nor still queued or running (it asks the scheduler about job_id.txt's job), and waits for those that are.
 """
@@ -23,8 +23,8 @@ from dptrain import config as config_mod
 from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, describe_plan, error_line, is_done,
                                  job_shape, last_line, plan)
 from dptrain.config import RunConfig
-from dptrain.launch import slurm
 from dptrain.errors import LaunchError
+from dptrain.slurm import job as slurm_job, queue as slurm_queue
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,21 @@ def checks(sweep: Sweep) -> list[tuple[RunConfig, int]]:
 
 
 def require_clients() -> None:
-    slurm.require_clients("dptrain bench --slurm")
+    slurm_queue.require_clients("dptrain bench --slurm")
 
 
-def job_of(sweep: Sweep, point: Point) -> tuple[RunConfig, slurm.Job, str]:
+def check_nodes_fit(sweep: Sweep) -> None:
+    """Every job's shape fits a node of its partition (slurm.job.check_nodes_fit), before the first is submitted."""
+    for cfg, _ in checks(sweep):
+        slurm_job.check_nodes_fit(cfg.slurm)
+
+
+def job_of(sweep: Sweep, point: Point) -> tuple[RunConfig, slurm_job.Job, str]:
     """(config, job, script) of a point, as `dptrain submit` would write them from this folder."""
     cfg = point_config(sweep, point)
     workdir = Path.cwd()
-    job = slurm.job_for(cfg, workdir)
-    return cfg, job, slurm.render(cfg, job, workdir, slurm.python_for(cfg.slurm))
+    job = slurm_job.job_for(cfg, workdir)
+    return cfg, job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
 
 
 def recorded_job(run_dir: Path) -> str | None:
@@ -87,11 +93,11 @@ def triage(sweep: Sweep, points: list[Point]) -> tuple[list[tuple[Point, str | N
             recorded[job_id] = point
         else:
             todo.append(point)
-    states = slurm.job_states(recorded)
+    states = slurm_queue.job_states(recorded)
     waiting = {}
     for job_id, point in recorded.items():
         state = states.get(job_id)
-        if slurm.has_ended(state):
+        if slurm_queue.has_ended(state):
             todo.append(point)  # it ended without a run_end (failed, cancelled, or its result was cut short): again
         else:
             waiting[job_id] = (point, state)
@@ -99,9 +105,9 @@ def triage(sweep: Sweep, points: list[Point]) -> tuple[list[tuple[Point, str | N
     return done, waiting, sorted(todo, key=order.__getitem__)
 
 
-def dry_run(sweep: Sweep) -> str:
-    """The jobs the sweep would submit, each script after a comment line naming its point; the points it would not
-    submit, as comment lines."""
+def job_scripts_preview(sweep: Sweep) -> str:
+    """What `dptrain bench --slurm --dry-run` prints: the jobs the sweep would submit, each script after a comment
+    line naming its point; the points it would not submit, as comment lines."""
     points = plan(sweep)
     try:
         done, waiting, todo = triage(sweep, points)
@@ -112,16 +118,11 @@ def dry_run(sweep: Sweep) -> str:
     text += [f"# {point.name}: job {job_id} is {state}, not submitted again\n" for job_id, (point, state) in waiting.items()]
     for point in todo:
         _, job, script = job_of(sweep, point)
-        text.append(f"# {point.name}: {describe(job)}, would be written to {job.script} and submitted\n{script}")
+        text.append(f"# {point.name}: {job.shape}, would be written to {job.script} and submitted\n{script}")
     return "".join(text)
 
 
-def describe(job: slurm.Job) -> str:
-    return (f"{job.nodes} node{'s' if job.nodes > 1 else ''} x {job.ranks_per_node} "
-            f"rank{'s' if job.ranks_per_node > 1 else ''}")
-
-
-def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm.Job]:
+def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm_job.Job]:
     """Write the point's job into a fresh run folder and submit it; (job id, job)."""
     run_dir = sweep.run_dir(point)
     if run_dir.exists():
@@ -130,7 +131,7 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm.Job]:
     RunFolder(job.run_dir).logs.mkdir(parents=True)
     job.config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
-    job_id = slurm.submit(job.script)
+    job_id = slurm_job.submit(job.script)
     (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
     return job_id, job
 
@@ -138,7 +139,7 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm.Job]:
 def job_error(run_dir: Path, job_id: str, state: str | None) -> str:
     """Why a job's point is not done: the first error line of its slurm-<id>.err, then .out (as first_error reads a
     local run's output); else its end state and last line of output."""
-    job = slurm.Job(run_dir, 1, 1, "per-rank")
+    job = slurm_job.Job(run_dir, 1, 1, "per-rank")
     texts = []
     for path in (job.errors(job_id), job.output(job_id)):
         try:
@@ -174,11 +175,11 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
     for point in todo:
         job_id, job = submit_point(sweep, point)
         jobs[job_id], started[job_id] = point, time.monotonic()
-        log.info(f"bench: submitted job {job_id} for {point.name} ({describe(job)}): {job.script}")
+        log.info(f"bench: submitted job {job_id} for {point.name} ({job.shape}): {job.script}")
     failures: list[tuple[Point, str]] = []
     if not jobs:
         return failures
-    log.info(f"bench: waiting for {len(jobs)} job{'s' if len(jobs) > 1 else ''} (squeue every {slurm.POLL_S:g} s); "
+    log.info(f"bench: waiting for {len(jobs)} job{'s' if len(jobs) > 1 else ''} (squeue every {slurm_queue.POLL_S:g} s); "
              f"Ctrl-C stops the waiting, not the jobs: run the same command again to wait for them")
     ended = 0
 
@@ -198,7 +199,7 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
         log.info(f"{prefix}, failed: {error}")
 
     try:
-        slurm.wait_for(jobs, on_end)
+        slurm_queue.wait_for(jobs, on_end)
     except KeyboardInterrupt:
         log.info("bench: stopped waiting; the jobs go on: run the same command again to wait for them and collect "
                  "the results")

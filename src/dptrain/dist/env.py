@@ -1,16 +1,16 @@
-"""Where ranks come from: torchrun's or SLURM's environment variables, read once into a DistEnv; the nodes of a run
-started without a scheduler (Nodes)."""
+"""Where ranks come from: torchrun's or SLURM's environment variables (the latter through slurm.env, which names
+them), read once into a DistEnv; the nodes of a run started without a scheduler (Nodes)."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
 from dptrain.errors import LaunchError
+from dptrain.slurm.env import SLURM_VARS, expand_nodelist, in_srun_task, job_port, slurm_count, slurm_value
 
 
 TORCHRUN_VARS = {
@@ -21,20 +21,6 @@ TORCHRUN_VARS = {
     "master_addr": "MASTER_ADDR",
     "master_port": "MASTER_PORT",
 }
-
-SLURM_VARS = {
-    "global_rank": "SLURM_PROCID",
-    "world_size": "SLURM_NTASKS",
-    "local_rank": "SLURM_LOCALID",
-    "local_world_size": "SLURM_NTASKS_PER_NODE",
-    "node_list": "SLURM_JOB_NODELIST",
-    "job_id": "SLURM_JOB_ID",
-}
-
-# Under srun without MASTER_PORT, every task derives the same port from the job id, so two jobs
-# sharing a node do not collide on a hard-coded port.
-SLURM_PORT_BASE = 20000
-SLURM_PORT_SPAN = 20000
 
 
 @dataclass(frozen=True)
@@ -63,8 +49,7 @@ class DistEnv:
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls._from_torchrun(env)
-        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-            # SLURM_STEP_ID distinguishes srun tasks from the sbatch shell, which also has SLURM_PROCID=0.
+        if in_srun_task(env):  # not the batch shell, which has a rank too
             return cls._from_slurm(env)
         return cls.single()
 
@@ -84,17 +69,17 @@ class DistEnv:
 
     @classmethod
     def _from_slurm(cls, env: Mapping[str, str]) -> "DistEnv":
-        v = {key: env.get(var) for key, var in SLURM_VARS.items()}
-        world_size = _int(v["world_size"], "SLURM_NTASKS")
+        v = {what: slurm_value(what, env) for what in SLURM_VARS}
+        world_size = _int(v["world_size"], SLURM_VARS["world_size"])
         nodes = expand_nodelist(v["node_list"] or socket.gethostname())
         master = env.get("MASTER_ADDR") or nodes[0]
-        port = env.get("MASTER_PORT") or str(SLURM_PORT_BASE + int(v["job_id"] or 0) % SLURM_PORT_SPAN)
+        port = env.get("MASTER_PORT") or str(job_port(v["job_id"]))
         local_world = v["local_world_size"] or str(-(-world_size // len(nodes)))
         return cls(
-            global_rank=_int(v["global_rank"], "SLURM_PROCID"),
-            local_rank=_int(v["local_rank"] or "0", "SLURM_LOCALID"),
+            global_rank=_int(v["global_rank"], SLURM_VARS["global_rank"]),
+            local_rank=_int(v["local_rank"] or "0", SLURM_VARS["local_rank"]),
             world_size=world_size,
-            local_world_size=_int(local_world.split("(")[0], "SLURM_NTASKS_PER_NODE"),
+            local_world_size=_int(local_world.split("(")[0], SLURM_VARS["local_world_size"]),
             master_addr=master,
             master_port=_int(port, "MASTER_PORT"),
             source="slurm",
@@ -106,23 +91,6 @@ def _int(value: str | None, name: str) -> int:
         return int(value)  # type: ignore[arg-type]  # None raises TypeError, handled below
     except (TypeError, ValueError):
         raise LaunchError(f"environment variable {name}={value!r} is not an integer; fix the launcher's environment.") from None
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list, e.g. 'gpu[01-03,07],login1' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            width = len(lo)
-            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
-    return hosts
 
 
 def check_master_resolves(addr: str) -> None:
@@ -181,8 +149,8 @@ class Nodes:
             if not sep or not host or not port_text.isdigit():
                 raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT; write it as node1:29500.")
             master_addr, master_port = host.strip("[]"), int(port_text)
-        if node_rank is None and env.get("SLURM_NODEID", "").isdigit():
-            node_rank = int(env["SLURM_NODEID"])  # one agent per node under srun: the task's node
+        if node_rank is None:
+            node_rank = slurm_count("node_rank", env)  # one agent per node under srun: the task's node (else None)
         if nnodes == 1 and master_addr is None:
             return None  # this node alone: the local launch, on loopback
         if nnodes == 1:

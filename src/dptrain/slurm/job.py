@@ -1,57 +1,68 @@
-"""SLURM jobs: the sbatch script `dptrain submit` writes for a run, and its submission.
+"""The job of a run: the sbatch script `dptrain submit` writes, its submission, the check that the partition can hold
+it, and its requeue after a stop.
 
 What the script does, in order: ask for the nodes, tasks, GPUs and cores; run the user's set-up lines; take the
 first node's address from the scheduler (a node's name need not resolve on the others) and a port from the job
 id (two jobs sharing a node never pick the same one); start the ranks with srun, one task per rank (SLURM places
 them, dptrain reads SLURM_PROCID and friends) or one task per node running torch's elastic agent. SIGUSR1 some
 minutes before the time limit makes every rank write a snapshot at its next step boundary; with requeue, rank 0
-then puts the job back in the queue (scontrol requeue) and the rerun resumes from that snapshot.
+then puts the job back in the queue (scontrol requeue, requeue_after_stop) and the rerun resumes from that snapshot.
 
-Everything the script knows about SLURM (option names, variables) sits in the tables below. After the submission,
-job_states and wait_for ask the scheduler (squeue) how jobs are doing, for `dptrain bench --slurm`.
+Every slurm.<field> of the config is in SBATCH_OPTIONS (the #SBATCH option it becomes) or in NOT_SBATCH_OPTIONS
+(where the script uses it instead); the variables the script reads come from env.SLURM_VARS.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 from dptrain.run_folder import RunFolder
 from dptrain.config import ConfigError, RunConfig, SlurmConfig
-from dptrain.dist.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from dptrain.errors import LaunchError
+from dptrain.slurm.env import SLURM_VARS, job_port_shell, slurm_value
 
-# slurm.<field> -> the sbatch option it becomes, for the options passed through as given.
+# slurm.<field> -> the #SBATCH option it becomes, in the script's order. A new field goes here or in
+# NOT_SBATCH_OPTIONS (tests/slurm/test_job.py fails otherwise); `dptrain submit --help` shows it from the config.
 SBATCH_OPTIONS = {
+    # worked out by render() from the job's shape
+    "nodes": "--nodes",
+    "ranks_per_node": "--ntasks-per-node",  # per-rank mode: the ranks; agent mode: 1, the agent
+    "gpus_per_node": "--gpus-per-node",
+    "cpus_per_node": "--cpus-per-task",  # the node's cores shared out among its tasks
+    # passed through as given (AS_GIVEN: one word each, SlurmConfig refuses a space)
     "time": "--time",
     "partition": "--partition",
     "account": "--account",
     "qos": "--qos",
     "constraint": "--constraint",
     "mem": "--mem",
+    # the rest
+    "exclusive": "--exclusive",  # a flag
+    "signal_lead_s": "--signal",  # USR1@<seconds>: the snapshot signal
+    "requeue": "--requeue",  # a flag
 }
-# Variables the job reads (set by SLURM in the batch shell and in every srun task).
-JOB_ID = "SLURM_JOB_ID"
-NODE_LIST = "SLURM_JOB_NODELIST"
-NODE_COUNT = "SLURM_JOB_NUM_NODES"
-# Exported by the script: rank 0 requeues the job after a signal's snapshot (see worker.requeue_after_stop).
+AS_GIVEN = ("time", "partition", "account", "qos", "constraint", "mem")
+# slurm.<field> that no #SBATCH option carries -> where the script uses it instead.
+NOT_SBATCH_OPTIONS = {
+    "mode": "srun's tasks: one per rank, or one per node running torch's elastic agent",
+    "master_addr": "export MASTER_ADDR: the address the ranks reach the first node by",
+    "setup": "shell lines run before srun",
+    "sbatch": "extra #SBATCH lines, written as given",
+    "python": "the interpreter srun runs dptrain with",
+}
+# Exported by the script: rank 0 requeues the job after a signal's snapshot (requeue_after_stop).
 REQUEUE_VAR = "DPTRAIN_REQUEUE"
 SCRIPT_NAME = "job.sbatch"
 CONFIG_NAME = "job.toml"
-# squeue's job states (its long names, %T) of a job that will not run again; every other state (PENDING, RUNNING,
-# COMPLETING, REQUEUED, SUSPENDED, ...) may still lead to a run. A requeued job is PENDING again, not ended.
-ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"})
-POLL_S = 2.0  # wait_for asks squeue this often
-QUERY_GRACE_S = 600.0  # wait_for retries a failing squeue (a restarting controller, say) this long
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +88,11 @@ class Job:
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
+    @property
+    def shape(self) -> str:
+        """'2 nodes x 4 ranks', as the script's first line, `dptrain submit` and the sweep's log say it."""
+        return f"{counted(self.nodes, 'node')} x {counted(self.ranks_per_node, 'rank')}"
+
     def output(self, job_id: str = "%j") -> Path:
         return RunFolder(self.run_dir).job_output(job_id, "out")
 
@@ -100,36 +116,34 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
     per_rank = s.mode == "per-rank"
     tasks_per_node = job.ranks_per_node if per_rank else 1
     host_role = "rank 0" if per_rank else "the agents' rendezvous"
+    node_list, node_count = SLURM_VARS["node_list"], SLURM_VARS["node_count"]  # read by the script's shell
     lines = [
         "#!/bin/bash",
-        f"# dptrain training of {shown(job.run_dir, workdir)}: {job.nodes} node{'s' if job.nodes > 1 else ''} x {job.ranks_per_node} "
-        f"rank{'s' if job.ranks_per_node > 1 else ''} ({'one srun task per rank' if per_rank else 'one elastic agent per node'}"
-        f", {'nccl on GPUs' if s.gpus_per_node else 'gloo on CPUs'}).",
+        f"# dptrain training of {shown(job.run_dir, workdir)}: {job.shape} ("
+        f"{'one srun task per rank' if per_rank else 'one elastic agent per node'}, "
+        f"{'nccl on GPUs' if s.gpus_per_node else 'gloo on CPUs'}).",
         "# Written by `dptrain submit`; submit it again with: sbatch " + shlex.quote(str(job.script)),
         f"#SBATCH --job-name={job_name(job.run_dir.name)}",
-        f"#SBATCH --nodes={job.nodes}",
-        f"#SBATCH --ntasks-per-node={tasks_per_node}",
+        sbatch_line("nodes", job.nodes),
+        sbatch_line("ranks_per_node", tasks_per_node),
     ]
     if s.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
+        lines.append(sbatch_line("gpus_per_node", s.gpus_per_node))
     if s.cpus_per_node:
-        lines.append(f"#SBATCH --cpus-per-task={s.cpus_per_node // tasks_per_node}")
-    for name, option in SBATCH_OPTIONS.items():
-        value = getattr(s, name)
-        if value is not None:
-            lines.append(f"#SBATCH {option}={value}")
+        lines.append(sbatch_line("cpus_per_node", s.cpus_per_node // tasks_per_node))
+    lines += [sbatch_line(name, getattr(s, name)) for name in AS_GIVEN if getattr(s, name) is not None]
     if s.exclusive:
-        lines.append("#SBATCH --exclusive")
+        lines.append(sbatch_line("exclusive"))
     lines += [
         f"#SBATCH --chdir={workdir}",
         f"#SBATCH --output={job.output()}",
-        f"#SBATCH --error={job.run_dir / 'logs' / 'slurm-%j.err'}",
+        f"#SBATCH --error={job.errors()}",
         "#SBATCH --open-mode=append",  # a requeued job keeps writing to the same files
     ]
     if s.signal_lead_s:
-        lines.append(f"#SBATCH --signal=USR1@{s.signal_lead_s}")
+        lines.append(sbatch_line("signal_lead_s", f"USR1@{s.signal_lead_s}"))
     if s.requeue:
-        lines.append("#SBATCH --requeue")
+        lines.append(sbatch_line("requeue"))
     lines += [f"#SBATCH {extra if extra.startswith('-') else '--' + extra}" for extra in s.sbatch]
     lines += ["", "set -e"]
     if s.setup:
@@ -143,12 +157,13 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
         lines.append(f"export MASTER_ADDR={shlex.quote(s.master_addr)}")
     else:
         lines += [
-            f'head_node=$(scontrol show hostnames "${NODE_LIST}" | head -n 1)',
+            f'head_node=$(scontrol show hostnames "${node_list}" | head -n 1)',
             "export MASTER_ADDR=$(scontrol show node -o \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         ]
-    lines.append(f"export MASTER_PORT=$(( {SLURM_PORT_BASE} + {JOB_ID} % {SLURM_PORT_SPAN} ))")
+    lines.append(f"export MASTER_PORT={job_port_shell()}")
     if s.requeue:
-        lines.append(f"export {REQUEUE_VAR}=1  # after a signal's snapshot, rank 0 runs: scontrol requeue ${JOB_ID}")
+        lines.append(f"export {REQUEUE_VAR}=1  # after a signal's snapshot, rank 0 runs: scontrol requeue "
+                     f"${SLURM_VARS['job_id']}")
     train = [python, "-m", "dptrain", "train", "--config", str(job.config)]
     lines += ["", "# --kill-on-bad-exit: a rank that fails stops the others at once, instead of at their timeout."]
     if per_rank:
@@ -156,11 +171,17 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
     else:
         lines += [
             "# Each node's agent starts its ranks; the agents meet at MASTER_ADDR:MASTER_PORT, hosted by node 0",
-            "# (--node-rank defaults to the task's SLURM_NODEID).",
-            "srun --kill-on-bad-exit=1 " + shlex.join(train) + f' --nnodes "${NODE_COUNT}" --nproc-per-node '
+            f"# (--node-rank defaults to the task's {SLURM_VARS['node_rank']}).",
+            "srun --kill-on-bad-exit=1 " + shlex.join(train) + f' --nnodes "${node_count}" --nproc-per-node '
             f'{job.ranks_per_node} --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"',
         ]
     return "\n".join(lines) + "\n"
+
+
+def sbatch_line(field: str, value: object = None) -> str:
+    """The #SBATCH line of slurm.<field> (SBATCH_OPTIONS): its option with the value, or alone (a flag)."""
+    option = SBATCH_OPTIONS[field]
+    return f"#SBATCH {option}" if value is None else f"#SBATCH {option}={value}"
 
 
 def job_name(run_name: str) -> str:
@@ -287,69 +308,17 @@ def requeue(job_id: str) -> str | None:
     return None
 
 
-def require_clients(command: str) -> None:
-    """sbatch and squeue are here; else LaunchError in one sentence naming the missing one."""
-    for name in ("sbatch", "squeue"):
-        if shutil.which(name) is None:
-            raise LaunchError(f"{name} is not on PATH here; run {command} on a SLURM login node.")
-
-
-def job_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """job id -> its state (squeue's long names: PENDING, RUNNING, COMPLETED, FAILED, ...) for the jobs the scheduler
-    still knows; one it has forgotten (some minutes after its end, MinJobAge) is left out. LaunchError in one sentence
-    where squeue is missing or fails."""
-    ids = list(dict.fromkeys(job_ids))
-    if not ids:
-        return {}
-    squeue = shutil.which("squeue")
-    if squeue is None:
-        raise LaunchError("squeue is not on PATH here, so the jobs' states cannot be asked for; run this on a SLURM "
-                          "login node.")
-    try:  # --states=all: ended jobs too, as long as the scheduler keeps them
-        done = subprocess.run([squeue, "--noheader", "--states=all", "--format=%i|%T", f"--jobs={','.join(ids)}"],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise LaunchError(f"squeue could not run ({exc}); check that the SLURM controller answers (squeue).") from None
-    if done.returncode != 0:
-        if "Invalid job id" in done.stderr:  # squeue's answer when it knows none of the ids any more
-            return {}
-        reason = next((line.strip() for line in done.stderr.splitlines() if line.strip()), f"exit code {done.returncode}")
-        raise LaunchError(f"squeue failed ({reason}); check that the SLURM controller answers (squeue).")
-    states = {}
-    for line in done.stdout.splitlines():
-        job_id, _, state = line.strip().partition("|")
-        if job_id in ids and state.strip():
-            states[job_id] = state.split()[0]
-    return states
-
-
-def has_ended(state: str | None) -> bool:
-    """A job in this state (None: forgotten by the scheduler) will not run again."""
-    return state is None or state in ENDED_STATES
-
-
-def wait_for(job_ids: Iterable[str], on_end: Callable[[str, str | None], None], poll_s: float | None = None) -> None:
-    """Ask squeue every poll_s seconds (POLL_S) until every job has ended; on_end(job id, its last state, None where
-    the scheduler has forgotten it) once for each, as it ends. A failing squeue is retried for QUERY_GRACE_S, then
-    its LaunchError is raised."""
-    waiting = list(dict.fromkeys(job_ids))
-    failing_since: float | None = None
-    while waiting:
-        try:
-            states = job_states(waiting)
-            failing_since = None
-        except LaunchError as exc:
-            now = time.monotonic()
-            if failing_since is None:
-                failing_since = now
-                log.warning(f"{exc} Trying again for {QUERY_GRACE_S:g} s.")
-            if now - failing_since > QUERY_GRACE_S:
-                raise
-            time.sleep(POLL_S if poll_s is None else poll_s)
-            continue
-        for job_id in list(waiting):
-            if has_ended(states.get(job_id)):
-                waiting.remove(job_id)
-                on_end(job_id, states.get(job_id))
-        if waiting:
-            time.sleep(POLL_S if poll_s is None else poll_s)
+def requeue_after_stop(step: int, emit: Callable[..., object]) -> None:
+    """In a job that `dptrain submit` wrote with requeue: put it back in the queue once the stop's snapshot is whole
+    (every rank has passed its last barrier); the rerun resumes from it. SLURM then ends this job's processes.
+    emit(event, **fields) records the requeue, and a refusal, in the run's event log."""
+    job_id = slurm_value("job_id")
+    if os.environ.get(REQUEUE_VAR) != "1" or not job_id:
+        return
+    # Said first: once the job is requeued, SLURM ends this process at once, before any line written after.
+    log.warning("requeueing job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
+    emit("requeue", step=step, job_id=job_id)
+    refused = requeue(job_id)
+    if refused is not None:
+        log.error("could not requeue job %s (%s); resubmit its job.sbatch to resume", job_id, refused)
+        emit("requeue_failed", step=step, job_id=job_id, reason=refused)

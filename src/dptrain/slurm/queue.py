@@ -1,0 +1,92 @@
+"""The queue: how submitted jobs are doing (squeue) and waiting until they have ended, for `dptrain bench --slurm`.
+
+    states = job_states(["12", "13"])  # {"12": "RUNNING"}: 13 is forgotten, so it has ended
+    wait_for(["12"], on_end=lambda job_id, state: print(job_id, state))
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from typing import Callable, Iterable
+
+from dptrain.errors import LaunchError
+
+# squeue's job states (its long names, %T) of a job that will not run again; every other state (PENDING, RUNNING,
+# COMPLETING, REQUEUED, SUSPENDED, ...) may still lead to a run. A requeued job is PENDING again, not ended.
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"})
+POLL_S = 2.0  # wait_for asks squeue this often
+QUERY_GRACE_S = 600.0  # wait_for retries a failing squeue (a restarting controller, say) this long
+
+log = logging.getLogger(__name__)
+
+
+def require_clients(command: str) -> None:
+    """sbatch (to submit) and squeue (to wait) are here; else LaunchError in one sentence naming the missing one."""
+    for name in ("sbatch", "squeue"):
+        if shutil.which(name) is None:
+            raise LaunchError(f"{name} is not on PATH here; run {command} on a SLURM login node.")
+
+
+def job_states(job_ids: Iterable[str]) -> dict[str, str]:
+    """job id -> its state (squeue's long names: PENDING, RUNNING, COMPLETED, FAILED, ...) for the jobs the scheduler
+    still knows; one it has forgotten (some minutes after its end, MinJobAge) is left out. LaunchError in one sentence
+    where squeue is missing or fails."""
+    ids = list(dict.fromkeys(job_ids))
+    if not ids:
+        return {}
+    squeue = shutil.which("squeue")
+    if squeue is None:
+        raise LaunchError("squeue is not on PATH here, so the jobs' states cannot be asked for; run this on a SLURM "
+                          "login node.")
+    try:  # --states=all: ended jobs too, as long as the scheduler keeps them
+        done = subprocess.run([squeue, "--noheader", "--states=all", "--format=%i|%T", f"--jobs={','.join(ids)}"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise LaunchError(f"squeue could not run ({exc}); check that the SLURM controller answers (squeue).") from None
+    if done.returncode != 0:
+        if "Invalid job id" in done.stderr:  # squeue's answer when it knows none of the ids any more
+            return {}
+        reason = next((line.strip() for line in done.stderr.splitlines() if line.strip()), f"exit code {done.returncode}")
+        raise LaunchError(f"squeue failed ({reason}); check that the SLURM controller answers (squeue).")
+    states = {}
+    for line in done.stdout.splitlines():
+        job_id, _, state = line.strip().partition("|")
+        if job_id in ids and state.strip():
+            states[job_id] = state.split()[0]
+    return states
+
+
+def has_ended(state: str | None) -> bool:
+    """A job in this state (None: forgotten by the scheduler) will not run again."""
+    return state is None or state in ENDED_STATES
+
+
+def wait_for(job_ids: Iterable[str], on_end: Callable[[str, str | None], None], poll_s: float | None = None) -> None:
+    """Ask squeue every poll_s seconds (POLL_S) until every job has ended; on_end(job id, its last state, None where
+    the scheduler has forgotten it) once for each, as it ends. A failing squeue is retried for QUERY_GRACE_S, then
+    its LaunchError is raised."""
+    waiting = list(dict.fromkeys(job_ids))
+    failing_since: float | None = None
+    while waiting:
+        try:
+            states = job_states(waiting)
+            failing_since = None
+        except LaunchError as exc:
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                log.warning(f"{exc} Trying again for {QUERY_GRACE_S:g} s.")
+            if now - failing_since > QUERY_GRACE_S:
+                raise
+            time.sleep(POLL_S if poll_s is None else poll_s)
+            continue
+        for job_id in list(waiting):
+            if has_ended(states.get(job_id)):
+                waiting.remove(job_id)
+                on_end(job_id, states.get(job_id))
+        if waiting:
+            time.sleep(POLL_S if poll_s is None else poll_s)
