@@ -18,12 +18,14 @@ import argparse
 import dataclasses
 import logging
 import sys
+import typing
 from pathlib import Path
+from typing import Any, Literal
 
 from dptrain.run_folder import RunFolder
 from dptrain import checkpoint
 from dptrain import config as config_mod
-from dptrain.config import ConfigError, RunConfig
+from dptrain.config import ConfigError, RunConfig, SlurmConfig
 from dptrain.data import DataError, describe
 from dptrain.checkpoint import SnapshotError
 from dptrain.dist.env import Nodes
@@ -110,29 +112,38 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-# The job options of add_job_options: valued, flags, repeatable lines.
-SUBMIT_OPTIONS = ("nodes", "gpus_per_node", "cpus_per_node", "ranks_per_node", "mode", "time", "partition", "account",
-                  "qos", "constraint", "mem", "signal_lead_s", "master_addr", "python")
-SUBMIT_FLAGS = ("exclusive", "requeue")
-SUBMIT_LINES = ("setup", "sbatch")
+JobOptionKind = Literal["value", "flag", "lines"]
+
+
+def job_options(kind: JobOptionKind) -> list[str]:
+    """The job options of one kind (add_job_options), in the order of SlurmConfig's fields: valued ones, flags (a
+    bool field), repeatable lines (a list field)."""
+    hints = typing.get_type_hints(SlurmConfig)
+    return [f.name for f in dataclasses.fields(SlurmConfig) if job_option_kind(hints[f.name]) == kind]
+
+
+def job_option_kind(tp: Any) -> JobOptionKind:
+    if tp is bool:
+        return "flag"
+    return "lines" if typing.get_origin(tp) is tuple else "value"
 
 
 def submit_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The job options (add_job_options) as slurm.* overrides (they win over the file's [slurm] table)."""
-    pairs = [(f"slurm.{name}", str(getattr(args, name))) for name in SUBMIT_OPTIONS if getattr(args, name) is not None]
-    pairs += [(f"slurm.{flag}", "true") for flag in SUBMIT_FLAGS if getattr(args, flag)]
+    pairs = [(f"slurm.{name}", str(getattr(args, name))) for name in job_options("value") if getattr(args, name) is not None]
+    pairs += [(f"slurm.{flag}", "true") for flag in job_options("flag") if getattr(args, flag)]
     return pairs
 
 
 def job_lines(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     """The repeatable job options given (--setup, --sbatch): they replace the file's lists of the same name."""
-    return {name: tuple(getattr(args, name)) for name in SUBMIT_LINES if getattr(args, name)}
+    return {name: tuple(getattr(args, name)) for name in job_options("lines") if getattr(args, name)}
 
 
 def job_options_given(args: argparse.Namespace) -> list[str]:
     """The job options given on the command line, as they were spelled (--nodes, --setup, ...)."""
-    given = [name for name in SUBMIT_OPTIONS if getattr(args, name) is not None]
-    given += [name for name in (*SUBMIT_FLAGS, *SUBMIT_LINES) if getattr(args, name)]
+    given = [name for name in job_options("value") if getattr(args, name) is not None]
+    given += [name for name in (*job_options("flag"), *job_options("lines")) if getattr(args, name)]
     return ["--" + name.replace("_", "-") for name in given]
 
 
@@ -264,27 +275,31 @@ def add_snapshot_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
 
 
-def add_job_options(command: argparse.ArgumentParser, title: str, nodes_help: str) -> None:
-    """The job's options (sbatch's), shared by submit and bench --slurm; submit_overrides and job_lines read them."""
+# What one item of a repeatable job option is, as --help names it: a LINE of the script unless said here.
+JOB_ITEM_METAVARS = {"sbatch": "OPTION"}
+
+
+def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[str, str] | None = None) -> None:
+    """The job's options, shared by submit and bench --slurm: one per field of SlurmConfig (--gpus-per-node sets
+    slurm.gpus_per_node), its docstring as help unless `meaning` gives the command's own; submit_overrides and job_lines
+    read them. Each defaults to None (or no flag, no line): the --config file's [slurm] table then decides."""
     job = command.add_argument_group(title)
-    job.add_argument("--nodes", type=int, help=nodes_help)
-    job.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 0: a CPU job, gloo)")
-    job.add_argument("--cpus-per-node", type=int, help="cores per node, shared out among its ranks as threads")
-    job.add_argument("--ranks-per-node", help="ranks per node (default: one per GPU, one on CPUs)")
-    job.add_argument("--mode", choices=("per-rank", "agent"), help="one srun task per rank (default), or one elastic "
-                     "agent per node")
-    job.add_argument("--time", help="time limit, e.g. 02:00:00")
-    for name in ("partition", "account", "qos", "constraint", "mem"):
-        job.add_argument(f"--{name}", help=f"sbatch --{name}")
-    job.add_argument("--exclusive", action="store_true", help="whole nodes")
-    job.add_argument("--signal-lead-s", type=int, help="seconds before the time limit for the snapshot signal (default 120)")
-    job.add_argument("--requeue", action="store_true", help="queue the job again after that snapshot, and resume")
-    job.add_argument("--master-addr", help="the address ranks reach the first node by (default: its NodeAddr)")
-    job.add_argument("--python", help="the Python that runs dptrain in the job (default: this one)")
-    job.add_argument("--setup", action="append", default=[], metavar="LINE",
-                     help="a shell line run before training, e.g. 'module load pytorch' (repeatable)")
-    job.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                     help="an extra #SBATCH option, e.g. --mail-type=END (repeatable)")
+    docs = config_mod.field_docs(SlurmConfig)
+    hints = typing.get_type_hints(SlurmConfig)
+    for f in dataclasses.fields(SlurmConfig):
+        tp = hints[f.name]
+        kind = job_option_kind(tp)
+        text = " ".join((meaning or {}).get(f.name, docs.get(f.name, "")).split()).replace("%", "%%")  # % is argparse's
+        option = "--" + f.name.replace("_", "-")
+        if kind == "flag":
+            job.add_argument(option, action="store_true", help=text)
+        elif kind == "lines":
+            job.add_argument(option, action="append", default=[], metavar=JOB_ITEM_METAVARS.get(f.name, "LINE"),
+                             help=f"{text} (repeatable)")
+        else:  # None where not given: the file's value, else the field's default (shown where there is one)
+            shown = "" if f.default is None else f" (default: {f.default})"
+            choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+            job.add_argument(option, type=int if tp is int else None, choices=choices, help=text + shown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
     submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
-    add_job_options(submit, "the job (sbatch's options)", "nodes (default 1)")
+    add_job_options(submit, "the job (sbatch's options)")
     submit.set_defaults(func=cmd_submit)
     resolved = sub.add_parser(
         "config",
@@ -407,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dry-run", action="store_true", help="with --slurm: print the jobs it would submit; write and "
                        "submit nothing")
     add_job_options(bench, "the jobs of --slurm (sbatch's options, as dptrain submit takes them)",
-                    "the most nodes a point may take (default 1)")
+                    {"nodes": "The most nodes a point may take."})
     bench.set_defaults(func=cmd_bench)
     report = sub.add_parser(
         "report",
