@@ -8,8 +8,8 @@ launching in launch/).
     $ dptrain config --optim.lr 3e-4 > run.toml
     $ dptrain submit --nodes 2 --gpus-per-node 4 --time 02:00:00 --partition gpu --config run.toml
     $ dptrain tensorboard runs/run
-    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
-    $ dptrain report bench/fmnist
+    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir runs/bench/fmnist --train.epochs 3
+    $ dptrain report runs/bench/fmnist
 """
 
 from __future__ import annotations
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         "OUTPUT_DIR/runs/<engine>-<strategy>-w<W>-r<R>/, then write OUTPUT_DIR/results.csv and summary.csv.\n"
         "Running it again runs only the points not yet finished. Before the points, a short matmul probe per worker\n"
         "count goes to OUTPUT_DIR/peak.json (results.csv's peak_tflops and fraction_of_peak). --output.dir is the\n"
-        "sweep's folder (default bench/<data.name>); every other --section.option VALUE goes to every run (see\n"
+        "sweep's folder (default runs/bench/<data.name>); every other --section.option VALUE goes to every run (see\n"
         "dptrain train --help).\n"
         "With --slurm every point is a SLURM job (as dptrain submit writes it), all submitted at once, then\n"
         "waited for; a point of W workers takes R ranks per node (--ranks-per-node, else --gpus-per-node, else 1)\n"

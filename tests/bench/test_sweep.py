@@ -140,3 +140,11 @@ def test_tutorial_engine_writes_the_same_event_shape(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "out" / "runs" / "tutorial-ddp-w2-r1" / "metrics.jsonl").open()]
     assert [e["event"] for e in events] == ["run_start", "epoch", "epoch", "run_end"]
     assert events[1]["train_samples"] == 256 and events[1]["eval_count"] == 64 and len(events[1]["cpu_util_pct"]) == 2
+
+
+def test_a_sweep_goes_under_runs_by_default_not_into_the_source_folder_bench():
+    from dptrain.bench.sweep import build
+
+    sweep, _ = build(config_path=None, pairs=[("data.name", "synthetic")], workers="1", strategies="ddp", repeats=1,
+                     warmup_epochs=0, engines="dptrain", run_timeout_s=60)
+    assert sweep.bench_dir == Path("runs") / "bench" / "synthetic"

@@ -1,7 +1,7 @@
 """Scaling benchmarks: a sweep of real runs over worker counts and strategies, their CSVs, and a report.
 
-    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
-    $ dptrain report bench/fmnist
+    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir runs/bench/fmnist --train.epochs 3
+    $ dptrain report runs/bench/fmnist
 
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
 job per point instead, written and submitted by slurm.job, then waited for), peak.py (a short matmul probe per

@@ -1,6 +1,6 @@
 """BENCH/results.csv -> four PNGs and BENCH/report.md that embeds them with the summary table.
 
-    $ dptrain report bench/fmnist
+    $ dptrain report runs/bench/fmnist
 """
 
 from __future__ import annotations

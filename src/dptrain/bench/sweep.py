@@ -1,6 +1,6 @@
 """The sweep: one real `dptrain train` per (engine, strategy, workers, repeat), one at a time, each in its own folder.
 
-    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir bench/fmnist --train.epochs 3
+    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir runs/bench/fmnist --train.epochs 3
 
 Every point runs the same config in a subprocess under BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ (its output in
 bench.log there). With several engines, each runs the strategies it supports and skips the others; a worker count
@@ -298,7 +298,7 @@ def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str
     train_args: list[str] = ["--config", str(Path(config_path).resolve())] if config_path else []
     for key, value in train_pairs:
         train_args += [f"--{key}", value]
-    sweep = Sweep(bench_dir=bench_dir or Path("bench") / cfg.data.name, engines=engine_names,
+    sweep = Sweep(bench_dir=bench_dir or Path("runs") / "bench" / cfg.data.name, engines=engine_names,
                   strategies=strategy_names, workers=counts, repeats=repeats, warmup_epochs=warmup,
                   run_timeout_s=run_timeout_s, train_args=tuple(train_args), config=cfg, config_path=config_path,
                   train_pairs=tuple(train_pairs), job=cfg.slurm if job_pairs is not None else None,
