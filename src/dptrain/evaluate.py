@@ -62,7 +62,7 @@ def sync(device: torch.device) -> None:
 PREDICTIONS_HEADER = ("index", "label", "predicted")
 
 
-def write_predictions(rows: torch.Tensor, path: Path) -> None:
+def write_test_predictions(rows: torch.Tensor, path: Path) -> None:
     """index,label,predicted per test sample, in the split's order; written whole, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_whole(path) as tmp, tmp.open("w", newline="") as f:

@@ -387,7 +387,7 @@ def check_output_path(path: Path) -> None:
                       "a predictions file of dptrain predict")
 
 
-def write_predictions(inputs: Inputs, probs: torch.Tensor, errors: dict[int, str], path: Path) -> None:
+def write_input_predictions(inputs: Inputs, probs: torch.Tensor, errors: dict[int, str], path: Path) -> None:
     """index,source,predicted,prob_0..prob_{K-1},error per input, in input order; written whole, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     predicted = probs.nan_to_num(-1.0).argmax(1).tolist()

@@ -210,7 +210,7 @@ def restart_counts() -> dict[str, int]:
 def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str | None) -> dict[str, Any]:
     """Entry point of every rank of `dptrain eval`: the snapshot's weights in a plain model, on the test split only."""
     from dptrain.data import build_test_loader
-    from dptrain.evaluate import evaluate, write_predictions
+    from dptrain.evaluate import evaluate, write_test_predictions
     from dptrain.metrics import metric_line
 
     cfg = config_mod.from_dict(cfg_tree)
@@ -232,7 +232,7 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
                 torch.distributed.all_gather_object(everyone, mine)
                 if env.is_main:
                     table = torch.cat(everyone)
-                    write_predictions(table[table[:, 0].argsort()], Path(predictions_path))
+                    write_test_predictions(table[table[:, 0].argsort()], Path(predictions_path))
         if env.is_main:
             record = {"event": "eval", "snapshot": snapshot, "step": manifest["step"], "world_size": env.world_size, **result}
             log.info(metric_line(record))
@@ -245,7 +245,8 @@ def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, inp
                    skip_bad: bool) -> None:
     """Entry point of every rank of `dptrain predict`: this rank's share of the inputs, gathered once by rank 0."""
     from dptrain.data import DataError
-    from dptrain.predict import InputSpec, merge_shares, open_inputs, predict_share, unreadable_sentence, write_predictions
+    from dptrain.predict import (InputSpec, merge_shares, open_inputs, predict_share, unreadable_sentence,
+                                 write_input_predictions)
 
     cfg = config_mod.from_dict(cfg_tree)
     spec = InputSpec.from_record(input_record, f"snapshot {snapshot}")
@@ -267,7 +268,7 @@ def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, inp
         if errors and not skip_bad:  # raised outside a phase: the user reads this sentence alone
             raise DataError(unreadable_sentence(inputs, errors, Path(input_path)))
         with phase(f"writing {output}"):
-            write_predictions(inputs, probs, errors, Path(output))
+            write_input_predictions(inputs, probs, errors, Path(output))
         log.info("predictions for %d inputs written to %s%s", len(inputs), output,
                  f" ({len(errors)} unreadable, marked in the error column)" if errors else "")
 
