@@ -11,7 +11,7 @@ import pytest
 
 from dptrain import config as config_mod
 from dptrain.bench import deepspeed_engine, lightning_engine, peer
-from dptrain.bench.sweep import build, first_error
+from dptrain.bench.sweep import first_error, sweep_from_options
 from dptrain.config import ConfigError
 from tests.bench.test_sweep import TINY, read_rows, run_bench
 
@@ -21,7 +21,7 @@ SYNTH = [("data.name", "synthetic"), ("train.epochs", "2")]
 def make(tmp_path: Path, **kw) -> None:
     args = dict(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
                 strategies="ddp", repeats=1, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0) | kw
-    build(**args)
+    sweep_from_options(**args)
 
 
 @pytest.mark.parametrize("engine, module", [("lightning", lightning_engine), ("deepspeed", deepspeed_engine)])
@@ -52,7 +52,7 @@ def test_what_a_peer_cannot_run_is_one_sentence(tmp_path, kw, words):
 def test_issue_12s_sweep_runs_every_engine_on_its_own_strategies(tmp_path):
     from dptrain.bench.sweep import plan
 
-    sweep, notes = build(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
+    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
                          strategies="ddp,fsdp,zero1,ps", repeats=1, warmup_epochs=None,
                          engines="dptrain,tutorial,lightning,deepspeed", run_timeout_s=60.0)
     assert notes == ["skipped the strategies these engines do not run: tutorial zero1, tutorial ps, lightning zero1, "

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.bench import sweep as sweep_mod
-from dptrain.bench.sweep import build, cap_workers, describe_plan, first_error, plan, run_sweep
+from dptrain.bench.sweep import cap_workers, describe_plan, first_error, plan, run_sweep, sweep_from_options
 from dptrain.config import ConfigError
 
 SYNTH = [("data.name", "synthetic"), ("train.epochs", "3")]
@@ -17,7 +17,7 @@ SYNTH = [("data.name", "synthetic"), ("train.epochs", "3")]
 def make(tmp_path: Path, **kw) -> sweep_mod.Sweep:
     args = dict(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
                 strategies="ddp,fsdp", repeats=2, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0) | kw
-    return build(**args)[0]
+    return sweep_from_options(**args)[0]
 
 
 def test_plan_is_repeat_major_and_alternates_direction(tmp_path):
@@ -35,7 +35,7 @@ def test_build_defaults_and_train_args(tmp_path):
 
 
 def test_several_engines_skip_the_strategies_they_do_not_run_in_one_line(tmp_path):
-    sweep, notes = build(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
+    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
                          strategies="ddp,zero1,ps", repeats=1, warmup_epochs=None, engines="dptrain,tutorial",
                          run_timeout_s=60.0)
     assert notes == ["skipped the strategies these engines do not run: tutorial zero1, tutorial ps"]
@@ -47,7 +47,7 @@ def test_several_engines_skip_the_strategies_they_do_not_run_in_one_line(tmp_pat
 
 
 def test_a_worker_count_the_strategy_refuses_is_skipped(tmp_path):
-    sweep, notes = build(config_path=None, pairs=[*SYNTH, ("strategy.dedicated_server", "true")], workers="1,2",
+    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("strategy.dedicated_server", "true")], workers="1,2",
                          strategies="ddp,ps", repeats=1, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0)
     assert [p.name for p in plan(sweep)] == ["dptrain-ddp-w1-r1", "dptrain-ddp-w2-r1", "dptrain-ps-w2-r1"]
     assert notes == ["skipped the worker counts dptrain's strategy refuses: dptrain ps at 1 worker (strategy ps with "
@@ -56,7 +56,7 @@ def test_a_worker_count_the_strategy_refuses_is_skipped(tmp_path):
 
 def test_default_workers_are_capped_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_mod, "worker_cap", lambda device: (2, "CPU cores"))
-    sweep, notes = build(config_path=None, pairs=SYNTH, workers=None, strategies="ddp", repeats=1, warmup_epochs=None,
+    sweep, notes = sweep_from_options(config_path=None, pairs=SYNTH, workers=None, strategies="ddp", repeats=1, warmup_epochs=None,
                          engines="dptrain", run_timeout_s=60.0)
     assert sweep.workers == (1, 2)
     assert notes == ["dropped workers 4,8: this machine has 2 CPU cores (one worker each); "

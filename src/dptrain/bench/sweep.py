@@ -82,7 +82,7 @@ class Sweep:
     """With --slurm: the job options every point's job starts from (job_shape fits them to its worker count)."""
     skip: frozenset[tuple[str, str, int]] = frozenset()
     """(engine, strategy, workers) left out of the plan: a strategy the engine does not run, or a worker count
-    dptrain's strategy refuses (build's notes say which and why)."""
+    dptrain's strategy refuses (sweep_from_options's notes say which and why)."""
 
     def run_dir(self, point: Point) -> Path:
         return self.bench_dir / "runs" / point.name
@@ -222,7 +222,7 @@ def cap_jobs(workers: tuple[int, ...], job: SlurmConfig) -> tuple[tuple[int, ...
                          f"node do not hold them; ask for them with --workers and --nodes")
 
 
-def build(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str | None, strategies: str,
+def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str | None, strategies: str,
           repeats: int, warmup_epochs: int | None, engines: str, run_timeout_s: float,
           job_pairs: list[tuple[str, str]] | None = None,
           job_lines: dict[str, tuple[str, ...]] | None = None) -> tuple[Sweep, list[str]]:
