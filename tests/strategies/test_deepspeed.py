@@ -170,7 +170,7 @@ BOUND = 1e-5
 def run_cfg(optim: str, schedule: str, grad_clip: float | None, stage: int = 2) -> RunConfig:
     return RunConfig(optim=OptimConfig(name=optim, lr=LR[optim], schedule=schedule, warmup_steps=1),  # type: ignore[arg-type]
                      train=TrainConfig(global_batch_size=GLOBAL_BATCH, grad_clip=grad_clip),
-                     strategy=StrategyConfig(name="deepspeed", zero_stage=stage) if stage else StrategyConfig(name="ddp"))
+                     strategy=StrategyConfig(name="deepspeed", deepspeed=DeepSpeedOptions(zero_stage=stage)) if stage else StrategyConfig(name="ddp"))
 
 
 def train(cfg: RunConfig, env: DistEnv) -> dict:

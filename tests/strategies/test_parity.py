@@ -205,7 +205,7 @@ PYTHAGORAS_BOUND = {"float64": 1e-10, "float32": 1e-5}
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("optim", list(LR))
 def test_powersgd_projects_the_mean_gradient(ranks, one_process, optim, dtype_name):
-    step, rank = EXACT_STEPS["powersgd"], StrategyConfig().powersgd_rank
+    step, rank = EXACT_STEPS["powersgd"], StrategyConfig().ddp.powersgd_rank
     got = ranks[("powersgd", optim, dtype_name)]["grads"][step]
     exact = one_process(optim, dtype_name)["grads"][step]  # at the same weights: the first 2 steps were exact
     compressed = []
