@@ -148,11 +148,12 @@ MULTINODE = ["train", "--data.name", "synthetic", "--data.synthetic_train_size",
 plan_runs({"multinode/one-host": (MULTINODE, (2,))}, precision="float64")
 
 
-def start_node(hosts: TwoHosts, index: int, argv: list[str], cwd, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`dptrain ARGV --nnodes 2 --node-rank INDEX --master-addr node1` on host INDEX, one worker there."""
+def start_node(hosts: TwoHosts, index: int, argv: list[str], cwd, extra_env: dict[str, str] | None = None,
+               node_rank: int | None = None, master: str = "node1") -> subprocess.Popen:
+    """`dptrain ARGV --nnodes 2 --node-rank NODE_RANK (default INDEX) --master-addr MASTER` on host INDEX, one worker."""
     env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    nodes = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(index), "--master-addr", "node1",
-             "--master-port", "29500"]
+    nodes = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(index if node_rank is None else node_rank),
+             "--master-addr", master, "--master-port", "29500"]
     return hosts.popen(index, [PY, "-m", "dptrain", *argv, *nodes], env=env, cwd=cwd)
 
 
@@ -176,6 +177,19 @@ def test_two_hosts_train_as_one_host_with_two_workers(two_hosts, planned_run, tm
     for name, ref in theirs.items():
         assert ours[name].dtype == torch.float64
         assert (ours[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+
+
+@pytest.mark.slow
+def test_global_rank_0_runs_on_node_0_whatever_the_addresses(two_hosts, tmp_path):
+    # torch ranks the agents by the sorted order of their addresses: with node 0 on node2, rank 0 (its console, its
+    # metrics, env.json) ran on node1, whose address sorts first, and the node the user started as node 0 said nothing.
+    run_dir = tmp_path / "run"
+    argv = [*MULTINODE, "--output.dir", str(run_dir)]
+    node0 = start_node(two_hosts, 1, argv, tmp_path, node_rank=0, master="node2")
+    node1 = start_node(two_hosts, 0, argv, tmp_path, node_rank=1, master="node2")
+    said = {"node 0 (node2)": _finish(node0, timeout=120), "node 1 (node1)": _finish(node1, timeout=120)}
+    assert json_env(run_dir)["host"] == "node2"
+    assert "[METRIC]" in said["node 0 (node2)"] and "[METRIC]" not in said["node 1 (node1)"], said
 
 
 def json_env(run_dir) -> dict:

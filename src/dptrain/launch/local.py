@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import functools
 import importlib
 import logging
@@ -19,7 +18,9 @@ from dptrain.config import ConfigError, LaunchConfig, RunConfig
 from dptrain.dist.env import DistEnv, Nodes
 from dptrain.errors import LaunchError
 from dptrain.dist.ending import leave_now, record_for_launcher
-from dptrain.dist.store import address_towards, listening_store, reach_store
+from dptrain.dist.store import address_towards
+from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
+                                       rendezvous_timeout)
 from dptrain.runtime import libc_function, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -53,7 +54,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
 
     for key, value in AGENT_ENV.items():
         os.environ.setdefault(key, value)
-    _register_rendezvous()
+    register_rendezvous()
     # The agent's own per-worker folders (error files, maybe logs) in a folder of ours, removed after the
     # run: by default torch leaves a /tmp/torchelastic_* folder behind for every launch.
     agent_dir = tempfile.TemporaryDirectory(prefix="dptrain-agent-")
@@ -104,7 +105,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         raise LaunchError(describe_failure(exc)) from None
     finally:
         signal.signal(signal.SIGUSR1, previous)
-        _rendezvous_host.clear()
+        forget_the_rendezvous()
         os.environ.pop(REFUSAL_FILE, None)
         agent_dir.cleanup()
 
@@ -183,14 +184,6 @@ def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -
         leave_after_failure(exc)
     atexit.register(leave_now, 0)
     return result
-
-
-REFUSAL_FILE = "DPTRAIN_REFUSAL_FILE"
-"""Names the file where a worker leaves the sentence of a refusal that no restart can change, for its agent."""
-
-
-class Refused(Exception):
-    """Raised in the agent, at the rendezvous of a restart, when a worker refused: its sentence is the message."""
 
 
 def no_restart_changes(exc: BaseException) -> bool:
@@ -283,80 +276,6 @@ def _agent_log_to(log_file: Path | None) -> Iterator[None]:
             logger.removeHandler(handler)
             logger.propagate = propagate
         handler.close()
-
-
-RENDEZVOUS = "dptrain"
-
-
-def _register_rendezvous() -> None:
-    """torch's c10d rendezvous, on a store that listens on the rendezvous address only (torch's listens on every
-    interface, where anyone on the network could read and write the run's keys), hosted by node 0 (torch guesses
-    the host by matching host names, which fails where a node's name does not resolve to its address)."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous)
-
-
-def _rendezvous(params: Any) -> Any:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
-
-    class Backend(C10dRendezvousBackend):
-        @property
-        def name(self) -> str:  # the registry checks that the handler's backend has the requested name
-            return RENDEZVOUS
-
-    join_s = float(params.config.get("join_timeout", 600))
-    host, _, port = params.endpoint.rpartition(":")
-    if params.get_as_bool("is_host", False):
-        store = listening_store(host, int(port), join_s)
-        _rendezvous_host[:] = [store]
-    else:
-        store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
-    store.set(f"{CAME}{params.config['node_rank']}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
-    return RefusalAware(DynamicRendezvousHandler.from_backend(
-        params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
-        local_addr=params.local_addr, timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s))))
-
-
-class RefusalAware:
-    """torch's rendezvous handler, which the agent calls again before every restart: there a worker's refusal (see
-    no_restart_changes) ends the launch instead, once, with its sentence."""
-
-    def __init__(self, handler: Any) -> None:
-        self._handler = handler
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handler, name)
-
-    def next_rendezvous(self) -> Any:
-        path = os.environ.get(REFUSAL_FILE)
-        if path:
-            with contextlib.suppress(OSError), open(path) as f:
-                raise Refused(f.read(4096))
-        return self._handler.next_rendezvous()
-
-
-CAME = "dptrain/node-came/"
-_rendezvous_host: list[Any] = []  # node 0's rendezvous store, kept to read which nodes came after a timeout
-
-
-def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
-    """The sentence for a rendezvous that timed out: on node 0, which nodes never came (torch says only
-    RendezvousTimeoutError, in a 46-line traceback)."""
-    fix = (f"start `dptrain train` on every node with --nnodes {nodes.count} and the same --master-addr and "
-           f"--master-port, each with its own --node-rank from 0 to {nodes.count - 1}, or give them longer "
-           f"(--launch.timeout_s).")
-    missing: list[int] = []
-    if _rendezvous_host:
-        with contextlib.suppress(RuntimeError):
-            missing = [r for r in range(nodes.count) if not _rendezvous_host[0].check([f"{CAME}{r}"])]
-    if missing:
-        shown = ", ".join(map(str, missing))
-        return (f"node{'s' if len(missing) > 1 else ''} {shown} of {nodes.count} never came to the rendezvous at "
-                f"{nodes.endpoint} within {timeout_s:g} s; {fix}")
-    return (f"the {nodes.count} nodes did not all come to the rendezvous at {nodes.endpoint} within {timeout_s:g} s "
-            f"(this is node {nodes.rank}); {fix}")
 
 
 def describe_failure(exc: Any) -> str:

@@ -1,0 +1,157 @@
+"""The rendezvous of the nodes' elastic agents: torch's c10d rendezvous on a store that listens on the rendezvous
+address only, hosted by node 0, whose nodes take their ranks in --node-rank order; the node that never came named;
+a worker's refusal that no restart can change ending the launch at once."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+from dptrain.dist.env import Nodes
+from dptrain.dist.store import listening_store, reach_store
+
+REFUSAL_FILE = "DPTRAIN_REFUSAL_FILE"
+"""Names the file where a worker leaves the sentence of a refusal that no restart can change, for its agent."""
+
+
+class Refused(Exception):
+    """Raised in the agent, at the rendezvous of a restart, when a worker refused: its sentence is the message."""
+
+
+RENDEZVOUS = "dptrain"
+
+
+def register_rendezvous() -> None:
+    """torch's c10d rendezvous, on a store that listens on the rendezvous address only (torch's listens on every
+    interface, where anyone on the network could read and write the run's keys), hosted by node 0 (torch guesses
+    the host by matching host names, which fails where a node's name does not resolve to its address)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous)
+
+
+def _rendezvous(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    class Backend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks that the handler's backend has the requested name
+            return RENDEZVOUS
+
+    join_s = float(params.config.get("join_timeout", 600))
+    host, _, port = params.endpoint.rpartition(":")
+    if params.get_as_bool("is_host", False):
+        store = listening_store(host, int(port), join_s)
+        _rendezvous_host[:] = [store]
+    else:
+        store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
+    node_rank = int(params.config["node_rank"])
+    store.set(f"{CAME}{node_rank}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
+    with nodes_in_node_rank_order(node_rank):
+        handler = DynamicRendezvousHandler.from_backend(
+            params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
+            local_addr=params.local_addr, timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s)))
+    return RefusalAware(handler)
+
+
+class RefusalAware:
+    """torch's rendezvous handler, which the agent calls again before every restart: there a worker's refusal (see
+    no_restart_changes) ends the launch instead, once, with its sentence."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+    def next_rendezvous(self) -> Any:
+        path = os.environ.get(REFUSAL_FILE)
+        if path:
+            with contextlib.suppress(OSError), open(path) as f:
+                raise Refused(f.read(4096))
+        return self._handler.next_rendezvous()
+
+
+CAME = "dptrain/node-came/"
+_rendezvous_host: list[Any] = []  # node 0's rendezvous store, kept to read which nodes came after a timeout
+
+
+def forget_the_rendezvous() -> None:
+    """After a launch: node 0's rendezvous store is let go (it was kept to name the nodes that never came)."""
+    _rendezvous_host.clear()
+
+
+def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
+    """The sentence for a rendezvous that timed out: on node 0, which nodes never came (torch says only
+    RendezvousTimeoutError, in a 46-line traceback)."""
+    fix = (f"start `dptrain train` on every node with --nnodes {nodes.count} and the same --master-addr and "
+           f"--master-port, each with its own --node-rank from 0 to {nodes.count - 1}, or give them longer "
+           f"(--launch.timeout_s).")
+    missing: list[int] = []
+    if _rendezvous_host:
+        with contextlib.suppress(RuntimeError):
+            missing = [r for r in range(nodes.count) if not _rendezvous_host[0].check([f"{CAME}{r}"])]
+    if missing:
+        shown = ", ".join(map(str, missing))
+        return (f"node{'s' if len(missing) > 1 else ''} {shown} of {nodes.count} never came to the rendezvous at "
+                f"{nodes.endpoint} within {timeout_s:g} s; {fix}")
+    return (f"the {nodes.count} nodes did not all come to the rendezvous at {nodes.endpoint} within {timeout_s:g} s "
+            f"(this is node {nodes.rank}); {fix}")
+
+
+@dataclass(eq=True, frozen=True, repr=False)
+class NodeInOrder(_NodeDesc):
+    """torch's description of a node (address, pid, a process-wide id), ordered by the node's --node-rank first.
+
+    torch gives the agents their ranks in the sorted order of these descriptions, which sorts by address: the node
+    started with --node-rank 1 got global rank 0 where its address sorted first, and the node the user treats as
+    the master printed nothing. Ordered by node rank, rank 0 (and its console, its metrics) is on node 0. Every
+    agent of a run is dptrain's, so every description in the rendezvous is one of these.
+    """
+
+    node_rank: int = 0
+
+    def _key(self) -> tuple[int, str, int, int]:
+        return (self.node_rank, self.addr, self.pid, self.local_id)
+
+    def __lt__(self, other: Any) -> bool:
+        return self._key() < other._key()
+
+    def __le__(self, other: Any) -> bool:
+        return self._key() <= other._key()
+
+    def __gt__(self, other: Any) -> bool:
+        return self._key() > other._key()
+
+    def __ge__(self, other: Any) -> bool:
+        return self._key() >= other._key()
+
+
+class _InNodeRankOrder:
+    """torch's generator of node descriptions, whose descriptions carry this node's rank."""
+
+    def __init__(self, generator: Any, node_rank: int) -> None:
+        self.generator, self.node_rank = generator, node_rank
+
+    def generate(self, local_addr: str | None = None) -> NodeInOrder:
+        node = self.generator.generate(local_addr)
+        return NodeInOrder(node.addr, node.pid, node.local_id, node_rank=self.node_rank)
+
+
+@contextlib.contextmanager
+def nodes_in_node_rank_order(node_rank: int) -> Iterator[None]:
+    """Within: the rendezvous handlers torch makes describe this node with its --node-rank (see NodeInOrder)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    torchs = DynamicRendezvousHandler._node_desc_generator
+    DynamicRendezvousHandler._node_desc_generator = _InNodeRankOrder(torchs, node_rank)
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler._node_desc_generator = torchs
