@@ -47,11 +47,11 @@ if wants strategies; then
 # Through the elastic agent and nccl, one rank.
 check ddp --nproc-per-node 1 --train.epochs 1
 for hook in fp16 bf16 powersgd ring; do
-    check "ddp-$hook" --nproc-per-node 1 --train.max_steps 120 --strategy.comm_hook "$hook"
+    check "ddp-$hook" --nproc-per-node 1 --train.max_steps 120 --strategy.ddp.comm_hook "$hook"
 done
 check fsdp --nproc-per-node 1 --train.max_steps 120 --strategy.name fsdp
-check fsdp-bf16 --nproc-per-node 1 --train.max_steps 120 --strategy.name fsdp --strategy.param_dtype bfloat16 --strategy.reduce_dtype float32
-check fsdp-zero2 --nproc-per-node 1 --train.max_steps 120 --strategy.name fsdp --strategy.reshard_after_forward false
+check fsdp-bf16 --nproc-per-node 1 --train.max_steps 120 --strategy.name fsdp --strategy.fsdp.param_dtype bfloat16 --strategy.fsdp.reduce_dtype float32
+check fsdp-zero2 --nproc-per-node 1 --train.max_steps 120 --strategy.name fsdp --strategy.fsdp.reshard_after_forward false
 check zero1 --nproc-per-node 1 --train.max_steps 120 --strategy.name zero1
 check dp --train.max_steps 120 --strategy.name dp
 fi

@@ -18,15 +18,15 @@ from pathlib import Path
 
 STRATEGIES = {
     "ddp": [],
-    "ddp, gloo's all-reduce": ["--strategy.shared_memory", "false"],
-    "ddp + fp16 hook": ["--strategy.comm_hook", "fp16"],
-    "ddp + powersgd hook": ["--strategy.comm_hook", "powersgd"],
-    "ddp + ring hook": ["--strategy.comm_hook", "ring"],
+    "ddp, gloo's all-reduce": ["--strategy.ddp.shared_memory", "false"],
+    "ddp + fp16 hook": ["--strategy.ddp.comm_hook", "fp16"],
+    "ddp + powersgd hook": ["--strategy.ddp.comm_hook", "powersgd"],
+    "ddp + ring hook": ["--strategy.ddp.comm_hook", "ring"],
     "zero1": ["--strategy.name", "zero1"],
     "fsdp (reshard: ZeRO-3)": ["--strategy.name", "fsdp"],
-    "fsdp (no reshard: ZeRO-2)": ["--strategy.name", "fsdp", "--strategy.reshard_after_forward", "false"],
+    "fsdp (no reshard: ZeRO-2)": ["--strategy.name", "fsdp", "--strategy.fsdp.reshard_after_forward", "false"],
     "ps": ["--strategy.name", "ps"],
-    "ps (dedicated server)": ["--strategy.name", "ps", "--strategy.dedicated_server", "true"],
+    "ps (dedicated server)": ["--strategy.name", "ps", "--strategy.ps.dedicated_server", "true"],
 }
 
 

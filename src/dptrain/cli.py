@@ -229,10 +229,12 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError(f"{given[0]} is a job option; add --slurm to run every point as a SLURM job, or drop it.")
         if args.dry_run:
             raise ConfigError("--dry-run prints the jobs a --slurm sweep would submit; add --slurm, or drop it.")
-    sweep, notes = sweep_from_options(config_path=args.config, pairs=pairs, workers=args.workers, strategies=args.strategies,
-                         repeats=args.repeats, warmup_epochs=args.warmup_epochs, engines=args.engines,
-                         run_timeout_s=DEFAULT_RUN_TIMEOUT_S if args.run_timeout_s is None else args.run_timeout_s,
-                         job_pairs=submit_overrides(args) if args.slurm else None, job_lines=job_lines(args))
+    sweep, notes = sweep_from_options(config_path=args.config, pairs=pairs, workers=args.workers,
+                                      strategies=args.strategies, repeats=args.repeats,
+                                      warmup_epochs=args.warmup_epochs, engines=args.engines,
+                                      run_timeout_s=DEFAULT_RUN_TIMEOUT_S if args.run_timeout_s is None else args.run_timeout_s,
+                                      job_pairs=submit_overrides(args) if args.slurm else None,
+                                      job_lines=job_lines(args))
     for note in notes:
         log.info(f"bench: {note}")
     if args.slurm:

@@ -52,9 +52,9 @@ def test_what_a_peer_cannot_run_is_one_sentence(tmp_path, kw, words):
 def test_issue_12s_sweep_runs_every_engine_on_its_own_strategies(tmp_path):
     from dptrain.bench.sweep import plan
 
-    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
-                         strategies="ddp,fsdp,zero1,ps", repeats=1, warmup_epochs=None,
-                         engines="dptrain,tutorial,lightning,deepspeed", run_timeout_s=60.0)
+    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))],
+                                      workers="1,2", strategies="ddp,fsdp,zero1,ps", repeats=1, warmup_epochs=None,
+                                      engines="dptrain,tutorial,lightning,deepspeed", run_timeout_s=60.0)
     assert notes == ["skipped the strategies these engines do not run: tutorial zero1, tutorial ps, lightning zero1, "
                      "lightning ps, deepspeed ps"]
     runs = {(p.engine, p.strategy) for p in plan(sweep)}

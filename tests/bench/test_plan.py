@@ -35,9 +35,9 @@ def test_build_defaults_and_train_args(tmp_path):
 
 
 def test_several_engines_skip_the_strategies_they_do_not_run_in_one_line(tmp_path):
-    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))], workers="1,2",
-                         strategies="ddp,zero1,ps", repeats=1, warmup_epochs=None, engines="dptrain,tutorial",
-                         run_timeout_s=60.0)
+    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))],
+                                      workers="1,2", strategies="ddp,zero1,ps", repeats=1, warmup_epochs=None,
+                                      engines="dptrain,tutorial", run_timeout_s=60.0)
     assert notes == ["skipped the strategies these engines do not run: tutorial zero1, tutorial ps"]
     names = [p.name for p in plan(sweep)]
     assert "tutorial-ddp-w1-r1" in names and not [n for n in names if n.startswith(("tutorial-zero1", "tutorial-ps"))]
@@ -47,8 +47,9 @@ def test_several_engines_skip_the_strategies_they_do_not_run_in_one_line(tmp_pat
 
 
 def test_a_worker_count_the_strategy_refuses_is_skipped(tmp_path):
-    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("strategy.dedicated_server", "true")], workers="1,2",
-                         strategies="ddp,ps", repeats=1, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0)
+    sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("strategy.ps.dedicated_server", "true")],
+                                      workers="1,2", strategies="ddp,ps", repeats=1, warmup_epochs=None,
+                                      engines="dptrain", run_timeout_s=60.0)
     assert [p.name for p in plan(sweep)] == ["dptrain-ddp-w1-r1", "dptrain-ddp-w2-r1", "dptrain-ps-w2-r1"]
     assert notes == ["skipped the worker counts dptrain's strategy refuses: dptrain ps at 1 worker (strategy ps with "
                      "dedicated_server needs at least 2 processes (a server and a worker); start more workers.)"]
@@ -56,8 +57,8 @@ def test_a_worker_count_the_strategy_refuses_is_skipped(tmp_path):
 
 def test_default_workers_are_capped_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_mod, "worker_cap", lambda device: (2, "CPU cores"))
-    sweep, notes = sweep_from_options(config_path=None, pairs=SYNTH, workers=None, strategies="ddp", repeats=1, warmup_epochs=None,
-                         engines="dptrain", run_timeout_s=60.0)
+    sweep, notes = sweep_from_options(config_path=None, pairs=SYNTH, workers=None, strategies="ddp", repeats=1,
+                                      warmup_epochs=None, engines="dptrain", run_timeout_s=60.0)
     assert sweep.workers == (1, 2)
     assert notes == ["dropped workers 4,8: this machine has 2 CPU cores (one worker each); "
                      "ask for them with --workers to run them oversubscribed"]

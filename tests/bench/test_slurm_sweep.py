@@ -91,8 +91,8 @@ def test_worker_counts_that_do_not_fit_are_refused(workers, job, sentence):
 
 def make(tmp_path: Path, workers: str | None, job: list[tuple[str, str]], **kw):
     pairs = [("data.name", "synthetic"), ("train.epochs", "2"), ("output.dir", str(tmp_path / "b"))]
-    return sweep_from_options(config_path=None, pairs=pairs, workers=workers, strategies="ddp", repeats=1, warmup_epochs=None,
-                 engines="dptrain", run_timeout_s=60.0, job_pairs=job, **kw)
+    return sweep_from_options(config_path=None, pairs=pairs, workers=workers, strategies="ddp", repeats=1,
+                              warmup_epochs=None, engines="dptrain", run_timeout_s=60.0, job_pairs=job, **kw)
 
 
 def test_default_workers_are_those_the_nodes_hold(tmp_path):
@@ -199,9 +199,9 @@ def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(tmp_path, m
     """w1-r1 done; w2-r1's job still runs (waited for, not submitted again); w2-r2's job failed earlier and
     w1-r2 never started (both submitted, in plan order); one of them fails now and is recorded."""
     monkeypatch.chdir(tmp_path)
-    sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic"), ("output.dir", "b")], workers="1,2",
-                     strategies="ddp", repeats=2, warmup_epochs=None, engines="dptrain", run_timeout_s=60.0,
-                     job_pairs=[("slurm.nodes", "2")])
+    sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic"), ("output.dir", "b")],
+                                  workers="1,2", strategies="ddp", repeats=2, warmup_epochs=None, engines="dptrain",
+                                  run_timeout_s=60.0, job_pairs=[("slurm.nodes", "2")])
     names = {p.name: p for p in plan(sweep)}
     recorded = {"dptrain-ddp-w1-r1": "11", "dptrain-ddp-w2-r1": "12", "dptrain-ddp-w2-r2": "13"}
     for name, job_id in recorded.items():

@@ -145,6 +145,6 @@ def test_tutorial_engine_writes_the_same_event_shape(tmp_path):
 def test_a_sweep_goes_under_runs_by_default_not_into_the_source_folder_bench():
     from dptrain.bench.sweep import sweep_from_options
 
-    sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic")], workers="1", strategies="ddp", repeats=1,
-                     warmup_epochs=0, engines="dptrain", run_timeout_s=60)
+    sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic")], workers="1", strategies="ddp",
+                                  repeats=1, warmup_epochs=0, engines="dptrain", run_timeout_s=60)
     assert sweep.bench_dir == Path("runs") / "bench" / "synthetic"
