@@ -129,11 +129,20 @@ def test_help_lists_every_option_of_every_section_with_its_default_and_docstring
     out = capsys.readouterr().out
     lines = [line.strip() for line in out.splitlines()]
     flat = " ".join(out.split())
+    def options(prefix: str, cls: type):
+        """(--key, field, the class's docstrings) of every option of cls, a strategy's table ([strategy.ddp]) walked
+        into: the table itself is no option."""
+        docs = config.field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from options(f"{prefix}.{f.name}", hints[f.name])
+            else:
+                yield f"{prefix}.{f.name}", f, docs
+
     for section, cls in typing.get_type_hints(RunConfig).items():
         assert f"[{section}] options:" in lines
-        docs = config.field_docs(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{section}.{f.name}"
+        for key, f, docs in options(section, cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             [line] = [line for line in lines if line.startswith(f"--{key} ")]
             assert line.endswith(f"(default: {_shown(default)})"), line
