@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from dptrain import config as config_mod
 from dptrain.dist.env import DistEnv
-from dptrain.worker import join_world
-from dptrain.metrics import EventLog, ProgressBar
 from dptrain.dist.failures import Phase
+from dptrain.metrics import EventLog, ProgressBar
 from dptrain.train import build
+from dptrain.worker import join_world
 
 
 def bare_ms_per_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, fused: bool, steps: int = 300) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dptrain.cli import main, split_overrides
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 from tests.idx_files import idx_bytes, write_idx_dataset
 
 

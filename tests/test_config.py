@@ -8,7 +8,8 @@ from typing import Literal
 import pytest
 
 from dptrain import config
-from dptrain.config import ConfigError, RunConfig
+from dptrain.config import RunConfig
+from dptrain.errors import ConfigError
 from dptrain.strategies import check_world, data_world_size
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from dptrain import checkpoint, config
 from dptrain.cli import main
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 from dptrain.metrics import MetricLineSink, ProgressBar, UtilisationSampler, metric_line, per_rank, progress_line
 from dptrain.metrics.utilisation import GPU_FIELDS
 from tests.conftest import read_events

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.config import ConfigError, ModelConfig
+from dptrain.config import ModelConfig
+from dptrain.errors import ConfigError
 from dptrain.models import build_model, check_input
 
 

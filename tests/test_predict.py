@@ -15,12 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from dptrain import checkpoint
-from dptrain import config as config_mod
+from dptrain import checkpoint, config as config_mod
 from dptrain.cli import main
-from dptrain.config import ConfigError
-from dptrain.data import DataError
 from dptrain.data.catalog import DATASETS
+from dptrain.errors import ConfigError, DataError
 from dptrain.models import build_model
 from dptrain.predict import InputSpec, input_record, open_inputs, resolve_input, snapshot_input
 from dptrain.safe_load import dcp_load

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from dptrain import checkpoint
-from dptrain.checkpoint import SnapshotError
 from dptrain.cli import main
+from dptrain.errors import SnapshotError
 
 RUN = ["--data.name", "synthetic", "--data.synthetic_train_size", "128", "--data.synthetic_test_size", "32",
        "--train.global_batch_size", "32", "--train.epochs", "1", "--train.max_steps", "2"]

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dptrain import checkpoint, config
-from dptrain.checkpoint import SnapshotError, Snapshotter
-from dptrain.config import ConfigError
+from dptrain.checkpoint import Snapshotter
 from dptrain.dist.env import DistEnv
+from dptrain.errors import ConfigError, SnapshotError
 from dptrain.strategies.state import Shards
 from dptrain.train_state import TrainState
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from dptrain import config
-from dptrain.config import ConfigError, RunConfig
+from dptrain.config import RunConfig
+from dptrain.errors import ConfigError
 from dptrain.safe_load import make_private
 from tests.conftest import log_tail
 

@@ -27,16 +27,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain.run_folder import RunFolder
-from dptrain.files import fsync_dir, written_whole
-from dptrain import config as config_mod
-from dptrain import faults
-from dptrain.dist.world import barrier
-from dptrain.config import ConfigError, RunConfig
+from dptrain import config as config_mod, faults
+from dptrain.config import RunConfig
 from dptrain.data import input_record
-from dptrain.safe_load import UnsafeFileError, check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private, read_metadata
+from dptrain.dist.world import barrier
+from dptrain.errors import ConfigError, SnapshotError, UnsafeFileError
+from dptrain.files import fsync_dir, written_whole
+from dptrain.run_folder import RunFolder
+from dptrain.safe_load import (check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private,
+                               read_metadata)
 from dptrain.train_state import TrainState
-from dptrain.errors import SnapshotError
 
 log = logging.getLogger("dptrain")
 

@@ -22,18 +22,16 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from dptrain.run_folder import RunFolder
-from dptrain import checkpoint
-from dptrain import config as config_mod
-from dptrain.config import ConfigError, RunConfig, SlurmConfig
-from dptrain.data import DataError, describe
-from dptrain.checkpoint import SnapshotError
+from dptrain import checkpoint, config as config_mod
+from dptrain.config import RunConfig, SlurmConfig
+from dptrain.data import describe
+from dptrain.dist.ending import leave_now, lift_exit_deadline
 from dptrain.dist.env import Nodes
-from dptrain.errors import LaunchError
+from dptrain.dist.failures import WorkerFailure
+from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.prestart import check_predictions_path, preflight, preflight_job, snapshot_and_its_run
-from dptrain.dist.ending import leave_now, lift_exit_deadline
-from dptrain.dist.failures import WorkerFailure
+from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")

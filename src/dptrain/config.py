@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal
 
-from dptrain.run_folder import RunFolder
 from dptrain.errors import ConfigError
+from dptrain.run_folder import RunFolder
 
 if sys.version_info >= (3, 11):
     import tomllib

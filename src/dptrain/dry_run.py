@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from dptrain import checkpoint
-from dptrain.config import ConfigError, RunConfig
+from dptrain.config import RunConfig
 from dptrain.data import build_loaders, describe
 from dptrain.data.catalog import DATASETS, locate
-from dptrain.data.formats import DataError
 from dptrain.data.sharding import num_batches
-from dptrain.models import build_model
 from dptrain.dist.world import pick_backend
+from dptrain.errors import ConfigError, DataError
+from dptrain.models import build_model
 from dptrain.runtime import wants_cuda
 from dptrain.schedule import peak_lr
 from dptrain.strategies import STRATEGIES

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.files import written_whole
 from dptrain.data.loader import Loader
+from dptrain.files import written_whole
 from dptrain.metrics import finite_or_none
 
 

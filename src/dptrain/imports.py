@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 
 
 def import_object(path: str, option: str) -> Any:

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dptrain.files import check_replaceable, written_whole
-from dptrain.config import ConfigError, RunConfig
+from dptrain.config import RunConfig
 from dptrain.data import input_record
-from dptrain.data.formats import DataError, read_idx
+from dptrain.data.formats import read_idx
 from dptrain.data.sharding import num_batches, rank_batch_positions
 from dptrain.data.spec import Normalise
+from dptrain.errors import ConfigError, DataError
+from dptrain.files import check_replaceable, written_whole
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 IMAGE_FORMATS = ["PNG", "JPEG"]  # the Pillow decoders predict uses: never EPS (Ghostscript) or others, whatever the suffix

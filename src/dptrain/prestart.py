@@ -11,16 +11,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dptrain import checkpoint
-from dptrain import config as config_mod
-from dptrain.config import ConfigError, RunConfig
+from dptrain import checkpoint, config as config_mod
+from dptrain.config import RunConfig
 from dptrain.data import describe
+from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
 from dptrain.imports import import_object
 from dptrain.models import check_input
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import wants_cuda
-from dptrain.safe_load import UnsafeFileError, check_private_file
+from dptrain.safe_load import check_private_file
 
 
 def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) -> None:

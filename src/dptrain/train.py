@@ -1,4 +1,5 @@
-"""The training loop: build(cfg, env) -> Run; Run.fit() trains, evaluates and logs exact metrics.
+"""The training loop: build_trainer(cfg, env, device, events, phase) -> Trainer; Trainer.fit() trains, evaluates and
+logs exact metrics.
 
     $ dptrain train --nproc-per-node 2                 # 2 local workers, DDP over gloo/nccl
     $ torchrun --nproc-per-node 4 -m dptrain train     # under an existing launcher
@@ -18,26 +19,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.files import written_whole
 from dptrain import checkpoint, faults
+from dptrain.checkpoint import Snapshotter
 from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
-from dptrain.evaluate import evaluate, sync
 from dptrain.dist.env import DistEnv
-from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
-from dptrain.models import build_model, training_flops_per_sample
 from dptrain.dist.failures import Phase, WorkerFailure
 from dptrain.dist.world import barrier
+from dptrain.errors import OutputError
+from dptrain.evaluate import evaluate, sync
+from dptrain.files import written_whole
+from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
+from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
-from dptrain.checkpoint import Snapshotter
-from dptrain.train_state import TrainState
 from dptrain.step_graph import StepGraph
-from dptrain.stopping import Stopped, StopRequest
+from dptrain.stopping import StopRequest, Stopped
 from dptrain.strategies import Strategy, build_strategy, check_world
 from dptrain.strategies.base import OptimizerSpec, optimizer_choice
-from dptrain.errors import OutputError
+from dptrain.train_state import TrainState
 
 log = logging.getLogger("dptrain")
 
@@ -57,7 +58,7 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
 
 
 @dataclass
-class Run:
+class Trainer:
     cfg: RunConfig
     env: DistEnv
     device: torch.device
@@ -301,7 +302,7 @@ def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last
             f"or set --train.grad_clip, and use another --output.name to start afresh.")
 
 
-def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Run:
+def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Trainer:
     """Everything the loop needs, in order: data, model, strategy, optimizer, schedule."""
     strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s)
     data_rank, data_world = strategy.data_share()
@@ -328,18 +329,18 @@ def build(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, 
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
     snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
-    run = Run(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase,
+    trainer = Trainer(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase,
               total_steps, snapshots, flops_per_sample=flops)
     snapshots.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
     with phase("resume"):
         path = checkpoint.choose(cfg, env.is_main, env.world_size)
         if path is not None:
-            snapshots.load(path, run.state)
-    run.stop = StopRequest(env.world_size)
+            snapshots.load(path, trainer.state)
+    trainer.stop = StopRequest(env.world_size)
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
-        step = lambda images, labels: run._train_step(images, labels, len(labels))  # noqa: E731 - one device: the batch is global
-        run.step_graph = StepGraph(step, optimizer, cfg.train.global_batch_size)
-    return run
+        step = lambda images, labels: trainer._train_step(images, labels, len(labels))  # noqa: E731 - one device: the batch is global
+        trainer.step_graph = StepGraph(step, optimizer, cfg.train.global_batch_size)
+    return trainer
 
 
 def use_step_graph(cfg: RunConfig, device: torch.device, strategy: Strategy) -> bool:

@@ -16,15 +16,15 @@ from typing import Any, Iterator
 
 import torch
 
-from dptrain.run_folder import RunFolder
-from dptrain.files import written_whole
 from dptrain import config as config_mod
 from dptrain.config import RunConfig
-from dptrain.dist.env import DistEnv
-from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
 from dptrain.dist.ending import exit_deadline
+from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
 from dptrain.dist.world import barrier, destroy_process_group, init_process_group
+from dptrain.files import written_whole
+from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
+from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
                              use_deterministic_kernels)
 from dptrain.slurm.env import slurm_count, slurm_value
@@ -139,7 +139,7 @@ def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, P
 
 def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every training rank (called in this process, by the elastic agent, or under torchrun/srun)."""
-    from dptrain.train import build
+    from dptrain.train import build_trainer
 
     cfg = config_mod.from_dict(cfg_tree)
     run_dir = cfg.output.run_dir
@@ -151,8 +151,8 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                 events = EventLog([JsonlSink(cfg.output.folder.metrics), MetricLineSink()])
                 log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
                          env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
-            run = build(cfg, env, device, events, phase)
-            step = run.state.step
+            trainer = build_trainer(cfg, env, device, events, phase)
+            step = trainer.state.step
             if env.is_main:  # only now: a refused resume leaves the run directory as it was
                 record = environment_record(env, device, threads)
                 with phase("writing config.toml and env.json"):
@@ -163,12 +163,12 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                 if board is not None:
                     events.sinks.append(board)
             events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
-                        data=run.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=run.total_steps,
+                        data=trainer.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=trainer.total_steps,
                         device=str(device), step=step, **restart_counts())
             try:
-                last = run.fit()
+                last = trainer.fit()
             finally:
-                step = run.state.step
+                step = trainer.state.step
             events.emit("run_end", step=step)
             return last
     except Stopped as exc:
@@ -184,7 +184,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
 
 def write_run_file(path: Path, text: str) -> None:
     """One of the run's own files, replaced whole or not at all (a resume rewrites them); a full disk is one sentence."""
-    from dptrain.train import OutputError
+    from dptrain.errors import OutputError
 
     try:
         with written_whole(path) as tmp:
@@ -244,7 +244,7 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
 def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, input_record: dict[str, Any], output: str,
                    skip_bad: bool) -> None:
     """Entry point of every rank of `dptrain predict`: this rank's share of the inputs, gathered once by rank 0."""
-    from dptrain.data import DataError
+    from dptrain.errors import DataError
     from dptrain.predict import (InputSpec, merge_shares, open_inputs, predict_share, unreadable_sentence,
                                  write_input_predictions)
 

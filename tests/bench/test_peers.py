@@ -12,7 +12,7 @@ import pytest
 from dptrain import config as config_mod
 from dptrain.bench import deepspeed_engine, lightning_engine, peer
 from dptrain.bench.sweep import first_error, sweep_from_options
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 from tests.bench.test_sweep import TINY, read_rows, run_bench
 
 SYNTH = [("data.name", "synthetic"), ("train.epochs", "2")]

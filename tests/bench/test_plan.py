@@ -9,7 +9,7 @@ import pytest
 
 from dptrain.bench import sweep as sweep_mod
 from dptrain.bench.sweep import cap_workers, describe_plan, first_error, plan, run_sweep, sweep_from_options
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 
 SYNTH = [("data.name", "synthetic"), ("train.epochs", "3")]
 

@@ -18,8 +18,8 @@ import pytest
 from dptrain.bench import jobs as jobs_mod
 from dptrain.bench.collect import RESULT_COLUMNS
 from dptrain.bench.sweep import ERROR_FILE, job_shape, plan, sweep_from_options
-from dptrain.config import ConfigError, SlurmConfig
-from dptrain.errors import LaunchError
+from dptrain.config import SlurmConfig
+from dptrain.errors import ConfigError, LaunchError
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
 
 TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",

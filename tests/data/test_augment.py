@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from dptrain import config
-from dptrain.config import ConfigError, DataConfig
+from dptrain.config import DataConfig
 from dptrain.data.augment import AUGMENTS, PAD, _mix32, _mul32, crop_flip, draws
+from dptrain.errors import ConfigError
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ import torch
 
 from dptrain.config import DataConfig
 from dptrain.data.catalog import DATASETS, Split, candidate_dirs, idx_file, load, locate
-from dptrain.data.formats import DataError
+from dptrain.errors import DataError
 
 from .datafiles import CIFAR_DIR, IDX_STEMS, write_cifar_batch, write_cifar_dataset, write_idx, write_idx_dataset
 

@@ -19,7 +19,8 @@ import pytest
 from dptrain.config import DataConfig
 from dptrain.data import catalog, download
 from dptrain.data.catalog import DATASETS, load, locate
-from dptrain.data.formats import DataError, read_cifar_batch
+from dptrain.data.formats import read_cifar_batch
+from dptrain.errors import DataError
 
 from .datafiles import CIFAR_DIR, IDX_STEMS, write_cifar_archive, write_cifar_batch, write_idx_dataset
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain.data.formats import DataError, read_cifar_batch, read_idx
+from dptrain.data.formats import read_cifar_batch, read_idx
+from dptrain.errors import DataError
 
 from .datafiles import cifar_batch_bytes, idx_bytes, py2_cifar_batch_bytes, write_cifar_batch, write_idx
 

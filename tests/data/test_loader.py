@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from dptrain.config import ConfigError, DataConfig
-from dptrain.data import DataError, build_loaders, describe
+from dptrain.config import DataConfig
+from dptrain.data import build_loaders, describe
 from dptrain.data.augment import PAD, draws
 from dptrain.data.catalog import DATASETS, Split
 from dptrain.data.loader import Batch, DatasetLoader, DeviceLoader, GlobalBatchSampler
 from dptrain.data.sharding import epoch_permutation
 from dptrain.data.synthetic import synthetic_dataset, synthetic_spec
+from dptrain.errors import ConfigError, DataError
 
 from ..user_code import PatternDataset
 from .datafiles import write_idx_dataset

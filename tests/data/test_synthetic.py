@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dptrain.config import ConfigError, DataConfig
+from dptrain.config import DataConfig
 from dptrain.data.catalog import load
 from dptrain.data.synthetic import synthetic_dataset, synthetic_spec
+from dptrain.errors import ConfigError
 
 
 def cfg(**kw) -> DataConfig:

@@ -5,8 +5,8 @@ from unittest import mock
 import pytest
 
 from dptrain.dist.env import DistEnv, Nodes, check_master_resolves
-from dptrain.slurm.env import expand_nodelist
 from dptrain.errors import LaunchError
+from dptrain.slurm.env import expand_nodelist
 
 
 def test_no_launcher_is_one_process():

@@ -10,8 +10,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from dptrain.launch.local import describe_failure
 from dptrain.dist.failures import WorkerFailure
+from dptrain.launch.local import describe_failure
 
 
 def error_file(tmp_path: Path, name: str, exc: BaseException, monkeypatch, timestamp: int | None = None) -> str:

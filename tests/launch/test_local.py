@@ -186,7 +186,7 @@ def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp
 
 
 def _fail_counting_attempts(tally: str, refuse: bool) -> None:
-    from dptrain.checkpoint import SnapshotError
+    from dptrain.errors import SnapshotError
     from dptrain.dist.failures import WorkerFailure
 
     if os.environ["RANK"] == "0":

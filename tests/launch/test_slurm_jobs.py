@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dptrain import config
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 from dptrain.slurm import job as slurm_job
 from tests.conftest import FLOAT64_ENV, read_events
 from tests.launch.test_multinode import MULTINODE

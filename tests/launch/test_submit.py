@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from dptrain import config as config_mod
-from dptrain.config import ConfigError
-from dptrain.slurm import job as slurm_job
 from dptrain.dist.env import DistEnv
+from dptrain.errors import ConfigError
 from dptrain.runtime import set_cpu_threads
+from dptrain.slurm import job as slurm_job
 
 GOLDEN = Path(__file__).parent / "golden"
 WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as the script's --chdir

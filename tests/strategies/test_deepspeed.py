@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from dptrain import checkpoint
 from dptrain.cli import main
-from dptrain.config import ConfigError, DeepSpeedOptions, OptimConfig, RunConfig, StrategyConfig, TrainConfig
-from dptrain.config import load as load_config
+from dptrain.config import DeepSpeedOptions, OptimConfig, RunConfig, StrategyConfig, TrainConfig, load as load_config
 from dptrain.dist.env import DistEnv
+from dptrain.errors import ConfigError
 from dptrain.schedule import build_scheduler
 from dptrain.strategies import build_strategy, check_world
 from dptrain.strategies.deepspeed import engine_config
@@ -174,7 +174,7 @@ def run_cfg(optim: str, schedule: str, grad_clip: float | None, stage: int = 2) 
 
 
 def train(cfg: RunConfig, env: DistEnv) -> dict:
-    """As train.build() and Run._train_step() do it: the whole model after each step, the logits of the evaluation
+    """As train.build_trainer() and Trainer._train_step() do it: the whole model after each step, the logits of the evaluation
     module on the last batch, and what memory_bytes() counts."""
     strategy = build_strategy(cfg.strategy, env, torch.device("cpu"))
     wrapped = strategy.wrap(initial_model(torch.float32))

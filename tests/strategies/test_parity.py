@@ -77,7 +77,7 @@ class CNN(nn.Module):
 
 def initial_model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    return CNN().to(dtype).to(memory_format=torch.channels_last)  # as train.build() on the default channels_last
+    return CNN().to(dtype).to(memory_format=torch.channels_last)  # as train.build_trainer() on the default channels_last
 
 
 def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,7 @@ def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def train(cfg: StrategyConfig, env: DistEnv, optim: str, dtype: torch.dtype, steps: int) -> dict[str, list]:
     """On rank 0: the whole model after each step, and each step's gradients as the optimizer sees them (ddp).
 
-    As train.build() and Run._train_step() do it: the seeded model, channels_last, wrapped by the
+    As train.build_trainer() and Trainer._train_step() do it: the seeded model, channels_last, wrapped by the
     strategy; the optimizer from optimizer_spec; this rank's share of each global batch; backward
     through the strategy.
     """

@@ -6,11 +6,12 @@ import typing
 
 import pytest
 
-from dptrain.config import ConfigError, DDPOptions, FSDPOptions, PSOptions, StrategyConfig
+from dptrain import config
+from dptrain.config import DDPOptions, FSDPOptions, PSOptions, StrategyConfig
+from dptrain.errors import ConfigError
 from dptrain.strategies import STRATEGIES, check_world, data_world_size
 from dptrain.strategies.comm_hooks import COMM_HOOKS
 from dptrain.strategies.fsdp import DTYPES
-from dptrain import config
 
 
 def test_the_tables_cover_the_configs_choices():

@@ -18,10 +18,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dptrain.run_folder import RunFolder
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
-from dptrain.config import ConfigError, read_config_text
+from dptrain.config import read_config_text
+from dptrain.errors import ConfigError
+from dptrain.run_folder import RunFolder
 from dptrain.slurm.job import CONFIG_NAME
 
 log = logging.getLogger(__name__)

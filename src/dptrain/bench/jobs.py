@@ -18,12 +18,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dptrain.run_folder import RunFolder
 from dptrain import config as config_mod
 from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, describe_plan, error_line, is_done,
                                  job_shape, last_line, plan)
 from dptrain.config import RunConfig
 from dptrain.errors import LaunchError
+from dptrain.run_folder import RunFolder
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
 
 log = logging.getLogger(__name__)

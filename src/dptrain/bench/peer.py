@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from dptrain.config import RunConfig
+from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
-from dptrain.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from dptrain.data.spec import Normalise

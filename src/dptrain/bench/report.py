@@ -15,7 +15,7 @@ from typing import Any
 
 from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results, summarize, write_csv,
                                    write_results)
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
-from dptrain.run_folder import RunFolder
 from dptrain import config as config_mod
 from dptrain.bench import deepspeed_engine, lightning_engine, peak, tutorial
-from dptrain.config import ConfigError, RunConfig, SlurmConfig
+from dptrain.config import RunConfig, SlurmConfig
+from dptrain.errors import ConfigError
+from dptrain.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 

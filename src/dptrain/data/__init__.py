@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from dptrain.config import ConfigError, DataConfig, is_import_path
+from dptrain.config import DataConfig, is_import_path
 from dptrain.data.catalog import DATASETS, DatasetSpec, idx_file, load, locate
-from dptrain.data.formats import DataError, read_idx
+from dptrain.data.formats import read_idx
 from dptrain.data.loader import DatasetLoader, DeviceLoader, Loader
 from dptrain.data.synthetic import synthetic_spec
+from dptrain.errors import ConfigError, DataError
 from dptrain.imports import import_object
 
 

@@ -9,9 +9,10 @@ import torch
 
 from dptrain.config import DataConfig
 from dptrain.data import download
-from dptrain.data.formats import DataError, read_cifar_batch, read_idx
+from dptrain.data.formats import read_cifar_batch, read_idx
 from dptrain.data.spec import DatasetSpec, Split
 from dptrain.data.synthetic import synthetic_dataset
+from dptrain.errors import DataError
 
 
 # ---------------------------------------------------------------- IDX datasets (MNIST, FashionMNIST)

@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from dptrain.errors import DataError
 from dptrain.files import written_whole
-from dptrain.data.formats import DataError
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dptrain.config import ConfigError
 from dptrain.data.augment import AUGMENTS, Augment, crop_flip
-from dptrain.data.spec import DatasetSpec, Normalise, Split
 from dptrain.data.sharding import epoch_permutation, num_batches, rank_batch_positions
+from dptrain.data.spec import DatasetSpec, Normalise, Split
+from dptrain.errors import ConfigError
 
 
 @dataclass

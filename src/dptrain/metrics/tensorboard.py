@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dptrain.run_folder import RunFolder
-from dptrain.config import ConfigError
+from dptrain.errors import ConfigError
 from dptrain.metrics.utilisation import FIELDS as UTILISATION_FIELDS
+from dptrain.run_folder import RunFolder
 
 log = logging.getLogger("dptrain")
 

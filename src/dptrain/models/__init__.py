@@ -6,7 +6,8 @@ from typing import Callable
 
 from torch import nn
 
-from dptrain.config import ConfigError, ModelConfig, is_import_path
+from dptrain.config import ModelConfig, is_import_path
+from dptrain.errors import ConfigError
 from dptrain.imports import import_object
 from dptrain.models.cifar_cnn import CifarCNN
 from dptrain.models.mnist_cnn import MnistCNN

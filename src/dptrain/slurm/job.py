@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dptrain.config import RunConfig, SlurmConfig
+from dptrain.errors import ConfigError, LaunchError
 from dptrain.run_folder import RunFolder
-from dptrain.config import ConfigError, RunConfig, SlurmConfig
-from dptrain.errors import LaunchError
 from dptrain.slurm.env import SLURM_VARS, job_port_shell, slurm_value
 
 # slurm.<field> -> the #SBATCH option it becomes, in the script's order. A new field goes here or in

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, LaunchConfig, OptimConfig, RunConfig, StrategyConfig
+from dptrain.config import LaunchConfig, OptimConfig, RunConfig, StrategyConfig
 from dptrain.dist.env import DistEnv
+from dptrain.errors import ConfigError
 from dptrain.strategies.comm_hooks import CommCounter
 from dptrain.strategies.state import Shards, StatePart
 
@@ -77,7 +78,7 @@ class Strategy:
     name = "single"
 
     # What a strategy needs of the world, asked before any worker starts (prestart.preflight) and again by
-    # every worker (train.build): each refusal is one sentence saying what to change.
+    # every worker (train.build_trainer): each refusal is one sentence saying what to change.
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:

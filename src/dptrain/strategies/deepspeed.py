@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, LaunchConfig, RunConfig, StrategyConfig, read_config_text
+from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, read_config_text
+from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy
 from dptrain.strategies.state import OwnFolder, Shards, StatePart
 

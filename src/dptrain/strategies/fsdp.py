@@ -12,7 +12,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from dptrain.config import ConfigError, StrategyConfig
+from dptrain.config import StrategyConfig
+from dptrain.errors import ConfigError
 from dptrain.strategies.base import Strategy
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

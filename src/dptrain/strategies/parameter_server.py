@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import ConfigError, StrategyConfig
+from dptrain.config import StrategyConfig
+from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy, model_shards
 from dptrain.strategies.state import WHOLE_OPTIMIZER, StatePart, WholeFile
 
