@@ -409,9 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="runs of every point (default 1; 3 or more for error bars)")
     bench.add_argument("--warmup-epochs", type=int, help="leading epochs of each run left out of the timing "
                        "(default 1 when train.epochs > 1, else 0)")
-    from dptrain.bench.sweep import PEERS  # no torch: the peers' strategies, named where they are defined
+    from dptrain.bench.sweep import OTHER_ENGINES  # no torch: the other engines' strategies, named where they are defined
 
-    peers = ", ".join(f"{name} ({', '.join(engine.STRATEGIES)})" for name, engine in PEERS.items())
+    peers = ", ".join(f"{name} ({', '.join(engine.STRATEGIES)})" for name, engine in OTHER_ENGINES.items())
     bench.add_argument("--engines", default="dptrain", help=f"comma-separated engines: dptrain (the default), {peers}; "
                        f"tutorial is the tutorials' plain loop. With several, each runs the strategies it supports and "
                        f"skips the others")

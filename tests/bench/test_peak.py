@@ -68,7 +68,7 @@ def test_fraction_of_peak_divides_the_model_rate_by_the_probe_of_the_same_worker
     add_efficiency(rows, {1: 0.1, 2: 0.2})
     assert rows[0]["achieved_tflops"] == pytest.approx(0.07) and rows[0]["fraction_of_peak"] == pytest.approx(0.7)
     assert rows[1]["peak_tflops"] == 0.2 and rows[1]["fraction_of_peak"] == pytest.approx(0.105 / 0.2)
-    # the peer logs no operation count: the sweep's model is the same, so dptrain's count serves
+    # the other engine logs no operation count: the sweep's model is the same, so dptrain's count serves
     assert rows[2]["achieved_tflops"] == pytest.approx(0.084) and rows[2]["fraction_of_peak"] == pytest.approx(0.42)
     assert "fraction_of_peak" not in rows[3] and "peak_tflops" not in rows[3]
     summary = summarize(rows)

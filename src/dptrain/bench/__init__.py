@@ -6,9 +6,9 @@
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
 job per point instead, written and submitted by slurm.job, then waited for), peak.py (a short matmul probe per
 worker count, BENCH/peak.json: the denominator of fraction_of_peak), collect.py (run directories -> results.csv and
-summary.csv), report.py (CSV -> PNGs and report.md). The peer engines, each run under torchrun and
+summary.csv), report.py (CSV -> PNGs and report.md). The other engines, each run under torchrun and
 writing the same metrics.jsonl events: tutorial.py (the tutorials' plain loop), lightning_engine.py (Lightning's
-Trainer), deepspeed_engine.py (DeepSpeed's engine, ZeRO stages), and peer.py, what they share. This package reads run
+Trainer), deepspeed_engine.py (DeepSpeed's engine, ZeRO stages), and engines.py, what they share. This package reads run
 directories and the config, and asks the strategies which worker counts they refuse (Strategy.check_world); only the
-peer engines' own processes import the data and models: never train or worker code.
+other engines' own processes import the data and models: never train or worker code.
 """

@@ -153,7 +153,7 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         row["epoch_time_s"] = seconds / len(timed)
         row["images_per_s"] = sum(e["train_samples"] for e in timed) / seconds
         flops = [v for e in epochs for v in _flat(e.get("model_flops_per_sample"))]
-        row["model_flops_per_sample"] = flops[0] if flops else ""  # not a column: collect fills in the peers' from it
+        row["model_flops_per_sample"] = flops[0] if flops else ""  # not a column: collect fills in the other engines' from it
         cpu = [statistics.fmean(_flat(e.get("cpu_util_pct"))) for e in timed if _flat(e.get("cpu_util_pct"))]
         row["cpu_util_pct"] = statistics.fmean(cpu) if cpu else ""
     evaluated = [e for e in epochs if isinstance(e.get("eval_loss"), (int, float))]
@@ -217,7 +217,7 @@ def collect(bench_dir: Path) -> list[dict[str, Any]]:
 
 
 def add_efficiency(rows: list[dict[str, Any]], peaks: dict[int, float]) -> None:
-    """achieved_tflops, peak_tflops and fraction_of_peak of every finished row. The peer engines log no operation
+    """achieved_tflops, peak_tflops and fraction_of_peak of every finished row. The other engines log no operation
     count: every point of a sweep trains the same model on the same data (sweep.json), so theirs is dptrain's."""
     counts = [f for r in rows if (f := as_number(r.get("model_flops_per_sample")))]
     for row in rows:

@@ -2,18 +2,18 @@
 and epochs.
 
 Started by the sweep under torchrun, one process per worker, as the tutorial and lightning engines start, so that
-every peer pays the same start-up (deepspeed.init_distributed reads torchrun's variables; DeepSpeed's own `deepspeed`
+every engine pays the same start-up (deepspeed.init_distributed reads torchrun's variables; DeepSpeed's own `deepspeed`
 launcher would start the same processes through its runner, and needs pdsh or a hostfile beyond one machine):
     $ python -m torch.distributed.run --standalone --nproc-per-node 2 -m dptrain.bench.deepspeed_engine RUN_DIR
 Strategies map onto ZeRO stages (STAGES): ddp -> stage 0 (replicated parameters, gradients all-reduced in buckets by
 the engine: DeepSpeed's data parallelism), zero1 -> stage 1 (optimizer state sharded, as dptrain's zero1), fsdp ->
 stage 3 (parameters, gradients and optimizer state sharded, as FSDP). On the CPU: DS_ACCELERATOR=cpu, set before
 deepspeed is imported, and gloo; fp32 throughout. The optimizer is the same torch one as the other engines
-(peer.make_optimizer), handed to deepspeed.initialize, which wraps it in its ZeRO optimizer.
+(engines.make_optimizer), handed to deepspeed.initialize, which wraps it in its ZeRO optimizer.
 
 What DeepSpeed does that dptrain does not, turned off: its step log (steps_per_print beyond any run), wall-clock
 breakdown timers, fp16/bf16 and loss scaling; no checkpoint is saved. It gets the same tensors as dptrain (the uint8
-split, normalised a batch at once on the device: data.spec.Normalise) through peer.py's loader (a DistributedSampler
+split, normalised a batch at once on the device: data.spec.Normalise) through engines.py's loader (a DistributedSampler
 seeded by train.seed, as in the tutorial engine), not deepspeed.initialize's training_data loader, whose sampler is
 never given an epoch.
 """
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dptrain.bench import peer
+from dptrain.bench import engines
 from dptrain.config import RunConfig
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ STRATEGIES = tuple(STAGES)
 
 def check(cfg: RunConfig) -> None:
     """One sentence when DeepSpeed is not installed, or cannot run this config the way dptrain would."""
-    peer.require(ENGINE, PACKAGE)
-    peer.check_plain(cfg, ENGINE, STRATEGIES)
+    engines.require(ENGINE, PACKAGE)
+    engines.check_plain(cfg, ENGINE, STRATEGIES)
 
 
 def ds_config(cfg: RunConfig, world: int) -> dict:
@@ -55,8 +55,8 @@ def ds_config(cfg: RunConfig, world: int) -> dict:
 
 
 def main(run_dir: Path) -> None:
-    cfg = peer.run_config(run_dir)
-    device = peer.pick_device(cfg)
+    cfg = engines.run_config(run_dir)
+    device = engines.pick_device(cfg)
     if device.type == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported: else it looks for CUDA
     import deepspeed
@@ -74,26 +74,26 @@ def main(run_dir: Path) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(cfg.train.seed)
     spec, train, test = load(cfg.data)
-    loader = peer.train_loader(TensorDataset(train.images, train.labels), cfg, rank, world)
-    test_batches = peer.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
+    loader = engines.train_loader(TensorDataset(train.images, train.labels), cfg, rank, world)
+    test_batches = engines.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
     normalize = Normalise(spec.mean, spec.std, device)
     model = build_model(cfg.model, spec.shape, spec.num_classes).to(device)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=peer.make_optimizer(cfg, model.parameters()),
+    engine, *_ = deepspeed.initialize(model=model, optimizer=engines.make_optimizer(cfg, model.parameters()),
                                       config=ds_config(cfg, world))
-    sink = peer.Sink(run_dir, rank, ENGINE)
-    sink.run_start(cfg, world, device, len(loader), zero_stage=STAGES[cfg.strategy.name])
-    sink.env(device, world, {"deepspeed": deepspeed.__version__})
-    meter, step = peer.EpochMeter(device, world), 0
+    run_files = engines.RunFiles(run_dir, rank, ENGINE)
+    run_files.run_start(cfg, world, device, len(loader), zero_stage=STAGES[cfg.strategy.name])
+    run_files.env(device, world, {"deepspeed": deepspeed.__version__})
+    meter, step = engines.EpochMeter(device, world), 0
     for epoch in range(1, cfg.train.epochs + 1):
         loader.sampler.set_epoch(epoch)
         step = train_epoch(engine, loader, normalize, meter, step)
-        record = meter.record() | peer.evaluate(engine, test_batches, normalize, device)
-        sink.write({"event": "epoch", "epoch": epoch, "step": step, **record})
-    sink.write({"event": "run_end", "step": step})
-    peer.leave_world()
+        record = meter.record() | engines.evaluate_test_split(engine, test_batches, normalize, device)
+        run_files.write({"event": "epoch", "epoch": epoch, "step": step, **record})
+    run_files.write({"event": "run_end", "step": step})
+    engines.leave_world()
 
 
-def train_epoch(engine: Any, loader: Any, normalize: Normalise, meter: peer.EpochMeter, step: int) -> int:
+def train_epoch(engine: Any, loader: Any, normalize: Normalise, meter: engines.EpochMeter, step: int) -> int:
     """One epoch of DeepSpeed's loop (engine.backward and engine.step: its all-reduce or ZeRO's reduce-scatter, and
     the optimizer) on the meter's clock; the step count after it."""
     import torch.nn.functional as F

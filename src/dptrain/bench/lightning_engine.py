@@ -2,7 +2,7 @@
 
 Started by the sweep under torchrun, one process per worker, as Lightning's users start multi-node jobs (Lightning
 reads torchrun's variables: TorchElasticEnvironment), and as the tutorial and deepspeed engines start, so that every
-peer pays the same start-up; Lightning's own launcher would re-run the script in subprocesses of its own instead:
+engine pays the same start-up; Lightning's own launcher would re-run the script in subprocesses of its own instead:
     $ python -m torch.distributed.run --standalone --nproc-per-node 2 -m dptrain.bench.lightning_engine RUN_DIR
 Strategies: ddp -> Lightning's "ddp" (DistributedDataParallel); fsdp -> ModelParallelStrategy, whose configure_model
 shards the model with FSDP2's fully_shard, as dptrain's and the tutorial's fsdp do (Lightning's "fsdp", FSDP1,
@@ -10,11 +10,11 @@ refuses the CPU).
 
 What Lightning does that dptrain does not, turned off so that the comparison is fair: Trainer(barebones=True) (no
 checkpointing, no logger, no progress bar, no model summary, no sanity validation before training, no logging every
-log_every_n_steps), and use_distributed_sampler=False: the loaders are peer.py's, the train one a DistributedSampler
+log_every_n_steps), and use_distributed_sampler=False: the loaders are engines.py's, the train one a DistributedSampler
 seeded by train.seed, given the tutorial engine's epochs, so Lightning sees the tutorial's batches; the eval one every
 test sample once (Lightning's own sampler would pad the split with repeated samples). Lightning gets the same tensors
 as dptrain: the uint8 split in a TensorDataset, each batch normalised on the device in on_after_batch_transfer
-(data.spec.Normalise). The epoch clock (peer.EpochMeter) runs from on_train_epoch_start to the start of validation; the
+(data.spec.Normalise). The epoch clock (engines.EpochMeter) runs from on_train_epoch_start to the start of validation; the
 eval loss and accuracy come from Lightning's validation loop.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dptrain.bench import peer
+from dptrain.bench import engines
 from dptrain.config import RunConfig
 
 if TYPE_CHECKING:
@@ -38,8 +38,8 @@ STRATEGIES = ("ddp", "fsdp")
 
 def check(cfg: RunConfig) -> None:
     """One sentence when Lightning is not installed, or cannot run this config the way dptrain would."""
-    peer.require(ENGINE, PACKAGE)
-    peer.check_plain(cfg, ENGINE, STRATEGIES)
+    engines.require(ENGINE, PACKAGE)
+    engines.check_plain(cfg, ENGINE, STRATEGIES)
 
 
 def main(run_dir: Path) -> None:
@@ -52,27 +52,27 @@ def main(run_dir: Path) -> None:
     from dptrain.data.spec import Normalise
     from dptrain.models import build_model
 
-    cfg = peer.run_config(run_dir)
-    device = peer.pick_device(cfg)
+    cfg = engines.run_config(run_dir)
+    device = engines.pick_device(cfg)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # torchrun's; Lightning reads the same
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(cfg.train.seed)
     spec, train, test = load(cfg.data)
-    loader = peer.train_loader(TensorDataset(train.images, train.labels), cfg, rank, world)
-    test_batches = peer.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
-    sink = peer.Sink(run_dir, rank, ENGINE)
+    loader = engines.train_loader(TensorDataset(train.images, train.labels), cfg, rank, world)
+    test_batches = engines.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
+    run_files = engines.RunFiles(run_dir, rank, ENGINE)
     module = classifier(build_model(cfg.model, spec.shape, spec.num_classes), cfg, device, world,
-                        Normalise(spec.mean, spec.std, device), sink)
+                        Normalise(spec.mean, spec.std, device), run_files)
     trainer = L.Trainer(accelerator="cuda" if device.type == "cuda" else "cpu", devices=local_world,
                         num_nodes=world // local_world, strategy=strategy(cfg.strategy.name, world),
                         max_epochs=cfg.train.epochs, precision="32-true", barebones=True,
                         use_distributed_sampler=False,
                         plugins=[TorchElasticEnvironment()])  # torchrun's ranks, even inside a SLURM allocation
-    sink.run_start(cfg, world, device, len(loader))
-    sink.env(device, world, {"lightning": L.__version__})
+    run_files.run_start(cfg, world, device, len(loader))
+    run_files.env(device, world, {"lightning": L.__version__})
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=DataLoader(test_batches, batch_size=None))
-    sink.write({"event": "run_end", "step": trainer.global_step})
-    peer.leave_world()
+    run_files.write({"event": "run_end", "step": trainer.global_step})
+    engines.leave_world()
 
 
 def strategy(name: str, world: int) -> Any:
@@ -85,7 +85,7 @@ def strategy(name: str, world: int) -> Any:
     return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
-def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Normalise, sink: peer.Sink) -> Any:
+def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Normalise, run_files: engines.RunFiles) -> Any:
     """The LightningModule around net: automatic optimisation, and the epoch's clock and metrics in its hooks.
     (A class made here: the sweep imports this module to check a sweep, and must not import Lightning to do so.)"""
     import lightning as L
@@ -95,7 +95,7 @@ def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Nor
         def __init__(self) -> None:
             super().__init__()
             self.net = net
-            self.meter, self.evaluated = peer.EpochMeter(device, world), peer.Totals()
+            self.meter, self.evaluated = engines.EpochMeter(device, world), engines.Totals()
             self.train_record: dict = {}
             self.eval_record: dict = {}
             self.eval_start_s = 0.0
@@ -111,14 +111,14 @@ def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Nor
                 fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
         def configure_optimizers(self) -> Any:
-            return peer.make_optimizer(cfg, self.parameters())  # after wrapping: fsdp's are the sharded ones
+            return engines.make_optimizer(cfg, self.parameters())  # after wrapping: fsdp's are the sharded ones
 
         def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
             x, y = batch  # on the device, train and validation batches alike
             return normalize(x), y
 
         def on_train_epoch_start(self) -> None:
-            # Lightning gave the sampler epoch 0, 1, ...; the other peers' 1, 2, ...: the same batches as theirs
+            # Lightning gave the sampler epoch 0, 1, ...; the other engines' 1, 2, ...: the same batches as theirs
             self.trainer.train_dataloader.sampler.set_epoch(self.current_epoch + 1)
             self.eval_record = {}
             self.meter.start()
@@ -138,7 +138,7 @@ def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Nor
 
         def on_validation_start(self) -> None:
             self.end_training()
-            self.evaluated, self.eval_start_s = peer.Totals(), time.perf_counter()
+            self.evaluated, self.eval_start_s = engines.Totals(), time.perf_counter()
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             x, y = batch
@@ -146,11 +146,11 @@ def classifier(net: Any, cfg: RunConfig, device: Any, world: int, normalize: Nor
             self.evaluated.add(F.cross_entropy(logits, y, reduction="sum").item(), logits, y)
 
         def on_validation_epoch_end(self) -> None:
-            self.eval_record = peer.eval_record(self.evaluated, time.perf_counter() - self.eval_start_s)
+            self.eval_record = engines.eval_record(self.evaluated, time.perf_counter() - self.eval_start_s)
 
         def on_train_epoch_end(self) -> None:
             self.end_training()
-            sink.write({"event": "epoch", "epoch": self.current_epoch + 1, "step": self.global_step,
+            run_files.write({"event": "epoch", "epoch": self.current_epoch + 1, "step": self.global_step,
                         **self.train_record, **self.eval_record})
 
     return Classifier()

@@ -33,11 +33,11 @@ from dptrain.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
-# The peers of `dptrain train`: a module each, run under torchrun as `python -m MODULE RUN_DIR` (peer.py), whose
+# The engines other than `dptrain train`: a module each, run under torchrun as `python -m MODULE RUN_DIR` (engines.py), whose
 # STRATEGIES are those it runs and whose check(cfg) refuses in one sentence what it cannot run. tutorial: the
 # tutorials' plain loop, the baseline.
-PEERS: dict[str, ModuleType] = {"tutorial": tutorial, "lightning": lightning_engine, "deepspeed": deepspeed_engine}
-ENGINES = ("dptrain", *PEERS)
+OTHER_ENGINES: dict[str, ModuleType] = {"tutorial": tutorial, "lightning": lightning_engine, "deepspeed": deepspeed_engine}
+ENGINES = ("dptrain", *OTHER_ENGINES)
 DEFAULT_WORKERS = (1, 2, 4, 8)
 DEFAULT_RUN_TIMEOUT_S = 3600.0
 SWEEP_FILE = "sweep.json"  # the sweep's config, so that a resumed sweep runs the same runs and collect knows the warm-up
@@ -113,16 +113,16 @@ def check_engines(engines: tuple[str, ...]) -> None:
 
 
 def unsupported_pairs(engines: tuple[str, ...], strategies: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The (engine, strategy) pairs a sweep of several engines skips: the strategies a peer does not run. An engine
+    """The (engine, strategy) pairs a sweep of several engines skips: the strategies another engine does not run. An engine
     that runs none of them is refused in one sentence; a sweep of one engine skips nothing (its check refuses what it
     does not run: the pairing was asked for by name)."""
     if len(engines) < 2:
         return []
     skipped = []
     for engine in engines:
-        if engine not in PEERS:
+        if engine not in OTHER_ENGINES:
             continue
-        runs = PEERS[engine].STRATEGIES
+        runs = OTHER_ENGINES[engine].STRATEGIES
         missing = [s for s in strategies if s not in runs]
         if len(missing) == len(strategies):
             raise ConfigError(f"--engines {engine} runs strategies {', '.join(runs)} only, none of --strategies "
@@ -242,18 +242,18 @@ def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
             train_pairs.append((key, value))
     engine_names = split_list(engines, "--engines")
     check_engines(engine_names)
-    peers = [engine for engine in engine_names if engine in PEERS]
-    if job_pairs is not None and peers:
-        raise ConfigError(f"--engines {peers[0]} runs under torchrun on this machine only, not as a SLURM job; drop it "
+    others = [engine for engine in engine_names if engine in OTHER_ENGINES]
+    if job_pairs is not None and others:
+        raise ConfigError(f"--engines {others[0]} runs under torchrun on this machine only, not as a SLURM job; drop it "
                           f"from --engines, or run it without --slurm.")
     strategy_names = split_list(strategies, "--strategies")
     skipped_pairs = unsupported_pairs(engine_names, strategy_names)
     point_cfgs = {}
     for name in strategy_names:  # every strategy with the shared options: a mistake is one sentence now, not N failures
         point_cfgs[name] = config_mod.load(config_path, [*train_pairs, ("strategy.name", name)])
-        for engine in peers:
+        for engine in others:
             if (engine, name) not in skipped_pairs:
-                PEERS[engine].check(point_cfgs[name])
+                OTHER_ENGINES[engine].check(point_cfgs[name])
     cfg = config_mod.load(config_path, [*train_pairs, *(job_pairs or [])])
     if job_pairs is not None and job_lines:  # lines on the command line replace the file's lists
         cfg = replace(cfg, slurm=replace(cfg.slurm, **job_lines))
@@ -388,14 +388,14 @@ def read_warmup(bench_dir: Path) -> int | None:
 
 
 def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
-    """The command that runs one point (for a peer engine, after writing the point's config.toml)."""
-    if point.engine in PEERS:
+    """The command that runs one point (for another engine, after writing the point's config.toml)."""
+    if point.engine in OTHER_ENGINES:
         cfg = sweep.config
         cfg = replace(cfg, strategy=replace(cfg.strategy, name=point.strategy),
                       launch=replace(cfg.launch, nproc_per_node=point.workers), output=replace(cfg.output, dir=str(run_dir)))
         RunFolder(run_dir).config.write_text(config_mod.to_toml(cfg))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(point.workers),
-                "-m", PEERS[point.engine].__name__, str(run_dir)]
+                "-m", OTHER_ENGINES[point.engine].__name__, str(run_dir)]
     # no epoch snapshots: saving is not what is measured (the user's --checkpoint.every_epochs, given later, wins)
     return [sys.executable, "-m", "dptrain", "train", "--nproc-per-node", str(point.workers),
             "--checkpoint.every_epochs", "0", *sweep.train_args,

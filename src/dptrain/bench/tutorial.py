@@ -3,7 +3,7 @@
 Started by the sweep under torchrun, one process per worker:
     $ python -m torch.distributed.run --standalone --nproc-per-node 2 -m dptrain.bench.tutorial RUN_DIR
 It trains what RUN_DIR/config.toml says (the same model, data, global batch, optimizer and epochs as the dptrain
-points) and writes metrics.jsonl events and env.json of the shape dptrain writes (peer.py), so that collect reads
+points) and writes metrics.jsonl events and env.json of the shape dptrain writes (engines.py), so that collect reads
 both alike. Per-sample normalisation, a Python DataLoader and no channels_last: what the tutorials do.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dptrain.bench import peer
+from dptrain.bench import engines
 from dptrain.config import RunConfig
 
 ENGINE = "tutorial"
@@ -22,7 +22,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 def check(cfg: RunConfig) -> None:
     """One sentence when the plain loop cannot run this config the way dptrain would."""
-    peer.check_plain(cfg, ENGINE, STRATEGIES)
+    engines.check_plain(cfg, ENGINE, STRATEGIES)
 
 
 def main(run_dir: Path) -> None:
@@ -33,28 +33,28 @@ def main(run_dir: Path) -> None:
     from dptrain.data.spec import Normalise
     from dptrain.models import build_model
 
-    cfg = peer.run_config(run_dir)
-    device = peer.pick_device(cfg)
+    cfg = engines.run_config(run_dir)
+    device = engines.pick_device(cfg)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(cfg.train.seed)
     spec, train, test = load(cfg.data)
-    loader = peer.train_loader(Normalized(train, spec.mean, spec.std), cfg, rank, world)
-    test_batches = peer.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
+    loader = engines.train_loader(Normalized(train, spec.mean, spec.std), cfg, rank, world)
+    test_batches = engines.eval_batches(test.images, test.labels, cfg.train.eval_batch_size, rank, world)
     normalize = Normalise(spec.mean, spec.std, device)  # evaluation only: training normalises per sample
     model = wrap(build_model(cfg.model, spec.shape, spec.num_classes).to(device), cfg.strategy.name, device)
-    optimizer = peer.make_optimizer(cfg, model.parameters())
-    sink = peer.Sink(run_dir, rank, ENGINE)
-    sink.run_start(cfg, world, device, len(loader))
-    sink.env(device, world)
-    meter, step = peer.EpochMeter(device, world), 0
+    optimizer = engines.make_optimizer(cfg, model.parameters())
+    run_files = engines.RunFiles(run_dir, rank, ENGINE)
+    run_files.run_start(cfg, world, device, len(loader))
+    run_files.env(device, world)
+    meter, step = engines.EpochMeter(device, world), 0
     for epoch in range(1, cfg.train.epochs + 1):
         loader.sampler.set_epoch(epoch)
         step = train_epoch(model, loader, optimizer, meter, step)
-        record = meter.record() | peer.evaluate(model, test_batches, normalize, device)
-        sink.write({"event": "epoch", "epoch": epoch, "step": step, **record})
-    sink.write({"event": "run_end", "step": step})
-    peer.leave_world()
+        record = meter.record() | engines.evaluate_test_split(model, test_batches, normalize, device)
+        run_files.write({"event": "epoch", "epoch": epoch, "step": step, **record})
+    run_files.write({"event": "run_end", "step": step})
+    engines.leave_world()
 
 
 class Normalized:
@@ -85,7 +85,7 @@ def wrap(model: Any, strategy: str, device: Any) -> Any:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def train_epoch(model: Any, loader: Any, optimizer: Any, meter: peer.EpochMeter, step: int) -> int:
+def train_epoch(model: Any, loader: Any, optimizer: Any, meter: engines.EpochMeter, step: int) -> int:
     """One epoch of the plain loop on the meter's clock; the step count after it."""
     import torch.nn.functional as F
 

@@ -12,7 +12,7 @@ import torch
 class Normalise:
     """uint8-scale pixels -> (x/255 - mean) / std per channel, a whole batch at once on its device, computed as
     x * 1/(255 std) - mean/std: one fused multiply-add (addcmul) instead of three passes. The training loader,
-    predict and the peer engines of the benchmark all normalise through it, so they agree to the bit."""
+    predict and the other engines of the benchmark all normalise through it, so they agree to the bit."""
 
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device | str) -> None:
         shape = (1, len(mean), 1, 1)

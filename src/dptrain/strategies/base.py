@@ -29,7 +29,7 @@ class OptimizerSpec:
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
                                                      "adamw": torch.optim.AdamW}
-"""optim.name -> torch's optimizer; the one table of the choice, for dptrain's loop and the peer engines alike."""
+"""optim.name -> torch's optimizer; the one table of the choice, for dptrain's loop and the other engines alike."""
 
 
 def optimizer_choice(optim: OptimConfig, lr: float, fused: bool, capturable: bool = False) -> OptimizerSpec:

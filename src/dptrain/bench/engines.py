@@ -1,8 +1,8 @@
-"""What the peer engines (tutorial, lightning, deepspeed) share: their checks, and the parts of a point that must be
+"""What the other engines (tutorial, lightning, deepspeed) share: their checks, and the parts of a point that must be
 alike for their rows to compare with dptrain's.
 
-Each peer is a module run by the sweep under torchrun, one process per worker, as `python -m MODULE RUN_DIR`; it
-trains what RUN_DIR/config.toml says and writes metrics.jsonl and env.json through Sink, in the shape dptrain
+Each engine is a module run by the sweep under torchrun, one process per worker, as `python -m MODULE RUN_DIR`; it
+trains what RUN_DIR/config.toml says and writes metrics.jsonl and env.json through RunFiles, in the shape dptrain
 writes them, so that collect reads every engine alike. Shared here, so that the engines differ in the engine only:
 the optimizer (make_optimizer), the normalisation (dptrain's own, data.spec.Normalise), the train loader (one DistributedSampler seeded by
 train.seed), the epoch clock and its metrics (EpochMeter: between barriers, evaluation off the clock), and
@@ -119,7 +119,7 @@ class Totals:
 
 
 def leave_world() -> None:
-    """End a peer engine's run: a barrier (no rank tears the group down while another still talks to it), then
+    """End another engine's run: a barrier (no rank tears the group down while another still talks to it), then
     dptrain's own teardown, whose pause lets gloo's threads finish first: a group destroyed right after the last
     barrier aborted a rank at exit now and then ("terminate called without an active exception"; 3 runs in 10
     of the tutorial engine here, 0 in 20 with the pause)."""
@@ -188,7 +188,7 @@ def eval_batches(images: Any, labels: Any, batch_size: int, rank: int, world: in
     return [(shard_x[i:i + batch_size], shard_y[i:i + batch_size]) for i in range(0, most, batch_size)]
 
 
-def evaluate(model: Any, batches: list[tuple[Any, Any]], normalize: Normalise, device: Any) -> dict:
+def evaluate_test_split(model: Any, batches: list[tuple[Any, Any]], normalize: Normalise, device: Any) -> dict:
     """Eval loss and accuracy over the whole test split (batches from eval_batches), reduced over every rank."""
     import torch
     import torch.nn.functional as F
@@ -210,7 +210,7 @@ def eval_record(totals: Totals, seconds: float) -> dict:
             "eval_time_s": seconds}
 
 
-class Sink:
+class RunFiles:
     """metrics.jsonl and env.json, written by global rank 0 only."""
 
     def __init__(self, run_dir: Path, rank: int, engine: str) -> None:

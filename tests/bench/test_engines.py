@@ -1,4 +1,4 @@
-"""The peer engines of `dptrain bench` (lightning, deepspeed): their refusals, without running anything, and one real
+"""The other engines of `dptrain bench` (lightning, deepspeed): their refusals, without running anything, and one real
 point each (gloo on CPU, 2 workers, tiny synthetic data) whose row lands in results.csv."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dptrain import config as config_mod
-from dptrain.bench import deepspeed_engine, lightning_engine, peer
+from dptrain.bench import deepspeed_engine, engines, lightning_engine
 from dptrain.bench.sweep import first_error, sweep_from_options
 from dptrain.errors import ConfigError
 from tests.bench.test_sweep import TINY, read_rows, run_bench
@@ -81,7 +81,7 @@ def test_eval_batches_count_every_sample_once_and_alike_on_every_rank():
     import torch
 
     images, labels = torch.arange(65).view(65, 1, 1, 1), torch.arange(65)
-    shards = [peer.eval_batches(images, labels, 16, rank, 2) for rank in range(2)]
+    shards = [engines.eval_batches(images, labels, 16, rank, 2) for rank in range(2)]
     assert [len(s) for s in shards] == [3, 3]  # a sharded model's forward is a collective: as many on every rank
     assert [len(y) for _, y in shards[1]] == [16, 16, 0]
     seen = sorted(v for s in shards for _, y in s for v in y.tolist())
