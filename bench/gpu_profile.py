@@ -21,7 +21,7 @@ from dptrain import config as config_mod
 from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
 from dptrain.metrics import EventLog, ProgressBar
-from dptrain.train import build
+from dptrain.train import build_trainer
 from dptrain.worker import join_world
 
 
@@ -45,26 +45,26 @@ def main() -> None:
     env = DistEnv.from_environ()
     phase = Phase(env.global_rank)
     device, _ = join_world(cfg, env, phase)
-    run = build(cfg, env, device, EventLog([]), phase)
+    trainer = build_trainer(cfg, env, device, EventLog([]), phase)
     progress = ProgressBar(enabled=False)
     for epoch in range(3):
-        run.state.start_epoch(epoch, device)
-        result = run._run_epoch(epoch, progress)
+        trainer.state.start_epoch(epoch, device)
+        result = trainer._run_epoch(epoch, progress)
         print(f"dptrain epoch {epoch + 1}: {result['epoch_time_s']:.3f} s, {result['samples_per_s']:.0f} images/s "
-              f"({len(run.train_loader)} steps, {result['epoch_time_s'] / len(run.train_loader) * 1e3:.2f} ms/step)")
+              f"({len(trainer.train_loader)} steps, {result['epoch_time_s'] / len(trainer.train_loader) * 1e3:.2f} ms/step)")
 
-    batch = next(iter(run.train_loader.epoch_batches(0)))
-    model = run.strategy.eval_module
+    batch = next(iter(trainer.train_loader.epoch_batches(0)))
+    model = trainer.strategy.eval_module
     for fused in (False, True):
         ms = bare_ms_per_step(model, batch.images, batch.labels, fused)
-        print(f"bare eager step ({'fused' if fused else 'foreach'} Adam): {ms:.2f} ms/step, epoch ~{ms * len(run.train_loader) / 1e3:.3f} s")
+        print(f"bare eager step ({'fused' if fused else 'foreach'} Adam): {ms:.2f} ms/step, epoch ~{ms * len(trainer.train_loader) / 1e3:.3f} s")
 
-    run.state.start_epoch(3, device)
-    run.total_steps = run.state.step + 50
+    trainer.state.start_epoch(3, device)
+    trainer.total_steps = trainer.state.step + 50
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run._run_epoch(3, progress)
+        trainer._run_epoch(3, progress)
         torch.cuda.synchronize()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"))

@@ -1,4 +1,5 @@
-"""Issue 13's speed targets, measured side by side in one run: one markdown table, printed and written to --output.
+"""The speed targets (throughput, efficiency, start-up, memory, growth), measured side by side in one run: one
+markdown table, printed and written to --output.
 
     python bench/speed.py                  # the defaults: about 8 minutes on this project's 2-core machine
     python bench/speed.py --quick          # one repeat, short runs (tests/bench/test_speed.py): about 80 s

@@ -38,9 +38,9 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks.
 
     On the CPU (on_cuda False) the agent forks the workers, which then start with everything already imported
-    (WORKER_IMPORTS): with 2 workers on 2 cores the first step comes about 2.5 s sooner than with fresh
-    interpreters, and the pages of the imported code stay shared. CUDA cannot be used in a forked child of
-    a process that has touched it, so GPU workers are spawned.
+    (WORKER_IMPORTS): a 1-step run of 2 workers on 2 cores takes 1.6 s instead of 2.9 s with fresh interpreters
+    (`python bench/micro.py`, launch), and the pages of the imported code stay shared. CUDA cannot be used in a
+    forked child of a process that has touched it, so GPU workers are spawned.
 
     With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
     listens on that address only); without, everything listens on loopback. The agent's own log (restarts,
@@ -167,9 +167,9 @@ def _state(pid: int) -> str:
 def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -> Any:
     """A worker's life: entrypoint(*args), then the worker process skips Python's interpreter teardown.
 
-    After a success that saves about 0.9 s of freeing torch's objects, which the agent, and so the user, would wait
-    for; the exit hook runs first of all (the last one registered), once the agent has read the result, which it
-    waits for before the worker may exit. After a failure, see leave_after_failure.
+    After a success that saves 0.6 s of freeing torch's objects (`python bench/micro.py`, teardown), which the
+    agent, and so the user, would wait for; the exit hook runs first of all (the last one registered), once the
+    agent has read the result, which it waits for before the worker may exit. After a failure, see leave_after_failure.
     """
     # A forked worker starts with the agent's signal handlers: give it a fresh interpreter's.
     for sig, handler in ((signal.SIGUSR1, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
