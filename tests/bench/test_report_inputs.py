@@ -228,3 +228,16 @@ def test_text_from_results_csv_cannot_change_report_md(tmp_path, capsys):
     assert all(table_cells(line) == 13 for line in text.splitlines() if line.startswith("| dptrain |"))
     assert "&lt;script&gt;alert\\(1\\)&lt;/script&gt;" in text and "a \\| b \\| c" in text  # shown, as text
     assert "torch 2\\.5 \\# torch on node1" in text and "&lt;b&gt;evil&lt;/b&gt; \\| x" in text
+
+
+def test_runs_that_timed_no_epoch_are_named_as_such(tmp_path, capsys):
+    # A sweep whose runs ended within their warm-up epochs was reported as holding "no finished runs (no results.csv
+    # ...)" beside the results.csv it holds.
+    bench = tmp_path / "bench"
+    write_results(bench, [result_row(1, epoch_time_s="", epochs_timed=0, images_per_s="")])
+    code, err, text = report(bench, capsys)
+    assert code == 2 and not text
+    assert err.strip() == (f"dptrain: error: {bench} holds 1 run but no timed epoch to plot: the warm-up epochs "
+                           f"(--warmup-epochs) are left out of the timing, and a run that ends within them "
+                           f"(--train.max_steps, or as many --train.epochs) times none; run the sweep with more "
+                           f"epochs than warm-up ones.")

@@ -71,6 +71,11 @@ def write_report(bench_dir: Path) -> Path:
         raise ConfigError(f"{bench_dir} has no finished run left to plot: {len(left_out)} left out, the first as "
                           f"{left_out[0]}; fix the file it names (a deleted results.csv is written again from the "
                           f"runs).")
+    if not summary and rows:
+        raise ConfigError(f"{bench_dir} holds {len(rows)} run{'s' if len(rows) > 1 else ''} but no timed epoch to plot: "
+                          f"the warm-up epochs (--warmup-epochs) are left out of the timing, and a run that ends "
+                          f"within them (--train.max_steps, or as many --train.epochs) times none; run the sweep with "
+                          f"more epochs than warm-up ones.")
     if not summary:
         raise ConfigError(f"{bench_dir} holds no finished runs (no results.csv, and no run under {bench_dir / 'runs'} "
                           f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
