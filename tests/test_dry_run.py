@@ -32,6 +32,15 @@ def test_a_dry_run_reports_the_run_and_writes_nothing(tmp_path, capsys, monkeypa
     assert "nothing to resume from: a fresh start" in out
 
 
+def test_a_multi_node_dry_run_says_what_this_node_starts(tmp_path, capsys, monkeypatch):
+    # It said "4 local workers" for 2 nodes x 2 workers: this node starts 2 of them.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run", *SMALL, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                 "--nproc-per-node", "2"]) == 0
+    assert ("world      4 ranks, 2 local workers on each of 2 nodes (this is node 1) on cpu, backend gloo, strategy ddp"
+            in capsys.readouterr().out)
+
+
 def test_a_dry_run_names_the_snapshot_it_would_resume_from(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *SMALL, "--train.max_steps", "3", "--output.name", "r"]) == 0

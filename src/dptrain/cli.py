@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.dry_run:
         from dptrain.dry_run import dry_run
 
-        print(dry_run(cfg, world_size, launched_outside))
+        print(dry_run(cfg, world_size, launched_outside, nodes))
         return 0
     run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.folder.launcher_log,
               nodes)

@@ -16,6 +16,7 @@ from dptrain.config import RunConfig
 from dptrain.data import build_loaders, describe
 from dptrain.data.catalog import DATASETS, locate
 from dptrain.data.sharding import num_batches
+from dptrain.dist.env import Nodes
 from dptrain.dist.world import pick_backend
 from dptrain.errors import ConfigError, DataError
 from dptrain.models import build_model
@@ -24,9 +25,9 @@ from dptrain.schedule import peak_lr
 from dptrain.strategies import STRATEGIES
 
 
-def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool) -> str:
+def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Nodes | None = None) -> str:
     """The checks that need data and model, then a summary of the run; raises ConfigError (or DataError,
-    SnapshotError) with one sentence if the run would fail."""
+    SnapshotError) with one sentence if the run would fail. nodes: the run's nodes, for a run over several."""
     info = describe(cfg.data)
     strategy = STRATEGIES[cfg.strategy.name]
     data_world = strategy.data_world_size(cfg.strategy, world_size)
@@ -37,7 +38,13 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool) -> str:
     resume = _resume_plan(cfg, total_steps)
     on_cuda = wants_cuda(cfg.launch.device)
     device = "cuda:<local rank>" if on_cuda else "cpu"
-    workers = "ranks of the launcher that started this process" if launched_outside else "local workers"
+    if launched_outside:
+        workers = "ranks of the launcher that started this process"
+    elif nodes is not None and nodes.count > 1:  # this node starts its share only
+        workers = (f"ranks, {world_size // nodes.count} local workers on each of {nodes.count} nodes (this is node "
+                   f"{nodes.rank})")
+    else:
+        workers = "local workers"
     lines = [
         "dry run: nothing was written; the run would do this:",
         f"  world      {world_size} {workers} on {device}, backend {pick_backend(cfg.launch.backend, torch.device(device.split(':')[0]))}, "
