@@ -189,3 +189,19 @@ def test_config_errors_are_one_sentence(capsys, tmp_path, monkeypatch, argv, mes
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"dptrain: error: {message}\n"
+
+
+def test_output_into_a_pipe_that_is_closed_ends_without_a_traceback(tmp_path):
+    # `dptrain train --dry-run | head -3` ended with a BrokenPipeError traceback once head had gone.
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    reader_gone = subprocess.Popen([sys.executable, "-m", "dptrain", "config"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    reader_gone.stdout.close()  # the reader leaves before dptrain writes a line
+    err = reader_gone.stderr.read().decode()
+    assert reader_gone.wait(timeout=60) == 1
+    assert err == ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -457,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `dptrain` program: main(), then leave at once, without Python's teardown (see dist.ending.leave_now)."""
-    leave_now(main())
+    try:
+        code = main()
+    except BrokenPipeError:  # `dptrain ... | head -3`: the reader has what it wanted; no traceback, as `cat` gives none
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush on the way out goes nowhere
+        code = 1
+    leave_now(code)
 
 
 if __name__ == "__main__":
