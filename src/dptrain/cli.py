@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from dptrain import checkpoint, config as config_mod
+from dptrain import checkpoint, config as config_mod, spellings
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.data import describe
 from dptrain.dist.ending import leave_now, lift_exit_deadline
@@ -54,6 +54,7 @@ def split_overrides(extra: list[str]) -> list[tuple[str, str]]:
             value, i = extra[i + 1], i + 1
         pairs.append((key, value))
         i += 1
+    spellings.check_known(pairs)
     return pairs
 
 
@@ -313,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--nproc-per-node", help="local workers to start, or auto (same as --launch.nproc_per_node)")
         for section, text in config_mod.options_help().items():
             command.add_argument_group(f"[{section}] options", text)
+        command.add_argument_group("the tutorials' spellings", spellings.help_text())
 
     overrides = ("Every option below can be set in the --config file's [section] table, or as\n"
                  "--section.option VALUE (or --section.option=VALUE), which wins over the file.")
@@ -438,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = spellings.translate(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"dptrain: error: {exc}", file=sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")

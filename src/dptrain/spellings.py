@@ -1,0 +1,87 @@
+"""The tutorials' spellings of dptrain's options, and a "did you mean" for any other unknown one.
+
+Users come from scripts that take `--epochs 5 --batch_size 64 --lr 0.01` and from torchrun's underscore flags
+(`--nproc_per_node`); DeepSpeed's launcher adds `--local_rank=N` to every worker's command line. Each of those is
+read as dptrain's own option (one note on stderr says which, so the user learns it), or refused in one sentence
+where no option means the same thing (a per-process batch is not dptrain's global batch).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+
+from dptrain import config as config_mod
+from dptrain.config import LEGACY_STRATEGY_KEYS
+from dptrain.errors import ConfigError
+
+ALIASES = {
+    # the tutorials' training flags -> dptrain's options of the same meaning
+    "--epochs": "--train.epochs", "--num_epochs": "--train.epochs", "--num-epochs": "--train.epochs",
+    "--lr": "--optim.lr", "--learning_rate": "--optim.lr", "--learning-rate": "--optim.lr",
+    "--seed": "--train.seed", "--random_seed": "--train.seed", "--random-seed": "--train.seed",
+    "--model_dir": "--output.dir", "--model-dir": "--output.dir",
+    # torchrun's underscore spellings of the flags `dptrain train` shares with it
+    "--nproc_per_node": "--nproc-per-node", "--node_rank": "--node-rank", "--master_addr": "--master-addr",
+    "--master_port": "--master-port", "--rdzv_endpoint": "--rdzv-endpoint",
+}
+IGNORED = ("--local_rank", "--local-rank")
+"""What a launcher adds to every worker's command line (DeepSpeed's: --local_rank=N); dptrain reads LOCAL_RANK."""
+REFUSED = {
+    "--batch_size": "is the tutorials' batch per process; dptrain's batch is the global one over every rank: give "
+                    "--train.global_batch_size, your batch per process times the number of workers",
+    "--batch-size": "is the tutorials' batch per process; dptrain's batch is the global one over every rank: give "
+                    "--train.global_batch_size, your batch per process times the number of workers",
+    "--gpus": "counts GPUs in the tutorials; dptrain starts one worker per GPU: give --nproc-per-node N here, or "
+              "--gpus-per-node N to dptrain submit",
+}
+
+
+def translate(argv: list[str]) -> list[str]:
+    """argv with the tutorials' spellings replaced by dptrain's (a note each on stderr) and a launcher's --local_rank
+    dropped; ConfigError for a spelling that has no equal here."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in IGNORED:
+            i += 1 if eq or i + 1 >= len(argv) or argv[i + 1].startswith("-") else 2
+            continue
+        if flag in REFUSED:
+            raise ConfigError(f"{flag} {REFUSED[flag]}.")
+        if flag in ALIASES:
+            print(f"dptrain: note: {flag} is read as {ALIASES[flag]}, its name here.", file=sys.stderr)
+            out.append(ALIASES[flag] + (eq + value if eq else ""))
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def known_keys() -> list[str]:
+    """Every --section.option, and the strategy keys of before the tables (still read)."""
+    keys = [f"{o.section}.{o.name}" for o in config_mod.options()]
+    return keys + [f"strategy.{old}" for old in LEGACY_STRATEGY_KEYS]
+
+
+def check_known(pairs: list[tuple[str, str]]) -> None:
+    """ConfigError with the closest option's name for a key that is no option (--train.epoch -> --train.epochs);
+    keys close to none are left to the config's own sentence, which lists what there is."""
+    keys = known_keys()
+    for key, _ in pairs:
+        if key in keys:
+            continue
+        close = difflib.get_close_matches(key, keys + [a.removeprefix("--") for a in ALIASES], n=1, cutoff=0.75)
+        if close:
+            name = ALIASES.get(f"--{close[0]}", f"--{close[0]}")
+            raise ConfigError(f"unknown option --{key}; did you mean {name}?")
+
+
+def help_text() -> str:
+    """The aliases, for --help."""
+    by_target: dict[str, list[str]] = {}
+    for alias, target in ALIASES.items():
+        by_target.setdefault(target, []).append(alias)
+    listed = "; ".join(f"{', '.join(aliases)} for {target}" for target, aliases in by_target.items())
+    return (f"The tutorials' spellings are read too: {listed}. A launcher's --local_rank is ignored (LOCAL_RANK is "
+            f"read). --batch_size and --gpus are answered with dptrain's options of their meaning.")

@@ -1,0 +1,63 @@
+"""The tutorials' spellings of dptrain's options: read as dptrain's own with a note, dropped where a launcher adds
+them, or answered in one sentence; any other unknown option gets the closest option's name."""
+
+from __future__ import annotations
+
+import pytest
+
+from dptrain.cli import main
+
+SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "64", "--data.synthetic_test_size", "16",
+         "--train.global_batch_size", "32"]
+
+
+def test_the_tutorials_flags_are_read_as_dptrains_options(tmp_path, capsys):
+    assert main(["config", "--epochs", "5", "--learning_rate", "0.01", "--random_seed", "7", "--model_dir",
+                 str(tmp_path / "m")]) == 0
+    out, err = capsys.readouterr()
+    assert "epochs = 5" in out and "lr = 0.01" in out and "seed = 7" in out and f'dir = "{tmp_path / "m"}"' in out
+    assert err.splitlines() == ["dptrain: note: --epochs is read as --train.epochs, its name here.",
+                                "dptrain: note: --learning_rate is read as --optim.lr, its name here.",
+                                "dptrain: note: --random_seed is read as --train.seed, its name here.",
+                                "dptrain: note: --model_dir is read as --output.dir, its name here."]
+
+
+def test_torchruns_underscore_flags_and_a_launchers_local_rank(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # DeepSpeed's launcher runs `python -m dptrain --local_rank=0 train ...`; torchrun users type --nproc_per_node
+    assert main(["--local_rank=0", "train", *SMALL, "--nproc_per_node", "2", "--local_rank", "1", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "world      2 local workers on cpu" in out
+    assert err.strip() == "dptrain: note: --nproc_per_node is read as --nproc-per-node, its name here."
+
+
+@pytest.mark.parametrize("flag, sentence", [
+    ("--batch_size", "--batch_size is the tutorials' batch per process; dptrain's batch is the global one over every "
+                     "rank: give --train.global_batch_size, your batch per process times the number of workers."),
+    ("--gpus", "--gpus counts GPUs in the tutorials; dptrain starts one worker per GPU: give --nproc-per-node N here, "
+               "or --gpus-per-node N to dptrain submit."),
+])
+def test_a_spelling_with_no_equal_here_is_answered_in_one_sentence(capsys, flag, sentence):
+    assert main(["train", flag, "64"]) == 2
+    assert capsys.readouterr().err.strip() == f"dptrain: error: {sentence}"
+
+
+@pytest.mark.parametrize("typed, meant", [("train.epoch", "--train.epochs"), ("optim.learning_rate", "--optim.lr"),
+                                          ("num_epoch", "--train.epochs"), ("strategy.ddp.comm_hooks",
+                                                                             "--strategy.ddp.comm_hook")])
+def test_an_unknown_option_names_the_closest_one(capsys, typed, meant):
+    assert main(["config", f"--{typed}", "3"]) == 2
+    assert capsys.readouterr().err.strip() == f"dptrain: error: unknown option --{typed}; did you mean {meant}?"
+
+
+def test_an_option_close_to_none_gets_the_configs_own_sentence(capsys):
+    assert main(["config", "--train.zzzz", "3"]) == 2
+    assert "unknown option train.zzzz; valid options in [train] are:" in capsys.readouterr().err
+
+
+def test_help_lists_the_tutorials_spellings(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "--epochs, --num_epochs, --num-epochs for --train.epochs" in flat
+    assert "--nproc_per_node for --nproc-per-node" in flat and "--local_rank is ignored" in flat
