@@ -193,5 +193,5 @@ def test_an_old_flat_key_in_a_doc_command_fails(tmp_path):
 
 
 def test_an_unknown_option_in_a_doc_command_fails(tmp_path):
-    with pytest.raises(ConfigError, match="unknown option optim.lrr"):
+    with pytest.raises(ConfigError, match="unknown option --optim.lrr; did you mean --optim.lr"):
         check_command(Command("example.md:1", ["config", "--optim.lrr", "0.1"], {}), tmp_path)
