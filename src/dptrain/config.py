@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 import re
+import shlex
 import sys
 import textwrap
 import types
@@ -379,6 +380,77 @@ class LaunchConfig:
 # space in one would start another sbatch option there ('debug --job-name=X' ran the job as X).
 SLURM_WORDS = ("time", "partition", "account", "qos", "constraint", "mem", "master_addr")
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+# The sbatch options that ask for GPUs, as the tutorials' job scripts write them (#SBATCH --gres=gpu:4), -> what their
+# count is per: a node, the whole job (-G is --gpus), or a task. slurm.sbatch lines holding one make the job a GPU job.
+GPU_SBATCH_OPTIONS = {"gres": "node", "gpus-per-node": "node", "gpus": "job", "G": "job", "gpus-per-task": "task"}
+GPU_FORMS = "--gres=gpu:N, --gres=gpu:TYPE:N, --gpus-per-node=N, --gpus=N or --gpus-per-task=N"
+
+
+@dataclass(frozen=True)
+class SbatchGpus:
+    """One sbatch option of slurm.sbatch that asks for GPUs: as written (--gres=gpu:a100:4), its count, what per."""
+
+    written: str
+    count: int
+    per: Literal["node", "job", "task"]
+
+
+def sbatch_gpus(lines: tuple[str, ...]) -> list[SbatchGpus]:
+    """The GPU requests in slurm.sbatch's lines ('gres=gpu:4', '--gpus 8', '-G 8', 'gpus-per-task=1 --exclusive'),
+    read as sbatch reads an #SBATCH line: options and their values; ConfigError in one sentence for one it cannot count."""
+    found = []
+    for line in lines:
+        try:
+            words = shlex.split(line)
+        except ValueError:  # an unbalanced quote: sbatch would refuse the line; its GPU options are still counted
+            words = line.split()
+        if words and not words[0].startswith("-"):
+            words[0] = "--" + words[0]  # written so in the script (render adds the --)
+        at = 0
+        while at < len(words):
+            word, at = words[at], at + 1
+            if word.startswith("--"):
+                name, sep, value = word[2:].partition("=")
+            elif word.startswith("-G"):  # -G 8, -G8
+                name = "G"
+                sep = value = word[2:].removeprefix("=")
+            else:
+                continue
+            if name not in GPU_SBATCH_OPTIONS:
+                continue
+            if not sep and at < len(words):  # --gres gpu:4: the value is the next word
+                value, at = words[at], at + 1
+            written = f"-G {value}" if name == "G" else f"--{name}={value}"
+            count = (_gres_gpus(value) if name == "gres" else _typed_counts(value)) if value else None
+            if count is None:
+                raise ConfigError(f"slurm.sbatch asks for GPUs as {_shown(written)}, which dptrain cannot count; write it "
+                                  f"as {GPU_FORMS}.")
+            found.append(SbatchGpus(written, count, GPU_SBATCH_OPTIONS[name]))  # type: ignore[arg-type]
+    return found
+
+
+def _gres_gpus(value: str) -> int | None:
+    """GPUs in a --gres request ('gpu:4', 'gpu:a100:2,nvme:1', 'gpu' for one; 'none'); None where a count is unreadable."""
+    total = 0
+    for item in value.split(","):
+        name, *rest = item.removeprefix("gres/").split(":")
+        if name != "gpu":
+            continue
+        if not rest or (len(rest) == 1 and not rest[0].isdigit()):  # gpu, gpu:a100: one GPU (of that type)
+            total += 1
+        elif rest[-1].isdigit() and len(rest) <= 2:
+            total += int(rest[-1])
+        else:
+            return None
+    return total
+
+
+def _typed_counts(value: str) -> int | None:
+    """The GPUs of --gpus, --gpus-per-node or --gpus-per-task ('4', 'a100:4', 'a100:2,v100:2'); None where unreadable."""
+    counts = [item.split(":")[-1] for item in value.split(",")]
+    if not all(c.isdigit() for c in counts) or any(len(item.split(":")) > 2 for item in value.split(",")):
+        return None
+    return sum(map(int, counts))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -434,6 +506,11 @@ class SlurmConfig:
         _not_negative(self.signal_lead_s, "slurm.signal_lead_s")
         if self.ranks_per_node != "auto":
             _positive(self.ranks_per_node, "slurm.ranks_per_node")
+        gpus = self.gpus_here  # the sbatch lines' GPU requests, checked here: one sentence before anything is written
+        if self.gpus_per_node and gpus != self.gpus_per_node:
+            written = self.sbatch_gpus_per_node()[0]  # type: ignore[index]  # gpus differs: a line asks for them
+            raise ConfigError(f"slurm.gpus_per_node = {self.gpus_per_node} but slurm.sbatch's {written} asks for "
+                              f"{gpus} per node; ask for the GPUs once, as --gpus-per-node N or as an --sbatch line.")
         ranks = self.ranks_here
         if self.cpus_per_node and ranks > self.cpus_per_node:
             raise ConfigError(f"slurm.ranks_per_node = {ranks} is more than slurm.cpus_per_node = {self.cpus_per_node}; "
@@ -459,7 +536,40 @@ class SlurmConfig:
         """ranks_per_node resolved."""
         if self.ranks_per_node != "auto":
             return int(self.ranks_per_node)
-        return self.gpus_per_node or 1
+        return self.gpus_here or 1
+
+    @property
+    def gpus_here(self) -> int:
+        """GPUs per node: as an sbatch line asks for them (gres=gpu:4, ...), else gpus_per_node (the two agree)."""
+        asked = self.sbatch_gpus_per_node()
+        return asked[1] if asked else self.gpus_per_node
+
+    def sbatch_gpus_per_node(self) -> tuple[str, int] | None:
+        """(the first slurm.sbatch option asking for GPUs, as written; the GPUs per node they all ask for), None where
+        none does. ConfigError in one sentence where they disagree, or a count cannot be made per node."""
+        per_node: tuple[str, int] | None = None
+        for asked in sbatch_gpus(self.sbatch):
+            if asked.per == "node":
+                count = asked.count
+            elif asked.per == "job":  # sbatch may place them unevenly; dptrain starts the same ranks on every node
+                if asked.count % self.nodes:
+                    raise ConfigError(f"slurm.sbatch's {asked.written} asks for {asked.count} GPUs over "
+                                      f"{self.nodes} nodes, which do not share them evenly; ask for a multiple of "
+                                      f"{self.nodes}, or per node (--gpus-per-node N).")
+                count = asked.count // self.nodes
+            elif self.mode == "agent":  # one task per node: the agent, which starts that node's ranks
+                count = asked.count
+            elif self.ranks_per_node == "auto":  # auto is one rank per GPU: a circle, unless the ranks are given
+                raise ConfigError(f"slurm.sbatch's {asked.written} gives each rank its GPUs, and the ranks per node "
+                                  f"are auto (one per GPU); give --ranks-per-node N too, or ask per node "
+                                  f"(--gpus-per-node N).")
+            else:
+                count = asked.count * int(self.ranks_per_node)
+            if per_node is not None and count != per_node[1]:
+                raise ConfigError(f"slurm.sbatch asks for {per_node[1]} GPUs per node ({per_node[0]}) and for {count} "
+                                  f"({asked.written}); keep one of these lines.")
+            per_node = per_node or (asked.written, count)
+        return per_node
 
 
 @dataclass(frozen=True, kw_only=True)

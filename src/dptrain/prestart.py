@@ -94,11 +94,12 @@ def check_output_dir(run_dir: Path) -> None:
 
 
 def preflight_job(cfg: RunConfig, world_size: int) -> None:
-    """preflight for a job submitted from here: it runs on the GPUs it asks for, if any."""
-    on_gpus = cfg.slurm.gpus_per_node > 0
+    """preflight for a job submitted from here: it runs on the GPUs it asks for, if any (--gpus-per-node, or an
+    --sbatch line: gres=gpu:4, gpus=8, gpus-per-task=1)."""
+    on_gpus = cfg.slurm.gpus_here > 0
     if cfg.launch.device == "cuda" and not on_gpus:
-        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N, or use "
-                          "--launch.device auto.")
+        raise ConfigError("launch.device = cuda but the job asks for no GPUs; add --gpus-per-node N (or --sbatch "
+                          "gres=gpu:N), or use --launch.device auto.")
     preflight(cfg, world_size, job_on_cuda=on_gpus and cfg.launch.device != "cpu")
 
 

@@ -243,3 +243,25 @@ def test_the_cpus_and_gpus_one_node_must_have_are_those_the_script_asks_for(opti
 def test_without_sinfo_the_partition_is_not_checked(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     slurm_job.check_nodes_fit(config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm)
+
+
+def test_a_gres_line_makes_the_job_a_gpu_job(submit, tmp_path):
+    # `--sbatch gres=gpu:4` was a CPU job: 1 rank, "gloo on CPUs", and --launch.device cuda refused for "no GPUs".
+    code, out, err = submit("--dry-run", "--sbatch", "gres=gpu:4", "--launch.device", "cuda", *DATA)
+    assert code == 0, err
+    assert "1 node x 4 ranks (one srun task per rank, nccl on GPUs)" in out
+    assert "#SBATCH --ntasks-per-node=4\n" in out and "#SBATCH --gres=gpu:4\n" in out
+    assert "--gpus-per-node" not in out  # the user's line asks for them; twice would be two requests
+    # the config file's slurm.sbatch as well; --gpus=8 is a total over the job's 2 nodes
+    (tmp_path / "run.toml").write_text('[slurm]\nnodes = 2\nsbatch = ["--gpus=8"]\n')
+    code, out, err = submit("--dry-run", "--config", "run.toml", *DATA)
+    assert code == 0, err
+    assert "2 nodes x 4 ranks (one srun task per rank, nccl on GPUs)" in out and "#SBATCH --gpus=8\n" in out
+
+
+def test_gpus_asked_for_twice_with_different_counts_are_refused_in_one_sentence(submit, tmp_path):
+    code, _, err = submit("--gpus-per-node", "2", "--sbatch", "gres=gpu:4", *DATA)
+    assert code == 2
+    assert err.strip().splitlines() == ["dptrain: error: slurm.gpus_per_node = 2 but slurm.sbatch's --gres=gpu:4 asks "
+                                        "for 4 per node; ask for the GPUs once, as --gpus-per-node N or as an --sbatch line."]
+    assert not (tmp_path / "runs").exists()

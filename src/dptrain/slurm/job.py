@@ -36,7 +36,7 @@ SBATCH_OPTIONS = {
     # worked out by render() from the job's shape
     "nodes": "--nodes",
     "ranks_per_node": "--ntasks-per-node",  # per-rank mode: the ranks; agent mode: 1, the agent
-    "gpus_per_node": "--gpus-per-node",
+    "gpus_per_node": "--gpus-per-node",  # left out where an --sbatch line asks for the GPUs (gres=gpu:4, ...)
     "cpus_per_node": "--cpus-per-task",  # the node's cores shared out among its tasks
     # passed through as given (AS_GIVEN: one word each, SlurmConfig refuses a space)
     "time": "--time",
@@ -117,17 +117,18 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
     tasks_per_node = job.ranks_per_node if per_rank else 1
     host_role = "rank 0" if per_rank else "the agents' rendezvous"
     node_list, node_count = SLURM_VARS["node_list"], SLURM_VARS["node_count"]  # read by the script's shell
+    gpus = s.gpus_here  # --gpus-per-node, or an --sbatch line's gres=gpu:4, gpus=8, gpus-per-task=1
     lines = [
         "#!/bin/bash",
         f"# dptrain training of {shown(job.run_dir, workdir)}: {job.shape} ("
         f"{'one srun task per rank' if per_rank else 'one elastic agent per node'}, "
-        f"{'nccl on GPUs' if s.gpus_per_node else 'gloo on CPUs'}).",
+        f"{'nccl on GPUs' if gpus else 'gloo on CPUs'}).",
         "# Written by `dptrain submit`; submit it again with: sbatch " + shlex.quote(str(job.script)),
         f"#SBATCH --job-name={job_name(job.run_dir.name)}",
         sbatch_line("nodes", job.nodes),
         sbatch_line("ranks_per_node", tasks_per_node),
     ]
-    if s.gpus_per_node:
+    if s.gpus_per_node and s.sbatch_gpus_per_node() is None:  # else the user's line asks for them, once
         lines.append(sbatch_line("gpus_per_node", s.gpus_per_node))
     if s.cpus_per_node:
         lines.append(sbatch_line("cpus_per_node", s.cpus_per_node // tasks_per_node))
@@ -245,7 +246,7 @@ def gpu_count(gres: str) -> int:
 def per_node_request(s: SlurmConfig) -> tuple[int, int]:
     """(CPUs, GPUs) that one node of the job must have, as render() asks for them."""
     tasks = s.ranks_here if s.mode == "per-rank" else 1
-    return tasks * (s.cpus_per_node // tasks if s.cpus_per_node else 1), s.gpus_per_node
+    return tasks * (s.cpus_per_node // tasks if s.cpus_per_node else 1), s.gpus_here
 
 
 def counted(number: int, word: str) -> str:
