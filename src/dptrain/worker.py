@@ -23,7 +23,8 @@ from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
 from dptrain.dist.world import barrier, destroy_process_group, init_process_group
 from dptrain.files import written_whole
-from dptrain.metrics import CONSOLE, EventLog, JsonlSink, MetricLineSink, tensorboard
+from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,
+                             run_epochs, tensorboard)
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
                              use_deterministic_kernels)
@@ -146,7 +147,9 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     events = EventLog([])
     step = 0
     try:
-        with rank_life(cfg, run_dir) as (env, phase, device, threads):
+        logs_dir = RunFolder(run_dir).logs if run_dir is not None else None
+        # logs/gpu_rank<R>.log on a GPU with NVML, for the rank's whole life; nothing elsewhere
+        with rank_life(cfg, run_dir) as (env, phase, device, threads), gpu_log(logs_dir, env.global_rank, device):
             if env.is_main:
                 events = EventLog([JsonlSink(cfg.output.folder.metrics), MetricLineSink()])
                 log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
@@ -162,6 +165,10 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                 board = tensorboard.open_sink(run_dir, step, config_mod.to_dict(cfg), config_mod.to_toml(cfg), record)
                 if board is not None:
                     events.sinks.append(board)
+                # after the [METRIC] line, which stays as it is: scripts parse that one, people read this one
+                events.sinks.append(EpochLineSink(run_epochs(cfg.train.epochs, trainer.total_steps, len(trainer.train_loader))))
+            # every rank, its own numbers, in its own log (the other ranks' logs had no line per epoch)
+            events.sinks.append(RankEpochSink(env.global_rank, lambda: trainer.state, device))
             events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
                         data=trainer.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=trainer.total_steps,
                         device=str(device), step=step, **restart_counts())

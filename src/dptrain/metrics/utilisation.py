@@ -36,23 +36,40 @@ FIELDS = CPU_FIELDS + GPU_FIELDS
 MIB = 2**20
 
 
-def open_nvml(device: torch.device) -> Any | None:
-    """NVML's handle of this CUDA device, or None (no driver, no library, a device it cannot find): one info line."""
+def nvml_handle(device: torch.device) -> tuple[Any | None, str]:
+    """NVML's handle of this CUDA device, or (None, why not): no driver, no library, a device it cannot find.
+    A handle holds one nvmlInit, which nvml_release gives back (NVML counts them: several users may hold one)."""
     try:
         import pynvml  # nvidia-ml-py
 
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound / _DriverNotLoaded on machines without a driver
-        log.info("no GPU utilisation fields: NVML is not available here (%s)", exc)
-        return None
+        return None, f"NVML is not available here ({exc})"
     try:
         # By UUID: CUDA_VISIBLE_DEVICES renumbers devices, NVML does not.
         uuid = str(torch.cuda.get_device_properties(device).uuid)
-        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"), ""
     except Exception as exc:
-        log.info("no GPU utilisation fields: NVML does not find %s (%s)", device, exc)
+        nvml_release()
+        return None, f"NVML does not find {device} ({exc})"
+
+
+def nvml_release() -> None:
+    """Gives back one nvml_handle's nvmlInit; best effort: the process ends soon after."""
+    try:
+        import pynvml
+
         pynvml.nvmlShutdown()
-        return None
+    except Exception:
+        pass
+
+
+def open_nvml(device: torch.device) -> Any | None:
+    """nvml_handle for the utilisation fields: without one, one info line says why they are absent."""
+    handle, why_not = nvml_handle(device)
+    if handle is None:
+        log.info("no GPU utilisation fields: %s", why_not)
+    return handle
 
 
 class UtilisationSampler:
@@ -103,12 +120,7 @@ class UtilisationSampler:
             self._thread.join(timeout=2 * self.interval_s + 1)
         if self._gpu is not None:
             self._gpu = None
-            try:
-                import pynvml
-
-                pynvml.nvmlShutdown()
-            except Exception:  # shutting down is best effort: the process ends soon after
-                pass
+            nvml_release()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
