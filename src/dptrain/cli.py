@@ -182,6 +182,16 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain checkpoint --help.")
     path = Path(args.path)
+    if args.action == "export":
+        if args.output is None:
+            raise ConfigError("checkpoint export needs a file to write: dptrain checkpoint export SNAPSHOT model.pt.")
+        snapshot, cfg, manifest = snapshot_and_its_run(path, [], 1, "export")
+        count = checkpoint.export_weights(cfg, snapshot, manifest, Path(args.output))
+        print(f"{args.output}: {count} tensors of {snapshot}'s model ({cfg.model.name}), for torch.load(weights_only=True) "
+              f"and load_state_dict")
+        return 0
+    if args.output is not None:
+        raise ConfigError(f"unexpected argument {args.output!r}; checkpoint {args.action} takes one path.")
     if args.action == "verify":
         manifest = checkpoint.verify(path)
         print(f"{path}: ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
@@ -378,9 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     prediction.add_argument("--skip-bad", action="store_true",
                             help="predict the readable inputs and mark unreadable ones in the error column (default: refuse)")
     prediction.set_defaults(func=cmd_predict)
-    ckpt = sub.add_parser("checkpoint", help="list or verify snapshots")
-    ckpt.add_argument("action", choices=("list", "verify"), help="list: every snapshot of a run; verify: check one")
-    ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify: a snapshot folder")
+    ckpt = sub.add_parser("checkpoint", help="list, verify or export snapshots")
+    ckpt.add_argument("action", choices=("list", "verify", "export"),
+                      help="list: every snapshot of a run; verify: check one; export: its model's weights as one file")
+    ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify, export: a snapshot folder "
+                                   "(export: or a run directory, for its newest valid snapshot)")
+    ckpt.add_argument("output", nargs="?", help="export: the file to write (a new one), e.g. model.pt")
     ckpt.set_defaults(func=cmd_checkpoint)
     board = sub.add_parser(
         "tensorboard",
