@@ -61,3 +61,12 @@ def test_help_lists_the_tutorials_spellings(capsys):
     flat = " ".join(capsys.readouterr().out.split())
     assert "--epochs, --num_epochs, --num-epochs for --train.epochs" in flat
     assert "--nproc_per_node for --nproc-per-node" in flat and "--local_rank is ignored" in flat
+
+
+def test_deepspeeds_own_flags_as_its_examples_pass_them(tmp_path, capsys):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    assert main(["config", "--epochs=100", "--deepspeed", "--deepspeed_config", str(ds)]) == 0
+    out, err = capsys.readouterr()
+    assert "epochs = 100" in out and 'name = "deepspeed"' in out and f'config = "{ds}"' in out
+    assert "dptrain: note: --deepspeed is read as --strategy.name deepspeed, its name here." in err.splitlines()

@@ -24,7 +24,11 @@ ALIASES = {
     # torchrun's underscore spellings of the flags `dptrain train` shares with it
     "--nproc_per_node": "--nproc-per-node", "--node_rank": "--node-rank", "--master_addr": "--master-addr",
     "--master_port": "--master-port", "--rdzv_endpoint": "--rdzv-endpoint",
+    # DeepSpeed's own flags, as its examples pass them
+    "--deepspeed_config": "--strategy.deepspeed.config",
 }
+SWITCHES = {"--deepspeed": ["--strategy.name", "deepspeed"]}
+"""Flags without a value that mean an option and its value."""
 IGNORED = ("--local_rank", "--local-rank")
 """What a launcher adds to every worker's command line (DeepSpeed's: --local_rank=N); dptrain reads LOCAL_RANK."""
 REFUSED = {
@@ -49,6 +53,11 @@ def translate(argv: list[str]) -> list[str]:
             continue
         if flag in REFUSED:
             raise ConfigError(f"{flag} {REFUSED[flag]}.")
+        if flag in SWITCHES and not eq:
+            print(f"dptrain: note: {flag} is read as {' '.join(SWITCHES[flag])}, its name here.", file=sys.stderr)
+            out.extend(SWITCHES[flag])
+            i += 1
+            continue
         if flag in ALIASES:
             print(f"dptrain: note: {flag} is read as {ALIASES[flag]}, its name here.", file=sys.stderr)
             out.append(ALIASES[flag] + (eq + value if eq else ""))
@@ -82,6 +91,7 @@ def help_text() -> str:
     by_target: dict[str, list[str]] = {}
     for alias, target in ALIASES.items():
         by_target.setdefault(target, []).append(alias)
-    listed = "; ".join(f"{', '.join(aliases)} for {target}" for target, aliases in by_target.items())
+    listed = "; ".join([*(f"{', '.join(aliases)} for {target}" for target, aliases in by_target.items()),
+                        *(f"{switch} for {' '.join(meaning)}" for switch, meaning in SWITCHES.items())])
     return (f"The tutorials' spellings are read too: {listed}. A launcher's --local_rank is ignored (LOCAL_RANK is "
             f"read). --batch_size and --gpus are answered with dptrain's options of their meaning.")
