@@ -1,9 +1,9 @@
 """logs/gpu_rank<R>.log: each GPU rank's device sampled through NVML every few seconds, as `nvidia-smi dmon` logs it.
 
     # dptrain GPU log: rank 1, cuda:1 (NVIDIA H100 80GB HBM3), NVML every 5 s
-    # time                  sm   mem      fb    pwr  temp
-    # YYYY-mm-dd HH:MM:SS    %     %     MiB      W     C
-    2026-11-23 13:22:48     97    41  12,034    312    61
+    # time                   sm   mem       fb    pwr  temp
+    # YYYY-mm-dd HH:MM:SS     %     %      MiB      W     C
+    2026-11-25 13:22:48      97    41   12,034    313    61
 
 From the rank joining the world to its leaving (evaluation and snapshots included, unlike the per-epoch utilisation
 fields). sm: the time a kernel ran, mem: the time device memory was read or written (NVML's utilisation rates, the
