@@ -17,7 +17,8 @@ import pytest
 
 from dptrain.bench import jobs as jobs_mod
 from dptrain.bench.collect import RESULT_COLUMNS
-from dptrain.bench.sweep import ERROR_FILE, job_shape, plan, sweep_from_options
+from dptrain.bench.sweep import ERROR_FILE, job_shape, plan, runs_on_cpu, sweep_from_options
+from dptrain import config
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
@@ -87,6 +88,20 @@ def test_worker_counts_that_do_not_fit_are_refused(workers, job, sentence):
     with pytest.raises(ConfigError) as refused:
         job_shape(workers, SlurmConfig(**job))
     assert str(refused.value) == sentence
+
+
+def test_a_gres_line_makes_whole_nodes_gpu_points_and_refuses_part_of_a_node(tmp_path):
+    # A sweep whose GPUs an --sbatch gres=gpu:N line asks for ran its points as CPU jobs (gloo, no GPU checks).
+    job = SlurmConfig(nodes=2, sbatch=("gres=gpu:4",))
+    full = job_shape(8, job)
+    assert (full.nodes, full.ranks_here, full.gpus_here) == (2, 4, 4)
+    cfg = config.load(None, [("slurm.nodes", "2"), ("slurm.sbatch", "gres=gpu:4")])
+    assert not runs_on_cpu(cfg, slurm=True)
+    with pytest.raises(ConfigError) as refused:
+        job_shape(2, job)
+    assert str(refused.value) == ("2 workers take part of a node of 4 ranks, but slurm.sbatch's --gres=gpu:4 asks for a "
+                                  "whole node's GPUs; ask for them with --gpus-per-node N instead, which a point on "
+                                  "part of a node shares out, or give worker counts of 4 or more.")
 
 
 def make(tmp_path: Path, workers: str | None, job: list[tuple[str, str]], **kw):

@@ -155,7 +155,7 @@ def refused_worlds(cfgs: dict[str, RunConfig], counts: tuple[int, ...], on_cpu: 
 def runs_on_cpu(cfg: RunConfig, slurm: bool) -> bool:
     """Whether the points' workers run on the CPU: a job's on the GPUs it asks for, here on what launch.device gives."""
     if slurm:
-        return not (cfg.slurm.gpus_per_node > 0 and cfg.launch.device != "cpu")
+        return not (cfg.slurm.gpus_here > 0 and cfg.launch.device != "cpu")  # an --sbatch gres=gpu:N line counts
     from dptrain.runtime import wants_cuda
 
     return not wants_cuda(cfg.launch.device)
@@ -194,6 +194,11 @@ def job_shape(workers: int, job: SlurmConfig) -> SlurmConfig:
     and their share of its GPUs and cores. --nodes is the most nodes a point may take."""
     per_node = job.ranks_here
     if workers < per_node:  # part of one node: each rank keeps the GPUs and cores it has on a full node
+        asked = job.sbatch_gpus_per_node()
+        if asked is not None:  # the line asks for a whole node's GPUs, and the job would hold them for fewer ranks
+            raise ConfigError(f"{workers} workers take part of a node of {per_node} ranks, but slurm.sbatch's {asked[0]} "
+                              f"asks for a whole node's GPUs; ask for them with --gpus-per-node N instead, which a "
+                              f"point on part of a node shares out, or give worker counts of {per_node} or more.")
         nodes, ranks = 1, workers
         gpus = -(-job.gpus_per_node * workers // per_node)
         cpus = job.cpus_per_node // per_node * workers
