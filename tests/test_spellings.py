@@ -70,3 +70,11 @@ def test_deepspeeds_own_flags_as_its_examples_pass_them(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "epochs = 100" in out and 'name = "deepspeed"' in out and f'config = "{ds}"' in out
     assert "dptrain: note: --deepspeed is read as --strategy.name deepspeed, its name here." in err.splitlines()
+
+
+def test_sbatchs_gpu_request_as_a_job_script_writes_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--dry-run", *SMALL, "--gres", "gpu:4", "--train.global_batch_size", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH --gres=gpu:4" in out and "nccl" in out
+    assert err.strip() == "dptrain: note: --gres gpu:4 is read as --sbatch gres=gpu:4, its name here."

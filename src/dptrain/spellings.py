@@ -29,6 +29,8 @@ ALIASES = {
 }
 SWITCHES = {"--deepspeed": ["--strategy.name", "deepspeed"]}
 """Flags without a value that mean an option and its value."""
+SBATCH_LINES = ("--gres", "--gpus-per-task")
+"""sbatch's own GPU requests, as the tutorials' job scripts write them: `dptrain submit` takes them as --sbatch lines."""
 IGNORED = ("--local_rank", "--local-rank")
 """What a launcher adds to every worker's command line (DeepSpeed's: --local_rank=N); dptrain reads LOCAL_RANK."""
 REFUSED = {
@@ -53,6 +55,13 @@ def translate(argv: list[str]) -> list[str]:
             continue
         if flag in REFUSED:
             raise ConfigError(f"{flag} {REFUSED[flag]}.")
+        if flag in SBATCH_LINES:
+            value, i = (value, i) if eq else (argv[i + 1] if i + 1 < len(argv) else "", i + 1)
+            line = f"{flag.removeprefix('--')}={value}"
+            print(f"dptrain: note: {flag} {value} is read as --sbatch {line}, its name here.", file=sys.stderr)
+            out.extend(["--sbatch", line])
+            i += 1
+            continue
         if flag in SWITCHES and not eq:
             print(f"dptrain: note: {flag} is read as {' '.join(SWITCHES[flag])}, its name here.", file=sys.stderr)
             out.extend(SWITCHES[flag])
@@ -92,6 +101,7 @@ def help_text() -> str:
     for alias, target in ALIASES.items():
         by_target.setdefault(target, []).append(alias)
     listed = "; ".join([*(f"{', '.join(aliases)} for {target}" for target, aliases in by_target.items()),
-                        *(f"{switch} for {' '.join(meaning)}" for switch, meaning in SWITCHES.items())])
+                        *(f"{switch} for {' '.join(meaning)}" for switch, meaning in SWITCHES.items()),
+                        *(f"{flag} X for --sbatch {flag.removeprefix('--')}=X" for flag in SBATCH_LINES)])
     return (f"The tutorials' spellings are read too: {listed}. A launcher's --local_rank is ignored (LOCAL_RANK is "
             f"read). --batch_size and --gpus are answered with dptrain's options of their meaning.")
