@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dptrain import config as config_mod
+from dptrain import checkpoint, config as config_mod
 from dptrain.config import RunConfig
 from dptrain.dist.ending import exit_deadline
 from dptrain.dist.env import DistEnv
@@ -227,7 +227,7 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
                                              rank=env.global_rank, world_size=env.world_size, seed=cfg.train.seed,
                                              channels_last=cfg.train.channels_last)
         with phase(f"loading the weights of {snapshot}"):
-            model, manifest = snapshot_model(cfg, Path(snapshot), info.image_shape, info.num_classes, device)
+            model, manifest = checkpoint.snapshot_model(cfg, Path(snapshot), info.image_shape, info.num_classes, device)
         autocast = functools.partial(bf16_autocast, device, cfg.train.bf16)
         rows: list[torch.Tensor] | None = [] if predictions_path else None
         with phase("evaluation"):
@@ -259,7 +259,7 @@ def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, inp
     spec = InputSpec.from_record(input_record, f"snapshot {snapshot}")
     with rank_life(cfg, None) as (env, phase, device, _):
         with phase(f"loading the weights of {snapshot}"):
-            model, _ = snapshot_model(cfg, Path(snapshot), spec.shape, spec.num_classes, device)
+            model, _ = checkpoint.snapshot_model(cfg, Path(snapshot), spec.shape, spec.num_classes, device)
         with phase(f"opening {input_path}"):
             inputs = open_inputs(Path(input_path), spec)
         autocast = functools.partial(bf16_autocast, device, cfg.train.bf16)
@@ -278,25 +278,6 @@ def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, inp
             write_input_predictions(inputs, probs, errors, Path(output))
         log.info("predictions for %d inputs written to %s%s", len(inputs), output,
                  f" ({len(errors)} unreadable, marked in the error column)" if errors else "")
-
-
-def snapshot_model(cfg: RunConfig, snapshot: Path, image_shape: tuple[int, ...], num_classes: int | None,
-                   device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """(the run's model with the snapshot's weights, whole whatever the sharding; the snapshot's manifest)."""
-    from dptrain import checkpoint
-    from dptrain.models import build_model
-    from dptrain.safe_load import dcp_load
-
-    manifest = checkpoint.verify(snapshot)
-    if manifest["model"] != cfg.model.name:
-        raise checkpoint.SnapshotError(f"snapshot {snapshot} holds model {manifest['model']}, not {cfg.model.name}.")
-    model = build_model(cfg.model, image_shape, num_classes).to(device)
-    if cfg.train.channels_last and device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    state = {"model": model.state_dict()}
-    dcp_load(state, snapshot)  # only the model's entries; fsdp shards come back whole
-    model.load_state_dict(state["model"])
-    return model, manifest
 
 
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from dptrain.metrics.utilisation import peak_memory_mb
 
-if TYPE_CHECKING:  # metrics does not import the loop's modules at run time (imports flow train -> metrics)
-    from dptrain.train_state import TrainState
+class EpochSoFar(Protocol):
+    """What a rank's own epoch line reads of the loop's TrainState (metrics sits below train_state: no import)."""
+
+    epoch_sums: torch.Tensor | None
+    batches_consumed: int
+    epoch_elapsed: float
 
 log = logging.getLogger("dptrain")
 
@@ -68,11 +72,11 @@ def rank_epoch_line(global_rank: int, epoch: int, steps: int, samples: int, seco
 class RankEpochSink:
     """Every rank: its own per-epoch line, in its log file only (rank 0's console has the `Epoch` line instead).
 
-    Reads the loop's TrainState when the epoch event is emitted: the event holds the reduced numbers, the state still
+    Reads the loop's TrainState (an EpochSoFar) when the epoch event is emitted: the event holds the reduced numbers, the state still
     holds this rank's sums (they are reset when the next epoch starts). Reading them is one host sync, at the epoch's
     end, after the reduction has synchronised already."""
 
-    def __init__(self, global_rank: int, state: Callable[[], TrainState], device: torch.device) -> None:
+    def __init__(self, global_rank: int, state: Callable[[], EpochSoFar], device: torch.device) -> None:
         self.global_rank, self.state, self.device = global_rank, state, device
 
     def write(self, event: dict[str, Any]) -> None:
