@@ -156,6 +156,10 @@ class OptimConfig:
     """SGD momentum."""
     weight_decay: float = 0.0
     """L2 penalty (decoupled for adamw)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """For adam and adamw: decay rates of the running means of the gradient and of its square (torch's defaults)."""
+    eps: float = 1e-8
+    """For adam and adamw: added to the root of the squared-gradient mean, so that a step never divides by 0."""
     schedule: Literal["constant", "cosine", "onecycle", "step"] = "constant"
     """Learning-rate schedule over the run's optimizer steps."""
     step_epochs: int = 1
@@ -177,6 +181,10 @@ class OptimConfig:
         _positive(self.reference_batch_size, "optim.reference_batch_size")
         _not_negative(self.momentum, "optim.momentum")
         _not_negative(self.weight_decay, "optim.weight_decay")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"optim.betas = {list(self.betas)} must be two numbers from 0 up to (not including) 1, "
+                              f"like 0.9,0.999.")
+        _positive(self.eps, "optim.eps")
         _positive(self.step_epochs, "optim.step_epochs")
         _positive(self.gamma, "optim.gamma")
 

@@ -39,7 +39,8 @@ def optimizer_choice(optim: OptimConfig, lr: float, fused: bool, capturable: boo
     if cls is torch.optim.SGD:
         return OptimizerSpec(cls, {"lr": lr, "momentum": optim.momentum, "weight_decay": optim.weight_decay})
     kernels = {"fused": True, "capturable": capturable} if fused else {}
-    return OptimizerSpec(cls, {"lr": lr, "weight_decay": optim.weight_decay, **kernels})
+    return OptimizerSpec(cls, {"lr": lr, "betas": tuple(optim.betas), "eps": optim.eps,
+                               "weight_decay": optim.weight_decay, **kernels})
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
