@@ -67,10 +67,10 @@ HOSTILE = {  # name -> (the file's settings, the options, a fragment of the one 
     "another micro batch": ({"train_micro_batch_size_per_gpu": 16}, (), "sets train_micro_batch_size_per_gpu 16, but each of the 2 ranks takes 64 samples of train.global_batch_size 128; set --train.global_batch_size 32"),
     "accumulation": ({"gradient_accumulation_steps": 4}, (), "sets gradient_accumulation_steps 4, but dptrain takes one optimizer step per global batch"),
     "another clip": ({"gradient_clipping": 1.0}, (), "sets gradient_clipping 1.0 but train.grad_clip is none; set --train.grad_clip 1.0, or remove"),
-    "a scheduler": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}, (), "has a scheduler section \\(WarmupLR\\), but dptrain schedules the learning rate itself"),
+    "a scheduler": ({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}}, (), "has a scheduler section \\(OneCycle\\), but dptrain schedules the learning rate itself \\(it reads WarmupLR only\\)"),
     "DeepSpeed's Adam is AdamW": ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, (), "asks for optimizer Adam \\(adamw in dptrain's terms\\) but optim.name is adam; set --optim.name adamw"),
     "another lr": ({"optimizer": {"type": "Adam", "params": {"lr": 5e-4, "adam_w_mode": False}}}, (), "sets optimizer lr 0.0005 but optim.lr is 0.001; set --optim.lr 0.0005, or remove lr"),
-    "other betas": ({"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.999], "adam_w_mode": False}}}, (), "sets optimizer betas \\[0.8, 0.999\\] but torch's default is \\[0.9, 0.999\\]"),
+    "other betas": ({"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.999], "adam_w_mode": False}}}, (), "sets optimizer betas \\[0.8, 0.999\\] but optim.betas is \\[0.9, 0.999\\]; set --optim.betas 0.8,0.999, or remove betas from the file\\."),
     "another optimizer": ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, (), "asks for optimizer 'Lamb', which dptrain does not build"),
     "bf16 weights": ({"bf16": {"enabled": True}}, (("train.bf16", "true"),), "enables bf16, but precision is dptrain's train.bf16 \\(bfloat16 autocast over float32 weights"),
     # NaN was refused with advice to pass --train.grad_clip nan; Python's json reads NaN, Infinity and 1e400 as floats.

@@ -7,8 +7,11 @@
 dptrain's options stay the one source of what is computed: the batch, the optimizer (train.optimizer_spec,
 handed to DeepSpeed as its client optimizer), the learning-rate schedule, gradient clipping, precision
 (train.bf16 autocasts, as for every strategy) and the ZeRO stage. A user's ds_config.json adds the engine's
-own settings (buckets, overlap, communication dtype, ...); where it also states one of dptrain's, it must
-agree, and a contradiction is refused in one sentence before any worker starts (check_run). Snapshots hold
+own settings (buckets, overlap, communication dtype, ...). Where it states one of dptrain's that the run does
+not set itself (train_batch_size, the Adam/AdamW/SGD optimizer's params, gradient_clipping, a WarmupLR
+scheduler), adopt_user_config takes the file's value into the options, as the tutorials' files expect; where
+the run sets it too, both must agree, and a contradiction is refused in one sentence before any worker starts
+(check_run). Snapshots hold
 DeepSpeed's own checkpoint (engine.save_checkpoint / load_checkpoint) in a subfolder, written and read as
 plain data (PlainDataCheckpointEngine), besides the model in DCP for `dptrain eval` and `predict`.
 """
@@ -24,6 +27,7 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, read_config_text
+from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, from_dict, read_config_text, to_dict
 from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy
 from dptrain.strategies.state import OwnFolder, Shards, StatePart
@@ -46,7 +50,11 @@ DPTRAIN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_
 PRECISION_SECTIONS = ("bf16", "amp", "torch_autocast")  # fp16 has sentences of its own
 OFFLOADS = {"offload_optimizer": "the optimizer state", "offload_param": "the parameters"}
 OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw"}  # DeepSpeed's type (lower case) -> optim.name; "adam": see below
-TORCH_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8}  # what train.optimizer_spec leaves at torch's defaults
+OPTIMIZER_PARAMS = {"sgd": ("lr", "weight_decay", "momentum"), "adam": ("lr", "weight_decay", "betas", "eps")}
+"""The optimizer params dptrain reads from the file, each into optim.<param>; adamw takes adam's."""
+# DeepSpeed's WarmupLR where the file is silent: from 0 to the optimizer's lr over 1000 steps. Its default shape is a
+# log curve; dptrain's warm-up is linear (the same end points): a file asking for "log" by name is refused.
+WARMUP_LR_DEFAULTS = {"warmup_min_lr": 0, "warmup_num_steps": 1000, "warmup_type": "linear"}
 
 
 # ---------------------------------------------------------------- the user's JSON, checked against the run
@@ -109,6 +117,71 @@ def _given(tree: dict[str, Any], key: str) -> bool:
     return key in tree and tree[key] != "auto"
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _optimizer_name(section: dict[str, Any], params: dict[str, Any]) -> str | None:
+    """dptrain's optim.name for the file's optimizer type; None if dptrain builds no such optimizer. DeepSpeed's
+    "Adam" is AdamW (decoupled weight decay) unless adam_w_mode is false."""
+    kind = str(section.get("type", "")).lower()
+    return {"adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, OPTIMIZER_TYPES.get(kind))
+
+
+def file_options(tree: dict[str, Any], path: str) -> dict[str, Any]:
+    """The file's settings that are dptrain options, as dotted option names -> values. Only well-formed values are
+    read: anything else is left to check_against_run, which names the key."""
+    found: dict[str, Any] = {}
+    if _given(tree, "train_batch_size") and _number(tree["train_batch_size"]) and tree["train_batch_size"] > 0:
+        found["train.global_batch_size"] = tree["train_batch_size"]
+    if _given(tree, "gradient_clipping") and _number(tree["gradient_clipping"]):
+        found["train.grad_clip"] = tree["gradient_clipping"] or None  # DeepSpeed's 0 is no clipping
+    if "optimizer" in tree:
+        section = _section(tree, "optimizer", path)
+        params = _section(section, "params", path)
+        name = _optimizer_name(section, params)
+        if name is not None:
+            found["optim.name"] = name
+            for key in OPTIMIZER_PARAMS["sgd" if name == "sgd" else "adam"]:
+                value = params.get(key)
+                if _number(value) or (key == "betas" and isinstance(value, list) and all(map(_number, value))):
+                    found[f"optim.{key}"] = value
+    if "scheduler" in tree:
+        section = _section(tree, "scheduler", path)
+        steps = _section(section, "params", path).get("warmup_num_steps", WARMUP_LR_DEFAULTS["warmup_num_steps"])
+        if section.get("type") == "WarmupLR" and isinstance(steps, int) and not isinstance(steps, bool):
+            found.update({"optim.schedule": "constant", "optim.warmup_steps": steps})
+    return found
+
+
+def _option(cfg: RunConfig, name: str) -> Any:
+    value: Any = cfg
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def adopt_user_config(cfg: RunConfig, given: Collection[str] | None = None) -> RunConfig:
+    """cfg with the ds_config's settings taken into dptrain's options where the run does not set them itself.
+
+    given: the dotted options the user set (in the config file or on the command line); the file's value never
+    replaces one of them, and check_against_run refuses a contradiction. None: an option counts as set where its
+    value differs from the default (an option set to its default value on purpose then takes the file's)."""
+    path = cfg.strategy.deepspeed.config
+    if cfg.strategy.name != "deepspeed" or path is None:
+        return cfg
+    defaults = RunConfig()
+    taken = {name: value for name, value in file_options(read_user_config(path), path).items()
+             if (name not in given if given is not None else _option(cfg, name) == _option(defaults, name))}
+    if not taken:
+        return cfg
+    tree = to_dict(cfg)
+    for name, value in taken.items():
+        section, key = name.split(".")
+        tree[section][key] = value
+    return from_dict(tree)
+
+
 def check_against_run(tree: dict[str, Any], cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
     """ConfigError naming the first setting of the file that DeepSpeed cannot run here, or that contradicts dptrain's."""
     path = cfg.strategy.deepspeed.config
@@ -120,12 +193,44 @@ def check_against_run(tree: dict[str, Any], cfg: RunConfig, world_size: int, on_
         ours = "none" if cfg.train.grad_clip is None else cfg.train.grad_clip
         raise ConfigError(f"{path} sets gradient_clipping {tree['gradient_clipping']} but train.grad_clip is {ours}; "
                           f"set --train.grad_clip {tree['gradient_clipping'] or 'none'}, or remove gradient_clipping from the file.")
-    if "scheduler" in tree:
-        kind = _section(tree, "scheduler", path).get("type", "?")
-        raise ConfigError(f"{path} has a scheduler section ({kind}), but dptrain schedules the learning rate itself; "
-                          f"remove the section and set optim.schedule and optim.warmup_steps instead.")
     if "optimizer" in tree:
         _check_optimizer(_section(tree, "optimizer", path), cfg, path)
+    if "scheduler" in tree:  # after the optimizer: a contradicting lr is the optimizer's
+        _check_scheduler(_section(tree, "scheduler", path), cfg, path)
+
+
+def _check_scheduler(section: dict[str, Any], cfg: RunConfig, path: str) -> None:
+    """WarmupLR from 0 to optim.lr is dptrain's warm-up with a constant schedule; any other scheduler is refused."""
+    kind = section.get("type", "?")
+    if kind != "WarmupLR":
+        raise ConfigError(f"{path} has a scheduler section ({kind}), but dptrain schedules the learning rate itself "
+                          f"(it reads WarmupLR only); remove the section and set optim.schedule and optim.warmup_steps instead.")
+    params = {**WARMUP_LR_DEFAULTS, "warmup_max_lr": cfg.optim.lr, **_section(section, "params", path)}
+    for key in params:
+        if key not in (*WARMUP_LR_DEFAULTS, "warmup_max_lr"):
+            raise ConfigError(f"{path} sets scheduler {key}, which dptrain's warm-up does not take (it reads "
+                              f"{', '.join((*WARMUP_LR_DEFAULTS, 'warmup_max_lr'))}); remove it.")
+    if params["warmup_type"] != "linear":
+        raise ConfigError(f"{path} sets scheduler warmup_type {json.dumps(params['warmup_type'])}, but dptrain's warm-up "
+                          f"rises linearly; set \"linear\", or remove warmup_type from the file.")
+    if params["warmup_min_lr"] != 0:
+        raise ConfigError(f"{path} sets scheduler warmup_min_lr {json.dumps(params['warmup_min_lr'])}, but dptrain's "
+                          f"warm-up starts from 0; set 0, or remove warmup_min_lr from the file.")
+    if "warmup_max_lr" in section.get("params", {}) and cfg.optim.scale_lr_with != "none":
+        raise ConfigError(f"{path} sets scheduler warmup_max_lr {json.dumps(params['warmup_max_lr'])}, a fixed rate, but "
+                          f"optim.scale_lr_with {cfg.optim.scale_lr_with} scales optim.lr with the batch; remove "
+                          f"warmup_max_lr from the file.")
+    if params["warmup_max_lr"] != cfg.optim.lr:
+        raise ConfigError(f"{path} sets scheduler warmup_max_lr {json.dumps(params['warmup_max_lr'])} but optim.lr is "
+                          f"{cfg.optim.lr}, the rate the warm-up reaches; set --optim.lr {params['warmup_max_lr']}, or "
+                          f"remove warmup_max_lr from the file.")
+    if params["warmup_num_steps"] != cfg.optim.warmup_steps:
+        raise ConfigError(f"{path} sets scheduler warmup_num_steps {json.dumps(params['warmup_num_steps'])} but "
+                          f"optim.warmup_steps is {cfg.optim.warmup_steps}; set --optim.warmup_steps "
+                          f"{params['warmup_num_steps']}, or remove the scheduler section.")
+    if cfg.optim.schedule != "constant":
+        raise ConfigError(f"{path} has scheduler WarmupLR, which holds the rate after its warm-up, but optim.schedule is "
+                          f"{cfg.optim.schedule}; set --optim.schedule constant, or remove the scheduler section.")
 
 
 def _check_zero(zero: dict[str, Any], stage: int, path: str) -> None:
@@ -181,31 +286,29 @@ def _check_batch(tree: dict[str, Any], global_batch: int, world_size: int, path:
 
 def _check_optimizer(section: dict[str, Any], cfg: RunConfig, path: str) -> None:
     """The file's optimizer is accepted where it is the one [optim] builds; dptrain's is used either way."""
-    kind = str(section.get("type", "")).lower()
     params = _section(section, "params", path)
-    mine = {"adam": "adamw" if params.get("adam_w_mode", True) else "adam"}.get(kind, OPTIMIZER_TYPES.get(kind))
+    mine = _optimizer_name(section, params)
     if mine is None:
         raise ConfigError(f"{path} asks for optimizer {section.get('type')!r}, which dptrain does not build (it builds sgd, "
                           f"adam and adamw from [optim]); remove the optimizer section and set --optim.name.")
     if mine != cfg.optim.name:
         raise ConfigError(f"{path} asks for optimizer {section['type']} ({mine} in dptrain's terms) but optim.name is "
                           f"{cfg.optim.name}; set --optim.name {mine}, or remove the optimizer section.")
-    ours: dict[str, Any] = {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay, **TORCH_DEFAULTS}
-    if mine == "sgd":
-        ours = {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay, "momentum": cfg.optim.momentum}
+    ours = {key: getattr(cfg.optim, key) for key in OPTIMIZER_PARAMS["sgd" if mine == "sgd" else "adam"]}
+    ours = {key: list(value) if isinstance(value, tuple) else value for key, value in ours.items()}
     for key, value in params.items():
         if key in ("torch_adam", "adam_w_mode") or value == "auto":  # how DeepSpeed would build it; dptrain builds it
             continue
         if key not in ours:
             raise ConfigError(f"{path} sets optimizer {key}, which dptrain's {mine} does not take from the file (it takes "
-                              f"{', '.join(ours)} from [optim] or torch's defaults); remove it.")
+                              f"{', '.join(ours)}, into [optim]); remove it.")
         if key == "lr" and cfg.optim.scale_lr_with != "none":
             raise ConfigError(f"{path} sets optimizer lr {value}, a fixed rate, but optim.scale_lr_with "
                               f"{cfg.optim.scale_lr_with} scales optim.lr with the batch; remove lr from the file.")
         if (list(value) if isinstance(value, (list, tuple)) else value) != ours[key]:
-            fix = f"set --optim.{key} {value}" if key in ("lr", "weight_decay", "momentum") else f"dptrain uses {ours[key]}"
-            where = f"optim.{key} is {ours[key]}" if key in ("lr", "weight_decay", "momentum") else f"torch's default is {ours[key]}"
-            raise ConfigError(f"{path} sets optimizer {key} {json.dumps(value)} but {where}; {fix}, or remove {key} from the file.")
+            typed = ",".join(map(str, value)) if isinstance(value, list) else value
+            raise ConfigError(f"{path} sets optimizer {key} {json.dumps(value)} but optim.{key} is "
+                              f"{json.dumps(ours[key])}; set --optim.{key} {typed}, or remove {key} from the file.")
 
 
 def engine_config(user: dict[str, Any], zero_stage: int) -> dict[str, Any]:

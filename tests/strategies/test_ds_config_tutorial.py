@@ -1,0 +1,188 @@
+"""A ds_config.json as the tutorials write it (seed 003: a batch, Adam with its betas and eps, gradient clipping, a
+WarmupLR scheduler) is read into dptrain's options where the run does not set them, and refused in one sentence where
+it contradicts the run; optim.betas and optim.eps reach torch's optimizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain.cli import main
+from dptrain.config import OptimConfig, RunConfig, load as load_config
+from dptrain.errors import ConfigError
+from dptrain.strategies import check_world
+from dptrain.strategies.base import optimizer_choice
+from dptrain.strategies.deepspeed import adopt_user_config, file_options
+
+# Seed 003's ds_config.json: the same keys and values, as data.
+TUTORIAL = {
+    "train_batch_size": 400,
+    "steps_per_print": 2000,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000}},
+    "gradient_clipping": 1.0,
+    "prescale_gradients": False,
+    "wall_clock_breakdown": False,
+}
+
+
+def run_config(tmp_path: Path, ds: dict, *overrides: tuple[str, str]) -> RunConfig:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    return load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(path)), *overrides])
+
+
+def refusal(cfg: RunConfig) -> str:
+    with pytest.raises(ConfigError) as caught:
+        check_world(cfg, 2, 1000, on_cpu=True)
+    return str(caught.value)
+
+
+# ---------------------------------------------------------------- optim.betas and optim.eps
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_betas_and_eps_reach_torchs_optimizer(name):
+    optim = OptimConfig(name=name, betas=(0.8, 0.99), eps=1e-6)
+    built = optimizer_choice(optim, 0.01, fused=False).build(nn.Linear(2, 1).parameters())
+    assert built.param_groups[0]["betas"] == (0.8, 0.99)
+    assert built.param_groups[0]["eps"] == 1e-6
+
+
+def test_betas_and_eps_default_to_torchs():
+    built = optimizer_choice(OptimConfig(), 0.01, fused=False).build(nn.Linear(2, 1).parameters())
+    plain = torch.optim.Adam(nn.Linear(2, 1).parameters())
+    assert (built.param_groups[0]["betas"], built.param_groups[0]["eps"]) == (plain.defaults["betas"], plain.defaults["eps"])
+
+
+def test_betas_are_read_from_the_command_line_and_checked():
+    assert load_config(None, [("optim.betas", "0.8,0.999"), ("optim.eps", "1e-7")]).optim.betas == (0.8, 0.999)
+    with pytest.raises(ConfigError, match=r"^optim.betas = \[0.9\] must be two numbers from 0 up to \(not including\) 1, like 0.9,0.999\.$"):
+        load_config(None, [("optim.betas", "0.9")])
+    with pytest.raises(ConfigError, match=r"^optim.betas = \[0.9, 1.0\] must be two numbers"):
+        load_config(None, [("optim.betas", "0.9,1")])
+    with pytest.raises(ConfigError, match=r"^optim.betas = inf is not a finite number; give a finite value\.$"):
+        load_config(None, [("optim.betas", "inf,0.999")])
+    with pytest.raises(ConfigError, match=r"^optim.eps = 0.0 must be greater than 0\.$"):
+        load_config(None, [("optim.eps", "0")])
+
+
+def test_betas_and_eps_are_computation_options_a_resume_keeps():
+    from dptrain.checkpoint import computation_options
+
+    options = computation_options(load_config(None, [("optim.betas", "0.8,0.999")]))
+    assert options["optim.betas"] == [0.8, 0.999] and options["optim.eps"] == 1e-8
+
+
+# ---------------------------------------------------------------- the tutorial's file, read into the options
+
+
+def test_the_tutorials_file_maps_to_dptrains_options(tmp_path):
+    path = str(tmp_path / "ds_config.json")
+    assert file_options(TUTORIAL, path) == {
+        "train.global_batch_size": 400, "train.grad_clip": 1.0, "optim.name": "adamw", "optim.lr": 0.001,
+        "optim.weight_decay": 3e-7, "optim.betas": [0.8, 0.999], "optim.eps": 1e-8,
+        "optim.schedule": "constant", "optim.warmup_steps": 1000}
+
+
+def test_the_tutorials_file_is_accepted_as_written(tmp_path):
+    """Refused before: train_batch_size 400 against the default batch, WarmupLR, betas [0.8, 0.999]."""
+    cfg = adopt_user_config(run_config(tmp_path, TUTORIAL))
+    check_world(cfg, 2, 1000, on_cpu=True)
+    assert (cfg.train.global_batch_size, cfg.train.grad_clip) == (400, 1.0)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.betas, cfg.optim.eps, cfg.optim.weight_decay) == \
+        ("adamw", 0.001, (0.8, 0.999), 1e-8, 3e-7)
+    assert (cfg.optim.schedule, cfg.optim.warmup_steps) == ("constant", 1000)
+
+
+def test_options_the_run_gives_are_kept_and_agreeing_ones_accepted(tmp_path):
+    cfg = run_config(tmp_path, TUTORIAL, ("train.global_batch_size", "400"), ("optim.name", "adamw"))
+    adopted = adopt_user_config(cfg, given={"train.global_batch_size", "optim.name"})
+    check_world(adopted, 2, 1000, on_cpu=True)
+    assert adopted.train.global_batch_size == 400
+
+
+CONTRADICTIONS = {  # name -> (the options the run gives, the one sentence)
+    "batch": ((("train.global_batch_size", "128"),),
+              "sets train_batch_size 400 but train.global_batch_size is 128; set --train.global_batch_size 400, or remove "
+              "train_batch_size from the file."),
+    "betas": ((("optim.betas", "0.9,0.999"),),
+              "sets optimizer betas [0.8, 0.999] but optim.betas is [0.9, 0.999]; set --optim.betas 0.8,0.999, or remove "
+              "betas from the file."),
+    "clipping": ((("train.grad_clip", "0.5"),),
+                 "sets gradient_clipping 1.0 but train.grad_clip is 0.5; set --train.grad_clip 1.0, or remove "
+                 "gradient_clipping from the file."),
+    "warm-up": ((("optim.warmup_steps", "10"),),
+                "sets scheduler warmup_num_steps 1000 but optim.warmup_steps is 10; set --optim.warmup_steps 1000, or "
+                "remove the scheduler section."),
+    "schedule": ((("optim.schedule", "cosine"),),
+                 "has scheduler WarmupLR, which holds the rate after its warm-up, but optim.schedule is cosine; set "
+                 "--optim.schedule constant, or remove the scheduler section."),
+    "peak rate": ((("optim.lr", "0.01"),),
+                  "sets optimizer lr 0.001 but optim.lr is 0.01; set --optim.lr 0.001, or remove lr from the file."),
+}
+
+
+@pytest.mark.parametrize("name", CONTRADICTIONS)
+def test_a_contradiction_with_a_given_option_is_one_sentence(tmp_path, name):
+    overrides, sentence = CONTRADICTIONS[name]
+    cfg = adopt_user_config(run_config(tmp_path, TUTORIAL, *overrides), given={key for key, _ in overrides})
+    assert refusal(cfg) == f"{tmp_path / 'ds_config.json'} {sentence}"
+
+
+def test_without_the_given_names_an_option_off_its_default_counts_as_given(tmp_path):
+    cfg = adopt_user_config(run_config(tmp_path, TUTORIAL, ("train.global_batch_size", "64")))
+    assert cfg.train.global_batch_size == 64 and cfg.optim.betas == (0.8, 0.999)
+    assert "sets train_batch_size 400 but train.global_batch_size is 64" in refusal(cfg)
+
+
+WARMUPS = {  # name -> (the scheduler's params, the one sentence's fragment)
+    "log rise": ({"warmup_num_steps": 5, "warmup_type": "log"},
+                 "sets scheduler warmup_type \"log\", but dptrain's warm-up rises linearly; set \"linear\", or remove "
+                 "warmup_type from the file."),
+    "from a floor": ({"warmup_num_steps": 5, "warmup_min_lr": 1e-5},
+                     "sets scheduler warmup_min_lr 1e-05, but dptrain's warm-up starts from 0; set 0, or remove "
+                     "warmup_min_lr from the file."),
+    "to another rate": ({"warmup_num_steps": 5, "warmup_max_lr": 0.1},
+                        "sets scheduler warmup_max_lr 0.1 but optim.lr is 0.001, the rate the warm-up reaches; set "
+                        "--optim.lr 0.1, or remove warmup_max_lr from the file."),
+    "another key": ({"warmup_num_steps": 5, "last_batch_iteration": 3},
+                    "sets scheduler last_batch_iteration, which dptrain's warm-up does not take (it reads warmup_min_lr, "
+                    "warmup_num_steps, warmup_type, warmup_max_lr); remove it."),
+}
+
+
+@pytest.mark.parametrize("name", WARMUPS)
+def test_a_warmup_dptrain_cannot_honour_is_one_sentence_naming_the_key(tmp_path, name):
+    params, sentence = WARMUPS[name]
+    cfg = adopt_user_config(run_config(tmp_path, {"scheduler": {"type": "WarmupLR", "params": params}}))
+    assert cfg.optim.warmup_steps == 5
+    assert refusal(cfg) == f"{tmp_path / 'ds_config.json'} {sentence}"
+
+
+def test_warmup_lr_with_deepspeeds_defaults_is_1000_steps_to_optim_lr(tmp_path):
+    cfg = adopt_user_config(run_config(tmp_path, {"scheduler": {"type": "WarmupLR"}}))
+    check_world(cfg, 2, 1000, on_cpu=True)
+    assert (cfg.optim.warmup_steps, cfg.optim.lr) == (1000, 1e-3)
+
+
+def test_a_run_without_a_file_is_left_as_it_is():
+    cfg = load_config(None, [("strategy.name", "deepspeed")])
+    assert adopt_user_config(cfg) is cfg
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.xfail(strict=True, reason="cli.resolve_config does not call strategies.deepspeed.adopt_user_config yet")
+def test_dptrain_train_takes_the_tutorials_file(tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(TUTORIAL))
+    code = main(["train", "--dry-run", "--strategy.name", "deepspeed", "--strategy.deepspeed.config", str(path),
+                 "--data.name", "synthetic", "--output.dir", str(tmp_path / "runs"), "--nproc-per-node", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "400" in out
