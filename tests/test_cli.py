@@ -177,7 +177,7 @@ def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path,
     "argv, message",
     [
         (["--optim.lr", "1e400"], "optim.lr = 1e400 (it reads as inf) is not a finite number; give a finite value."),
-        (["--optim.zzz", "1"], "unknown option optim.zzz; valid options in [optim] are: name, lr, momentum, weight_decay, "
+        (["--optim.zzz", "1"], "unknown option optim.zzz; valid options in [optim] are: name, lr, momentum, weight_decay, betas, eps, "
                                "schedule, step_epochs, gamma, warmup_steps, scale_lr_with, reference_batch_size."),
         (["--launch.device=tpu"], "launch.device = 'tpu' is not one of auto, cpu, cuda; pick one of them."),
         (["--config", "absent.toml"], "config file absent.toml does not exist; check the path given to --config."),

@@ -32,8 +32,6 @@ def test_torchruns_underscore_flags_and_a_launchers_local_rank(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("flag, sentence", [
-    ("--batch_size", "--batch_size is the tutorials' batch per process; dptrain's batch is the global one over every "
-                     "rank: give --train.global_batch_size, your batch per process times the number of workers."),
     ("--gpus", "--gpus counts GPUs in the tutorials; dptrain starts one worker per GPU: give --nproc-per-node N here, "
                "or --gpus-per-node N to dptrain submit."),
 ])
@@ -78,3 +76,24 @@ def test_sbatchs_gpu_request_as_a_job_script_writes_it(tmp_path, capsys, monkeyp
     out, err = capsys.readouterr()
     assert "#SBATCH --gres=gpu:4" in out and "nccl" in out
     assert err.strip() == "dptrain: note: --gres gpu:4 is read as --sbatch gres=gpu:4, its name here."
+
+
+def test_the_tutorials_batch_per_process_makes_the_global_batch_of_the_world(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *SMALL[:6], "--batch_size", "16", "--nproc-per-node", "2", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "global 32 = 16 per rank" in out
+    assert "dptrain: note: --batch_size is read as --train.batch_size_per_rank, its name here." in err
+    # with a global batch given too, the two must agree
+    assert main(["train", *SMALL[:6], "--train.batch_size_per_rank", "16", "--train.global_batch_size", "48",
+                 "--nproc-per-node", "2", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == ("dptrain: error: train.batch_size_per_rank 16 x 2 ranks is a global "
+                                               "batch of 32, but train.global_batch_size is 48; give one of the two.")
+
+
+def test_the_resolved_global_batch_is_saved_with_the_run(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", *SMALL[:6], "--train.batch_size_per_rank", "16", "--train.epochs", "1",
+                 "--output.dir", str(run)]) == 0
+    saved = (run / "config.toml").read_text()
+    assert "global_batch_size = 16" in saved and "batch_size_per_rank = 16" in saved

@@ -73,8 +73,15 @@ def _hash(options: dict[str, Any]) -> str:
 
 def recorded_options(manifest: dict[str, Any]) -> dict[str, Any]:
     """The options a manifest records, under today's names (a snapshot of before the strategy tables says
-    strategy.comm_hook for strategy.ddp.comm_hook)."""
-    return {config_mod.current_name(name): value for name, value in manifest.get("config", {}).items()}
+    strategy.comm_hook for strategy.ddp.comm_hook); an option added since it was written (optim.betas) at its
+    default, which is what that snapshot computed with."""
+    recorded = {config_mod.current_name(name): value for name, value in manifest.get("config", {}).items()}
+    return {**_defaults_of_options(), **recorded}
+
+
+def _defaults_of_options() -> dict[str, Any]:
+    """Every option a resume must keep, at its default (the config files left out, whose absence is their default)."""
+    return {name: value for name, value in computation_options(RunConfig()).items() if "(" not in name}
 
 
 def recorded_hash(manifest: dict[str, Any]) -> str:

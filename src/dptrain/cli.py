@@ -31,7 +31,8 @@ from dptrain.dist.env import Nodes
 from dptrain.dist.failures import WorkerFailure
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
-from dptrain.prestart import check_predictions_path, preflight, preflight_job, snapshot_and_its_run
+from dptrain.prestart import (adopt_ds_config, check_predictions_path, preflight, preflight_job, resolve_batch,
+                              snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -62,7 +63,7 @@ def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
     overrides = split_overrides(extra)
     if args.nproc_per_node is not None:
         overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
-    return config_mod.load(args.config, overrides)
+    return adopt_ds_config(config_mod.load(args.config, overrides), args.config, overrides)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
@@ -76,6 +77,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = resolve_config(args, extra)
     nodes = nodes_of(args)
     world_size, launched_outside = world_size_here(cfg, nodes)
+    cfg = resolve_batch(cfg, world_size)
     preflight(cfg, world_size)
     if args.dry_run:
         from dptrain.dry_run import dry_run
@@ -91,12 +93,14 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id."""
     from dptrain.slurm import job as slurm_job
 
-    cfg = config_mod.load(args.config, [*split_overrides(extra), *submit_overrides(args)])
+    pairs = [*split_overrides(extra), *submit_overrides(args)]
+    cfg = adopt_ds_config(config_mod.load(args.config, pairs), args.config, pairs)
     lines = job_lines(args)
     if lines:  # lines on the command line replace the file's list
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
+    cfg = resolve_batch(cfg, job.world_size)  # the job's config.toml holds the global batch it trains with
     preflight_job(cfg, job.world_size)
     script = slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
     if args.dry_run:

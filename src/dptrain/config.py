@@ -197,6 +197,10 @@ class TrainConfig:
     """Stop after this many optimizer steps, even mid-epoch (None: run all epochs)."""
     global_batch_size: int = 128
     """Samples per optimizer step over all ranks; each rank takes global_batch_size / world_size."""
+    batch_size_per_rank: int | None = may_change_at_resume(None)
+    """The tutorials' batch instead: samples per step on each rank that takes data. The global batch is then this
+    times those ranks, printed and saved as train.global_batch_size: it changes with the world size, and with it what
+    a step computes (a resume at another world size is refused). None: train.global_batch_size decides."""
     eval_batch_size: int = may_change_at_resume(128)
     """Samples per evaluation forward pass on each rank. Small batches keep the activations in the CPU's caches:
     the tutorials' CNN evaluates 2.3x faster on one core at 128 than at 1000, and holds about 200 MB less."""
@@ -243,6 +247,8 @@ class TrainConfig:
         if self.max_steps is not None:
             _positive(self.max_steps, "train.max_steps")
         _positive(self.global_batch_size, "train.global_batch_size")
+        if self.batch_size_per_rank is not None:
+            _positive(self.batch_size_per_rank, "train.batch_size_per_rank")
         _positive(self.eval_batch_size, "train.eval_batch_size")
         _positive(self.log_every, "train.log_every")
         _not_negative(self.progress_every_s, "train.progress_every_s")

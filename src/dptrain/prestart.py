@@ -7,12 +7,14 @@ Each raises one sentence (ConfigError, DataError, SnapshotError) and writes noth
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from dptrain import checkpoint, config as config_mod
-from dptrain.config import RunConfig
+from dptrain.config import RunConfig, TrainConfig
 from dptrain.data import describe
 from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
@@ -21,6 +23,9 @@ from dptrain.models import check_input
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import wants_cuda
 from dptrain.safe_load import check_private_file
+
+
+log = logging.getLogger("dptrain")
 
 
 def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) -> None:
@@ -43,6 +48,44 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
+
+
+def adopt_ds_config(cfg: RunConfig, config_path: str | None, pairs: list[tuple[str, str]]) -> RunConfig:
+    """cfg with a DeepSpeed config file's settings (the tutorials' train_batch_size, Adam params, clipping, WarmupLR)
+    taken into the options that neither the --config file nor the command line sets; cfg itself without one."""
+    if cfg.strategy.name != "deepspeed" or cfg.strategy.deepspeed.config is None:
+        return cfg
+    import tomllib
+
+    from dptrain.strategies.deepspeed import adopt_user_config
+
+    given = {key for key, _ in pairs}
+    if config_path is not None:  # load() has read and checked it already
+        def names(table: dict[str, Any], prefix: str) -> list[str]:
+            return [n for key, value in table.items()
+                    for n in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
+
+        given |= set(names(tomllib.loads(config_mod.read_config_text(Path(config_path), f"config file {config_path}")),
+                           ""))
+    return adopt_user_config(cfg, {config_mod.current_name(name) for name in given})
+
+
+def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
+    """cfg with train.global_batch_size = train.batch_size_per_rank x the ranks that take data, where the tutorials'
+    per-rank batch is given (and cfg as it is otherwise). ConfigError where a global batch given too disagrees."""
+    per_rank = cfg.train.batch_size_per_rank
+    if per_rank is None:
+        return cfg
+    from dptrain.strategies import data_world_size  # imports torch: only once a run is wanted
+
+    takers = data_world_size(cfg.strategy, world_size)
+    total = per_rank * takers
+    given = cfg.train.global_batch_size
+    if given != total and given != TrainConfig.global_batch_size:  # the default gives way; a value given does not
+        raise ConfigError(f"train.batch_size_per_rank {per_rank} x {takers} ranks is a global batch of {total}, but "
+                          f"train.global_batch_size is {given}; give one of the two.")
+    log.info("global batch %d = train.batch_size_per_rank %d x %d ranks", total, per_rank, takers)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=total))
 
 
 def check_resume_target(cfg: RunConfig) -> None:

@@ -21,6 +21,7 @@ ALIASES = {
     "--lr": "--optim.lr", "--learning_rate": "--optim.lr", "--learning-rate": "--optim.lr",
     "--seed": "--train.seed", "--random_seed": "--train.seed", "--random-seed": "--train.seed",
     "--model_dir": "--output.dir", "--model-dir": "--output.dir",
+    "--batch_size": "--train.batch_size_per_rank", "--batch-size": "--train.batch_size_per_rank",
     # torchrun's underscore spellings of the flags `dptrain train` shares with it
     "--nproc_per_node": "--nproc-per-node", "--node_rank": "--node-rank", "--master_addr": "--master-addr",
     "--master_port": "--master-port", "--rdzv_endpoint": "--rdzv-endpoint",
@@ -34,10 +35,6 @@ SBATCH_LINES = ("--gres", "--gpus-per-task")
 IGNORED = ("--local_rank", "--local-rank")
 """What a launcher adds to every worker's command line (DeepSpeed's: --local_rank=N); dptrain reads LOCAL_RANK."""
 REFUSED = {
-    "--batch_size": "is the tutorials' batch per process; dptrain's batch is the global one over every rank: give "
-                    "--train.global_batch_size, your batch per process times the number of workers",
-    "--batch-size": "is the tutorials' batch per process; dptrain's batch is the global one over every rank: give "
-                    "--train.global_batch_size, your batch per process times the number of workers",
     "--gpus": "counts GPUs in the tutorials; dptrain starts one worker per GPU: give --nproc-per-node N here, or "
               "--gpus-per-node N to dptrain submit",
 }
@@ -104,4 +101,4 @@ def help_text() -> str:
                         *(f"{switch} for {' '.join(meaning)}" for switch, meaning in SWITCHES.items()),
                         *(f"{flag} X for --sbatch {flag.removeprefix('--')}=X" for flag in SBATCH_LINES)])
     return (f"The tutorials' spellings are read too: {listed}. A launcher's --local_rank is ignored (LOCAL_RANK is "
-            f"read). --batch_size and --gpus are answered with dptrain's options of their meaning.")
+            f"read). --gpus is answered with dptrain's option of its meaning.")

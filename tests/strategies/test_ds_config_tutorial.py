@@ -177,7 +177,6 @@ def test_a_run_without_a_file_is_left_as_it_is():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
-@pytest.mark.xfail(strict=True, reason="cli.resolve_config does not call strategies.deepspeed.adopt_user_config yet")
 def test_dptrain_train_takes_the_tutorials_file(tmp_path, capsys):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(TUTORIAL))
