@@ -137,6 +137,21 @@ plan_runs({"strategies/float64-w1": (["train", *COMMON, "--strategy.name", "ddp"
               for reshard in ("true", "false")}}, precision="float64")
 
 
+# fsdp's other units (strategy.fsdp.wrap), in float64 on 2 ranks: the same sums, so the same training.
+plan_runs({f"strategies/float64-fsdp-wrap-{wrap}": (["train", *COMMON, "--strategy.name", "fsdp", "--strategy.fsdp.wrap",
+                                                     wrap, "--strategy.fsdp.wrap_min_params", "1000"], (2,))
+           for wrap in ("size", "whole")}, precision="float64")
+
+
+@pytest.mark.parametrize("wrap", ["size", "whole"])
+def test_fsdp_under_another_wrap_equals_one_process_in_float64(float64_runs, planned_run, wrap):
+    weights = torch.load(planned_run(f"strategies/float64-fsdp-wrap-{wrap}", 2) / "model.pt")
+    for name, ref in float64_runs["w1"].items():
+        assert ref.dtype == weights[name].dtype == torch.float64
+        diff = (weights[name] - ref).abs().max().item()
+        assert diff <= 1e-12 * ref.abs().max().item(), f"{name}: max diff {diff:.2e}, scale {ref.abs().max():.2e}"
+
+
 @pytest.fixture(scope="module")
 def float64_runs(planned_run):
     """The final weights of one process (ddp) and of fsdp on 4 ranks with either reshard setting, all in float64."""

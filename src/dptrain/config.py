@@ -292,6 +292,16 @@ class FSDPOptions:
     """Mixed precision: dtype of the gathered parameters used in forward and backward (auto: the parameters' own)."""
     reduce_dtype: FloatDtype = "auto"
     """Mixed precision: dtype of the gradient reduce-scatter (auto: the parameters' own)."""
+    wrap: Literal["block", "size", "whole"] = may_change_at_resume("block")
+    """How the model is cut into units that gather and free their parameters together: block (each child of the root
+    that holds parameters, a ResNet stage's blocks one by one), size (the innermost modules holding wrap_min_params
+    parameters or more, as torch's size-based policy), whole (one unit: the fewest collectives, the least memory
+    saved). The sums are the same: a snapshot resumes under another wrap."""
+    wrap_min_params: int = may_change_at_resume(100_000)
+    """With wrap size: the parameters a unit holds at least (those of its submodules not wrapped already)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.wrap_min_params, "strategy.fsdp.wrap_min_params")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,26 @@ def blocks(model: nn.Module) -> Iterator[nn.Module]:
             yield child
 
 
+def units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
+    """The modules sharded as units of their own before the root (strategy.fsdp.wrap): block, blocks(model); size,
+    innermost first, every module whose parameters not in a unit already reach min_params; whole, none."""
+    if wrap == "whole":
+        return []
+    if wrap == "block":
+        return list(blocks(model))
+    found: list[nn.Module] = []
+
+    def left(module: nn.Module) -> int:  # the module's parameters outside the units found below it
+        count = sum(p.numel() for p in module.parameters(recurse=False)) + sum(left(c) for c in module.children())
+        if module is not model and count >= min_params:
+            found.append(module)
+            return 0
+        return count
+
+    left(model)
+    return found
+
+
 class FSDP(Strategy):
     """Traffic computed per step: all-gather of the parameters in forward (and again in backward when
     resharding), reduce-scatter of the gradients; each (N-1)/N of the bytes, in their dtypes."""
@@ -53,7 +73,7 @@ class FSDP(Strategy):
         model = model.to(self.device, memory_format=torch.contiguous_format)
         mesh = init_device_mesh(self.device.type, (self.env.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[self.cfg.fsdp.param_dtype], reduce_dtype=DTYPES[self.cfg.fsdp.reduce_dtype])
-        for block in blocks(model):
+        for block in units(model, self.cfg.fsdp.wrap, self.cfg.fsdp.wrap_min_params):
             fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
         self.module = model
