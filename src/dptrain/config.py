@@ -792,8 +792,9 @@ def _move_legacy_keys(tree: dict[str, Any]) -> list[str]:
 
 
 def upgraded(tree: Any) -> Any:
-    """A copy of a config tree with [strategy]'s flat keys of before the tables moved to their tables (no note): for
-    records written then, such as a sweep's sweep.json. Anything but a table is returned as it is."""
+    """A copy of a config tree as today's code writes it, for records written before (a sweep's sweep.json):
+    [strategy]'s flat keys of before the tables moved to their tables (no note), and an option added since at its
+    default, which is what that record ran with. Anything but a table is returned as it is."""
     if not isinstance(tree, dict):
         return tree
     copy = _deep_copy(tree)
@@ -801,7 +802,19 @@ def upgraded(tree: Any) -> Any:
         _move_legacy_keys(copy)
     except ConfigError:  # a key given twice: left as it is, so that it compares unequal
         return tree
+    for section, options in to_dict(RunConfig()).items():  # the sections it records (a record may leave some out)
+        if isinstance(copy.get(section), dict):
+            _fill_defaults(copy[section], options)
     return copy
+
+
+def _fill_defaults(table: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """The options a table lacks, from defaults, its own tables too; what it has stays as it is."""
+    for key, value in defaults.items():
+        if key not in table:
+            table[key] = _deep_copy(value)
+        elif isinstance(value, dict) and isinstance(table[key], dict):
+            _fill_defaults(table[key], value)
 
 
 def _note_legacy_keys(moved: list[str]) -> None:

@@ -354,12 +354,18 @@ def is_done(run_dir: Path) -> bool:
 def sweep_record(sweep: Sweep) -> dict:
     """What makes two sweeps comparable: the shared config, per-point options left out; and the warm-up."""
     tree = json.loads(json.dumps(config_mod.to_dict(sweep.config)))
-    tree["strategy"].pop("name")
-    tree["launch"].pop("nproc_per_node")
-    tree.pop("output")
-    tree["slurm"].pop("nodes")  # the most nodes a point may take: a point's job does not depend on it (job_shape)
-    return {"config": tree, "train_args": list(sweep.train_args), "warmup_epochs": sweep.warmup_epochs,
+    return {"config": shared_options(tree), "train_args": list(sweep.train_args), "warmup_epochs": sweep.warmup_epochs,
             "slurm": sweep.job is not None}
+
+
+def shared_options(tree: dict) -> dict:
+    """A config tree without the options a point sets itself, which two comparable sweeps may differ in."""
+    # slurm.nodes: the most nodes a point may take; a point's job does not depend on it (job_shape)
+    for section, key in (("strategy", "name"), ("launch", "nproc_per_node"), ("slurm", "nodes")):
+        if isinstance(tree.get(section), dict):
+            tree[section].pop(key, None)
+    tree.pop("output", None)
+    return tree
 
 
 def check_and_record(sweep: Sweep) -> None:
@@ -373,7 +379,8 @@ def check_and_record(sweep: Sweep) -> None:
         except json.JSONDecodeError:
             earlier = None
         # config_mod.upgraded: a sweep recorded before the strategy tables wrote strategy.comm_hook for strategy.ddp.comm_hook
-        if isinstance(earlier, dict) and config_mod.upgraded(earlier.get("config")) != record["config"]:
+        recorded = config_mod.upgraded(earlier.get("config")) if isinstance(earlier, dict) else None
+        if isinstance(earlier, dict) and (not isinstance(recorded, dict) or shared_options(recorded) != record["config"]):
             raise ConfigError(f"{sweep.bench_dir} holds a sweep with other train options; run it with the same options "
                               f"to resume it, or choose another --output.dir.")
         if isinstance(earlier, dict) and bool(earlier.get("slurm")) != record["slurm"]:
