@@ -457,15 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        argv = spellings.translate(sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        print(f"dptrain: error: {exc}", file=sys.stderr)
-        return 2
-    args, extra = parser.parse_known_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    try:  # a spelling refused by translate is a user error like any other below
+        args, extra = parser.parse_known_args(spellings.translate(sys.argv[1:] if argv is None else argv))
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
         return args.func(args, extra)
     except USER_ERRORS as exc:
         print(f"dptrain: error: {exc}", file=sys.stderr)
