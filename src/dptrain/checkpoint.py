@@ -365,8 +365,7 @@ def _writing(write: Any, tmp: Path, run_dir: Path) -> Any:
         if reason is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        rerun = (" to resume from the last snapshot." if newest_whole(RunFolder(run_dir).checkpoints) is not None
-                 else " (no snapshot was written yet: it starts again from step 0).")
+        rerun = rerun_ending(RunFolder(run_dir).checkpoints, " to resume from the last snapshot.")
         raise SnapshotError(f"could not write a snapshot into {run_dir / 'checkpoints'} ({reason}); "
                             f"free space or fix permissions there, then run the same command{rerun}") from exc
 
@@ -560,6 +559,12 @@ def _snapshot_statuses(root: Path) -> Iterator[tuple[Path, str]]:
 def list_snapshots(root: Path) -> list[tuple[Path, str]]:
     """Every snapshot folder under root, newest first, with 'ok' or what is wrong with it."""
     return list(_snapshot_statuses(root))
+
+
+def rerun_ending(root: Path, resumes: str) -> str:
+    """How a failure's sentence ends, after 'run the same command': `resumes` where a snapshot under root verifies,
+    else that the run starts again from step 0 (a sentence must not promise a resume from nothing)."""
+    return resumes if newest_whole(root) is not None else " (no snapshot was written yet: it starts again from step 0)."
 
 
 def newest_whole(root: Path) -> Path | None:

@@ -148,8 +148,7 @@ class Trainer:
                 reason = checkpoint.write_failure(exc)
                 if reason is None:
                     raise
-                rerun = (": it resumes from the last snapshot." if checkpoint.newest_whole(self.snapshots.root) is not None
-                         else " (no snapshot was written yet: it starts again from step 0).")
+                rerun = checkpoint.rerun_ending(self.snapshots.root, ": it resumes from the last snapshot.")
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
                                   f"there, then run the same command{rerun}") from exc
 
