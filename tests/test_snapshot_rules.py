@@ -158,14 +158,20 @@ def steps_kept(run_dir: Path) -> dict[int, str]:
             for path, status in checkpoint.list_snapshots(run_dir / "checkpoints")}
 
 
-def test_a_damaged_snapshot_does_not_take_the_place_of_a_whole_one(tmp_path, caplog):
-    """keep_last 2, snapshots 2 and 4, then 4 damaged: a resume from 2 that saves 6 keeps 2 and 6, the two whole ones.
-    (Pruning counted every snapshot with this run's manifest: it deleted 2 and kept the damaged 4, one to fall back on.)"""
+def resumed_from_2_past_a_damaged_4(tmp_path):
+    """(snapshot 4, damaged after it was written; a Snapshotter resumed from snapshot 2, the whole one before it)."""
     save_at(snapshotter(tmp_path), 2)
     damaged = save_at(snapshotter(tmp_path), 4)
     damage(damaged)
     resumed = snapshotter(tmp_path)
     resumed.last_step = 2
+    return damaged, resumed
+
+
+def test_a_damaged_snapshot_does_not_take_the_place_of_a_whole_one(tmp_path, caplog):
+    """keep_last 2, snapshots 2 and 4, then 4 damaged: a resume from 2 that saves 6 keeps 2 and 6, the two whole ones.
+    (Pruning counted every snapshot with this run's manifest: it deleted 2 and kept the damaged 4, one to fall back on.)"""
+    damaged, resumed = resumed_from_2_past_a_damaged_4(tmp_path)
     with caplog.at_level(logging.WARNING, logger="dptrain"):
         save_at(resumed, 6)
     assert steps_kept(tmp_path) == {6: "ok", 2: "ok"}  # 4, damaged and older than a whole one, deleted
@@ -175,11 +181,7 @@ def test_a_damaged_snapshot_does_not_take_the_place_of_a_whole_one(tmp_path, cap
 
 def test_a_damaged_snapshot_at_a_step_the_run_saves_again_is_written_again(tmp_path, caplog):
     """A resume from 2 past a damaged 4 writes 4 again (it kept the damaged folder, as if whole, for ever)."""
-    save_at(snapshotter(tmp_path), 2)
-    damaged = save_at(snapshotter(tmp_path), 4)
-    damage(damaged)
-    resumed = snapshotter(tmp_path)
-    resumed.last_step = 2
+    damaged, resumed = resumed_from_2_past_a_damaged_4(tmp_path)
     with caplog.at_level(logging.WARNING, logger="dptrain"):
         assert save_at(resumed, 4) == damaged
     assert steps_kept(tmp_path) == {4: "ok", 2: "ok"}
