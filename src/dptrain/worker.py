@@ -22,6 +22,7 @@ from dptrain.dist.ending import exit_deadline
 from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
 from dptrain.dist.world import barrier, destroy_process_group, init_process_group
+from dptrain.errors import DataError, OutputError
 from dptrain.files import written_whole
 from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,
                              run_epochs, tensorboard)
@@ -191,8 +192,6 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
 
 def write_run_file(path: Path, text: str) -> None:
     """One of the run's own files, replaced whole or not at all (a resume rewrites them); a full disk is one sentence."""
-    from dptrain.errors import OutputError
-
     try:
         with written_whole(path) as tmp:
             tmp.write_text(text)
@@ -251,7 +250,6 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
 def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, input_record: dict[str, Any], output: str,
                    skip_bad: bool) -> None:
     """Entry point of every rank of `dptrain predict`: this rank's share of the inputs, gathered once by rank 0."""
-    from dptrain.errors import DataError
     from dptrain.predict import (InputSpec, merge_shares, open_inputs, predict_share, unreadable_sentence,
                                  write_input_predictions)
 

@@ -18,7 +18,7 @@ from dptrain.config import LaunchConfig, RunConfig
 from dptrain.dist.ending import leave_now, record_for_launcher
 from dptrain.dist.env import DistEnv, Nodes
 from dptrain.dist.store import address_towards
-from dptrain.errors import ConfigError, LaunchError
+from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError, UnsafeFileError
 from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
                                        rendezvous_timeout)
 from dptrain.runtime import libc_function, wants_cuda
@@ -190,10 +190,7 @@ def no_restart_changes(exc: BaseException) -> bool:
     """A failure that a restart would meet again, unchanged: the configuration, a snapshot or the data refused, or a
     loss that diverged (it resumes from the last snapshot and diverges again). With launch.max_restarts 100, every
     snapshot damaged was refused 101 times in 405 lines. A lost peer, a full disk or a crash still restarts."""
-    from dptrain.errors import SnapshotError
-    from dptrain.errors import DataError
-    from dptrain.errors import UnsafeFileError
-    from dptrain.train import Diverged
+    from dptrain.train import Diverged  # train is a layer below; imported when a worker fails, not at start-up
 
     refusals = (ConfigError, SnapshotError, DataError, UnsafeFileError, Diverged)
     seen: BaseException | None = exc
