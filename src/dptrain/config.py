@@ -305,6 +305,23 @@ class FSDPOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DPOptions:
+    """[strategy.dp]: the GPUs nn.DataParallel drives."""
+
+    applies_to: ClassVar[tuple[str, ...]] = ("dp",)
+    devices: tuple[int, ...] = field(default=(), metadata={**MAY_CHANGE_AT_RESUME, **REFUSED_ELSEWHERE})
+    """GPU indices as torch numbers the visible ones (after CUDA_VISIBLE_DEVICES), e.g. 0,1; the first holds the model,
+    the optimizer and the gathered outputs. Empty: every visible GPU. The sums are the same on any set."""
+
+    def __post_init__(self) -> None:
+        if any(index < 0 for index in self.devices):
+            raise ConfigError(f"strategy.dp.devices = {list(self.devices)} holds a negative index; GPUs are numbered "
+                              f"from 0, e.g. --strategy.dp.devices 0,1.")
+        if len(set(self.devices)) != len(self.devices):
+            raise ConfigError(f"strategy.dp.devices = {list(self.devices)} names a GPU twice; name each once.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PSOptions:
     """[strategy.ps]: the parameter server's roles."""
 
@@ -340,6 +357,7 @@ class StrategyConfig:
     pip install 'dptrain[deepspeed]')."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    dp: DPOptions = field(default_factory=DPOptions)
     ps: PSOptions = field(default_factory=PSOptions)
     deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
 
@@ -370,6 +388,7 @@ LEGACY_STRATEGY_KEYS = {
     "deepspeed_config": "deepspeed.config",
 }
 LEGACY_STRATEGY_KEYS.pop("config")  # strategy.config never was a key: DeepSpeed's file was strategy.deepspeed_config
+LEGACY_STRATEGY_KEYS.pop("devices")  # nor strategy.devices: [strategy.dp] came after the tables
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1050,7 +1069,7 @@ def _metavar(tp: Any) -> str:
     if origin is Literal:
         return "{" + ",".join(map(str, args)) + "}"
     if origin is tuple and args[-1] is Ellipsis:  # a list of lines (TOML); on the command line, one
-        return "LINE"
+        return "LINE" if args[0] is str else f"{_metavar(args[0])},..."
     if origin is tuple:
         return ",".join(_metavar(a) for a in args)
     if tp is bool:

@@ -28,10 +28,11 @@ from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, Metric
                              run_epochs, tensorboard)
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
-                             use_deterministic_kernels)
+                             use_deterministic_kernels, wants_cuda)
 from dptrain.slurm.env import slurm_count, slurm_value
 from dptrain.slurm.job import requeue_after_stop
 from dptrain.stopping import EXIT_STOPPED, Stopped
+from dptrain.strategies.dp import root_gpu
 
 log = logging.getLogger("dptrain")
 
@@ -95,12 +96,19 @@ def environment_record(env: DistEnv, device: torch.device, threads: int) -> dict
     }
 
 
+def gpu_index(cfg: RunConfig, env: DistEnv) -> int:
+    """The GPU this rank takes where it runs on GPUs: its local rank, or for dp (one process) the first GPU it drives."""
+    if cfg.strategy.name == "dp" and cfg.strategy.dp.devices and wants_cuda(cfg.launch.device):
+        return root_gpu(cfg.strategy.dp, torch.cuda.device_count())
+    return env.local_rank
+
+
 def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device, int]:
     """Device, CPU threads, seeds, process group and a first barrier: (device, threads per rank)."""
     with phase("set-up"):
         if cfg.train.deterministic:
             use_deterministic_kernels()
-        device = pick_device(cfg.launch.device, env.local_rank)
+        device = pick_device(cfg.launch.device, gpu_index(cfg, env))
         threads = set_cpu_threads(env)
         keep_freed_memory()
         seed_everything(cfg.train.seed)

@@ -54,3 +54,21 @@ def test_a_dedicated_server_leaves_the_data_to_the_others():
     assert data_world_size(StrategyConfig(name="ps"), 4) == data_world_size(StrategyConfig(name="ddp"), 4) == 4
     with pytest.raises(ConfigError, match="dedicated_server needs at least 2 processes"):
         STRATEGIES["ps"].check_world(served, 1, on_cpu=True, torch_version="2.7.0")
+
+
+def test_dp_drives_the_listed_gpus_the_first_as_root():
+    from dptrain.strategies.dp import driven_gpus, root_gpu
+
+    chosen = config.load(None, [("strategy.name", "dp"), ("strategy.dp.devices", "2,0")]).strategy.dp
+    assert chosen.devices == (2, 0)
+    assert driven_gpus(chosen, 4) == [2, 0] and root_gpu(chosen, 4) == 2
+    every = config.load(None, [("strategy.name", "dp")]).strategy.dp
+    assert driven_gpus(every, 3) == [0, 1, 2] and root_gpu(every, 3) == 0
+    with pytest.raises(ConfigError, match="strategy.dp.devices names GPU 2, but this process sees 2 GPUs \\(indices: 0 to 1\\)"):
+        driven_gpus(chosen, 2)
+    with pytest.raises(ConfigError, match="names a GPU twice"):
+        config.load(None, [("strategy.name", "dp"), ("strategy.dp.devices", "1,1")])
+    with pytest.raises(ConfigError, match="holds a negative index"):
+        config.load(None, [("strategy.name", "dp"), ("strategy.dp.devices", "-1")])
+    with pytest.raises(ConfigError, match="strategy.dp.devices .* applies to strategy dp only, not ddp"):
+        config.load(None, [("strategy.name", "ddp"), ("strategy.dp.devices", "0,1")])
