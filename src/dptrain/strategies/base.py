@@ -77,6 +77,9 @@ class Strategy:
     """
 
     name = "single"
+    resumes_on_another_world = True
+    """Whether its snapshots resume on another number of processes (resharded on load): what a run whose node count
+    may change (--nnodes MIN:MAX) needs to go on after losing a node."""
 
     # What a strategy needs of the world, asked before any worker starts (prestart.preflight) and again by
     # every worker (train.build_trainer): each refusal is one sentence saying what to change.

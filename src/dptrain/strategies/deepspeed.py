@@ -462,6 +462,7 @@ class DeepSpeed(Strategy):
 
     name = "deepspeed"
     step_is_local = False  # collectives inside the step
+    resumes_on_another_world = False  # its engine's own checkpoint is per rank (state.OwnFolder)
 
     def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device,
                  timeout_s: float = LaunchConfig.timeout_s) -> None:
