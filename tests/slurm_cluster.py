@@ -37,9 +37,6 @@ CRED_EXPIRE_S = 5
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                    "BOOT_FAIL", "DEADLINE")
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
-# slurmctld first: stopped after its nodes, it spends ~3 s on a message to a slurmd that is gone. munged last: the
-# others need it until they are done.
-STOP_ORDER = (("slurmctld",), tuple(f"slurmd-{node}" for node in NODES), ("munged",))
 
 # binary -> the Debian package that has it
 BINARIES = {
@@ -148,7 +145,12 @@ def _descendants(root: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------- the cluster
 
 class SlurmCluster:
-    """A private SLURM cluster whose whole state is one folder. Start it with `SlurmCluster.start(folder)`."""
+    """A private SLURM cluster whose whole state is one folder. Start it with `SlurmCluster.start(folder)`.
+
+    A subclass changes where the nodes live (tests/lab_cluster.py: one network namespace per node) through
+    `nodes`, `_controller_addr`, `_node_addr`, `_slurmd_argv`, `_prepare_network` and `_after_supervised`."""
+
+    nodes: tuple[str, ...] = NODES
 
     def __init__(self, state_dir: Path):
         self.state_dir = Path(state_dir).resolve()
@@ -258,7 +260,7 @@ class SlurmCluster:
             # A job that just ended still has messages in flight between its nodes and slurmctld; stopped then,
             # a slurmd (or slurmctld) waits seconds on a peer that is gone.
             self._no_job_completing(timeout=3)
-        for group in STOP_ORDER:
+        for group in self._stop_order():
             _terminate([pids[name] for name in group if name in pids])
         supervisor = self.supervisor_pid()
         if supervisor is not None:
@@ -279,10 +281,15 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ internals
 
+    def _stop_order(self) -> tuple[tuple[str, ...], ...]:
+        """slurmctld first: stopped after its nodes, it spends ~3 s on a message to a slurmd that is gone. munged
+        last: the others need it until they are done."""
+        return ("slurmctld",), tuple(f"slurmd-{node}" for node in self.nodes), ("munged",)
+
     def _daemon_pids(self) -> dict[str, int]:
         """daemon name -> PID, from the pid files, for those of ours that still run."""
         files = {"munged": self.run_dir / "munged.pid", "slurmctld": self.run_dir / "slurmctld.pid",
-                 **{f"slurmd-{node}": self.run_dir / f"slurmd-{node}.pid" for node in NODES}}
+                 **{f"slurmd-{node}": self.run_dir / f"slurmd-{node}.pid" for node in self.nodes}}
         pids = {name: _read_pid(path, str(self.state_dir)) for name, path in files.items()}
         return {name: pid for name, pid in pids.items() if pid is not None}
 
@@ -295,7 +302,7 @@ class SlurmCluster:
         if self.state_dir.exists():
             shutil.rmtree(self.state_dir)  # saved state would let nodes look idle before their slurmd registered
         for folder in (self.munge_socket.parent, self.log_dir, self.run_dir, self.state_dir / "ctld",
-                       *(self.state_dir / "spool" / node for node in NODES)):
+                       *(self.state_dir / "spool" / node for node in self.nodes)):
             folder.mkdir(parents=True, mode=0o755)
         os.chmod(self.state_dir, 0o755)  # munged refuses a socket folder that others may write to
         key = self.munge_socket.parent / "munge.key"
@@ -303,17 +310,37 @@ class SlurmCluster:
             out.write(os.urandom(128))
         os.chmod(key, 0o400)  # owned by root, who runs munged; munged refuses a key others can read
         (self.state_dir / "plugstack.conf").write_text("")  # no SPANK plugins from the system's config
+        self._prepare_network()
         self.conf_path.write_text(self._slurm_conf())
+
+    def _prepare_network(self) -> None:
+        """Where the nodes' addresses must exist before slurm.conf names them; here they are all 127.0.0.1."""
+
+    def _controller_addr(self) -> str:
+        """The address slurmctld is reached at, by clients and by every slurmd."""
+        return "127.0.0.1"
+
+    def _node_addr(self, node: str) -> tuple[str, str]:
+        """(NodeHostname, NodeAddr) of `node`: every node of this cluster is this machine."""
+        return socket.gethostname().split(".")[0], "127.0.0.1"
+
+    def _slurmd_argv(self, node: str) -> list[str]:
+        """How the supervisor starts `node`'s slurmd (in the foreground, so that it stays its child)."""
+        return [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf_path)]
+
+    def _after_supervised(self) -> None:
+        """Run by the supervisor once every daemon and job process below it is gone."""
 
     def _slurm_conf(self) -> str:
         host = socket.gethostname().split(".")[0]  # slurmctld compares it with its own short host name
         s = self.state_dir
-        nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
-                          f"CPUs={CPUS_PER_NODE} State=UNKNOWN" for node in NODES)
+        nodes = "\n".join(f"NodeName={node} NodeHostname={hostname} NodeAddr={address} Port={_free_port()} "
+                          f"CPUs={CPUS_PER_NODE} State=UNKNOWN"
+                          for node in self.nodes for hostname, address in [self._node_addr(node)])
         return f"""\
 # A private test cluster written by tests/slurm_cluster.py; every path is under {s}.
 ClusterName=dptrain-private
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({self._controller_addr()})
 SlurmctldPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
@@ -354,13 +381,15 @@ MinJobAge=300
 KillWait=5
 InactiveLimit=0
 {nodes}
-PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """
 
     def _start_supervisor(self, detached: bool) -> None:
         """The supervisor runs in its own session, so a terminal's Ctrl-C reaches it only through stop()."""
         with open(self.log_dir / "supervisor.log", "ab") as log:
-            argv = [sys.executable, str(Path(__file__).resolve()), "supervise", str(self.state_dir)]
+            # this class's own module as a script, so that the supervisor rebuilds the same kind of cluster
+            script = Path(sys.modules[type(self).__module__].__file__).resolve()
+            argv = [sys.executable, str(script), "supervise", str(self.state_dir)]
             if not detached:
                 argv += ["--parent", str(os.getpid())]
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -391,14 +420,15 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
         return "is UP" in self.run("scontrol", "ping", timeout=10).stdout
 
     def _nodes_idle(self) -> bool:
-        """Both nodes IDLE with no flag: the state folder starts empty, so that means their slurmd registered."""
+        """Every node IDLE with no flag: the state folder starts empty, so that means their slurmd registered."""
         nodes = self.run("scontrol", "show", "node", "-o", timeout=10)
         states = [parse_scontrol_record(line).get("State") for line in nodes.stdout.splitlines()]
-        return nodes.returncode == 0 and states == ["IDLE"] * len(NODES)
+        return nodes.returncode == 0 and states == ["IDLE"] * len(self.nodes)
 
     def _srun_probe(self, deadline: float) -> bool:
         try:
-            probe = self.run("srun", "-N2", "-n2", "true", timeout=max(1.0, min(15.0, deadline - time.monotonic())))
+            count = len(self.nodes)
+            probe = self.run("srun", f"-N{count}", f"-n{count}", "true", timeout=max(1.0, min(15.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             return False
         return probe.returncode == 0 and self._no_job_completing()
@@ -458,10 +488,9 @@ class _StopRequested(Exception):
     pass
 
 
-def _supervise(state_dir: Path, parent: int | None) -> int:
-    """Start munged, slurmctld, slurmd n1 and n2 in the foreground as our children, reap every process that
+def _supervise(cluster: SlurmCluster, parent: int | None) -> int:
+    """Start munged, slurmctld and each node's slurmd in the foreground as our children, reap every process that
     ends below us (as a subreaper, the orphaned slurmstepds too), and on SIGTERM stop them all."""
-    cluster = SlurmCluster(state_dir)
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -514,8 +543,8 @@ def _supervise(state_dir: Path, parent: int | None) -> int:
             _reap_once(daemons, cluster)
             time.sleep(0.01)
         if "slurmctld" in daemons.values():
-            for node in NODES:
-                launch(f"slurmd-{node}", [_which("slurmd"), "-D", "-N", node, "-f", conf], f"slurmd-{node}.stderr")
+            for node in cluster.nodes:
+                launch(f"slurmd-{node}", cluster._slurmd_argv(node), f"slurmd-{node}.stderr")
         while True:
             pid, status = os.waitpid(-1, 0)
             _record_exit(daemons, cluster, pid, status)
@@ -526,7 +555,8 @@ def _supervise(state_dir: Path, parent: int | None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _stop_supervised(daemons)
+        _stop_supervised(daemons, cluster._stop_order())
+        cluster._after_supervised()
     return 0
 
 
@@ -551,11 +581,11 @@ def _record_exit(daemons: dict[int, str], cluster: SlurmCluster, pid: int, statu
             out.write(f"{name} {described}\n")
 
 
-def _stop_supervised(daemons: dict[int, str]) -> None:
+def _stop_supervised(daemons: dict[int, str], stop_order: tuple[tuple[str, ...], ...]) -> None:
     """In the supervisor: the daemons in order (by their known PIDs), then every other process still below us
     (a running job's processes), reaping all of them."""
     by_name = {name: pid for pid, name in daemons.items()}
-    for group in STOP_ORDER:
+    for group in stop_order:
         _terminate([by_name[name] for name in group if name in by_name])
     for _ in range(20):
         left = _descendants(os.getpid())
@@ -580,4 +610,4 @@ if __name__ == "__main__":  # the supervisor, as SlurmCluster._start_supervisor 
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("--parent", type=int, help="stop the cluster when this process (the starter) ends")
     args = parser.parse_args()
-    sys.exit(_supervise(args.state_dir, args.parent))
+    sys.exit(_supervise(SlurmCluster(args.state_dir), args.parent))
