@@ -31,7 +31,7 @@ from dptrain.dist.env import Nodes
 from dptrain.dist.failures import WorkerFailure
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
-from dptrain.prestart import (adopt_ds_config, check_predictions_path, preflight, preflight_job, resolve_batch,
+from dptrain.prestart import (adopt_ds_config, check_elastic, check_predictions_path, preflight, preflight_job, resolve_batch,
                               snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
@@ -77,6 +77,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = resolve_config(args, extra)
     nodes = nodes_of(args)
     world_size, launched_outside = world_size_here(cfg, nodes)
+    if nodes is not None and nodes.elastic:
+        check_elastic(cfg, nodes.fewest, nodes.count, world_size // nodes.count)
     cfg = resolve_batch(cfg, world_size)
     preflight(cfg, world_size)
     if args.dry_run:
@@ -339,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check everything (config, world, data, model on one batch, output folder, snapshot to resume "
                             "from), print what the run would do, and exit without writing anything")
     nodes = train.add_argument_group("several nodes (torchrun's options, same meaning; run the same command on every node)")
-    nodes.add_argument("--nnodes", type=int, help="nodes of the run; each starts --nproc-per-node workers")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the run; each starts --nproc-per-node workers. MIN:MAX "
+                       "(with --launch.max_restarts): after losing a node the run goes on with the others, from its "
+                       "last snapshot, while MIN remain")
     nodes.add_argument("--node-rank", type=int, help="this node's index, 0 on the node at --master-addr (default under "
                        "srun: SLURM_NODEID)")
     nodes.add_argument("--master-addr", help="node 0's address, reachable from every node; its agent hosts the rendezvous there")

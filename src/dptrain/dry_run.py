@@ -41,8 +41,10 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
     if launched_outside:
         workers = "ranks of the launcher that started this process"
     elif nodes is not None and nodes.count > 1:  # this node starts its share only
-        workers = (f"ranks, {world_size // nodes.count} local workers on each of {nodes.count} nodes (this is node "
-                   f"{nodes.rank})")
+        per_node = world_size // nodes.count
+        workers = (f"ranks, {per_node} local workers on each of {nodes.count} nodes (this is node {nodes.rank})"
+                   + (f"; it goes on with {nodes.fewest * per_node} ranks on {nodes.fewest} nodes or more after "
+                      f"losing nodes" if nodes.elastic else ""))
     else:
         workers = "local workers"
     lines = [

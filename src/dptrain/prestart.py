@@ -50,6 +50,30 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
         check_input(cfg.model, info.image_shape)
 
 
+def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: int) -> None:
+    """What a run whose node count may change (--nnodes MIN:MAX) needs: restarts (a lost node fails the others'
+    workers, which the agent then restarts with the nodes left), a global batch that stays the same (the same math at
+    every world size), snapshots that reshard, and a valid split at every world size it may have."""
+    import torch
+
+    from dptrain.strategies import STRATEGIES, check_world
+
+    spelled = f"--nnodes {fewest_nodes}:{most_nodes}"
+    if cfg.launch.max_restarts < 1:
+        raise ConfigError(f"{spelled} goes on after losing a node by restarting the workers of the nodes left, from the "
+                          f"last snapshot; give --launch.max_restarts 3 (or more: each lost node costs one).")
+    if cfg.train.batch_size_per_rank is not None:
+        raise ConfigError(f"train.batch_size_per_rank would change the global batch (and so the math) each time a node "
+                          f"leaves a {spelled} run; give train.global_batch_size instead.")
+    if not STRATEGIES[cfg.strategy.name].resumes_on_another_world:
+        raise ConfigError(f"strategy {cfg.strategy.name}'s snapshots resume on as many processes only, so a {spelled} "
+                          f"run could not go on after losing a node; use ddp, zero1 or fsdp, or a fixed --nnodes.")
+    info = describe(cfg.data)
+    for nodes in range(fewest_nodes, most_nodes + 1):
+        check_world(cfg, nodes * per_node, info.train_size, on_cpu=not wants_cuda(cfg.launch.device),
+                    torch_version=str(torch.__version__))
+
+
 def adopt_ds_config(cfg: RunConfig, config_path: str | None, pairs: list[tuple[str, str]]) -> RunConfig:
     """cfg with a DeepSpeed config file's settings (the tutorials' train_batch_size, Adam params, clipping, WarmupLR)
     taken into the options that neither the --config file nor the command line sets; cfg itself without one."""

@@ -117,20 +117,39 @@ class Nodes:
     """A run over several nodes without a scheduler (or with one elastic agent per node under srun): how many
     nodes, this one's index, and where node 0 hosts the agents' rendezvous (torchrun's options, same meaning)."""
 
-    count: int
+    count: int  # the most nodes (--nnodes N, or MAX of MIN:MAX)
     rank: int
     host: str
     port: int
+    min_count: int | None = None  # the fewest nodes the run goes on with (MIN of --nnodes MIN:MAX); None: count
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def fewest(self) -> int:
+        return self.count if self.min_count is None else self.min_count
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may go on with fewer nodes than it started with (--nnodes MIN:MAX, MIN < MAX)."""
+        return self.fewest < self.count
+
+    @property
+    def spelled(self) -> str:
+        """--nnodes as given: N, or MIN:MAX."""
+        return f"{self.fewest}:{self.count}" if self.elastic else str(self.count)
+
     @classmethod
-    def from_options(cls, nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
-                     rdzv_endpoint: str | None, environ: Mapping[str, str] | None = None) -> "Nodes | None":
-        """The options of `dptrain train` checked together; None for a run on this node alone."""
+    def from_options(cls, nnodes: int | str | None, node_rank: int | None, master_addr: str | None,
+                     master_port: int | None, rdzv_endpoint: str | None,
+                     environ: Mapping[str, str] | None = None) -> "Nodes | None":
+        """The options of `dptrain train` checked together; None for a run on this node alone. nnodes: N, or MIN:MAX
+        (torchrun's elastic form: the run starts with up to MAX nodes and goes on with MIN or more)."""
         env = os.environ if environ is None else environ
+        spelled = nnodes
+        fewest, nnodes = node_range(nnodes)
         given = [name for name, value in (("--node-rank", node_rank), ("--master-addr", master_addr),
                                           ("--master-port", master_port), ("--rdzv-endpoint", rdzv_endpoint)) if value is not None]
         if nnodes is None:
@@ -156,15 +175,29 @@ class Nodes:
         if nnodes == 1:
             node_rank = 0 if node_rank is None else node_rank
         if node_rank is None:
-            raise LaunchError(f"--node-rank is needed with --nnodes {nnodes}: 0 on the node at the master address, "
+            raise LaunchError(f"--node-rank is needed with --nnodes {spelled}: 0 on the node at the master address, "
                               f"1 to {nnodes - 1} on the others.")
         if not 0 <= node_rank < nnodes:
-            raise LaunchError(f"--node-rank {node_rank} is outside 0 to {nnodes - 1} (--nnodes {nnodes}).")
+            raise LaunchError(f"--node-rank {node_rank} is outside 0 to {nnodes - 1} (--nnodes {spelled}).")
         if master_addr is None:
-            raise LaunchError(f"--master-addr is needed with --nnodes {nnodes}: the address of node 0, which every node "
+            raise LaunchError(f"--master-addr is needed with --nnodes {spelled}: the address of node 0, which every node "
                               f"can reach (or --rdzv-endpoint HOST:PORT).")
         port = DEFAULT_MASTER_PORT if master_port is None else master_port
         if not 0 < port < 65536:
             raise LaunchError(f"--master-port {port} is not a TCP port; pick one from 1024 to 65535.")
         check_master_resolves(master_addr)
-        return cls(nnodes, node_rank, master_addr, port)
+        return cls(nnodes, node_rank, master_addr, port, min_count=fewest if fewest != nnodes else None)
+
+
+def node_range(nnodes: int | str | None) -> tuple[int | None, int | None]:
+    """--nnodes as (fewest, most): N is (N, N), MIN:MAX is (MIN, MAX); LaunchError for anything else."""
+    if nnodes is None or isinstance(nnodes, int):
+        return nnodes, nnodes
+    low, sep, high = nnodes.partition(":")
+    if not (low.strip().isdigit() and (not sep or high.strip().isdigit())):
+        raise LaunchError(f"--nnodes {nnodes!r} is not a node count; write N (e.g. 2) or MIN:MAX (e.g. 1:4, a run that "
+                          f"goes on with fewer nodes after losing one).")
+    fewest, most = int(low), int(high if sep else low)
+    if fewest < 1 or most < fewest:
+        raise LaunchError(f"--nnodes {nnodes} needs 1 <= MIN <= MAX; write e.g. 1:4.")
+    return fewest, most

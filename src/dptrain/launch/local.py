@@ -62,7 +62,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
         nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
     config = LaunchConfig(
-        min_nodes=nodes.count,
+        min_nodes=nodes.fewest,
         max_nodes=nodes.count,
         nproc_per_node=nproc_per_node,
         run_id="dptrain",  # the rendezvous store serves this run alone

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -24,6 +25,13 @@ class Refused(Exception):
 
 
 RENDEZVOUS = "dptrain"
+# How an elastic run (--nnodes MIN:MAX) notices a lost node: each agent writes a heart beat to the rendezvous store
+# every KEEP_ALIVE_S; one silent for KEEP_ALIVE_MISSED beats is out (torch's defaults, 5 s x 3, took 15 s; a beat is
+# one small store write). Once MIN nodes have come, the rendezvous waits LAST_CALL_S for more (torch: 30 s) before
+# the workers start: that long is added to every restart of a run that is not at its MAX nodes.
+KEEP_ALIVE_S = 2
+KEEP_ALIVE_MISSED = 3
+LAST_CALL_S = 10
 
 
 def register_rendezvous() -> None:
@@ -53,11 +61,22 @@ def _rendezvous(params: Any) -> Any:
         store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
     node_rank = int(params.config["node_rank"])
     store.set(f"{CAME}{node_rank}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
+    # A node that died (its agent killed with its workers) leaves the rendezvous once it missed KEEP_ALIVE_MISSED
+    # heart beats; then the nodes left meet without it, after waiting LAST_CALL_S for any other node to join.
+    timeout = RendezvousTimeout(join=datetime.timedelta(seconds=join_s),
+                                last_call=datetime.timedelta(seconds=LAST_CALL_S))
     with nodes_in_node_rank_order(node_rank):
         handler = DynamicRendezvousHandler.from_backend(
             params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
-            local_addr=params.local_addr, timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_s)))
+            local_addr=params.local_addr, timeout=timeout, **_keep_alive(DynamicRendezvousHandler))
     return RefusalAware(handler)
+
+
+def _keep_alive(handler_class: Any) -> dict[str, int]:
+    """The heart beat settings for torchs whose handler takes them (older ones keep their 5 s x 3)."""
+    taken = inspect.signature(handler_class.from_backend).parameters
+    return ({"keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": KEEP_ALIVE_MISSED}
+            if "keep_alive_interval" in taken else {})
 
 
 class RefusalAware:
@@ -90,7 +109,7 @@ def forget_the_rendezvous() -> None:
 def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
     """The sentence for a rendezvous that timed out: on node 0, which nodes never came (torch says only
     RendezvousTimeoutError, in a 46-line traceback)."""
-    fix = (f"start `dptrain train` on every node with --nnodes {nodes.count} and the same --master-addr and "
+    fix = (f"start `dptrain train` on every node with --nnodes {nodes.spelled} and the same --master-addr and "
            f"--master-port, each with its own --node-rank from 0 to {nodes.count - 1}, or give them longer "
            f"(--launch.timeout_s).")
     missing: list[int] = []
