@@ -1,0 +1,222 @@
+"""The lab cluster (tests/lab_cluster.py): hosts in network namespaces on a bridge, links shaped with tc tbf, a
+slurmd per host. Its links carry their rate; a SLURM job across two hosts trains as one host does (float64); the
+script starts and stops one leaving nothing behind, also when the process that started it is killed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FLOAT64_ENV, REPO, read_events
+from tests.lab_cluster import LabCluster, LabNetwork, _links, _namespaces, rate_bits_per_s
+from tests.launch.test_multinode import MULTINODE, json_env
+from tests.launch.test_slurm_jobs import job_output, losses_and_weights, submit
+from tests.slurm_cluster import SlurmClusterError, _cmdline
+
+PY = sys.executable
+SCRIPT = REPO / "scripts" / "slurm-cluster"
+PORT = 5000  # each host is a fresh network stack: nothing else listens there
+
+
+@functools.lru_cache(maxsize=1)
+def _unavailable() -> str | None:
+    return LabCluster.unavailable_reason()
+
+
+def _skip_where_impossible() -> None:
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(f"no lab cluster here: {reason}")
+
+
+def _leftovers(network: LabNetwork) -> list[str]:
+    """What of `network` still exists on this machine: namespaces, links, hosts files."""
+    names = {network.bridge, *map(network.namespace, network.host_numbers), *map(network.bridge_end, network.host_numbers)}
+    files = [str(p) for k in network.host_numbers if (p := Path("/etc/netns") / network.namespace(k)).exists()]
+    return sorted(names & {*_links(), *_namespaces()}) + files
+
+
+# ------------------------------------------------------------------ rates and sizes, refused in one sentence
+
+def test_rates_are_read_in_tcs_units():
+    assert rate_bits_per_s("1gbit") == 1e9
+    assert rate_bits_per_s("100mbit") == 1e8
+    assert rate_bits_per_s("2.5Gbit") == 2.5e9
+    for wrong in ("1gb", "fast", "0mbit", "100 mbit", ""):
+        with pytest.raises(SlurmClusterError, match="is not one tc's tbf takes; write .* e.g. 100mbit or 1gbit"):
+            rate_bits_per_s(wrong)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--rate", "1gb"], "slurm-cluster: the rate '1gb' is not one tc's tbf takes; write a number of bits per second "
+                        "with its unit, e.g. 100mbit or 1gbit"),
+    (["--hosts", "0"], "slurm-cluster: a lab cluster has 1 to 250 hosts, not 0; choose --hosts in that range"),
+])
+def test_the_script_refuses_a_lab_it_cannot_make_before_making_anything(tmp_path, options, message):
+    done = subprocess.run([PY, str(SCRIPT), "start", str(tmp_path / "lab"), *options], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout, done.stderr.strip()) == (1, "", message)
+    assert not (tmp_path / "lab").exists()
+
+
+# ------------------------------------------------------------------ the links
+
+# Host2 receives one connection and prints the bytes per second from its first byte to its end; host1 sends.
+RECEIVE = """
+import socket, sys, time
+srv = socket.socket()
+srv.bind(("0.0.0.0", int(sys.argv[1])))
+srv.listen()
+srv.settimeout(30)
+conn, _ = srv.accept()
+got, began = 0, None
+while chunk := conn.recv(1 << 20):
+    began = began or time.monotonic()
+    got += len(chunk)
+print(got, got / (time.monotonic() - began))
+"""
+SEND = """
+import socket, sys, time
+end = time.monotonic() + 10
+while True:  # until host2 listens
+    try:
+        conn = socket.create_connection(("host2", int(sys.argv[1])), timeout=30)
+        break
+    except ConnectionRefusedError:
+        assert time.monotonic() < end, "host2 never listened"
+        time.sleep(0.05)
+block = bytes(1 << 20)
+for _ in range(int(sys.argv[2]) >> 20):
+    conn.sendall(block)
+conn.close()
+"""
+
+
+def transfer(network: LabNetwork, megabytes: int) -> float:
+    """Bytes per second of `megabytes` MiB sent from host1 to host2 over one TCP connection, as host2 received them."""
+    receiver = network.popen(2, [PY, "-c", RECEIVE, str(PORT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    sender = network.run(1, [PY, "-c", SEND, str(PORT), str(megabytes << 20)], timeout=60)
+    out, err = receiver.communicate(timeout=30)
+    assert sender.returncode == 0 and receiver.returncode == 0, (sender.stderr, err)
+    received, rate = out.split()
+    assert int(received) == megabytes << 20
+    return float(rate)
+
+
+@pytest.mark.slow
+def test_a_shaped_link_carries_its_rate_within_10_percent():
+    """100 Mbit/s each way on both hosts' links: host1 -> host2 gets 12.5 MB/s less the headers (tbf counts whole
+    frames: 1448 bytes of data in 1514 on the wire, 4.4% less), so within 10% of the rate."""
+    _skip_where_impossible()
+    rate = "100mbit"
+    with LabNetwork.create(2) as network:
+        unshaped = transfer(network, 100)
+        print(f"unshaped host1 -> host2: {unshaped / 1e6:.0f} MB/s")
+        if unshaped < 3 * rate_bits_per_s(rate) / 8:
+            pytest.skip(f"this machine copies only {unshaped / 1e6:.0f} MB/s between namespaces: too little to "
+                        f"measure a {rate} link")
+        network.shape(rate)
+        shaped = transfer(network, 24)  # ~2 s at 12.5 MB/s
+        print(f"shaped to {rate}: {shaped / 1e6:.2f} MB/s")
+    expected = rate_bits_per_s(rate) / 8
+    assert abs(shaped - expected) <= 0.10 * expected, f"{shaped / 1e6:.2f} MB/s on a {rate} link"
+    assert _leftovers(network) == []
+
+
+# ------------------------------------------------------------------ SLURM jobs across the links
+
+@pytest.mark.slow
+def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_run):
+    """`dptrain submit` with 2 nodes x 1 rank on host1 and host2, links of 1 Gbit/s: the same float64 curve and
+    weights as 2 workers on one host (the run planned by test_multinode), its gradients crossing the links."""
+    _skip_where_impossible()
+    import torch
+
+    with LabCluster.start(tmp_path / "lab", hosts=2, rate="1gbit") as lab:
+        job_id = submit(lab, tmp_path, "across", [*MULTINODE[1:], "--nodes", "2", "--cpus-per-node", "1"],
+                        FLOAT64_ENV)
+        run_dir = tmp_path / "runs" / "across"
+        job = lab.wait(job_id, timeout=120)
+        assert job["JobState"] == "COMPLETED", (job, job_output(run_dir))
+        sent = [lab.network.bytes_sent(k) for k in (1, 2)]
+    assert job["NodeList"] == "host[1-2]"
+    assert json_env(run_dir)["host"] == "host1"  # rank 0 on the first node, by its hostname there
+    losses, weights = losses_and_weights(run_dir)
+    ref_losses, ref_weights = losses_and_weights(planned_run("multinode/one-host", 2))
+    assert len(losses) == len(ref_losses) == 8
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        assert weights[name].dtype == torch.float64
+        assert (weights[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    # each step's all-reduce sends about the gradients' size from each host: 8 steps' worth went over each link
+    gradient_bytes = sum(t.numel() * t.element_size() for t in ref_weights.values() if t.is_floating_point())
+    assert min(sent) >= 8 * gradient_bytes, (sent, gradient_bytes)
+    assert read_events(run_dir, "run_start")[0]["world_size"] == 2
+
+
+# ------------------------------------------------------------------ the script, for people
+
+def _script(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_script_starts_three_shaped_hosts_and_stops_them_leaving_nothing(tmp_path):
+    _skip_where_impossible()
+    state = tmp_path / "lab"
+    started = _script("start", str(state), "--hosts", "3", "--rate", "1gbit")
+    try:
+        assert started.returncode == 0, started.stderr
+        assert started.stdout == f"export SLURM_CONF={state / 'slurm.conf'}\n"
+        assert "hosts host1..host3" in started.stderr and "links of 1gbit each way" in started.stderr
+        network = LabCluster(state).network
+        nodes = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N %t"], capture_output=True, text=True,
+                               env={**os.environ, "SLURM_CONF": str(state / "slurm.conf")}, timeout=30)
+        assert nodes.stdout.split() == ["host1", "idle", "host2", "idle", "host3", "idle"], nodes.stderr
+        on_host3 = _script("exec", str(state), "3", "sh", "-c", "hostname; tc qdisc show dev eth0")
+        assert on_host3.returncode == 0, on_host3.stderr
+        hostname, qdisc = on_host3.stdout.splitlines()[:2]
+        assert hostname == "host3" and re.search(r"\btbf\b.* rate 1Gbit", qdisc), on_host3.stdout
+        assert _leftovers(network) != []
+    finally:
+        stopped = _script("stop", str(state))
+    assert stopped.returncode == 0 and f"stopped the cluster in {state}" in stopped.stderr, stopped.stderr
+    assert _leftovers(network) == []
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and str(state) in _cmdline(int(pid))]
+
+
+STARTER = """
+import sys, time
+from tests.lab_cluster import LabCluster
+LabCluster.start(sys.argv[1], hosts=1)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_starter_leaves_no_network_behind(tmp_path):
+    """The test process that started a lab dies (SIGKILL): its supervisor stops the daemons and removes the network."""
+    _skip_where_impossible()
+    state = tmp_path / "lab"
+    starter = subprocess.Popen([PY, "-c", STARTER, str(state)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert starter.stdout.readline() == "ready\n"
+        network = LabCluster(state).network
+        assert _leftovers(network) != []
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 30
+    while _leftovers(network) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _leftovers(network) == []
