@@ -447,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", default="2", help="comma-separated process counts, one probe each (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--sizes", help="comma-separated buffer sizes in bytes (default: the device's)")
+    parser.add_argument("--min-s", type=float, default=MIN_S, help=f"seconds of calls per round (default {MIN_S})")
     parser.add_argument("--launched", action="store_true",
                         help="be one rank of the world torchrun or srun started, instead of forking --world processes")
     parser.add_argument("--record", metavar="BENCH", help="also add the probes to BENCH/link.json")
@@ -455,10 +456,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else None
     try:
         if args.launched:
-            launched = probe_launched(sizes)
+            launched = probe_launched(sizes, args.min_s)
             probes = [launched] if launched is not None else []
         else:
-            probes = [probe(int(w), args.device, sizes) for w in args.world.split(",") if w.strip()]
+            probes = [probe(int(w), args.device, sizes, args.min_s) for w in args.world.split(",") if w.strip()]
     except (RuntimeError, ValueError) as e:
         sys.exit(str(e))
     if not probes:  # a rank other than 0 of a launched world
