@@ -219,3 +219,15 @@ def test_sharding_strategies_hold_a_1_over_n_share_of_the_optimizer_state(runs, 
     assert events["ddp"]["comm_bytes_per_step"] == [params + 4 * (min(n, (r + 1) * part) - min(n, r * part))
                                                     for r in range(world)]
     assert events["fsdp"]["comm_bytes_per_step"] == [3 * (world - 1) * params // world] * world
+
+
+def test_ddp_reports_how_much_of_a_steps_communication_backward_did_not_hide(runs):
+    """ddp and zero1 (30 steps: DDP's timers sample the 10th): per rank, the communication's length and its exposed
+    part, which cannot exceed it; the strategies DDP does not run have neither."""
+    for strategy in ("ddp", "zero1"):
+        epoch = runs(strategy, 2)[2][-1]
+        total, exposed = epoch["comm_ms_per_step"], epoch["comm_exposed_ms_per_step"]
+        assert len(total) == len(exposed) == 2, epoch
+        assert all(t > 0 and 0 <= e <= t for t, e in zip(total, exposed)), (strategy, total, exposed)
+    for strategy in ("fsdp-zero3", "ps"):
+        assert "comm_ms_per_step" not in runs(strategy, 2)[2][-1]

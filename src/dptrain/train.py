@@ -222,7 +222,21 @@ class Trainer:
         table[self.env.global_rank] = torch.tensor([held["params"], held["grads"], held["optim"], sent], dtype=torch.float64)
         columns = self.strategy.all_reduce(table).long().t().tolist()
         names = ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "comm_bytes_per_step")
-        return dict(zip(names, columns))
+        return {**dict(zip(names, columns)), **self._comm_timing()}
+
+    def _comm_timing(self) -> dict[str, list[float]]:
+        """Per rank, where the strategy times it (ddp, zero1: a sampled step of DDP's): milliseconds of gradient
+        communication in a step, and of those, the ones backward did not hide (the step waited for them)."""
+        if self.env.world_size == 1 or type(self.strategy).comm_timing is Strategy.comm_timing:
+            return {}  # the same answer on every rank: they all run the same strategy
+        timing = self.strategy.comm_timing()
+        table = torch.zeros(self.env.world_size, 2, dtype=torch.float64, device=self.device)
+        table[self.env.global_rank] = torch.tensor([-1.0, -1.0] if timing is None else [timing.total_ms, timing.exposed_ms],
+                                                   dtype=torch.float64)
+        total, exposed = self.strategy.all_reduce(table).t().tolist()
+        if min(total) < 0:  # a rank without a sampled step yet (DDP samples its 10th step first)
+            return {}
+        return {"comm_ms_per_step": [round(v, 3) for v in total], "comm_exposed_ms_per_step": [round(v, 3) for v in exposed]}
 
     def _utilisation(self) -> dict[str, list[float]]:
         """Per rank: CPU use and resident memory over this epoch's training, and its GPU's use where NVML is there."""

@@ -67,6 +67,15 @@ def refuse_more_than_one_process(name: str, world_size: int, why: str) -> None:
                           "start one process, or use --strategy.name ddp.")
 
 
+@dataclass(frozen=True)
+class CommTiming:
+    """A step's gradient communication, from its first bucket's start to its last one's end, in milliseconds; exposed:
+    the part after backward's compute ended (what the step waited for: not hidden behind compute)."""
+
+    total_ms: float
+    exposed_ms: float
+
+
 class Strategy:
     """The one-process case; subclasses override what their parallelism changes.
 
@@ -153,6 +162,11 @@ class Strategy:
     def comm_bytes(self, steps: int) -> int:
         """Bytes this rank sent for gradient/parameter synchronisation over the last `steps` steps."""
         return 0
+
+    def comm_timing(self) -> CommTiming | None:
+        """How long the gradient communication of a recent step took, and how much of it backward did not hide;
+        None where the strategy does not time it."""
+        return None
 
     # Snapshots: the parts this strategy's state is made of, each saying how it is stored (strategies/state.py). By
     # default the model and the optimizer go through DCP's state-dict API, which keeps each rank's shards as held and

@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.strategies import comm_hooks, shared_memory
-from dptrain.strategies.base import Strategy
+from dptrain.strategies.base import CommTiming, Strategy
 
 
 class DDP(Strategy):
@@ -17,6 +17,8 @@ class DDP(Strategy):
     name = "ddp"
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
     """The all-reduce through /dev/shm that the gradients take (strategy.ddp.shared_memory), once wrapped; None: gloo's."""
+    ddp: DistributedDataParallel | None = None
+    """The model as wrapped, on more than one rank."""
 
     @property
     def step_is_local(self) -> bool:
@@ -45,12 +47,28 @@ class DDP(Strategy):
             comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
         elif self.shared_memory_sum is not None:
             ddp.register_comm_hook(None, shared_memory.allreduce_mean_hook(self.shared_memory_sum))
+        self.ddp = ddp
         return ddp
 
     def uses_shared_memory(self) -> bool:
         """strategy.ddp.shared_memory applies: CPU ranks, all on this host (a decision every rank makes alike)."""
         return (self.cfg.ddp.shared_memory and self.device.type == "cpu"
                 and self.env.world_size == self.env.local_world_size > 1)
+
+    def comm_timing(self) -> CommTiming | None:
+        """From DDP's own timers (its logging data), which it fills on sampled steps only: the 10th, then every
+        100th. Exposed: from the end of backward's compute to the end of the last bucket's communication."""
+        if self.ddp is None:
+            return None
+        try:
+            timers = self.ddp._get_ddp_logging_data()  # a private API of DDP's: no timing rather than a failure
+        except (AttributeError, RuntimeError):
+            return None
+        start, end = timers.get("backward_comm_time_start", 0), timers.get("backward_comm_time_end", 0)
+        compute_end = timers.get("backward_compute_time_end", 0)
+        if not (start and end and compute_end) or end < start:
+            return None  # no sampled step yet
+        return CommTiming(total_ms=(end - start) / 1e6, exposed_ms=max(0, end - compute_end) / 1e6)
 
     def comm_bytes(self, steps: int) -> int:
         if self.cfg.ddp.comm_hook != "allreduce":
