@@ -1,0 +1,145 @@
+"""The scaling model's formulas against cases worked out by hand, and its fit on the smaller shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from dptrain.bench.model import (NAMED_LINKS, Link, Measured, Plan, Workload, bytes_sent_per_rank, calibrate,
+                                 collectives, curve, fit_overlap, memory_per_rank, named_link, node_counts,
+                                 powersgd_elements, predict, split_for_fit)
+from dptrain.errors import ConfigError
+
+# 100 us a message, 100 MB/s; a model of 1 M float32 parameters (4 MB); 100 images a step at 1 ms each on one rank
+LINK = Link("test", 1e-4, 1e8, "for the tests")
+WORK = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, ranks_share_a_node=False)
+
+
+def test_ddp_on_two_nodes_by_hand():
+    # all-reduce of 4 MB on 2 ranks: 2(N-1) alpha + 2(N-1)/N S / B = 2e-4 + 0.04 s; compute 100 x 1 ms / 2 = 0.05 s
+    [allreduce] = collectives(Plan(strategy="ddp"), WORK, 2)
+    assert (allreduce.kind, allreduce.nbytes, allreduce.calls, allreduce.phase) == ("all_reduce", 4e6, 1, "backward")
+    nothing_hidden = predict(Plan(strategy="ddp"), WORK, LINK, nodes=2, overlap=0.0)
+    assert nothing_hidden.compute_s == pytest.approx(0.05) and nothing_hidden.comm_s == pytest.approx(0.0402)
+    assert nothing_hidden.step_s == pytest.approx(0.0902)
+    assert nothing_hidden.images_per_s == pytest.approx(100 / 0.0902)
+    assert nothing_hidden.efficiency == pytest.approx(0.05 / 0.0902)
+    # all it can hide: the backward compute, 2/3 of 0.05 s, of the 0.0402 s
+    all_hidden = predict(Plan(strategy="ddp"), WORK, LINK, nodes=2, overlap=1.0)
+    assert all_hidden.exposed_s == pytest.approx(0.0402 - 0.05 * 2 / 3)
+    half = predict(Plan(strategy="ddp"), WORK, LINK, nodes=2, overlap=0.5)
+    assert half.exposed_s == pytest.approx(0.0402 - 0.5 * 0.05 * 2 / 3)
+    # one node alone: no communication, the 1-rank rate
+    assert predict(Plan(strategy="ddp"), WORK, LINK, nodes=1).images_per_s == pytest.approx(1000)
+
+
+def test_buckets_add_latency_and_hooks_shrink_the_bytes():
+    big = Workload(param_bytes=100 * 2**20, global_batch=100, compute_s_per_sample=1e-3)
+    [buckets] = collectives(Plan(strategy="ddp"), big, 4)
+    assert (buckets.calls, buckets.nbytes) == (4, 25 * 2**20)  # DDP's 25 MiB buckets
+    # 4 ranks: each bucket 2 x 3 alpha + 1.5 x 25 MiB / B
+    assert buckets.seconds(LINK, 4) == pytest.approx(4 * (6e-4 + 1.5 * 25 * 2**20 / 1e8))
+    [half] = collectives(Plan(strategy="ddp", comm_hook="fp16"), WORK, 2)
+    assert half.nbytes == 2e6
+    assert bytes_sent_per_rank(Plan(strategy="ddp", comm_hook="bf16"), WORK, 4) == pytest.approx(1.5 * 2e6)
+
+
+def test_powersgd_sends_its_factors_where_they_save_half():
+    # 100 x 50 at rank 4: (100 + 50) x 4 = 600 elements, under half of 5000; 10 x 10: 80 x 2 >= 100, sent whole
+    assert powersgd_elements([(100, 50)], vector_elements=10, rank=4) == 610
+    assert powersgd_elements([(100, 50), (10, 10)], vector_elements=10, rank=4) == 710
+    work = Workload(param_bytes=4 * (5000 + 100 + 10), global_batch=8, compute_s_per_sample=1e-3,
+                    matrices=((100, 50), (10, 10)))
+    [factors] = collectives(Plan(strategy="ddp", comm_hook="powersgd", powersgd_rank=4), work, 2)
+    assert factors.calls == 3 and factors.calls * factors.nbytes == pytest.approx(4 * 710)  # P, Q, the vectors
+    with pytest.raises(ConfigError, match="matrix shapes"):
+        collectives(Plan(strategy="ddp", comm_hook="powersgd"), WORK, 2)
+
+
+def test_bytes_sent_match_what_the_strategies_count():
+    # ddp: 2 (N-1)/N G; zero1: that + (N-1)/N P (strategies/zero.py); fsdp: (2 gathers x P + G) (N-1)/N
+    # (strategies/fsdp.py); ps: the server sends N-1 parameter copies
+    assert bytes_sent_per_rank(Plan(strategy="ddp"), WORK, 4) == pytest.approx(6e6)
+    assert bytes_sent_per_rank(Plan(strategy="zero1"), WORK, 4) == pytest.approx(6e6 + 3e6)
+    assert bytes_sent_per_rank(Plan(strategy="fsdp"), WORK, 4) == pytest.approx(9e6)
+    assert bytes_sent_per_rank(Plan(strategy="fsdp", reshard_after_forward=False), WORK, 4) == pytest.approx(6e6)
+    assert bytes_sent_per_rank(Plan(strategy="fsdp", param_dtype_size=2), WORK, 4) == pytest.approx(6e6)
+    assert bytes_sent_per_rank(Plan(strategy="ps"), WORK, 4) == pytest.approx(12e6)
+    assert bytes_sent_per_rank(Plan(strategy="ddp"), WORK, 1) == 0
+
+
+def test_fsdp_and_the_parameter_server_by_hand():
+    units = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, fsdp_units=4)
+    steps = collectives(Plan(strategy="fsdp"), units, 2)
+    assert [(c.kind, c.nbytes, c.calls, c.phase) for c in steps] == [
+        ("all_gather", 1e6, 4, "forward"), ("all_gather", 1e6, 4, "backward"), ("reduce_scatter", 1e6, 4, "backward")]
+    # each: 4 x ((N-1) alpha + (N-1)/N 1 MB / B) = 4 x (1e-4 + 5e-3)
+    assert predict(Plan(strategy="fsdp"), units, LINK, 2).comm_s == pytest.approx(3 * 4 * 5.1e-3)
+    # ps on 3 ranks: 2 gradients in, 2 parameter copies out, one after the other: 4 x (alpha + 4 MB / B), exposed whole
+    ps = predict(Plan(strategy="ps"), WORK, LINK, 3, overlap=1.0)
+    assert ps.comm_s == pytest.approx(4 * (1e-4 + 0.04)) and ps.exposed_s == pytest.approx(ps.comm_s)
+
+
+def test_memory_per_rank_by_hand():
+    # Adam: parameters P, gradients P, two moments 2P; P = 4 MB
+    assert memory_per_rank(Plan(strategy="ddp"), WORK, 8) == pytest.approx(16e6)
+    assert memory_per_rank(Plan(strategy="zero1"), WORK, 8) == pytest.approx(8e6 + 8e6 / 8)
+    assert memory_per_rank(Plan(strategy="fsdp"), WORK, 8) == pytest.approx(16e6 / 8 + 4e6)  # + one gathered unit
+    assert memory_per_rank(Plan(strategy="fsdp", reshard_after_forward=False), WORK, 8) == pytest.approx(4e6 + 12e6 / 8)
+    sgd = Workload(param_bytes=4e6, global_batch=1, compute_s_per_sample=1, optimizer_bytes=4e6)
+    assert memory_per_rank(Plan(strategy="fsdp"), sgd, 1) == pytest.approx(12e6)
+
+
+def test_ranks_sharing_a_node_share_its_compute():
+    cpu = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3)  # CPU: ranks split the cores
+    assert predict(Plan(strategy="single"), cpu, LINK, 1, ranks_per_node=2).compute_s == pytest.approx(0.1)
+    probed = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, rank_share={2: 0.6})
+    assert predict(Plan(strategy="single"), probed, LINK, 1, ranks_per_node=2).compute_s == pytest.approx(0.1 / 1.2)
+    # one node uses the local link, two the link between nodes
+    local = Link("local", 0.0, 1e12, "shared memory")
+    assert predict(Plan(strategy="ddp"), WORK, LINK, 1, 2, local_link=local).comm_s == pytest.approx(4e-6)
+    assert predict(Plan(strategy="ddp"), WORK, LINK, 2, 1, local_link=local).comm_s == pytest.approx(0.0402)
+
+
+def test_named_links_and_plans_refuse_what_they_do_not_know():
+    assert named_link("1GBIT").bandwidth_bps == 125e6 and set(NAMED_LINKS) == {"100mbit", "1gbit", "10gbit", "100gbit"}
+    with pytest.raises(ConfigError) as error:
+        named_link("5g")
+    assert str(error.value) == ("--link '5g' is no link the model knows; give one of 100mbit, 1gbit, 10gbit, 100gbit, "
+                                "or leave it out to use the measured link.json.")
+    with pytest.raises(ConfigError, match="no formulas for strategy 'deepspeed'"):
+        Plan(strategy="deepspeed")
+
+
+def test_curves_reach_256_nodes_and_fall_off_with_a_slow_link():
+    assert node_counts() == [1, 2, 4, 8, 16, 32, 64, 128, 256] and node_counts(100)[-1] == 100
+    slow = curve(Plan(strategy="ddp"), WORK, named_link("100mbit"), overlap=0.5)
+    fast = curve(Plan(strategy="ddp"), WORK, named_link("100gbit"), overlap=0.5)
+    assert [p.nodes for p in slow] == node_counts() and slow[-1].ranks == 256
+    assert all(s.images_per_s < f.images_per_s for s, f in zip(slow[1:], fast[1:]))
+    assert fast[-1].efficiency > slow[-1].efficiency
+
+
+def test_split_fits_on_the_smaller_shapes():
+    points = [Measured(1, w, 100.0) for w in (1, 2, 4, 8)]
+    fit_on, held = split_for_fit(points)
+    assert [p.workers for p in fit_on] == [1, 2] and [p.workers for p in held] == [4, 8]
+    hosts = [Measured(n, n, 100.0) for n in (1, 2, 4)] + [Measured(2, 2, 90.0)]
+    fit_on, held = split_for_fit(hosts)
+    assert [(p.nodes, p.images_per_s) for p in fit_on] == [(1, 100.0), (2, 100.0), (2, 90.0)] and held[0].nodes == 4
+    assert split_for_fit([Measured(1, 1, 1.0)]) == ([Measured(1, 1, 1.0)], [])
+
+
+def test_calibrate_recovers_a_known_overlap_and_predicts_the_held_out_points():
+    truth = 0.4
+    plan = Plan(strategy="ddp")
+    points = [Measured(n, n, predict(plan, WORK, LINK, n, 1, truth).images_per_s) for n in (1, 2, 4, 8)]
+    start = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=5e-3, ranks_share_a_node=False)
+    calibration = calibrate(plan, start, points, LINK)
+    assert calibration.work.compute_s_per_sample == pytest.approx(1e-3)  # from the 1-worker point, not the guess
+    assert calibration.overlap == pytest.approx(truth) and calibration.overlap_fitted
+    assert [m.nodes for m, _ in calibration.held_out] == [4, 8]
+    assert all(abs(error) < 1e-9 for _, _, error in calibration.errors())
+    # no multi-rank point to fit on: the default overlap, said to be so
+    assert fit_overlap(plan, WORK, points[:1], LINK) is None
+    lone = calibrate(plan, WORK, points[:2], LINK, default_overlap=0.25)
+    assert lone.overlap == 0.25 and not lone.overlap_fitted and len(lone.errors()) == 1
