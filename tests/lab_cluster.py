@@ -94,7 +94,8 @@ def _ip(*argv: str, check: bool = True, timeout: float = 20) -> subprocess.Compl
     """An ip/tc command (found in /usr/sbin too); raises SlurmClusterError with its message where check fails."""
     done = subprocess.run([_which(argv[0]) or argv[0], *argv[1:]], capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
-        raise SlurmClusterError(f"`{' '.join(argv)}` failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
+        said = (done.stderr or done.stdout).strip()
+        raise SlurmClusterError(f"`{' '.join(argv)}` failed ({done.returncode}): {said}")
     return done
 
 
@@ -234,21 +235,22 @@ class LabNetwork:
             _ip("ip", "netns", "exec", ns, "sh", "-c", f"echo {TCP_RETRIES2} > /proc/sys/net/ipv4/tcp_retries2")
             (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
             (ETC_NETNS / ns / "hosts").write_text(hosts_file)  # `ip netns exec` bind-mounts it on /etc/hosts
-        self.shape(self.rate)
+        if self.rate is not None:
+            self.shape(self.rate)
 
-    def owns_bridge(self) -> bool | None:
-        """True: the bridge is this network's; False: another lab's (ours is gone and its number reused);
-        None: there is no bridge of that number."""
+    def owns_bridge(self) -> bool:
+        """Whether the bridge of this number exists and is this network's (its alias names our owner): False
+        once ours is removed, also where another lab has claimed the number since."""
         try:
-            alias = Path(f"/sys/class/net/{self.bridge}/ifalias").read_text().strip()
+            return Path(f"/sys/class/net/{self.bridge}/ifalias").read_text().strip() == self.owner
         except OSError:
-            return None
-        return alias == self.owner
+            return False
 
     def destroy(self) -> None:
         """Remove everything of this network: processes left in its namespaces, links, namespaces, hosts files,
-        bridge. Safe to call again, and a no-op once another lab has claimed the number."""
-        if self.owns_bridge() is False:
+        bridge (last: while it exists no other lab claims the number). Safe to call again: a no-op once the
+        bridge is gone, even where another lab has claimed the number since."""
+        if not self.owns_bridge():
             return
         existing_namespaces, existing_links = set(_namespaces()), set(_links())
         for k in self.host_numbers:
@@ -260,8 +262,7 @@ class LabNetwork:
             if ns in existing_namespaces:
                 _ip("ip", "netns", "del", ns, check=False)
             shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
-        if self.bridge in existing_links:  # last: while it exists no other lab claims the number
-            _ip("ip", "link", "del", self.bridge, check=False)
+        _ip("ip", "link", "del", self.bridge, check=False)
         try:
             ETC_NETNS.rmdir()  # only when empty: other labs' and TwoHosts' namespaces keep theirs
         except OSError:
@@ -361,7 +362,7 @@ class LabCluster(SlurmCluster):
         super().__init__(state_dir)
         self.network = None if hosts is not None else LabNetwork.load(self.state_dir / LAB_FILE)
         self.hosts = hosts if hosts is not None else (self.network.hosts if self.network else 0)
-        self.rate = rate
+        self.rate = rate if hosts is not None else (self.network.rate if self.network else None)
 
     @property
     def nodes(self) -> tuple[str, ...]:  # type: ignore[override]

@@ -38,7 +38,8 @@ def _skip_where_impossible() -> None:
 
 def _leftovers(network: LabNetwork) -> list[str]:
     """What of `network` still exists on this machine: namespaces, links, hosts files."""
-    names = {network.bridge, *map(network.namespace, network.host_numbers), *map(network.bridge_end, network.host_numbers)}
+    hosts = network.host_numbers
+    names = {network.bridge, *map(network.namespace, hosts), *map(network.bridge_end, hosts)}
     files = [str(p) for k in network.host_numbers if (p := Path("/etc/netns") / network.namespace(k)).exists()]
     return sorted(names & {*_links(), *_namespaces()}) + files
 
@@ -58,7 +59,7 @@ def test_rates_are_read_in_tcs_units():
     (["--rate", "1gb"], "slurm-cluster: the rate '1gb' is not one tc's tbf takes; write a number of bits per second "
                         "with its unit, e.g. 100mbit or 1gbit"),
     (["--hosts", "0"], "slurm-cluster: a lab cluster has 1 to 250 hosts, not 0; choose --hosts in that range"),
-])
+], ids=["rate", "hosts"])
 def test_the_script_refuses_a_lab_it_cannot_make_before_making_anything(tmp_path, options, message):
     done = subprocess.run([PY, str(SCRIPT), "start", str(tmp_path / "lab"), *options], capture_output=True, text=True,
                           timeout=60)
