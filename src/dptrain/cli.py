@@ -249,8 +249,10 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
                                       strategies=args.strategies, repeats=args.repeats,
                                       warmup_epochs=args.warmup_epochs, engines=args.engines,
                                       run_timeout_s=DEFAULT_RUN_TIMEOUT_S if args.run_timeout_s is None else args.run_timeout_s,
-                                      job_pairs=submit_overrides(args) if args.slurm else None,
-                                      job_lines=job_lines(args))
+                                      # bench's --nodes is a list (sweep.node_sweep), not slurm.nodes itself
+                                      job_pairs=[pair for pair in submit_overrides(args) if pair[0] != "slurm.nodes"]
+                                      if args.slurm else None,
+                                      job_lines=job_lines(args), nodes=args.nodes)
     for note in notes:
         log.info(f"bench: {note}")
     if args.slurm:
@@ -297,10 +299,12 @@ def add_snapshot_options(command: argparse.ArgumentParser) -> None:
 JOB_ITEM_METAVARS = {"sbatch": "OPTION"}
 
 
-def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[str, str] | None = None) -> None:
+def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[str, str] | None = None,
+                    as_text: tuple[str, ...] = ()) -> None:
     """The job's options, shared by submit and bench --slurm: one per field of SlurmConfig (--gpus-per-node sets
     slurm.gpus_per_node), its docstring as help unless `meaning` gives the command's own; submit_overrides and job_lines
-    read them. Each defaults to None (or no flag, no line): the --config file's [slurm] table then decides."""
+    read them. Each defaults to None (or no flag, no line): the --config file's [slurm] table then decides. The
+    fields in as_text are taken as text, which the command reads itself (bench's --nodes 1,2,4)."""
     job = command.add_argument_group(title)
     docs = config_mod.field_docs(SlurmConfig)
     hints = typing.get_type_hints(SlurmConfig)
@@ -317,7 +321,8 @@ def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[
         else:  # None where not given: the file's value, else the field's default (shown where there is one)
             shown = "" if f.default is None else f" (default: {f.default})"
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
-            job.add_argument(option, type=int if tp is int else None, choices=choices, help=text + shown)
+            typed = int if tp is int and f.name not in as_text else None
+            job.add_argument(option, type=typed, choices=choices, help=text + shown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,8 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep's folder (default runs/bench/<data.name>); every other --section.option VALUE goes to every run (see\n"
         "dptrain train --help).\n"
         "With --slurm every point is a SLURM job (as dptrain submit writes it), all submitted at once, then\n"
-        "waited for; a point of W workers takes R ranks per node (--ranks-per-node, else --gpus-per-node, else 1)\n"
-        "on W/R nodes (W a multiple of R), or W ranks on one node when W < R; --nodes is the most a point may take.",
+        "waited for; --nodes 1,2,4 runs each point on that many whole nodes of R ranks (--ranks-per-node, else\n"
+        "--gpus-per-node, else 1). With --workers instead, a point of W workers takes W/R nodes (W a multiple of R),\n"
+        "or W ranks on one node when W < R, and --nodes is the most a point may take. The other engines run as jobs\n"
+        "too: one torchrun per node, meeting at the first node.",
     )
     bench.add_argument("--config", help="TOML file with [section] tables of options, for every run")
     bench.add_argument("--workers", help="comma-separated worker counts (default 1,2,4,8, without those above the "
@@ -446,7 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dry-run", action="store_true", help="with --slurm: print the jobs it would submit; write and "
                        "submit nothing")
     add_job_options(bench, "the jobs of --slurm (sbatch's options, as dptrain submit takes them)",
-                    {"nodes": "The most nodes a point may take."})
+                    {"nodes": "comma-separated node counts, each point on that many whole nodes of --ranks-per-node "
+                              "ranks (e.g. 1,2,4); with --workers, one number: the most nodes a point may "
+                              "take"}, as_text=("nodes",))
     bench.set_defaults(func=cmd_bench)
     report = sub.add_parser(
         "report",

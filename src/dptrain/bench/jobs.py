@@ -8,21 +8,28 @@ the job submitted for it (job_id.txt); the job's output goes to logs/slurm-<id>.
 asks the scheduler (slurm.queue.wait_for) until every job has ended, and records a failed one as the local sweep
 does (bench_error.txt: its first error line). Running the same command again submits only the points that are
 neither done nor still queued or running (it asks the scheduler about job_id.txt's job), and waits for those that are.
+
+A point of another engine (tutorial, lightning, deepspeed) is a job too, launched as that engine's users launch
+across nodes: one srun task per node running torchrun, whose agents meet at the first node (c10d rendezvous at
+MASTER_ADDR:MASTER_PORT, both from the job as dptrain's own jobs take them), each starting the node's ranks of
+`python -m MODULE RUN_DIR`; the engine reads RUN_DIR/config.toml, written before the submission.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from dptrain import config as config_mod
-from dptrain.bench.sweep import (ERROR_FILE, Point, Sweep, check_and_record, describe_plan, error_line, is_done,
-                                 job_shape, last_line, plan)
-from dptrain.config import RunConfig
-from dptrain.errors import LaunchError
+from dptrain.bench.sweep import (ERROR_FILE, OTHER_ENGINES, Point, Sweep, check_and_record, describe_plan, error_line,
+                                 is_done, job_shape, last_line, plan)
+from dptrain.config import RunConfig, SlurmConfig
+from dptrain.errors import ConfigError, LaunchError
+from dptrain.slurm.env import SLURM_VARS
 from dptrain.run_folder import RunFolder
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
 
@@ -33,21 +40,45 @@ JOB_ID_FILE = "job_id.txt"  # the id of the job submitted for the point, so that
 
 def point_config(sweep: Sweep, point: Point) -> RunConfig:
     """The config a point's job trains from: the shared options, this point's strategy and run directory (absolute:
-    the job runs it from the submission's folder), no epoch snapshots (as the local sweep), its job's shape."""
+    the job runs it from the submission's folder), no epoch snapshots (as the local sweep), its job's shape; for
+    another engine, that shape as one torchrun per node (peer_shape), which starts launch.nproc_per_node ranks."""
     assert sweep.job is not None, "a sweep of SLURM jobs"
     run_dir = sweep.run_dir(point).resolve()
     cfg = config_mod.load(sweep.config_path, [("checkpoint.every_epochs", "0"), *sweep.train_pairs,
                                               ("strategy.name", point.strategy), ("output.dir", str(run_dir))])
-    return replace(cfg, slurm=job_shape(point.workers, sweep.job))
+    shape = job_shape(point.workers, sweep.job)
+    if point.engine in OTHER_ENGINES:
+        shape = peer_shape(shape)
+        return replace(cfg, slurm=shape, launch=replace(cfg.launch, nproc_per_node=shape.ranks_here))
+    return replace(cfg, slurm=shape)
+
+
+def peer_shape(shape: SlurmConfig) -> SlurmConfig:
+    """A point's job shape for another engine: one task per node (torchrun, given the node's cores and GPUs), no
+    snapshot signal and no requeue (the plain loops write no snapshot to resume from, and SIGUSR1 would end
+    torchrun at once)."""
+    peer = replace(shape, mode="agent", ranks_per_node=shape.ranks_here, signal_lead_s=0, requeue=False)
+    if peer.gpus_here != shape.gpus_here:  # an --sbatch gpus-per-task line: the one task per node would get fewer
+        raise ConfigError(f"slurm.sbatch's {shape.sbatch_gpus_per_node()[0]} gives each task its GPUs, and the "  # type: ignore[index]
+                          f"other engines run one task per node (torchrun); ask for the GPUs per node "
+                          f"(--gpus-per-node N) instead.")
+    return peer
+
+
+def dptrain_points(sweep: Sweep) -> list[Point]:
+    """One dptrain point per strategy and worker count."""
+    first: dict[tuple[str, int], Point] = {}
+    for point in plan(sweep):
+        if point.engine not in OTHER_ENGINES:
+            first.setdefault((point.strategy, point.workers), point)
+    return list(first.values())
 
 
 def checks(sweep: Sweep) -> list[tuple[RunConfig, int]]:
-    """(config, world size) of one point per strategy and worker count: what `dptrain submit` would check of each
-    job (the CLI's preflight), before the first is submitted."""
-    first: dict[tuple[str, int], Point] = {}
-    for point in plan(sweep):
-        first.setdefault((point.strategy, point.workers), point)
-    return [(point_config(sweep, point), point.workers) for point in first.values()]
+    """(config, world size) of one dptrain point per strategy and worker count: what `dptrain submit` would check of
+    each job (the CLI's preflight), before the first is submitted. The other engines' points were checked by their
+    engine's check when the sweep was planned."""
+    return [(point_config(sweep, point), point.workers) for point in dptrain_points(sweep)]
 
 
 def require_clients() -> None:
@@ -55,17 +86,58 @@ def require_clients() -> None:
 
 
 def check_nodes_fit(sweep: Sweep) -> None:
-    """Every job's shape fits a node of its partition (slurm.job.check_nodes_fit), before the first is submitted."""
-    for cfg, _ in checks(sweep):
-        slurm_job.check_nodes_fit(cfg.slurm)
+    """Every job's shape fits a node of its partition (slurm.job.check_nodes_fit), before the first is submitted:
+    one point of each engine kind (dptrain's ranks as tasks, the others' torchrun per node) and worker count."""
+    first: dict[tuple[bool, int], Point] = {}
+    for point in plan(sweep):
+        first.setdefault((point.engine in OTHER_ENGINES, point.workers), point)
+    for point in first.values():
+        slurm_job.check_nodes_fit(point_config(sweep, point).slurm)
 
 
 def job_of(sweep: Sweep, point: Point) -> tuple[RunConfig, slurm_job.Job, str]:
-    """(config, job, script) of a point, as `dptrain submit` would write them from this folder."""
+    """(config, job, script) of a point, as `dptrain submit` would write them from this folder (another engine's:
+    peer_script)."""
     cfg = point_config(sweep, point)
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
-    return cfg, job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
+    python = slurm_job.python_for(cfg.slurm)
+    if point.engine in OTHER_ENGINES:
+        return cfg, job, peer_script(cfg, job, workdir, python, point.engine)
+    return cfg, job, slurm_job.render(cfg, job, workdir, python)
+
+
+# Where slurm.job.render's script of an agent-mode job starts its launch lines (after the set-up and MASTER_ADDR).
+LAUNCH_COMMENT = "\n# --kill-on-bad-exit"
+
+
+def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, engine: str) -> str:
+    """Another engine's job script: dptrain's own for one elastic agent per node (its #SBATCH lines, set-up lines, the
+    first node's address and the job's port, and whatever srun options render gives its task), with torchrun and the
+    engine's module in place of `dptrain train` on the srun line, as the engine's users launch it across nodes.
+    torchrun's c10d rendezvous numbers the nodes, so no --node-rank: each task's SLURM_NODEID is not needed."""
+    script = slurm_job.render(cfg, job, workdir, python)
+    dptrain_train = shlex.join([python, "-m", "dptrain", "train", "--config", str(job.config)])
+    head, found, launch = script.partition(LAUNCH_COMMENT)
+    srun_line = launch.rstrip("\n").splitlines()[-1] if found else ""
+    if dptrain_train not in srun_line:  # render's launch lines changed: this must follow (tests/bench/test_peer_jobs.py)
+        raise RuntimeError("slurm.job.render's agent-mode srun line no longer ends with `dptrain train --config JOB`; "
+                           "update bench.jobs.peer_script to it")
+    srun = srun_line[:srun_line.index(dptrain_train)]  # srun, its options, and a container's (if any)
+    torchrun = shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes), "--nproc-per-node",
+                           str(job.ranks_per_node), "--rdzv-backend", "c10d"])
+    module = OTHER_ENGINES[engine].__name__
+    described = f"# dptrain training of {slurm_job.shown(job.run_dir, workdir)}: "
+    head = head.replace(described, f"# dptrain bench point of the {engine} engine ({module}) in "
+                                   f"{slurm_job.shown(job.run_dir, workdir)}: ", 1)
+    return "".join([
+        head, "\n",
+        "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at MASTER_ADDR:MASTER_PORT\n",
+        "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.\n",
+        "# --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.\n",
+        f'{srun}{torchrun} --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_VARS["job_id"]}" '
+        f"-m {module} {shlex.quote(str(job.run_dir))}\n",
+    ])
 
 
 def recorded_job(run_dir: Path) -> str | None:
@@ -130,6 +202,8 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm_job.Job]:
     cfg, job, script = job_of(sweep, point)
     RunFolder(job.run_dir).logs.mkdir(parents=True)
     job.config.write_text(config_mod.to_toml(cfg))
+    if point.engine in OTHER_ENGINES:  # what the engine trains (dptrain train writes its own config.toml)
+        RunFolder(job.run_dir).config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
     job_id = slurm_job.submit(job.script)
     (run_dir / JOB_ID_FILE).write_text(job_id + "\n")

@@ -96,14 +96,32 @@ def split_list(text: str, option: str) -> tuple[str, ...]:
     return items
 
 
-def parse_workers(text: str) -> tuple[int, ...]:
+def parse_counts(text: str, option: str, what: str) -> tuple[int, ...]:
+    """A comma-separated list of counts of 1 or more (--workers, --nodes), sorted, each once."""
     try:
-        workers = tuple(int(s) for s in split_list(text, "--workers"))
+        counts = tuple(int(s) for s in split_list(text, option))
     except ValueError:
-        raise ConfigError(f"--workers {text} is not a comma-separated list of whole numbers; for example --workers 1,2,4.") from None
-    if any(w < 1 for w in workers):
-        raise ConfigError(f"--workers {text} holds a count below 1; give worker counts of 1 or more.")
-    return tuple(sorted(set(workers)))
+        raise ConfigError(f"{option} {text} is not a comma-separated list of whole numbers; for example {option} 1,2,4.") from None
+    if any(c < 1 for c in counts):
+        raise ConfigError(f"{option} {text} holds a count below 1; give {what} counts of 1 or more.")
+    return tuple(sorted(set(counts)))
+
+
+def parse_workers(text: str) -> tuple[int, ...]:
+    return parse_counts(text, "--workers", "worker")
+
+
+def node_sweep(nodes: str, workers: str | None) -> tuple[int, tuple[int, ...] | None]:
+    """(the most nodes a point may take, the node counts to sweep) of bench's --nodes: `--nodes 1,2,4` runs every
+    point on that many whole nodes; with --workers, --nodes is one number, the most nodes (job_shape), and there
+    are no node counts of its own (None)."""
+    counts = parse_counts(nodes, "--nodes", "node")
+    if workers is None:
+        return max(counts), counts
+    if len(counts) > 1:
+        raise ConfigError(f"--nodes {nodes} sweeps node counts and --workers {workers} sweeps worker counts; give one "
+                          f"of them (with --workers, --nodes is one number: the most nodes a point may take).")
+    return counts[0], None
 
 
 def check_engines(engines: tuple[str, ...]) -> None:
@@ -231,11 +249,15 @@ def cap_jobs(workers: tuple[int, ...], job: SlurmConfig) -> tuple[tuple[int, ...
 def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str | None, strategies: str,
           repeats: int, warmup_epochs: int | None, engines: str, run_timeout_s: float,
           job_pairs: list[tuple[str, str]] | None = None,
-          job_lines: dict[str, tuple[str, ...]] | None = None) -> tuple[Sweep, list[str]]:
+          job_lines: dict[str, tuple[str, ...]] | None = None, nodes: str | None = None) -> tuple[Sweep, list[str]]:
     """Check the sweep's options and the shared train options once, before any run; (sweep, notes to print).
     job_pairs: the job options as slurm.* pairs, for a sweep of SLURM jobs (None: runs here); job_lines: the --setup
-    and --sbatch lines given, which replace the file's."""
+    and --sbatch lines given, which replace the file's; nodes: bench's --nodes as given (node_sweep reads it)."""
     notes: list[str] = []
+    node_counts = None
+    if nodes is not None and job_pairs is not None:
+        most, node_counts = node_sweep(nodes, workers)
+        job_pairs = [*job_pairs, ("slurm.nodes", str(most))]
     bench_dir: Path | None = None
     train_pairs = []
     for key, value in pairs:
@@ -248,9 +270,6 @@ def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
     engine_names = split_list(engines, "--engines")
     check_engines(engine_names)
     others = [engine for engine in engine_names if engine in OTHER_ENGINES]
-    if job_pairs is not None and others:
-        raise ConfigError(f"--engines {others[0]} runs under torchrun on this machine only, not as a SLURM job; drop it "
-                          f"from --engines, or run it without --slurm.")
     strategy_names = split_list(strategies, "--strategies")
     skipped_pairs = unsupported_pairs(engine_names, strategy_names)
     point_cfgs = {}
@@ -270,7 +289,9 @@ def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
     if not 0 <= warmup < cfg.train.epochs:
         raise ConfigError(f"--warmup-epochs {warmup} leaves no timed epoch of train.epochs {cfg.train.epochs}; "
                           f"give fewer warm-up epochs (0 to {cfg.train.epochs - 1}) or more --train.epochs.")
-    if workers is None and job_pairs is not None:
+    if node_counts:  # whole nodes of R ranks each (--ranks-per-node, else --gpus-per-node, else 1)
+        counts = tuple(n * cfg.slurm.ranks_here for n in node_counts)
+    elif workers is None and job_pairs is not None:
         counts, dropped = cap_jobs(DEFAULT_WORKERS, cfg.slurm)
         if dropped:
             notes.append(dropped)
