@@ -17,6 +17,7 @@ import pytest
 
 from dptrain.bench.collect import RESULT_COLUMNS, collect, summarize
 from dptrain.cli import main
+from dptrain.errors import ConfigError
 
 POINT = "dptrain-ddp-w{}-r1"
 
@@ -70,7 +71,7 @@ def test_bad_rows_of_results_csv_are_left_out_and_named(tmp_path, capsys, caplog
     left_out = text.split("## Left out of this report", 1)[1]
     for line, what in [(4, "epoch\\_time\\_s is '0'"), (5, "epoch\\_time\\_s is '\\-1\\.0'"),
                        (6, "epoch\\_time\\_s is 'nan'"), (7, "epoch\\_time\\_s is 'inf'"),
-                       (8, "epoch\\_time\\_s is 'fast'"), (9, "workers is 'two'"), (10, "it has 3 cells, and the header 22")]:
+                       (8, "epoch\\_time\\_s is 'fast'"), (9, "workers is 'two'"), (10, f"it has 3 cells, and the header {len(RESULT_COLUMNS)}")]:
         assert f"- results\\.csv line {line}: {what}" in left_out
     # only the good rows reach the table and summary.csv, and no speedup comes from a time of zero or less
     assert [line.split(" | ")[2] for line in text.splitlines() if line.startswith("| dptrain |")] == ["1", "2"]
@@ -241,3 +242,58 @@ def test_runs_that_timed_no_epoch_are_named_as_such(tmp_path, capsys):
                            f"(--warmup-epochs) are left out of the timing, and a run that ends within them "
                            f"(--train.max_steps, or as many --train.epochs) times none; run the sweep with more "
                            f"epochs than warm-up ones.")
+
+
+def write_link(bench: Path, latency_s: float, bandwidth_bps: float, hosts: int = 2) -> None:
+    """A link.json of one probe whose timings follow the ring formulas of that latency and bandwidth exactly."""
+    from dptrain.bench.link import COLLECTIVES, LinkProbe, Timing, collective_seconds
+
+    timings = [Timing(c, 2, s, collective_seconds(c, 2, s, latency_s, bandwidth_bps))
+               for c in COLLECTIVES for s in (1 << 10, 1 << 16, 1 << 22)]
+    probe = LinkProbe(backend="gloo", device="cpu", world=2, hosts=hosts, timings=timings)
+    (bench / "link.json").write_text(json.dumps({"probes": [probe.to_dict()]}))
+
+
+def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(tmp_path, capsys):
+    from dptrain.bench.model import Link, Plan, Workload, predict
+    from dptrain.bench.report import SCALING_PLOT, write_report
+
+    # 1, 2 and 4 hosts of one rank each on a 1 Gbit/s link; the images/s of 1 and 2 hosts follow the model with an
+    # overlap of 0.3, the 4-host point runs 10% slower than it predicts
+    bench = tmp_path / "bench"
+    link = Link("lab", 50e-6, 125e6, "")
+    work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3)
+    rates = {n: predict(Plan(strategy="ddp"), work, link, n, 1, 0.3).images_per_s for n in (1, 2, 4)}
+    rates[4] *= 0.9
+    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n]) for n in (1, 2, 4)])
+    for n in (1, 2, 4):
+        write_run(bench, [{"event": "run_start", "global_batch_size": 128},
+                          epoch(1, mem_params_bytes=[4_000_000] * n, mem_optim_bytes=[8_000_000] * n,
+                                comm_bytes_per_step=[0 if n == 1 else 8_000_000 * (n - 1) // n] * n),
+                          {"event": "run_end"}], workers=n)
+    write_link(bench, 50e-6, 125e6)
+    text = write_report(bench, link="100mbit").read_text()
+    assert (bench / SCALING_PLOT).stat().st_size > 10_000  # a drawn plot, not an empty canvas
+    assert f"![Scaling model: measured and predicted]({SCALING_PLOT})" in text
+    assert "overlap 0\\.30 fitted" in text and "1x1, 2x1 \\(nodes x ranks per node\\)" in text
+    errors = text.split("## Model error on the points it was not fitted on", 1)[1].split("##", 1)[0]
+    [held_out] = [line for line in errors.splitlines() if line.startswith("| ddp |")]
+    assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4] / 0.9:.0f} | +11.1% |")
+    assert "Largest error: +11\\.1% \\(ddp at 4 workers on 4 nodes\\)" in errors
+    predicted = text.split("## Predicted to 256 nodes", 1)[1]
+    assert "| ddp | measured | 256 | 256 |" in predicted and "| ddp | 100mbit | 256 | 256 |" in predicted
+    assert "100mbit \\(assumed\\): 100 Mbit/s Ethernet" in text
+
+
+def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):
+    from dptrain.bench.report import SCALING_PLOT, write_report
+
+    bench = tmp_path / "bench"
+    write_results(bench, [result_row(1, 2.0), result_row(2, 1.0)])
+    text = write_report(bench).read_text()
+    assert "Scaling model" not in text and not (bench / SCALING_PLOT).exists()
+    write_link(bench, 50e-6, 125e6)  # a link, but no run folder to count the model's bytes in: said so
+    text = write_report(bench).read_text()
+    assert "no run holds its parameters' bytes" in text.replace("\\", "") and not (bench / SCALING_PLOT).exists()
+    with pytest.raises(ConfigError, match="--link '10g' is no link the model knows"):
+        write_report(bench, link="10g")

@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = ("engine", "strategy", "nodes", "workers", "repeat", "status", "global_batch_size", "epochs_timed",
                   "epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss",
-                  "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "torch", "host", "run_dir", "error")
+                  "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "comm_ms", "comm_exposed_ms", "torch", "host",
+                  "run_dir", "error")
 MEASURES = ("epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss", "eval_acc",
-            "peak_mem_mb", "rss_max_mb", "cpu_util_pct")
+            "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "comm_ms", "comm_exposed_ms")
 KEY = ("engine", "strategy", "workers")
 SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s in ("mean", "std")),
                    "speedup", "efficiency", "baseline_workers")
@@ -39,7 +40,8 @@ SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s 
 
 # The measures an epoch event may carry, each one number or a per-rank list (null where a rank has none). All of them
 # are zero or more; dptrain writes a nan or inf as null (metrics.finite_or_none), so a nan here was not written by it.
-EPOCH_MEASURES = ("model_flops_per_sample", "cpu_util_pct", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb")
+EPOCH_MEASURES = ("model_flops_per_sample", "cpu_util_pct", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb",
+                  "comm_ms_per_step", "comm_exposed_ms_per_step")
 SMALL_FILE_BYTES = 1 << 16  # env.json and bench_error.txt hold a few lines; a larger one is cut here, not read whole
 NAME = re.compile(r"[a-z0-9_]+")  # an engine's or a strategy's name, as in a point's folder name (POINT_NAME)
 
@@ -156,6 +158,9 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         row["model_flops_per_sample"] = flops[0] if flops else ""  # not a column: collect fills in the other engines' from it
         cpu = [statistics.fmean(_flat(e.get("cpu_util_pct"))) for e in timed if _flat(e.get("cpu_util_pct"))]
         row["cpu_util_pct"] = statistics.fmean(cpu) if cpu else ""
+        for column, key in (("comm_ms", "comm_ms_per_step"), ("comm_exposed_ms", "comm_exposed_ms_per_step")):
+            ranks_mean = [statistics.fmean(_flat(e.get(key))) for e in timed if _flat(e.get(key))]  # ddp, zero1 only
+            row[column] = statistics.fmean(ranks_mean) if ranks_mean else ""
     evaluated = [e for e in epochs if isinstance(e.get("eval_loss"), (int, float))]
     if evaluated:
         row["eval_loss"], row["eval_acc"] = evaluated[-1]["eval_loss"], evaluated[-1].get("eval_acc", "")
