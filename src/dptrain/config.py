@@ -540,7 +540,21 @@ class SlurmConfig:
     """Extra #SBATCH lines, e.g. ["--mail-type=END", "--reservation=course"]."""
     python: str | None = None
     """The Python that runs dptrain in the job (none: the one running `dptrain submit`; with setup lines that
-    activate an environment, python)."""
+    activate an environment, or in a container, python: the first on the PATH there)."""
+    container_image: str | None = None
+    """Run the ranks inside this container image (none: on the nodes as they are), started by
+    slurm.container_engine: a registry image (pyxis: nvcr.io#nvidia/pytorch:25.01-py3; apptainer:
+    docker://nvcr.io/nvidia/pytorch:25.01-py3) or an image file (pyxis: a .sqsh squashfs; apptainer: a .sif), which
+    must exist. The folder dptrain submit runs in and the run directory are mounted at their own paths, and the ranks
+    start in that folder; the image's python (see slurm.python) runs dptrain and needs torch."""
+    container_env_file: str | None = None
+    """Run the ranks in the container that this environment definition file describes instead (srun
+    --environment=FILE, the pyxis/enroot Container Engine of clusters such as CSCS's): a .toml file, which must
+    exist, or the name of one in ~/.edf. The file names the image, its mounts (which must hold the folder dptrain
+    submit runs in and the run directory) and its workdir; give it or slurm.container_image, not both."""
+    container_engine: Literal["pyxis", "apptainer"] = "pyxis"
+    """What starts slurm.container_image: pyxis (srun --container-image, with enroot) or apptainer (apptainer exec
+    under srun, with --nv on a GPU job)."""
 
     def __post_init__(self) -> None:
         _positive(self.nodes, "slurm.nodes")
@@ -573,6 +587,30 @@ class SlurmConfig:
             if any(not c.isprintable() and c != "\t" for line in lines for c in line):
                 raise ConfigError(f"slurm.{name} holds a line break or another control character; give printable text, "
                                   f"one line per list item.")
+        self._check_container()
+
+    def _check_container(self) -> None:
+        """The container options, as far as they can be checked alone and without the files (slurm.job.job_for checks
+        the rest where the job is written: a rank reads this config too, where the files may not be)."""
+        for name in ("container_image", "container_env_file"):
+            value = getattr(self, name)
+            if value is not None and (not value or any(c.isspace() or not c.isprintable() for c in value)):
+                raise ConfigError(f"slurm.{name} = {_shown(value)} is empty or holds a space or control character, "
+                                  f"which the srun line cannot carry; give an image name or a path without spaces.")
+        if self.container_image and self.container_env_file:
+            raise ConfigError("slurm.container_image and slurm.container_env_file are two ways to give the container "
+                              "(the environment file names its own image); keep one of them.")
+        if self.container_env_file and self.container_engine != "pyxis":
+            raise ConfigError(f"slurm.container_env_file is read by srun --environment (pyxis), not by "
+                              f"{self.container_engine}; give the image as slurm.container_image instead, or drop "
+                              f"slurm.container_engine.")
+
+    @property
+    def container(self) -> str | None:
+        """What runs the ranks: pyxis (an image), edf (an environment file), apptainer; None: no container."""
+        if self.container_env_file:
+            return "edf"
+        return self.container_engine if self.container_image else None
 
     @property
     def ranks_here(self) -> int:

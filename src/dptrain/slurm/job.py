@@ -8,6 +8,11 @@ them, dptrain reads SLURM_PROCID and friends) or one task per node running torch
 minutes before the time limit makes every rank write a snapshot at its next step boundary; with requeue, rank 0
 then puts the job back in the queue (scontrol requeue, requeue_after_stop) and the rerun resumes from that snapshot.
 
+In a container (slurm.container_image, slurm.container_env_file: container_launch), each srun task starts in it:
+pyxis's srun --container-image or --environment, or apptainer exec under srun. The script's own lines (scontrol,
+the set-up lines) run on the node as it is; the container sees the folder dptrain submit ran in and the run
+directory at their own paths, and has no scontrol, so the script requeues the job itself once srun returns.
+
 Every slurm.<field> of the config is in SBATCH_OPTIONS (the #SBATCH option it becomes) or in NOT_SBATCH_OPTIONS
 (where the script uses it instead); the variables the script reads come from env.SLURM_VARS.
 """
@@ -21,6 +26,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -58,9 +65,19 @@ NOT_SBATCH_OPTIONS = {
     "setup": "shell lines run before srun",
     "sbatch": "extra #SBATCH lines, written as given",
     "python": "the interpreter srun runs dptrain with",
+    "container_image": "srun's tasks start in this image: srun --container-image (pyxis), or apptainer exec",
+    "container_env_file": "srun's tasks start in the container this file describes: srun --environment",
+    "container_engine": "what starts container_image: pyxis (srun's options) or apptainer (apptainer exec)",
 }
-# Exported by the script: rank 0 requeues the job after a signal's snapshot (requeue_after_stop).
+# Exported by the script: rank 0 requeues the job after a signal's snapshot (requeue_after_stop); in a container, where
+# there is no scontrol, the variable names a file that rank 0 writes instead, and the script requeues the job.
 REQUEUE_VAR = "DPTRAIN_REQUEUE"
+# Where an image option names a file rather than a registry image: pyxis takes a path (/..., ./...) to a squashfs
+# file; apptainer takes a path unless a scheme (docker://, library://, oras://, docker-archive:) says otherwise.
+PYXIS_IMAGE_FILES = (".sqsh", ".squashfs")
+IMAGE_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+CONTAINER_SHOWN = {"pyxis": "in a pyxis container", "edf": "in the container of an environment file",
+                   "apptainer": "in an apptainer container"}
 SCRIPT_NAME = "job.sbatch"
 CONFIG_NAME = "job.toml"
 
@@ -107,7 +124,40 @@ def job_for(cfg: RunConfig, workdir: Path) -> Job:
         if any(c.isspace() or c in "\"'$`\\%" for c in str(path)):
             raise ConfigError(f"{what} {str(path)!r} holds a space, quote or other character that #SBATCH lines cannot "
                               f"carry; choose a plain path (--output.dir, or submit from another folder).")
-    return Job(run_dir, cfg.slurm.nodes, cfg.slurm.ranks_here, cfg.slurm.mode)
+    job = Job(run_dir, cfg.slurm.nodes, cfg.slurm.ranks_here, cfg.slurm.mode)
+    engine = cfg.slurm.container_engine
+    if engine != "pyxis" and cfg.slurm.container is None:  # pyxis is the default, which asks for nothing alone
+        raise ConfigError(f"slurm.container_engine = {engine} has no image to start; give slurm.container_image too, "
+                          f"or drop slurm.container_engine.")
+    if cfg.slurm.container is not None:
+        check_container(cfg.slurm, job, workdir)
+    return job
+
+
+def check_container(s: SlurmConfig, job: Job, workdir: Path) -> None:
+    """ConfigError in one sentence where the job's container cannot start: its image or environment file is a file
+    that is not there (or not TOML), or a folder to mount holds a character the engine's mount list splits on."""
+    name, value = ("container_env_file", s.container_env_file) if s.container == "edf" else ("container_image",
+                                                                                            s.container_image)
+    local = container_file(s)
+    if local is not None:
+        path = container_path(local, workdir)
+        if not path.is_file():
+            kind, other = (("environment file (.toml)", "the name of one in ~/.edf") if s.container == "edf" else
+                           ("image file", "a registry image as the engine names one"))
+            raise ConfigError(f"slurm.{name} = {value!r} names a file that is not there ({path}); give the path of the "
+                              f"{kind}, absolute or relative to {workdir}, or {other}.")
+        if s.container == "edf":
+            try:
+                tomllib.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError(f"slurm.container_env_file {path} is not a TOML file srun --environment can read "
+                                  f"({exc}); fix the file, or give another.") from exc
+    if s.container != "edf":  # an environment file names its own mounts
+        for folder in container_mounts(job.run_dir, workdir, dptrain_source()):
+            if any(c in ",:" for c in str(folder)):
+                raise ConfigError(f"{folder} holds a comma or colon, which {s.container}'s list of folders to mount "
+                                  f"splits on; run from, and write the run to, folders without them.")
 
 
 def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
@@ -118,11 +168,13 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
     host_role = "rank 0" if per_rank else "the agents' rendezvous"
     node_list, node_count = SLURM_VARS["node_list"], SLURM_VARS["node_count"]  # read by the script's shell
     gpus = s.gpus_here  # --gpus-per-node, or an --sbatch line's gres=gpu:4, gpus=8, gpus-per-task=1
+    launch = container_launch(s, job, workdir)
     lines = [
         "#!/bin/bash",
         f"# dptrain training of {shown(job.run_dir, workdir)}: {job.shape} ("
         f"{'one srun task per rank' if per_rank else 'one elastic agent per node'}, "
-        f"{'nccl on GPUs' if gpus else 'gloo on CPUs'}).",
+        f"{'nccl on GPUs' if gpus else 'gloo on CPUs'}"
+        f"{', ' + CONTAINER_SHOWN[s.container] if s.container else ''}).",
         "# Written by `dptrain submit`; submit it again with: sbatch " + shlex.quote(str(job.script)),
         f"#SBATCH --job-name={job_name(job.run_dir.name)}",
         sbatch_line("nodes", job.nodes),
@@ -162,21 +214,121 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
             "export MASTER_ADDR=$(scontrol show node -o \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         ]
     lines.append(f"export MASTER_PORT={job_port_shell()}")
-    if s.requeue:
-        lines.append(f"export {REQUEUE_VAR}=1  # after a signal's snapshot, rank 0 runs: scontrol requeue "
-                     f"${SLURM_VARS['job_id']}")
-    train = [python, "-m", "dptrain", "train", "--config", str(job.config)]
+    job_id = f"${SLURM_VARS['job_id']}"
+    request = f"{RunFolder(job.run_dir).logs}/requeue-{job_id}"  # rank 0 writes it where scontrol is not at hand
+    if s.requeue and s.container:
+        lines += [
+            "# The container has no scontrol: after a signal's snapshot rank 0 writes this file, and this script",
+            "# requeues the job as it ends (srun returned, or failed under set -e).",
+            f'export {REQUEUE_VAR}="{request}"',
+            "requeue_if_asked() {",
+            f'  if [ -e "${REQUEUE_VAR}" ]; then',
+            f'    rm -f "${REQUEUE_VAR}"',
+            f'    scontrol requeue "{job_id}" || echo "dptrain: could not requeue job {job_id}; submit this script '
+            f'again to resume" >&2',
+            "  fi",
+            "}",
+            "trap requeue_if_asked EXIT",
+        ]
+    elif s.requeue:
+        lines.append(f"export {REQUEUE_VAR}=1  # after a signal's snapshot, rank 0 runs: scontrol requeue {job_id}")
+    train = [*launch.command, python, "-m", "dptrain", "train", "--config", str(job.config)]
+    srun = shlex.join(["srun", "--kill-on-bad-exit=1", *launch.srun_options])
     lines += ["", "# --kill-on-bad-exit: a rank that fails stops the others at once, instead of at their timeout."]
+    lines += [f"# {part}" for line in launch.said for part in textwrap.wrap(line, 115)]
     if per_rank:
-        lines.append("srun --kill-on-bad-exit=1 " + shlex.join(train))
+        lines.append(f"{srun} {shlex.join(train)}")
     else:
         lines += [
             "# Each node's agent starts its ranks; the agents meet at MASTER_ADDR:MASTER_PORT, hosted by node 0",
             f"# (--node-rank defaults to the task's {SLURM_VARS['node_rank']}).",
-            "srun --kill-on-bad-exit=1 " + shlex.join(train) + f' --nnodes "${node_count}" --nproc-per-node '
-            f'{job.ranks_per_node} --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"',
+            f'{srun} {shlex.join(train)} --nnodes "${node_count}" --nproc-per-node {job.ranks_per_node} '
+            f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"',
         ]
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ContainerLaunch:
+    """How srun starts each task in the job's container: srun's own options, the words before the Python command,
+    and the script's comment lines saying so. All empty where the job has no container."""
+
+    srun_options: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    said: tuple[str, ...] = ()
+
+
+def container_launch(s: SlurmConfig, job: Job, workdir: Path) -> ContainerLaunch:
+    """The job's ContainerLaunch (the same for the same inputs: render's golden tests compare it). pyxis and apptainer
+    mount the folder dptrain submit runs in (the project: its data, and the run directory where it lies inside) at
+    its own path, and the run directory where it lies outside, and start the ranks in that folder, as the script's
+    --chdir does outside a container; an environment file names its own mounts and workdir."""
+    if s.container is None:
+        return ContainerLaunch()
+    source = dptrain_source()
+    command: tuple[str, ...] = ()
+    said: list[str] = []
+    if source is not None:  # the job.toml this dptrain wrote is read by the same dptrain, whatever the image holds
+        command = ("env", f"PYTHONPATH={source}")
+        said.append(f"PYTHONPATH: the dptrain that wrote this job (its source, {source}), ahead of any in the image.")
+    if s.container == "edf":
+        path = container_file(s)
+        env_file = str(container_path(path, workdir)) if path is not None else s.container_env_file
+        said.insert(0, "Each task starts in the container this environment file describes: its image, mounts, workdir.")
+        return ContainerLaunch((f"--environment={env_file}",), command, tuple(said))
+    image = s.container_image
+    assert image is not None, "a container of an image"
+    path = container_file(s)
+    if path is not None:
+        image = str(container_path(path, workdir))
+    folders = container_mounts(job.run_dir, workdir, source)
+    mounts = ",".join(map(str, folders))
+    said.insert(0, f"Each task starts in the image ({s.container}) with {' and '.join(map(str, folders))} mounted at "
+                   f"{'its own path' if len(folders) == 1 else 'their own paths'}, the ranks in {workdir}.")
+    if s.container == "pyxis":
+        return ContainerLaunch((f"--container-image={image}", f"--container-mounts={mounts}",
+                                f"--container-workdir={workdir}"), command, tuple(said))
+    gpu = ("--nv",) if s.gpus_here else ()  # the host's NVIDIA driver and devices, inside the container
+    return ContainerLaunch((), ("apptainer", "exec", *gpu, "--bind", mounts, "--pwd", str(workdir), image, *command),
+                           tuple(said))
+
+
+def container_file(s: SlurmConfig) -> str | None:
+    """The local file that the container option names, as given; None where it names a registry image (pyxis:
+    nvcr.io#nvidia/pytorch:TAG; apptainer: docker://..., library://...) or an environment file in ~/.edf by name."""
+    if s.container == "edf":
+        value = s.container_env_file or ""
+        return value if "/" in value or value.endswith(".toml") else None
+    image = s.container_image or ""
+    if s.container == "apptainer":
+        return None if IMAGE_SCHEME.match(image) else image
+    if s.container == "pyxis" and (image.startswith(("/", ".", "~")) or image.endswith(PYXIS_IMAGE_FILES)):
+        return image
+    return None
+
+
+def container_path(value: str, workdir: Path) -> Path:
+    """A container file's path as the job names it: absolute (a relative one is the submit folder's)."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else workdir / path
+
+
+def container_mounts(run_dir: Path, workdir: Path, source: Path | None) -> list[Path]:
+    """The folders a container of an image mounts: the submit folder, then the run directory and dptrain's source
+    where they lie outside the folders before them."""
+    folders = [workdir]
+    for folder in (run_dir, source):
+        if folder is not None and not any(folder.is_relative_to(f) for f in folders):
+            folders.append(folder)
+    return folders
+
+
+def dptrain_source() -> Path | None:
+    """The folder holding this dptrain package where it runs from a source checkout (pip install -e): a container
+    job mounts it and puts it on PYTHONPATH. None where dptrain is installed in site-packages: the host's packages
+    are built for the host's Python, and the image must hold its own dptrain then."""
+    root = Path(__file__).resolve().parents[2]  # <root>/dptrain/slurm/job.py
+    return None if root.name in ("site-packages", "dist-packages") else root
 
 
 def sbatch_line(field: str, value: object = None) -> str:
@@ -199,10 +351,11 @@ def shown(path: Path, workdir: Path) -> str:
 
 
 def python_for(s: SlurmConfig) -> str:
-    """The interpreter the job runs: as configured; python when set-up lines provide one; else this one."""
+    """The interpreter the job runs: as configured; python when set-up lines or a container provide one (this one is
+    not inside a container); else this one."""
     if s.python:
         return s.python
-    return "python" if s.setup else sys.executable
+    return "python" if s.setup or s.container else sys.executable
 
 
 SINFO_TIMEOUT_S = 5.0  # a login node's sinfo answers in well under a second; one with no controller retries for 9-60 s
@@ -309,17 +462,28 @@ def requeue(job_id: str) -> str | None:
     return None
 
 
+def ask_the_script_to_requeue(request: Path, step: int) -> str | None:
+    """Write the file the job's script looks for after srun (a container job's requeue); None, or why it failed."""
+    try:
+        request.write_text(f"{step}\n")
+    except OSError as exc:
+        return f"could not write {request} ({exc.strerror or exc})"
+    return None
+
+
 def requeue_after_stop(step: int, emit: Callable[..., object]) -> None:
     """In a job that `dptrain submit` wrote with requeue: put it back in the queue once the stop's snapshot is whole
     (every rank has passed its last barrier); the rerun resumes from it. SLURM then ends this job's processes.
-    emit(event, **fields) records the requeue, and a refusal, in the run's event log."""
+    In a container, which has no scontrol, REQUEUE_VAR names a file instead: written here, the job's script requeues
+    the job once srun returns. emit(event, **fields) records the requeue, and a refusal, in the run's event log."""
     job_id = slurm_value("job_id")
-    if os.environ.get(REQUEUE_VAR) != "1" or not job_id:
+    request = os.environ.get(REQUEUE_VAR, "")
+    if not (request == "1" or request.startswith("/")) or not job_id:
         return
     # Said first: once the job is requeued, SLURM ends this process at once, before any line written after.
     log.warning("requeueing job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
     emit("requeue", step=step, job_id=job_id)
-    refused = requeue(job_id)
+    refused = requeue(job_id) if request == "1" else ask_the_script_to_requeue(Path(request), step)
     if refused is not None:
         log.error("could not requeue job %s (%s); resubmit its job.sbatch to resume", job_id, refused)
         emit("requeue_failed", step=step, job_id=job_id, reason=refused)
