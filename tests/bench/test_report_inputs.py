@@ -265,7 +265,7 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3)
     rates = {n: predict(Plan(strategy="ddp"), work, link, n, 1, 0.3).images_per_s for n in (1, 2, 4)}
     rates[4] *= 0.9
-    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n]) for n in (1, 2, 4)])
+    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n], global_batch_size=128) for n in (1, 2, 4)])
     for n in (1, 2, 4):
         write_run(bench, [{"event": "run_start", "global_batch_size": 128},
                           epoch(1, mem_params_bytes=[4_000_000] * n, mem_optim_bytes=[8_000_000] * n,
@@ -275,11 +275,12 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     text = write_report(bench, link="100mbit").read_text()
     assert (bench / SCALING_PLOT).stat().st_size > 10_000  # a drawn plot, not an empty canvas
     assert f"![Scaling model: measured and predicted]({SCALING_PLOT})" in text
-    assert "overlap 0\\.30 fitted" in text and "1x1, 2x1 \\(nodes x ranks per node\\)" in text
+    assert ("ddp: fitted on 1x1, 2x1 (nodes x ranks per node); compute 1 ms per sample from its 1-worker run; "
+            "overlap 0.30 fitted.") in text
     errors = text.split("## Model error on the points it was not fitted on", 1)[1].split("##", 1)[0]
     [held_out] = [line for line in errors.splitlines() if line.startswith("| ddp |")]
     assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4] / 0.9:.0f} | +11.1% |")
-    assert "Largest error: +11\\.1% \\(ddp at 4 workers on 4 nodes\\)" in errors
+    assert "Largest error: +11.1% (ddp at 4 workers on 4 nodes)." in errors
     predicted = text.split("## Predicted to 256 nodes", 1)[1]
     assert "| ddp | measured | 256 | 256 |" in predicted and "| ddp | 100mbit | 256 | 256 |" in predicted
     assert "100mbit \\(assumed\\): 100 Mbit/s Ethernet" in text

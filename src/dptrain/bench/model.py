@@ -89,6 +89,9 @@ class Workload:
     """Module buffers (BatchNorm's statistics) that DDP broadcasts from rank 0 at each forward."""
     matrices: tuple[tuple[int, int], ...] = ()
     """(rows, cols) of each weight matrix (a convolution's as out x in*kh*kw), for PowerSGD; the rest is vectors."""
+    powersgd_bytes: float | None = None
+    """PowerSGD's bytes all-reduced per step as a run measured them (comm_bytes_per_step x N / 2(N-1)), used where
+    the matrix shapes are not given."""
     fsdp_units: int = 1
     """FSDP units (strategy.fsdp.wrap): one all-gather each per gather pass."""
     backward_share: float = 2 / 3
@@ -161,10 +164,11 @@ def gradient_bytes_sent(plan: Plan, work: Workload) -> tuple[float, int]:
     if plan.comm_hook in ("fp16", "bf16"):
         return work.param_bytes * 2 / work.element_size, 1
     if plan.comm_hook == "powersgd":
+        if not work.matrices and work.powersgd_bytes is not None:
+            return work.powersgd_bytes, 3
         if not work.matrices:
             raise ConfigError("the scaling model needs the model's matrix shapes (Workload.matrices) to count "
-                              "PowerSGD's traffic; give them, or the measured bytes per step as param_bytes with the "
-                              "allreduce hook.")
+                              "PowerSGD's traffic; give them, or the bytes a run measured (powersgd_bytes).")
         matrix_elements = sum(rows * cols for rows, cols in work.matrices)
         vectors = max(work.param_bytes / work.element_size - matrix_elements, 0.0)
         return powersgd_elements(work.matrices, vectors, plan.powersgd_rank) * work.element_size, 3

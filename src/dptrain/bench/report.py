@@ -6,16 +6,25 @@
 from __future__ import annotations
 
 import html
+import json
 import logging
 import math
 import re
 import unicodedata
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results, summarize, write_csv,
-                                   write_results)
+from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results, read_run_events,
+                                   summarize, write_csv, write_results)
+from dptrain.bench.link import LINK_FILE, read_link
+from dptrain.bench.model import STRATEGIES as MODEL_STRATEGIES
+from dptrain.bench.model import (Calibration, Measured, Plan, Prediction, Workload, calibrate, curve, named_link,
+                                 split_for_fit)
+from dptrain.bench.peak import read_peaks
+from dptrain.bench.sweep import SWEEP_FILE
 from dptrain.errors import ConfigError
+from dptrain.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +72,9 @@ def load_rows(bench_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, [note for r in rows if (note := r.get("skipped_events"))]
 
 
-def write_report(bench_dir: Path) -> Path:
-    """The PNGs and report.md in bench_dir; the path of report.md."""
+def write_report(bench_dir: Path, link: str | None = None) -> Path:
+    """The PNGs and report.md in bench_dir; the path of report.md. With BENCH/link.json, the scaling model's plot and
+    tables too, for the measured link and, given its name (`link`, model.NAMED_LINKS), a named one."""
     rows, left_out = load_rows(bench_dir)
     summary = [s for s in summarize(rows) if positive(s["epoch_time_s_mean"]) is not None]
     if not summary and left_out:
@@ -81,8 +91,11 @@ def write_report(bench_dir: Path) -> Path:
                           f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
     write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summarize(rows))
     plot_all(summary, bench_dir)
+    lines, notes, links = scaling_lines(bench_dir, rows, link)
+    if lines:
+        plot_scaling(lines, bench_dir)
     path = bench_dir / "report.md"
-    path.write_text(markdown(rows, summary, left_out))
+    path.write_text(markdown(rows, summary, left_out, scaling_markdown(lines, notes, links) if links or notes else []))
     return path
 
 
@@ -237,7 +250,8 @@ def table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]], left_out: list[str] | None = None) -> str:
+def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]], left_out: list[str] | None = None,
+             scaling: list[str] | None = None) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
     facts = sorted({f"torch {md_text(r['torch'])} on {md_text(r.get('host', ''))}" for r in ok if r.get("torch")})
     batches = sorted({md_text(r["global_batch_size"]) for r in ok if r.get("global_batch_size") not in ("", None)})
@@ -260,6 +274,7 @@ def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]], left_out
                   f"relative to the smallest worker count measured.", ""]
     for name, title in PLOTS.items():
         parts += [f"## {title}", "", f"![{title}]({name})", ""]
+    parts += scaling or []
     parts += ["## Summary", "", table(summary), "", HOW_TO_READ, ""]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
@@ -272,3 +287,244 @@ def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]], left_out
         parts += [f"- {md_text(note)}" for note in left_out]
         parts.append("")
     return "\n".join(parts)
+
+
+# The scaling model (bench/model.py) against the measured points, once the sweep has measured its link (link.json):
+# fitted on the smaller shapes of each dptrain strategy, it predicts the larger ones (the error table) and every node
+# count to 256 (the curves), for the measured link and a named one.
+
+SCALING_PLOT = "scaling_model.png"
+SCALING_TITLE = "Scaling model: measured and predicted"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # fsdp's param_dtype and reduce_dtype ("auto": the model's)
+
+
+@dataclass(frozen=True)
+class ScalingLine:
+    """One dptrain strategy: its plan, the model's calibration on its points, and its predicted curves by link."""
+
+    strategy: str
+    plan: Plan
+    calibration: Calibration
+    measured: list[Measured]
+    ranks_per_node: int
+    curves: dict[str, list[Prediction]]
+    compute_from: str
+
+
+def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
+    """sweep.json's [strategy] table, {} when it is missing or unreadable (the plans keep their defaults)."""
+    try:
+        table = json.loads((bench_dir / SWEEP_FILE).read_text())["config"]["strategy"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _plan(strategy: str, table: dict[str, Any]) -> Plan:
+    ddp, fsdp = table.get("ddp") or {}, table.get("fsdp") or {}
+    return Plan(strategy=strategy,
+                comm_hook=str(ddp.get("comm_hook", "allreduce")) if strategy in ("ddp", "zero1") else "allreduce",
+                powersgd_rank=int(ddp.get("powersgd_rank", 4)),
+                reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
+                param_dtype_size=DTYPE_BYTES.get(str(fsdp.get("param_dtype"))),
+                reduce_dtype_size=DTYPE_BYTES.get(str(fsdp.get("reduce_dtype"))))
+
+
+def _last_epoch(bench_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """The last epoch event of a row's run (metrics.jsonl), {} without one; only folders inside bench_dir are read."""
+    run_dir = (bench_dir / str(row.get("run_dir") or "")).resolve()
+    if not row.get("run_dir") or not run_dir.is_relative_to(bench_dir.resolve()):
+        return {}
+    events, _ = read_run_events(RunFolder(run_dir).metrics)
+    epochs = [e for e in events if e.get("event") == "epoch"]
+    return epochs[-1] if epochs else {}
+
+
+def _ranks_total(values: Any, sharded: bool) -> float | None:
+    """A per-rank byte count of metrics.jsonl as the whole model's: summed over ranks where the strategy shards it,
+    else the largest rank's."""
+    numbers = [float(v) for v in (values if isinstance(values, list) else [values]) if as_number(v) is not None]
+    return (sum(numbers) if sharded else max(numbers)) if numbers else None
+
+
+def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | None, dict[str, float], str]:
+    """The Workload the runs' own accounting gives (parameters, optimizer state, operations per sample, from their
+    metrics.jsonl), PowerSGD's measured bytes by strategy, and why there is none when there is none."""
+    params = optim = flops = None
+    powersgd: dict[str, float] = {}
+    for row in rows:
+        epoch = _last_epoch(bench_dir, row)
+        if not epoch:
+            continue
+        strategy, world = row["strategy"], int(row["workers"])
+        params = params or _ranks_total(epoch.get("mem_params_bytes"), strategy == "fsdp")
+        optim = optim or _ranks_total(epoch.get("mem_optim_bytes"), strategy in ("fsdp", "zero1"))
+        flops = flops or as_number(epoch.get("model_flops_per_sample"))
+        sent = _ranks_total(epoch.get("comm_bytes_per_step"), False)
+        if sent and world > 1 and strategy not in powersgd:
+            powersgd[strategy] = sent * world / (2 * (world - 1))  # the buffer a ring all-reduce of `sent` carried
+    if not params:
+        return None, {}, ("no run holds its parameters' bytes (mem_params_bytes in metrics.jsonl), so the model has no "
+                          "communication volume; rerun the sweep, or keep its runs folder beside results.csv")
+    batches = [int(b) for r in rows if (b := as_number(r.get("global_batch_size")))]
+    peaks = read_peaks(bench_dir)
+    shares = {w: p.peak_tflops / (w * peaks[1].peak_tflops) for w, p in peaks.items() if 1 in peaks}
+    on_gpu = any(p.device == "cuda" for p in peaks.values())
+    per_sample = flops / (peaks[1].peak_tflops * 1e12) if flops and 1 in peaks else 0.0  # peak.json + FLOPs
+    work = Workload(param_bytes=params, optimizer_bytes=optim, global_batch=batches[0] if batches else 1,
+                    compute_s_per_sample=per_sample, rank_share=shares, ranks_share_a_node=not on_gpu)
+    return work, powersgd, ""
+
+
+def _measured(rows: list[dict[str, Any]]) -> list[Measured]:
+    """The line's finished points, the repeats of a shape averaged."""
+    shapes: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        rate = positive(r.get("images_per_s"))
+        if r["status"] == "ok" and rate is not None:
+            nodes = int(as_number(r.get("nodes")) or 1)
+            shapes.setdefault((nodes, int(r["workers"])), []).append(rate)
+    return [Measured(n, w, sum(v) / len(v)) for (n, w), v in sorted(shapes.items())]
+
+
+def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | None = None
+                  ) -> tuple[list[ScalingLine], list[str], dict[str, str]]:
+    """The model's line of each dptrain strategy it has formulas for; notes on what it could not do; the links used,
+    by label, in words. Nothing without link.json."""
+    named = named_link(link_name) if link_name else None  # an unknown name is refused before anything is read
+    record = read_link(bench_dir)
+    if record is None:
+        return [], [], {}
+    across, within = record.across_hosts, record.within_host
+    between = across or within
+    if between is None:
+        return [], [f"{LINK_FILE} holds no timings a link can be fitted on; run the sweep again to probe it"], {}
+    links = {"measured": (f"measured ({LINK_FILE}, {'across hosts' if across else 'within one host'}): "
+                          f"{between.latency_s * 1e6:.0f} us a message, {between.bandwidth_bps * 8 / 1e9:.3g} Gbit/s")}
+    if named is not None:
+        links[named.name] = f"{named.name} (assumed): {named.assumption}"
+    ours = [r for r in rows if r["engine"] == "dptrain" and r["strategy"] in MODEL_STRATEGIES]
+    if not ours:
+        return [], ["no dptrain run of a strategy the model knows (" + ", ".join(MODEL_STRATEGIES) + ")"], links
+    work, powersgd, why_not = _workload(bench_dir, ours)
+    if work is None:
+        return [], [why_not], links
+    table, lines, notes = _sweep_strategy(bench_dir), [], []
+    for strategy in sorted({r["strategy"] for r in ours}):
+        measured = _measured([r for r in ours if r["strategy"] == strategy])
+        plan = _plan(strategy, table)
+        line_work = replace(work, powersgd_bytes=powersgd.get(strategy))
+        has_single = any(m.workers == 1 for m in split_for_fit(measured)[0])
+        if not measured or (not has_single and not line_work.compute_s_per_sample):
+            notes.append(f"{strategy}: no 1-worker run and no peak.json with the model's operations per sample, so "
+                         f"no compute time per sample to start from")
+            continue
+        try:
+            calibration = calibrate(plan, line_work, measured, between, within)
+        except ConfigError as e:  # PowerSGD without its measured bytes, say
+            notes.append(f"{strategy}: {e}")
+            continue
+        per_node = max((m.ranks_per_node for m in measured if m.nodes > 1), default=1)
+        curves = {"measured": curve(plan, calibration.work, between, per_node, calibration.overlap, local_link=within)}
+        if named is not None:
+            curves[named.name] = curve(plan, calibration.work, named, per_node, calibration.overlap, local_link=within)
+        lines.append(ScalingLine(strategy, plan, calibration, measured, per_node, curves,
+                                 "its 1-worker run" if has_single else "peak.json and the model's operations"))
+    return lines, notes, links
+
+
+def _measured_efficiency(line: ScalingLine, point: Measured) -> float:
+    """compute_s / step_s of a measured point, as the model defines efficiency."""
+    work = line.calibration.work
+    compute = work.global_batch * work.compute_s_per_sample / (point.workers * work.share(point.ranks_per_node))
+    return compute * point.images_per_s / work.global_batch
+
+
+def plot_scaling(lines: list[ScalingLine], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab10")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, line in enumerate(lines):
+        colour = colours(i % 10)
+        for (label, predictions), dash in zip(line.curves.items(), ("-", "--", ":")):
+            xs = [p.ranks for p in predictions]
+            name = f"{line.strategy}: predicted, {label} link ({line.ranks_per_node} rank{'s' if line.ranks_per_node > 1 else ''}/node)"
+            left.plot(xs, [p.images_per_s for p in predictions], dash, color=colour, label=name)
+            right.plot(xs, [p.efficiency for p in predictions], dash, color=colour, label=name)
+        fitted = line.calibration.fitted_on
+        held = [m for m, _ in line.calibration.held_out]
+        for points, marker, what in ((fitted, "o", "measured, fitted on"), (held, "s", "measured, held out")):
+            if points:
+                left.scatter([m.workers for m in points], [m.images_per_s for m in points], marker=marker,
+                             color=colour, edgecolors="black", zorder=3, label=f"{line.strategy}: {what}")
+                right.scatter([m.workers for m in points], [_measured_efficiency(line, m) for m in points],
+                              marker=marker, color=colour, edgecolors="black", zorder=3)
+        if line.calibration.held_out:
+            left.scatter([m.workers for m, _ in line.calibration.held_out],
+                         [p.images_per_s for _, p in line.calibration.held_out], marker="x", s=60, color=colour,
+                         zorder=4, label=f"{line.strategy}: predicted at the held-out points")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    for ax, label in ((left, "images/s (all ranks)"), (right, "efficiency (compute / step time)")):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(LogLocator(base=2))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 1, 2, 4 ... instead of 2^0, 2^1
+        ax.set_xlabel("ranks (nodes x ranks per node)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    left.set_yscale("log")
+    left.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}"))
+    left.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:.3g}"))
+    right.set_ylim(0, 1.05)
+    left.set_title("Throughput to 256 nodes")
+    right.set_title("Efficiency to 256 nodes")
+    handles, labels = left.get_legend_handles_labels()  # one legend for both panels, beside them
+    right.legend(handles, labels, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    _save(fig, out_dir / SCALING_PLOT, plt)
+
+
+def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str, str]) -> list[str]:
+    """report.md's sections on the model: the links, the plot, the error table and the predictions."""
+    parts = ["## " + SCALING_TITLE, "",
+             "The scaling model (docs/scaling-model.md): step time = compute + the communication not hidden behind "
+             "it, from the compute per sample, each strategy's collectives and the link. Links: "
+             + "; ".join(md_text(text) for text in links.values()) + ".", ""]
+    parts += [f"- {md_text(note)}" for note in notes] + ([""] if notes else [])
+    if not lines:
+        return parts
+    for line in lines:
+        c = line.calibration
+        fit_shapes = ", ".join(sorted({f"{m.nodes}x{m.ranks_per_node}" for m in c.fitted_on}))
+        overlap = (f"overlap {c.overlap:.2f} fitted" if c.overlap_fitted else
+                   f"overlap {c.overlap:.2f} assumed (no point of two ranks or more to fit it on)")
+        parts.append(f"- {md_text(line.strategy)}: fitted on {fit_shapes} (nodes x ranks per node); compute "
+                     f"{c.work.compute_s_per_sample * 1e3:.3g} ms per sample from {line.compute_from}; {overlap}.")
+    parts += ["", f"![{SCALING_TITLE}]({SCALING_PLOT})", "",
+              "Filled circles: the measured points the model was fitted on; filled squares: measured points it was "
+              "not fitted on; crosses: its predictions of those; lines: its predictions to 256 nodes.", "",
+              "## Model error on the points it was not fitted on", ""]
+    errors = [(line.strategy, *e) for line in lines for e in line.calibration.errors()]
+    if errors:
+        parts += ["| strategy | nodes | workers | measured images/s | predicted images/s | error |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        parts += [f"| {md_text(s)} | {m.nodes} | {m.workers} | {m.images_per_s:.0f} | {p.images_per_s:.0f} | "
+                  f"{error:+.1%} |" for s, m, p, error in errors]
+        worst = max(errors, key=lambda e: abs(e[3]))
+        parts += ["", f"Largest error: {worst[3]:+.1%} ({md_text(worst[0])} at {worst[1].workers} workers on "
+                      f"{worst[1].nodes} node{'s' if worst[1].nodes > 1 else ''})."]
+    else:
+        parts.append("No point was held out: each line has one shape only, so there is nothing to compare yet.")
+    parts += ["", "## Predicted to 256 nodes", "",
+              "| strategy | link | nodes | ranks | images/s | efficiency | exposed comm / step (ms) | "
+              "params + grads + optimizer / rank (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for line in lines:
+        for label, predictions in line.curves.items():
+            parts += [f"| {md_text(line.strategy)} | {md_text(label)} | {p.nodes} | {p.ranks} | {p.images_per_s:.0f} | "
+                      f"{p.efficiency:.2f} | {p.exposed_s * 1e3:.3g} | {p.memory_bytes / 2**20:.1f} |"
+                      for p in predictions]
+    parts += ["", "Memory leaves the activations out (they depend on the batch per rank, not on the strategy).", ""]
+    return parts
