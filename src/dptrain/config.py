@@ -276,9 +276,15 @@ class DDPOptions:
     up, gloo's all-reduce, with one log line saying why."""
     powersgd_rank: int = 4
     """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
+    bucket_mb: float | None = may_change_at_resume(None)
+    """The most MiB of gradients DDP sends in one message; backward's later layers wait less with smaller buckets, a
+    slow link more with many small ones. None: one bucket for the shared-memory sum on one host (it overlaps
+    nothing), else DDP's own (25 MiB, its first 1 MiB). `dptrain bench --tune` tries a few."""
 
     def __post_init__(self) -> None:
         _positive(self.powersgd_rank, "strategy.ddp.powersgd_rank")
+        if self.bucket_mb is not None:
+            _positive(self.bucket_mb, "strategy.ddp.bucket_mb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,6 +395,7 @@ LEGACY_STRATEGY_KEYS = {
 }
 LEGACY_STRATEGY_KEYS.pop("config")  # strategy.config never was a key: DeepSpeed's file was strategy.deepspeed_config
 LEGACY_STRATEGY_KEYS.pop("devices")  # nor strategy.devices: [strategy.dp] came after the tables
+LEGACY_STRATEGY_KEYS.pop("bucket_mb")  # nor strategy.bucket_mb: it came after them too
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,3 +72,24 @@ def test_dp_drives_the_listed_gpus_the_first_as_root():
         config.load(None, [("strategy.name", "dp"), ("strategy.dp.devices", "-1")])
     with pytest.raises(ConfigError, match="strategy.dp.devices .* applies to strategy dp only, not ddp"):
         config.load(None, [("strategy.name", "ddp"), ("strategy.dp.devices", "0,1")])
+
+
+def _ddp_bucket_cap(rank: int, world: int, bucket_mb: str) -> int:
+    import torch
+
+    from dptrain.dist.env import DistEnv
+    from dptrain.strategies.ddp import DDP
+
+    cfg = config.load(None, [("strategy.ddp.bucket_mb", bucket_mb), ("strategy.ddp.shared_memory", "false")]).strategy
+    ddp = DDP(cfg, DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun"), torch.device("cpu"))
+    return ddp.wrap(torch.nn.Linear(4, 2)).bucket_bytes_cap
+
+
+def test_ddp_takes_the_bucket_cap_it_is_given():
+    from tests.distributed import run_on_ranks
+
+    assert run_on_ranks(_ddp_bucket_cap, 2, "4") == [4 * 2**20] * 2
+    assert run_on_ranks(_ddp_bucket_cap, 2, "none") == [25 * 2**20] * 2  # DDP's own where the sum is gloo's
+    with pytest.raises(ConfigError, match="strategy.ddp.bucket_mb = 0.0 must be greater than 0"):
+        config.load(None, [("strategy.ddp.bucket_mb", "0")])
+    assert "bucket_mb" not in config.LEGACY_STRATEGY_KEYS  # a key of its table only, never a flat strategy.bucket_mb

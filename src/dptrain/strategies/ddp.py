@@ -35,7 +35,9 @@ class DDP(Strategy):
                 max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
                 timeout_s=self.timeout_s)
         buckets = {}
-        if self.shared_memory_sum is not None:
+        if self.cfg.ddp.bucket_mb is not None:
+            buckets["bucket_cap_mb"] = self.cfg.ddp.bucket_mb
+        elif self.shared_memory_sum is not None:
             # One bucket, summed once at the end of backward. The sum runs inside backward on the rank's own
             # thread, so smaller buckets would overlap nothing; each would only be one more point where the
             # ranks wait for the slowest. (For the tutorials' CNN, 1 bucket against DDP's 2 measured within
