@@ -121,6 +121,18 @@ def test_default_workers_are_those_the_nodes_hold(tmp_path):
     assert sweep.workers == (1,) and sweep.job == SlurmConfig()
 
 
+def test_a_sweep_of_node_counts_runs_each_point_on_whole_nodes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sweep, notes = make(tmp_path, None, [("slurm.ranks_per_node", "2")], nodes="4,1,2")
+    assert (sweep.workers, sweep.job.nodes, notes) == ((2, 4, 8), 4, [])  # nodes x 2 ranks; the most nodes is 4
+    shapes = [(cfg.slurm.nodes, cfg.slurm.ranks_here) for cfg, _ in jobs_mod.checks(sweep)]
+    assert shapes == [(1, 2), (2, 2), (4, 2)]
+    # with --workers, --nodes keeps its meaning: the most nodes a point may take
+    sweep, _ = make(tmp_path, "1,2", [], nodes="2")
+    assert (sweep.workers, sweep.job.nodes) == ((1, 2), 2)
+    assert [cfg.slurm.nodes for cfg, _ in jobs_mod.checks(sweep)] == [1, 2]
+
+
 def test_the_job_options_and_lines_reach_every_point(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sweep, _ = make(tmp_path, "1,4", [("slurm.nodes", "2"), ("slurm.ranks_per_node", "2"), ("slurm.partition", "p")],
@@ -139,7 +151,10 @@ def test_the_job_options_and_lines_reach_every_point(tmp_path, monkeypatch):
     (["--slurm.partition", "debug"], "--slurm.partition is a job option; add --slurm"),
     (["--dry-run"], "--dry-run prints the jobs a --slurm sweep would submit; add --slurm, or drop it."),
     (["--slurm", "--run-timeout-s", "10"], "--run-timeout-s limits runs on this machine; with --slurm each job's --time"),
-    (["--slurm", "--engines", "dptrain,tutorial"], "--engines tutorial runs under torchrun on this machine only"),
+    (["--slurm", "--workers", "1,2", "--nodes", "1,2"], "--nodes 1,2 sweeps node counts and --workers 1,2 sweeps "
+     "worker counts; give one of them (with --workers, --nodes is one number: the most nodes a point may take)."),
+    (["--slurm", "--nodes", "0,2"], "--nodes 0,2 holds a count below 1; give node counts of 1 or more."),
+    (["--slurm", "--nodes", "two"], "--nodes two is not a comma-separated list of whole numbers; for example --nodes 1,2,4."),
     (["--slurm", "--workers", "1,2"], "2 workers take 2 nodes of 1 rank and --nodes is 1; give --nodes 2"),
     (["--slurm", "--workers", "4,6", "--gpus-per-node", "4", "--nodes", "2"], "6 workers do not fill whole nodes of 4"),
     (["--slurm", "--workers", "1", "--time", "2h"], "slurm.time = '2h' is not a time sbatch reads"),
@@ -174,6 +189,16 @@ def test_dry_run_prints_every_job_and_writes_nothing(tmp_path, capsys):
     assert f"# dptrain-ddp-w2-r1: 2 nodes x 1 rank, would be written to {runs / 'dptrain-ddp-w2-r1'}/job.sbatch" in w1
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=2\n" in w2
     assert w2.endswith(f"--config {runs / 'dptrain-ddp-w2-r1' / 'job.toml'}\n")
+
+
+def test_dry_run_of_node_counts_prints_a_job_per_node_count(tmp_path, capsys):
+    code, _, err = bench(tmp_path, ["bench", "--slurm", "--dry-run", "--nodes", "1,2", "--strategies", "ddp",
+                                    "--output.dir", "out", *TINY])
+    assert code == 0, err
+    out = capsys.readouterr().out
+    assert [line.split(",")[0] for line in out.splitlines() if line.startswith("# dptrain-")] == [
+        "# dptrain-ddp-w1-r1: 1 node x 1 rank", "# dptrain-ddp-w2-r1: 2 nodes x 1 rank"]
+    assert "#SBATCH --nodes=1\n" in out and "#SBATCH --nodes=2\n" in out
 
 
 # ---------------------------------------------------------------------------------------------- resuming
