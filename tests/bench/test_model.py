@@ -112,8 +112,9 @@ def test_named_links_and_plans_refuse_what_they_do_not_know():
 
 def test_curves_reach_256_nodes_and_fall_off_with_a_slow_link():
     assert node_counts() == [1, 2, 4, 8, 16, 32, 64, 128, 256] and node_counts(100)[-1] == 100
-    slow = curve(Plan(strategy="ddp"), WORK, named_link("100mbit"), overlap=0.5)
-    fast = curve(Plan(strategy="ddp"), WORK, named_link("100gbit"), overlap=0.5)
+    work = Workload(param_bytes=4e6, global_batch=256, compute_s_per_sample=1e-3)  # a sample for each of 256 ranks
+    slow = curve(Plan(strategy="ddp"), work, named_link("100mbit"), overlap=0.5)
+    fast = curve(Plan(strategy="ddp"), work, named_link("100gbit"), overlap=0.5)
     assert [p.nodes for p in slow] == node_counts() and slow[-1].ranks == 256
     assert all(s.images_per_s < f.images_per_s for s, f in zip(slow[1:], fast[1:]))
     assert fast[-1].efficiency > slow[-1].efficiency
@@ -143,3 +144,16 @@ def test_calibrate_recovers_a_known_overlap_and_predicts_the_held_out_points():
     assert fit_overlap(plan, WORK, points[:1], LINK) is None
     lone = calibrate(plan, WORK, points[:2], LINK, default_overlap=0.25)
     assert lone.overlap == 0.25 and not lone.overlap_fitted and len(lone.errors()) == 1
+
+
+def test_a_fixed_global_batch_ends_the_curve_where_ranks_would_get_no_sample():
+    small = Workload(param_bytes=4e6, global_batch=8, compute_s_per_sample=1e-3, ranks_share_a_node=False)
+    assert [p.ranks for p in curve(Plan(strategy="ddp"), small, LINK)] == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="16 ranks share a global batch of 8"):
+        predict(Plan(strategy="ddp"), small, LINK, 16)
+    # weak scaling: 8 samples a rank, the compute per step stays 8 ms and the curve reaches 256 nodes
+    weak = Workload(param_bytes=4e6, global_batch=8, batch_per_rank=8, compute_s_per_sample=1e-3,
+                    ranks_share_a_node=False)
+    far = curve(Plan(strategy="ddp"), weak, LINK)
+    assert far[-1].nodes == 256 and far[-1].compute_s == pytest.approx(8e-3)
+    assert far[-1].images_per_s == pytest.approx(256 * 8 / far[-1].step_s)

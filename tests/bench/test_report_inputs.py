@@ -282,7 +282,10 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4] / 0.9:.0f} | +11.1% |")
     assert "Largest error: +11.1% (ddp at 4 workers on 4 nodes)." in errors
     predicted = text.split("## Predicted to 256 nodes", 1)[1]
-    assert "| ddp | measured | 256 | 256 |" in predicted and "| ddp | 100mbit | 256 | 256 |" in predicted
+    # a global batch of 128: the curves end at 128 nodes of one rank, and say why
+    assert "| ddp | measured | 128 | 128 |" in predicted and "| ddp | 100mbit | 128 | 128 |" in predicted
+    assert "| 256 |" not in predicted
+    assert "Its curves end at 128 nodes: the global batch of 128 gives each of 128 ranks a sample" in text
     assert "100mbit \\(assumed\\): 100 Mbit/s Ethernet" in text
 
 

@@ -3,7 +3,7 @@ measured compute per sample, the strategy's communication and a link (measured i
 Pure functions, no torch; docs/scaling-model.md writes the formulas out.
 
     step_s    = compute_s + exposed_s
-    compute_s = global_batch x compute_s_per_sample / (N x rank_share(R))     N = nodes x R ranks
+    compute_s = batch x compute_s_per_sample / (N x rank_share(R))     N = nodes x R ranks, batch the global one
     exposed_s = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
     comm_s    = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call)
 
@@ -79,6 +79,9 @@ class Workload:
     param_bytes: float
     """The whole model's parameters in bytes: one gradient, one replica."""
     global_batch: int
+    """Samples per step over all ranks, the same at every rank count (strong scaling, as `dptrain bench` runs)."""
+    batch_per_rank: int | None = None
+    """Set: every rank takes this many samples a step, the global batch growing with the ranks (weak scaling)."""
     compute_s_per_sample: float
     """One rank alone on a node: its seconds per sample (1 / images/s of a 1-worker run, which sends nothing)."""
     element_size: int = 4
@@ -100,6 +103,10 @@ class Workload:
     """R ranks on one node -> each rank's rate over one rank's alone (peak.json: peak(R) / (R peak(1)))."""
     ranks_share_a_node: bool = True
     """Without a rank_share entry: True (CPU), R ranks split the node (1/R each); False (one GPU a rank), 1 each."""
+
+    def batch(self, world: int) -> int:
+        """The global batch of a step on `world` ranks."""
+        return self.global_batch if self.batch_per_rank is None else self.batch_per_rank * world
 
     def share(self, ranks_per_node: int) -> float:
         if ranks_per_node in self.rank_share:
@@ -261,8 +268,11 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"{nodes} nodes x {ranks_per_node} ranks: both must be 1 or more")
     world = nodes * ranks_per_node
+    batch = work.batch(world)
+    if batch < world:
+        raise ValueError(f"{world} ranks share a global batch of {batch}: some would get no sample")
     over = link if nodes > 1 or local_link is None else local_link
-    compute = work.global_batch * work.compute_s_per_sample / (world * work.share(ranks_per_node))
+    compute = batch * work.compute_s_per_sample / (world * work.share(ranks_per_node))
     phase_compute = {"forward": compute * (1 - work.backward_share), "backward": compute * work.backward_share}
     by_phase = {"forward": 0.0, "backward": 0.0, "after": 0.0}
     for c in collectives(plan, work, world):
@@ -272,7 +282,7 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     exposed = comm - hidden
     step = compute + exposed
     return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_s=comm, exposed_s=exposed,
-                      step_s=step, images_per_s=work.global_batch / step, efficiency=compute / step,
+                      step_s=step, images_per_s=batch / step, efficiency=compute / step,
                       memory_bytes=memory_per_rank(plan, work, world), bytes_sent=bytes_sent_per_rank(plan, work, world))
 
 
@@ -284,8 +294,10 @@ def node_counts(max_nodes: int = MAX_NODES) -> list[int]:
 
 def curve(plan: Plan, work: Workload, link: Timed, ranks_per_node: int = 1, overlap: float = 0.0,
           max_nodes: int = MAX_NODES, local_link: Timed | None = None) -> list[Prediction]:
-    """Predictions at 1, 2, 4, ... max_nodes nodes of ranks_per_node ranks each."""
-    return [predict(plan, work, link, n, ranks_per_node, overlap, local_link) for n in node_counts(max_nodes)]
+    """Predictions at 1, 2, 4, ... max_nodes nodes of ranks_per_node ranks each, as far as the global batch gives
+    every rank a sample (a fixed global batch of 128 ends at 128 ranks; weak scaling, batch_per_rank, goes on)."""
+    return [predict(plan, work, link, n, ranks_per_node, overlap, local_link) for n in node_counts(max_nodes)
+            if work.batch(n * ranks_per_node) >= n * ranks_per_node]
 
 
 @dataclass(frozen=True)

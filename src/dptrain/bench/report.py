@@ -19,8 +19,8 @@ from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive
                                    summarize, write_csv, write_results)
 from dptrain.bench.link import LINK_FILE, read_link
 from dptrain.bench.model import STRATEGIES as MODEL_STRATEGIES
-from dptrain.bench.model import (Calibration, Measured, Plan, Prediction, Workload, calibrate, curve, named_link,
-                                 split_for_fit)
+from dptrain.bench.model import (MAX_NODES, Calibration, Measured, Plan, Prediction, Workload, calibrate, curve,
+                                 named_link, split_for_fit)
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import SWEEP_FILE
 from dptrain.errors import ConfigError
@@ -503,6 +503,10 @@ def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str
                    f"overlap {c.overlap:.2f} assumed (no point of two ranks or more to fit it on)")
         parts.append(f"- {md_text(line.strategy)}: fitted on {fit_shapes} (nodes x ranks per node); compute "
                      f"{c.work.compute_s_per_sample * 1e3:.3g} ms per sample from {line.compute_from}; {overlap}.")
+        last = max(p.nodes for p in line.curves["measured"])
+        if last < MAX_NODES:  # the sweep keeps the global batch: past it, a rank would get no sample
+            parts.append(f"  Its curves end at {last} nodes: the global batch of {c.work.global_batch} gives each of "
+                         f"{last * line.ranks_per_node} ranks a sample, and no more ranks.")
     parts += ["", f"![{SCALING_TITLE}]({SCALING_PLOT})", "",
               "Filled circles: the measured points the model was fitted on; filled squares: measured points it was "
               "not fitted on; crosses: its predictions of those; lines: its predictions to 256 nodes.", "",
@@ -518,7 +522,7 @@ def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str
                       f"{worst[1].nodes} node{'s' if worst[1].nodes > 1 else ''})."]
     else:
         parts.append("No point was held out: each line has one shape only, so there is nothing to compare yet.")
-    parts += ["", "## Predicted to 256 nodes", "",
+    parts += ["", f"## Predicted to {MAX_NODES} nodes", "",
               "| strategy | link | nodes | ranks | images/s | efficiency | exposed comm / step (ms) | "
               "params + grads + optimizer / rank (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for line in lines:
