@@ -1,0 +1,161 @@
+"""The run card (`dptrain report RUN_DIR`): a real 2-rank run stopped by SIGTERM and resumed once, then its card's
+files, sections and numbers against metrics.jsonl; a planted bad line and planted Markdown in a run's files."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dptrain import run_card
+from dptrain.errors import ConfigError
+from dptrain.faults import SIGNAL_AT
+from dptrain.run_card import SECTIONS, is_run_dir, timeline, write_run_card
+from dptrain.stopping import EXIT_STOPPED
+from tests.conftest import log_tail, read_events, run_cli
+
+# 256 samples in batches of 32: 8 steps an epoch, 16 in all; a step loss every 2 steps
+TRAIN = ["train", "--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "256",
+         "--data.synthetic_test_size", "32", "--train.global_batch_size", "32", "--train.epochs", "2",
+         "--train.log_every", "2"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory) -> Path:
+    """A run stopped by SIGTERM after step 10 (mid-epoch 2; the snapshot is of the step it stops at) and resumed by
+    the same command to the end: two starts, one stop, two epochs."""
+    root = tmp_path_factory.mktemp("card")
+    run_dir = root / "run"
+    args = [*TRAIN, "--output.dir", str(run_dir)]
+    stopped = run_cli(args, root, env={SIGNAL_AT: "0:10:SIGTERM:self"})
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
+    resumed = run_cli(args, root)
+    assert resumed.returncode == 0, log_tail(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def card(resumed_run) -> str:
+    return write_run_card(resumed_run).read_text()
+
+
+def table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the first table under `## heading`, header and rule left out."""
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+@pytest.mark.slow
+def test_the_card_of_a_resumed_run_has_its_files_and_every_section(resumed_run, card):
+    path = resumed_run / "report" / "report.md"
+    assert path.is_file()
+    for name in (run_card.LOSS_PLOT, run_card.THROUGHPUT_PLOT, run_card.COMM_PLOT, run_card.UTIL_PLOT):
+        assert (resumed_run / "report" / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in card  # embedded, relative to report.md
+    headings = re.findall(r"^## (.+)$", card, flags=re.M)
+    assert headings == list(SECTIONS)  # in order, and nothing left out: no "Left out of this card"
+    assert "Fraction of peak: not measured" in card  # no peak.json beside the run, and none probed
+
+
+@pytest.mark.slow
+def test_the_card_shows_both_starts_the_stop_and_the_snapshots(resumed_run, card):
+    [stop] = read_events(resumed_run, "stopped")
+    starts = table_rows(card, "Starts, stops and snapshots")
+    assert [row[0] for row in starts[:2]] == ["1", "2"]
+    first, second = starts[0], starts[1]
+    assert first[2] == "0" and first[7].startswith(f"stopped at step {stop['step']}")
+    assert second[2] == str(stop["step"]) and second[7] == "finished at step 16"  # resumed where it stopped
+    listed = [row[0].replace("\\", "") for row in starts if row[0].startswith("step")]
+    assert listed == sorted((p.name for p in (resumed_run / "checkpoints").glob("step-*")), reverse=True)
+    assert "State: finished at step 16. Step 16 of 16, 2 epochs logged, 2 starts (1 resume)" in card
+
+
+@pytest.mark.slow
+def test_the_cards_numbers_are_those_of_metrics_jsonl(resumed_run, card):
+    epochs = read_events(resumed_run, "epoch")
+    assert [e["epoch"] for e in epochs] == [1, 2]  # each once, though the run stopped in epoch 2
+    rows = table_rows(card, "Loss and accuracy")
+    assert [r[:3] for r in rows] == [[str(e["epoch"]), str(e["step"]), f"{e['train_loss']:.4f}"] for e in epochs]
+    assert [r[5] for r in rows] == [f"{e['eval_acc']:.4f}" for e in epochs]
+    rate = sum(e["train_samples"] for e in epochs) / sum(e["epoch_time_s"] for e in epochs)
+    assert f"{rate:.0f} images/s over all 2 epochs" in card
+    throughput = table_rows(card, "Throughput and fraction of peak")
+    assert [r[2] for r in throughput] == [f"{e['train_samples'] / e['epoch_time_s']:.0f}" for e in epochs]
+    assert [r[3] for r in throughput] == [f"{e['epoch_time_s'] * 1e3 / 8:.1f}" for e in epochs]  # 8 steps an epoch
+    shares = table_rows(card, "Communication")
+    for row, e in zip(shares, epochs, strict=True):  # ddp times its communication: every epoch has a share
+        exposed = e["comm_exposed_ms_per_step"]
+        assert row[5] == f"{max(exposed) / (e['epoch_time_s'] * 1e3 / 8):.1%}"
+    ranks = table_rows(card, "Utilisation and memory per rank")
+    assert [r[0] for r in ranks] == ["0", "1"]
+    assert [r[3] for r in ranks] == [f"{b / 2**20:.1f}" for b in epochs[-1]["mem_params_bytes"]]
+    assert [r[2] for r in ranks] == [f"{max(e['rss_max_mb'][rank] for e in epochs):.1f}" for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_a_planted_line_is_left_out_and_named_and_planted_markdown_stays_text(resumed_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(resumed_run, copy, ignore=shutil.ignore_patterns("checkpoints", "tb", "model.pt", "report"))
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    lines.insert(2, "![x](http://attacker.example/x.png) not JSON")
+    lines.insert(3, json.dumps({"event": "epoch", "epoch": 9, "step": 70, "train_samples": 32, "epoch_time_s": 1.0,
+                                "train_loss": "<script>alert(1)</script>"}))
+    (copy / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    env = json.loads((copy / "env.json").read_text())
+    (copy / "env.json").write_text(json.dumps(env | {"host": "# host\n| a | b |<img src=x>"}))
+    text = write_run_card(copy).read_text()
+    assert "- metrics\\.jsonl line 3: it is not JSON" in text
+    assert "epoch 9's event: train\\_loss is " in text
+    assert [r[0] for r in table_rows(text, "Loss and accuracy")] == ["1", "2"]  # the run's epochs, all of them
+    assert "<script>" not in text and "<img" not in text and "](http" not in text
+    host = next(line for line in text.splitlines() if line.startswith("| host |"))
+    assert host.count(" | ") == 1 and "\\# host" in host  # one table cell, no heading, no extra column
+
+
+def test_a_resume_replaces_what_was_logged_past_its_snapshot():
+    events = [{"event": "run_start", "step": 0, "world_size": 2, "global_batch_size": 4},
+              {"event": "step", "step": 2, "loss": 2.0},
+              {"event": "epoch", "epoch": 1, "step": 4, "train_samples": 16, "epoch_time_s": 1.0, "train_loss": 1.5},
+              {"event": "step", "step": 6, "loss": 1.0},
+              {"event": "epoch", "epoch": 2, "step": 8, "train_samples": 16, "epoch_time_s": 1.0, "train_loss": 0.9},
+              # killed before step 8's snapshot: the next start resumes from step 4's and does steps 5-8 again
+              {"event": "run_start", "step": 4, "world_size": 3, "global_batch_size": 4},
+              {"event": "step", "step": 6, "loss": 1.1},
+              {"event": "epoch", "epoch": 2, "step": 8, "train_samples": 16, "epoch_time_s": 2.0, "train_loss": 1.2},
+              {"event": "run_end", "step": 8}]
+    line = timeline(events)
+    assert line.steps == {2: 2.0, 6: 1.1}
+    assert {n: (e["train_loss"], s.world_size) for n, (e, s) in line.epochs.items()} == {1: (1.5, 2), 2: (1.2, 3)}
+    assert [(s.step, s.ended) for s in line.starts] == [(0, "no end recorded (still running, or killed)"),
+                                                         (4, "finished at step 8")]
+
+
+def test_is_run_dir_tells_a_run_from_a_sweep_and_from_nothing(tmp_path):
+    run, sweep = tmp_path / "run", tmp_path / "sweep"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (sweep / "runs" / "dptrain-ddp-w2-r0").mkdir(parents=True)
+    (sweep / "results.csv").write_text("engine\n")
+    assert is_run_dir(run) and not is_run_dir(sweep) and not is_run_dir(tmp_path / "missing")
+
+
+def test_a_folder_without_metrics_is_refused_in_one_sentence(tmp_path):
+    (tmp_path / "env.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"has no metrics\.jsonl, so there is nothing to report; give the folder"):
+        write_run_card(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("not json\n{}\n")
+    with pytest.raises(ConfigError, match=r"holds no run_start or epoch event dptrain can read \(2 lines left out, "
+                                          r"the first as line 1: it is not JSON\)"):
+        write_run_card(tmp_path)
+
+
+def test_the_snapshot_names_are_checkpoints():
+    from dptrain import checkpoint
+
+    assert (run_card.SNAPSHOT_PREFIX, run_card.SNAPSHOT_MANIFEST, run_card.SNAPSHOT_LATEST) == (
+        checkpoint.PREFIX, checkpoint.MANIFEST, checkpoint.LATEST)
