@@ -1,5 +1,6 @@
 """The link probe's fit on synthetic timings (a known latency and bandwidth come back), its record in the bench folder,
-and one real probe of two gloo processes at tiny sizes."""
+and one real probe of two gloo processes at tiny sizes (in the slow set: a fresh Python with torch, about 2 s on a quiet
+machine)."""
 
 from __future__ import annotations
 
@@ -118,9 +119,11 @@ def test_read_link_of_a_missing_or_broken_file_is_none(tmp_path):
     assert read_link(tmp_path) is None
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_real_two_process_gloo_probe_fits_and_round_trips(tmp_path):
     # a fresh Python, as measure() starts it, at tiny sizes and short rounds (about three seconds, most of it torch)
-    out = subprocess.run([sys.executable, "-m", "dptrain.bench.link", "--world", "2", "--sizes", "256,65536",
+    out = subprocess.run([sys.executable, "-m", "dptrain.bench.link", "--world", "2", "--sizes", "256,1048576",
                           "--min-s", "0.01", "--record", str(tmp_path), "--json"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -133,3 +136,16 @@ def test_a_real_two_process_gloo_probe_fits_and_round_trips(tmp_path):
         assert math.isfinite(number) and number >= 0
     assert fitted.bandwidth_bps > 0
     assert "all_reduce" in link.table(loaded.probes.values())
+
+
+def test_a_probe_whose_timings_give_no_fit_is_still_recorded_and_printed(tmp_path):
+    # Under load, a probe at two small sizes timed the larger faster: `--launched --record` ended in a traceback
+    # (ValueError from the fit inside to_dict) instead of writing link.json.
+    flat = LinkProbe(backend="gloo", device="cpu", world=2, hosts=2,
+                     timings=[Timing("all_reduce", 2, 1024, 2e-4), Timing("all_reduce", 2, 65536, 1e-4)])
+    data = flat.to_dict()
+    assert data["fit"] is None and "do not grow with the buffer size" in data["fit_error"]
+    assert "no fit: the timings do not grow" in link.table([flat])
+    record(tmp_path, "cpu", (), launched=flat)
+    loaded = read_link(tmp_path)
+    assert loaded is not None and loaded.probes[(2, 2)].timings == flat.timings and loaded.across_hosts is None

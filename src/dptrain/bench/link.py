@@ -191,8 +191,12 @@ class LinkProbe:
         return fit(self.timings)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "device": self.device, "world": self.world, "hosts": self.hosts,
-                "timings": [asdict(t) for t in self.timings], "fit": self.fitted.to_dict()}
+        data = {"backend": self.backend, "device": self.device, "world": self.world, "hosts": self.hosts,
+                "timings": [asdict(t) for t in self.timings]}
+        try:  # the timings are kept even when noise left them without a fit: with other probes' they may give one
+            return data | {"fit": self.fitted.to_dict()}
+        except ValueError as e:
+            return data | {"fit": None, "fit_error": str(e)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LinkProbe:
@@ -265,7 +269,9 @@ def _process(rank: int, world: int, device: str, store: str, sizes: tuple[int, .
         try:
             timings = _time_collectives(rank, world, device, sizes, min_s)
         finally:
-            dist.destroy_process_group()
+            from dptrain.dist.world import destroy_process_group
+
+            destroy_process_group()  # after a pause: gloo's threads may still hold the last call's tensors
         if rank == 0:
             results.put(timings)
     except BaseException as e:  # any failure goes to the parent in one line
@@ -309,13 +315,12 @@ def probe(world: int, device: Device = "cpu", sizes: tuple[int, ...] | None = No
 
 def probe_launched(sizes: tuple[int, ...] | None = None, min_s: float = MIN_S) -> LinkProbe | None:
     """The probe in the world a launcher started (torchrun's or srun's variables, dist.env.DistEnv): this process is
-    one rank of it. Rank 0 gets the probe, the others None."""
-    import datetime
-
+    one rank of it, joined as `dptrain train` joins (dist.world: the launcher's store, the interface toward the
+    master). Rank 0 gets the probe, the others None."""
     import torch
-    import torch.distributed as dist
 
     from dptrain.dist.env import DistEnv
+    from dptrain.dist.world import destroy_process_group, init_process_group
 
     env = DistEnv.from_environ()
     if env.world_size < 2:
@@ -324,14 +329,13 @@ def probe_launched(sizes: tuple[int, ...] | None = None, min_s: float = MIN_S) -
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=env.global_rank, world_size=env.world_size,
-                            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            timeout=datetime.timedelta(seconds=WAIT_S))
+    dev = torch.device(f"cuda:{torch.cuda.current_device()}") if device == "cuda" else torch.device("cpu")
+    init_process_group(env, dev, WAIT_S)
     try:
         timings = _time_collectives(env.global_rank, env.world_size, device, SIZES[device] if sizes is None else sizes,
                                     min_s)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
     hosts = max(1, env.world_size // max(env.local_world_size, 1))
     return LinkProbe(backend="nccl" if device == "cuda" else "gloo", device=device, world=env.world_size, hosts=hosts,
                      timings=timings) if env.is_main else None
@@ -379,11 +383,15 @@ class LinkRecord:
 
 
 def _write(bench_dir: Path, probes: dict[tuple[int, int], LinkProbe]) -> None:
-    import torch  # the versions next to the numbers
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:  # the version next to the numbers, from the installed package: importing torch would take seconds
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = ""
     record_ = LinkRecord(probes)
     text: dict[str, Any] = {
-        "host": platform.node(), "torch": torch.__version__,
+        "host": platform.node(), "torch": torch_version,
         "model": "ring: all_reduce 2(N-1) alpha + 2(N-1)/N S/B; reduce_scatter, all_gather (N-1) alpha + (N-1)/N S/B; "
                  "broadcast ceil(log2 N) (alpha + S/B); S the whole buffer in bytes",
         "probes": [probes[k].to_dict() for k in sorted(probes)]}
@@ -427,7 +435,12 @@ def table(probes: Iterable[LinkProbe]) -> str:
     """The timings as text, one line per collective and size, with each probe's fit under it."""
     lines = []
     for p in probes:
-        fitted = p.fitted
+        try:
+            fitted = p.fitted
+        except ValueError as e:
+            lines.append(f"{p.world} processes on {p.hosts} host{'s' if p.hosts > 1 else ''}, {p.backend} ({p.device}): "
+                         f"no fit: {e}")
+            continue
         lines.append(f"{p.world} processes on {p.hosts} host{'s' if p.hosts > 1 else ''}, {p.backend} ({p.device}): "
                      f"latency {fitted.latency_s * 1e6:.1f} us per message, bandwidth {fitted.bandwidth_bps / 1e9:.3g} "
                      f"GB/s ({fitted.bandwidth_bps * 8 / 1e9:.3g} Gbit/s), worst fit error "
