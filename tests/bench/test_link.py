@@ -132,7 +132,8 @@ def test_a_real_two_process_gloo_probe_fits_and_round_trips(tmp_path):
     loaded = read_link(tmp_path)
     assert loaded is not None and loaded.within_host is not None
     fitted = loaded.within_host
-    for number in (fitted.latency_s, fitted.bandwidth_bps, *(v for pair in fitted.per_collective.values() for v in pair)):
+    per_collective = [v for pair in fitted.per_collective.values() for v in pair]
+    for number in (fitted.latency_s, fitted.bandwidth_bps, *per_collective):
         assert math.isfinite(number) and number >= 0
     assert fitted.bandwidth_bps > 0
     assert "all_reduce" in link.table(loaded.probes.values())

@@ -265,7 +265,8 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3)
     rates = {n: predict(Plan(strategy="ddp"), work, link, n, 1, 0.3).images_per_s for n in (1, 2, 4)}
     rates[4] *= 0.9
-    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n], global_batch_size=128) for n in (1, 2, 4)])
+    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n], global_batch_size=128)
+                          for n in (1, 2, 4)])
     for n in (1, 2, 4):
         write_run(bench, [{"event": "run_start", "global_batch_size": 128},
                           epoch(1, mem_params_bytes=[4_000_000] * n, mem_optim_bytes=[8_000_000] * n,

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
@@ -115,7 +115,8 @@ class LinkFit:
     def to_dict(self) -> dict[str, Any]:
         return {"latency_s": self.latency_s, "bandwidth_bps": self.bandwidth_bps,
                 "bandwidth_gbit_s": self.bandwidth_bps * 8 / 1e9, "worst_relative_error": self.worst_relative_error,
-                "per_collective": {k: {"latency_s": a, "bandwidth_bps": b} for k, (a, b) in self.per_collective.items()}}
+                "per_collective": {k: {"latency_s": a, "bandwidth_bps": b}
+                                   for k, (a, b) in self.per_collective.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LinkFit:
@@ -151,8 +152,9 @@ def _weighted_line(xs: list[float], ys: list[float], zs: list[float], weights: l
 def _ring_fit(timings: list[Timing]) -> tuple[float, float] | None:
     """(alpha, B) of the ring formulas over these timings, weighted by 1/t^2; None when they give no bandwidth."""
     terms = [ring_terms(t.collective, t.world) for t in timings]
-    latency, inverse_bandwidth = _weighted_line([h for h, _ in terms], [f * t.nbytes for (_, f), t in zip(terms, timings)],
-                                                [t.seconds for t in timings], [1.0 / t.seconds**2 for t in timings])
+    volumes = [f * t.nbytes for (_, f), t in zip(terms, timings)]
+    latency, inverse_bandwidth = _weighted_line([h for h, _ in terms], volumes, [t.seconds for t in timings],
+                                                [1.0 / t.seconds**2 for t in timings])
     return (latency, 1.0 / inverse_bandwidth) if inverse_bandwidth > 0 else None
 
 
@@ -171,9 +173,10 @@ def fit(timings: Iterable[Timing]) -> LinkFit:
             t.collective == collective for t in usable) else None
         if own is not None:  # a collective whose times do not grow with the size keeps the joint fit
             per_collective[collective] = own
-    fitted = LinkFit(latency_s=joint[0], bandwidth_bps=joint[1], per_collective=per_collective, worst_relative_error=0.0)
+    fitted = LinkFit(latency_s=joint[0], bandwidth_bps=joint[1], per_collective=per_collective,
+                     worst_relative_error=0.0)
     worst = max(abs(fitted.seconds(t.collective, t.world, t.nbytes) - t.seconds) / t.seconds for t in usable)
-    return LinkFit(latency_s=joint[0], bandwidth_bps=joint[1], per_collective=per_collective, worst_relative_error=worst)
+    return replace(fitted, worst_relative_error=worst)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -431,6 +434,10 @@ def read_link(bench_dir: Path) -> LinkRecord | None:
     return LinkRecord({(p.hosts, p.world): p for p in probes}) if probes else None
 
 
+def _where(p: LinkProbe) -> str:
+    return f"{p.world} processes on {p.hosts} host{'s' if p.hosts > 1 else ''}, {p.backend} ({p.device})"
+
+
 def table(probes: Iterable[LinkProbe]) -> str:
     """The timings as text, one line per collective and size, with each probe's fit under it."""
     lines = []
@@ -438,13 +445,11 @@ def table(probes: Iterable[LinkProbe]) -> str:
         try:
             fitted = p.fitted
         except ValueError as e:
-            lines.append(f"{p.world} processes on {p.hosts} host{'s' if p.hosts > 1 else ''}, {p.backend} ({p.device}): "
-                         f"no fit: {e}")
+            lines.append(f"{_where(p)}: no fit: {e}")
             continue
-        lines.append(f"{p.world} processes on {p.hosts} host{'s' if p.hosts > 1 else ''}, {p.backend} ({p.device}): "
-                     f"latency {fitted.latency_s * 1e6:.1f} us per message, bandwidth {fitted.bandwidth_bps / 1e9:.3g} "
-                     f"GB/s ({fitted.bandwidth_bps * 8 / 1e9:.3g} Gbit/s), worst fit error "
-                     f"{fitted.worst_relative_error:.0%}")
+        lines.append(f"{_where(p)}: latency {fitted.latency_s * 1e6:.1f} us per message, bandwidth "
+                     f"{fitted.bandwidth_bps / 1e9:.3g} GB/s ({fitted.bandwidth_bps * 8 / 1e9:.3g} Gbit/s), worst fit "
+                     f"error {fitted.worst_relative_error:.0%}")
         lines.append(f"  {'collective':<15}{'bytes':>12}{'time (us)':>12}{'model (us)':>12}{'bus GB/s':>10}")
         for t in p.timings:
             _, fraction = ring_terms(t.collective, t.world)

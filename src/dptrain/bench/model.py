@@ -283,7 +283,8 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     step = compute + exposed
     return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_s=comm, exposed_s=exposed,
                       step_s=step, images_per_s=batch / step, efficiency=compute / step,
-                      memory_bytes=memory_per_rank(plan, work, world), bytes_sent=bytes_sent_per_rank(plan, work, world))
+                      memory_bytes=memory_per_rank(plan, work, world),
+                      bytes_sent=bytes_sent_per_rank(plan, work, world))
 
 
 def node_counts(max_nodes: int = MAX_NODES) -> list[int]:

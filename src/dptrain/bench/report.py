@@ -452,7 +452,8 @@ def plot_scaling(lines: list[ScalingLine], out_dir: Path) -> None:
         colour = colours(i % 10)
         for (label, predictions), dash in zip(line.curves.items(), ("-", "--", ":")):
             xs = [p.ranks for p in predictions]
-            name = f"{line.strategy}: predicted, {label} link ({line.ranks_per_node} rank{'s' if line.ranks_per_node > 1 else ''}/node)"
+            per_node = f"{line.ranks_per_node} rank{'s' if line.ranks_per_node > 1 else ''}/node"
+            name = f"{line.strategy}: predicted, {label} link ({per_node})"
             left.plot(xs, [p.images_per_s for p in predictions], dash, color=colour, label=name)
             right.plot(xs, [p.efficiency for p in predictions], dash, color=colour, label=name)
         fitted = line.calibration.fitted_on
