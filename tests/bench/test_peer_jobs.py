@@ -50,6 +50,10 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR=$(scontrol show node -o "$head_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 
+# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun
+# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).
+export OMP_NUM_THREADS=4
+
 # One torchrun per node, as the engine's users run it on a cluster: the agents meet at MASTER_ADDR:MASTER_PORT
 # (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.
 # --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.
@@ -70,6 +74,7 @@ def test_a_gpu_peer_job_gives_each_node_its_gpus_and_ranks(tmp_path, capsys):
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=4\n" in w8
     assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d" in w8
     assert "-m dptrain.bench.lightning_engine " in w8 and "--signal" not in w8
+    assert "OMP_NUM_THREADS" not in w8  # no --cpus-per-node: the threads are torchrun's and torch's choice
 
 
 def scripts_by_point(dry_run: str) -> dict[str, str]:
@@ -134,7 +139,9 @@ def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_clu
         start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         assert (start["event"], start["engine"], start["world_size"]) == ("run_start", row["engine"], 2)
         env_record = json.loads((run_dir / "env.json").read_text())
-        assert (env_record["launched_by"], env_record["world_size"]) == ("torchrun", 2)
+        # one thread per rank, as dptrain's ranks have with --cpus-per-node 1
+        assert (env_record["launched_by"], env_record["world_size"], env_record["cpu_threads_per_rank"]) == (
+            "torchrun", 2, 1)
         job_id = (run_dir / jobs_mod.JOB_ID_FILE).read_text().strip()
         assert "-m torch.distributed.run --nnodes 2 " in (run_dir / "job.sbatch").read_text()
         assert (run_dir / "logs" / f"slurm-{job_id}.out").is_file()

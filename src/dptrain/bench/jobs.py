@@ -130,8 +130,13 @@ def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, 
     described = f"# dptrain training of {slurm_job.shown(job.run_dir, workdir)}: "
     head = head.replace(described, f"# dptrain bench point of the {engine} engine ({module}) in "
                                    f"{slurm_job.shown(job.run_dir, workdir)}: ", 1)
+    threads = []
+    if cfg.slurm.cpus_per_node:
+        threads = ["# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun\n",
+                   "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).\n",
+                   f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}\n\n"]
     return "".join([
-        head, "\n",
+        head, "\n", *threads,
         "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at MASTER_ADDR:MASTER_PORT\n",
         "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.\n",
         "# --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.\n",
