@@ -302,3 +302,15 @@ def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys)
     assert "no run holds its parameters' bytes" in text.replace("\\", "") and not (bench / SCALING_PLOT).exists()
     with pytest.raises(ConfigError, match="--link '10g' is no link the model knows"):
         write_report(bench, link="10g")
+
+
+def test_the_models_plan_comes_from_the_sweeps_strategy_table():
+    from dptrain.bench.report import _plan
+
+    table = {"ddp": {"comm_hook": "bf16", "bucket_mb": 2, "powersgd_rank": 8},
+             "fsdp": {"reshard_after_forward": False, "param_dtype": "bfloat16", "reduce_dtype": "auto"}}
+    ddp, fsdp = _plan("ddp", table), _plan("fsdp", table)
+    assert (ddp.comm_hook, ddp.bucket_bytes, ddp.powersgd_rank) == ("bf16", 2 * 2**20, 8)
+    assert (fsdp.comm_hook, fsdp.reshard_after_forward, fsdp.param_dtype_size, fsdp.reduce_dtype_size) == (
+        "allreduce", False, 2, None)
+    assert _plan("ddp", {}).bucket_bytes == 25 * 2**20  # unset: DDP's own buckets

@@ -19,8 +19,8 @@ from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive
                                    summarize, write_csv, write_results)
 from dptrain.bench.link import LINK_FILE, read_link
 from dptrain.bench.model import STRATEGIES as MODEL_STRATEGIES
-from dptrain.bench.model import (MAX_NODES, Calibration, Measured, Plan, Prediction, Workload, calibrate, curve,
-                                 named_link, split_for_fit)
+from dptrain.bench.model import (DDP_BUCKET_BYTES, MAX_NODES, Calibration, Measured, Plan, Prediction, Workload,
+                                 calibrate, curve, named_link, split_for_fit)
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import SWEEP_FILE
 from dptrain.errors import ConfigError
@@ -322,7 +322,8 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
 
 def _plan(strategy: str, table: dict[str, Any]) -> Plan:
     ddp, fsdp = table.get("ddp") or {}, table.get("fsdp") or {}
-    return Plan(strategy=strategy,
+    bucket_mb = as_number(ddp.get("bucket_mb"))  # strategy.ddp.bucket_mb; unset, DDP's own 25 MiB
+    return Plan(strategy=strategy, bucket_bytes=bucket_mb * 2**20 if bucket_mb else DDP_BUCKET_BYTES,
                 comm_hook=str(ddp.get("comm_hook", "allreduce")) if strategy in ("ddp", "zero1") else "allreduce",
                 powersgd_rank=int(ddp.get("powersgd_rank", 4)),
                 reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
