@@ -228,6 +228,31 @@ def cmd_tensorboard(args: argparse.Namespace, extra: list[str]) -> int:
     return serve([Path(p) for p in args.run_dirs], args.port)
 
 
+def tune_here_or_on_nodes(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> int:
+    """`dptrain bench --tune`: probe the candidates, write tuned.toml and the table of what was tried."""
+    from dptrain.bench import tune
+    from dptrain.bench.sweep import DEFAULT_RUN_TIMEOUT_S
+
+    sweep_only = [option for option, given in (("--workers", args.workers), ("--repeats", args.repeats != 1),
+                                               ("--engines", args.engines != "dptrain"),
+                                               ("--strategies", args.strategies != "ddp,fsdp"),
+                                               ("--dry-run", args.dry_run)) if given]
+    if sweep_only:
+        raise ConfigError(f"{sweep_only[0]} is an option of a sweep, not of --tune, which picks the strategy and the "
+                          f"ranks itself; drop it.")
+    tuner = tune.tuner_from_options(
+        config_path=args.config, pairs=pairs, slurm=args.slurm,
+        job_pairs=submit_overrides(args) if args.slurm else [], nodes=args.nodes, lossy=args.tune_lossy,
+        link_name=args.link, keep=args.tune_candidates,
+        run_timeout_s=DEFAULT_RUN_TIMEOUT_S if args.run_timeout_s is None else args.run_timeout_s)
+    if args.slurm:
+        from dptrain.bench import jobs
+
+        jobs.require_clients()
+    print(tune.tune(tuner))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     """A scaling sweep of real runs (workers x strategies x repeats), here or as SLURM jobs, then its CSVs; 1 when a
     point failed."""
@@ -235,6 +260,12 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.bench.sweep import DEFAULT_RUN_TIMEOUT_S, run_sweep, sweep_from_options
 
     pairs = split_overrides(extra)
+    if args.tune:
+        return tune_here_or_on_nodes(args, pairs)
+    tune_only = [o for o, given in (("--tune-lossy", args.tune_lossy), ("--link", args.link),
+                                     ("--tune-candidates", args.tune_candidates != 3)) if given]
+    if tune_only:
+        raise ConfigError(f"{tune_only[0]} is an option of --tune; add --tune, or drop it.")
     if args.slurm:
         if args.run_timeout_s is not None:
             raise ConfigError("--run-timeout-s limits runs on this machine; with --slurm each job's --time limits "
@@ -285,7 +316,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain report --help.")
-    print(write_report(Path(args.bench_dir)))
+    print(write_report(Path(args.bench_dir), link=args.link))
     return 0
 
 
@@ -450,6 +481,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds one run may take before it is stopped and recorded as failed (default 3600; "
                        "not with --slurm, where --time limits each job)")
     bench.add_argument("--slurm", action="store_true", help="run every point as a SLURM job, submitted with sbatch")
+    bench.add_argument("--tune", action="store_true",
+                       help="instead of a sweep: find how to run this configuration fastest (strategy, ranks per node, "
+                            "DDP's bucket size; the math stays) from short probes the scaling model picks; writes "
+                            "tuned.toml (see docs/benchmark.md)")
+    bench.add_argument("--tune-lossy", action="store_true",
+                       help="with --tune: also try the compressing comm hooks fp16, bf16, powersgd (they round the gradients)")
+    bench.add_argument("--tune-candidates", type=int, default=3, metavar="N",
+                       help="with --tune: the candidates probed besides your configuration, the model's N best (default 3)")
+    bench.add_argument("--link", metavar="NAME", help="with --tune: the link between nodes for the model: 100mbit, "
+                       "1gbit, 10gbit, 100gbit (default: link.json of the tune folder, measured here on one node)")
     bench.add_argument("--dry-run", action="store_true", help="with --slurm: print the jobs it would submit; write and "
                        "submit nothing")
     add_job_options(bench, "the jobs of --slurm (sbatch's options, as dptrain submit takes them)",
@@ -464,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
         "them with the summary table) from BENCH_DIR/results.csv, rebuilt from BENCH_DIR/runs when missing.",
     )
     report.add_argument("bench_dir", metavar="BENCH_DIR", help="the --output.dir of a `dptrain bench` sweep")
+    report.add_argument("--link", metavar="NAME", help="with the sweep's link.json: also predict for a named link, "
+                        "100mbit, 1gbit, 10gbit or 100gbit (docs/scaling-model.md)")
     report.set_defaults(func=cmd_report)
     return parser
 

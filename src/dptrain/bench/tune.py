@@ -1,0 +1,446 @@
+"""`dptrain bench --tune`: how to run the user's configuration fastest here, or on the SLURM nodes it is given,
+from a short probe of the candidates the scaling model ranks first.
+
+    $ dptrain bench --tune --config run.toml                      # this machine's cores
+    $ dptrain bench --tune --slurm --nodes 2 --config run.toml    # jobs on 2 nodes
+    $ dptrain train --config runs/tune/fashion-mnist/tuned.toml   # the choice
+
+What may change is how the run is spread, never what it computes: the strategy (ddp, zero1, fsdp), the ranks per
+node (each node's cores are split among them as threads), and DDP's bucket size; the global batch, the model and the
+optimizer stay the user's, so the math does too (dptrain's same-math promise over strategies and world sizes). With
+--tune-lossy the compressing comm hooks (fp16, bf16, powersgd) are candidates too: they round every gradient.
+
+How: (1) one rank alone probes the compute per sample; (2) the scaling model (bench/model.py) predicts every
+candidate over the link (--link NAME, else link.json of the tune folder, else one measured now); (3) the KEEP best
+predicted and the user's own configuration (the default) are probed for STEPS steps each, one after another; (4) the
+fastest is run once more beside the default, and chosen only if it is at least as fast there, else the default is
+kept with the reason. Written into the tune folder: tuned.toml (the user's configuration with the choice), tune.csv
+and tune.md (each candidate's predicted and measured images/s).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from dptrain import config as config_mod
+from dptrain.bench import link as link_mod, model
+from dptrain.config import RunConfig
+from dptrain.errors import ConfigError, LaunchError
+from dptrain.run_folder import RunFolder
+
+log = logging.getLogger(__name__)
+
+STEPS = 30
+"""Steps of each probe run; the first WARM_STEPS are left out of its timing (start-up, first allocations)."""
+WARM_STEPS = 10
+LOG_EVERY = 5  # a step event (its time) every 5 steps: the timing's ticks, at one small loss reduction each
+KEEP = 3
+"""Candidates probed besides the default: those the model predicts fastest."""
+BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
+TUNED_FILE = "tuned.toml"
+STRATEGIES = ("ddp", "zero1", "fsdp")
+LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to spread the run: a strategy, ranks on each node, DDP's comm hook and bucket cap (None: dptrain's)."""
+
+    strategy: str
+    ranks_per_node: int
+    comm_hook: str = "allreduce"
+    bucket_mb: float | None = None
+
+    @property
+    def name(self) -> str:
+        parts = [self.strategy]
+        if self.comm_hook != "allreduce":
+            parts.append(self.comm_hook)
+        if self.bucket_mb is not None:
+            parts.append(f"bucket{self.bucket_mb:g}mb")
+        return "-".join([*parts, f"r{self.ranks_per_node}"])
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The options that make a configuration this candidate."""
+        pairs = [("strategy.name", self.strategy), ("launch.nproc_per_node", str(self.ranks_per_node))]
+        if self.strategy in ("ddp", "zero1"):
+            pairs.append(("strategy.ddp.comm_hook", self.comm_hook))
+            pairs.append(("strategy.ddp.bucket_mb", "none" if self.bucket_mb is None else f"{self.bucket_mb:g}"))
+        return pairs
+
+    def plan(self, shared_memory: bool) -> model.Plan:
+        """The model's view of it. shared_memory: ddp's sum on one host goes through /dev/shm in one bucket."""
+        bucket = (self.bucket_mb * 2**20 if self.bucket_mb is not None
+                  else float("inf") if shared_memory else model.DDP_BUCKET_BYTES)
+        return model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket)
+
+
+def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
+    """The user's own configuration, as a candidate."""
+    ddp_like = cfg.strategy.name in ("ddp", "zero1")
+    return Candidate(cfg.strategy.name, ranks_per_node, cfg.strategy.ddp.comm_hook if ddp_like else "allreduce",
+                     cfg.strategy.ddp.bucket_mb if ddp_like else None)
+
+
+def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool) -> list[Candidate]:
+    """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
+    4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
+    lossy hook where allowed)."""
+    ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
+    found = [default]
+    for strategy in STRATEGIES:
+        for r in ranks:
+            if global_batch % (nodes * r):
+                continue
+            if strategy == "fsdp":
+                found.append(Candidate(strategy, r))
+                continue
+            found += [Candidate(strategy, r, bucket_mb=b) for b in (None, *BUCKETS_MB)]
+            if lossy:
+                found += [Candidate(strategy, r, comm_hook=h) for h in LOSSY_HOOKS]
+    return list(dict.fromkeys(found))
+
+
+def workload(cfg: RunConfig, compute_s_per_sample: float) -> model.Workload:
+    """What a step of cfg's model computes and sends, for the model: its parameters and their matrices."""
+    from dptrain.data import describe
+    from dptrain.models import build_model
+
+    info = describe(cfg.data)
+    net = build_model(cfg.model, info.image_shape, info.num_classes)
+    params = [p for p in net.parameters() if p.requires_grad]
+    matrices = tuple((p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() >= 2)
+    units = sum(1 for child in net.children() if any(True for _ in child.parameters()))
+    return model.Workload(param_bytes=float(sum(p.numel() * p.element_size() for p in params)),
+                          global_batch=cfg.train.global_batch_size, compute_s_per_sample=compute_s_per_sample,
+                          matrices=matrices, fsdp_units=max(1, units),
+                          buffer_bytes=float(sum(b.numel() * b.element_size() for b in net.buffers())))
+
+
+def rank_by_model(found: list[Candidate], work: model.Workload, link: model.Timed, nodes: int,
+                  local_link: model.Timed | None, overlap: float) -> list[tuple[Candidate, model.Prediction]]:
+    """Each candidate with its prediction, fastest first (the order of `found` among equals)."""
+    predicted = [(c, model.predict(c.plan(shared_memory=nodes == 1), work, link, nodes, c.ranks_per_node, overlap,
+                                   local_link)) for c in found]
+    return sorted(predicted, key=lambda cp: -cp[1].images_per_s)
+
+
+def choose(default: Candidate, measured: dict[Candidate, float]) -> Candidate:
+    """The fastest measured candidate (the default among equals)."""
+    return max(measured, key=lambda c: (measured[c], c == default))
+
+
+def images_per_s(run_dir: Path, global_batch: int) -> float | None:
+    """A probe run's rate from its step events: the global batches between its first step event after WARM_STEPS and
+    its last, over the time between them; None where it has fewer than two such events."""
+    ticks = []
+    try:
+        lines = RunFolder(run_dir).metrics.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "step" and isinstance(event.get("step"), int) \
+                and event["step"] >= WARM_STEPS and isinstance(event.get("time"), (int, float)):
+            ticks.append((event["step"], float(event["time"])))
+    if len(ticks) < 2 or ticks[-1][1] <= ticks[0][1]:
+        return None
+    (first_step, first_time), (last_step, last_time) = ticks[0], ticks[-1]
+    return (last_step - first_step) * global_batch / (last_time - first_time)
+
+
+@dataclass
+class Tuner:
+    """One tuning: the user's configuration, where it runs, and what was measured."""
+
+    cfg: RunConfig
+    config_path: str | None
+    user_pairs: list[tuple[str, str]]
+    tune_dir: Path
+    nodes: int
+    max_ranks: int
+    slurm: bool
+    lossy: bool = False
+    link_name: str | None = None
+    run_timeout_s: float = 300.0
+    keep: int = KEEP
+    run: Callable[["Tuner", Candidate, str], float | None] | None = None
+    """How a probe runs (None: run_probe): the tests swap in runs whose speed they control."""
+    shares: dict[int, float] | None = None
+    """R ranks on a node -> each one's rate over one rank's alone (None: rank_shares measures them)."""
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+    def probe_config(self, candidate: Candidate, label: str, steps: int = STEPS) -> RunConfig:
+        """cfg as the candidate, for a probe of `steps` steps in its own folder, saving nothing."""
+        pairs = [*self.user_pairs, *candidate.pairs(), ("train.max_steps", str(steps)),
+                 ("train.log_every", str(LOG_EVERY)), ("checkpoint.every_epochs", "0"),
+                 ("checkpoint.every_steps", "0"), ("train.eval_every_epochs", "0"), ("train.resume", "never"),
+                 ("output.dir", str((self.tune_dir / "runs" / f"{label}-{candidate.name}").resolve()))]
+        cfg = config_mod.load(self.config_path, pairs)
+        if self.slurm:
+            cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=self.nodes, ranks_per_node=candidate.ranks_per_node))
+        return cfg
+
+    def measure(self, candidate: Candidate, label: str) -> float | None:
+        rate = (self.run or run_probe)(self, candidate, label)
+        log.info(f"tune: {label} {candidate.name}: "
+                 + (f"{rate:,.0f} images/s" if rate is not None else "failed (see its bench.log)"))
+        return rate
+
+
+def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
+    """Run the candidate's probe (here, or as a SLURM job) in a fresh folder; its images/s, None where it failed."""
+    cfg = tuner.probe_config(candidate, label)
+    run_dir = cfg.output.run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    RunFolder(run_dir).logs.mkdir(parents=True)
+    if tuner.slurm:
+        ok = _run_job(cfg, tuner.run_timeout_s)
+    else:
+        ok = _run_here(cfg, run_dir, tuner.run_timeout_s)
+    return images_per_s(run_dir, cfg.train.global_batch_size) if ok else None
+
+
+def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
+    probe_toml = run_dir / "probe.toml"
+    probe_toml.write_text(config_mod.to_toml(cfg))
+    command = [sys.executable, "-m", "dptrain", "train", "--config", str(probe_toml)]
+    with (run_dir / "bench.log").open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            return proc.wait(timeout=timeout_s) == 0
+        except subprocess.TimeoutExpired:
+            from dptrain.bench.sweep import _stop
+
+            _stop(proc)
+            return False
+
+
+def _run_job(cfg: RunConfig, timeout_s: float) -> bool:
+    from dptrain.slurm import job as slurm_job, queue as slurm_queue
+
+    workdir = Path.cwd()
+    job = slurm_job.job_for(cfg, workdir)
+    job.config.write_text(config_mod.to_toml(cfg))
+    job.script.write_text(slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm)))
+    job_id = slurm_job.submit(job.script)
+    ended: dict[str, str | None] = {}
+    deadline = time.monotonic() + timeout_s
+    while not ended and time.monotonic() < deadline:
+        slurm_queue.wait_for([job_id], lambda jid, state: ended.__setitem__(jid, state))
+    return ended.get(job_id) == "COMPLETED"
+
+
+def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
+    """(the link between nodes, the one within a node or None, where they came from)."""
+    if tuner.link_name is not None:
+        named = model.named_link(tuner.link_name)
+        return named, None, f"the named link {named.name} ({named.assumption})"
+    record = link_mod.read_link(tuner.tune_dir)
+    if record is None or (tuner.nodes > 1 and record.across_hosts is None):
+        if tuner.nodes > 1:
+            raise ConfigError(f"--tune over {tuner.nodes} nodes needs the link between them: give --link NAME "
+                              f"({', '.join(model.NAMED_LINKS)}), or measure it first into {tuner.tune_dir}/link.json "
+                              f"(srun -N {tuner.nodes} python -m dptrain.bench.link --launched --record "
+                              f"{tuner.tune_dir}).")
+        record, _ = link_mod.record(tuner.tune_dir, "cpu", worlds=(2,))
+    between = record.for_nodes(tuner.nodes)
+    assert between is not None, "a record holds a probe"
+    return between, record.within_host, f"{tuner.tune_dir / link_mod.LINK_FILE}"
+
+
+def tune(tuner: Tuner) -> Path:
+    """Probe, choose, verify; write tuned.toml, tune.csv and tune.md into the tune folder; the path of tuned.toml."""
+    workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed probe
+    tuner.tune_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    user = default_candidate(tuner.cfg, min(tuner.max_ranks, _user_ranks(tuner)))
+    alone = Candidate(user.strategy if user.strategy != "fsdp" else "ddp", 1)
+    one_rank_rate = tuner.measure(alone if tuner.nodes == 1 else user, "compute")
+    if one_rank_rate is None:
+        raise LaunchError(f"the first probe run failed, so nothing can be tuned; see "
+                          f"{tuner.tune_dir / 'runs'}/compute-*/bench.log.")
+    between, within, link_source = find_link(tuner)
+    if tuner.nodes == 1:  # one rank alone: its time per sample is the compute of every candidate
+        compute_s = 1 / one_rank_rate
+    else:  # the user's run over the nodes: its compute per sample as if communication were free (overlap 0)
+        compute_s = _compute_from(user, one_rank_rate, tuner, between, within)
+    work = replace(workload(tuner.cfg, compute_s), rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares)
+    ranked = rank_by_model(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size,
+                                      tuner.lossy), work, between, tuner.nodes, within, overlap=0.5)
+    predicted = dict(ranked)
+    chosen_for_probe = [c for c, _ in ranked if c != user][:tuner.keep]
+    measured: dict[Candidate, float] = {alone: one_rank_rate} if alone == user and tuner.nodes == 1 else {}
+    for candidate in [user, *chosen_for_probe]:
+        if candidate in measured:  # the compute probe was this candidate's
+            continue
+        rate = tuner.measure(candidate, "probe")
+        if rate is not None:
+            measured[candidate] = rate
+    if user not in measured:
+        raise LaunchError(f"the probe of your own configuration ({user.name}) failed, so nothing can be compared; see "
+                          f"{tuner.tune_dir / 'runs'}/probe-{user.name}/bench.log.")
+    best = choose(user, measured)
+    verified: dict[Candidate, float | None] = {}
+    reason = "your configuration was the fastest probe"
+    final = user
+    if best != user:
+        verified = {user: tuner.measure(user, "verify"), best: tuner.measure(best, "verify")}
+        if verified[best] is not None and verified[user] is not None and verified[best] >= verified[user]:
+            final = best
+            reason = (f"{best.name} ran {verified[best] / verified[user]:.2f}x your configuration in the verification "
+                      f"run ({verified[best]:,.0f} against {verified[user]:,.0f} images/s)")
+        else:
+            reason = (f"{best.name} was the fastest probe but not in the verification run "
+                      f"({_rate(verified[best])} against your configuration's {_rate(verified[user])} images/s), so "
+                      f"your configuration is kept")
+    for candidate, prediction in ranked:
+        tuner.rows.append({"candidate": candidate.name, "strategy": candidate.strategy,
+                           "ranks_per_node": candidate.ranks_per_node, "comm_hook": candidate.comm_hook,
+                           "bucket_mb": "" if candidate.bucket_mb is None else candidate.bucket_mb,
+                           "predicted_images_per_s": round(prediction.images_per_s, 1),
+                           "measured_images_per_s": _cell(measured.get(candidate)),
+                           "verified_images_per_s": _cell(verified.get(candidate)),
+                           "default": candidate == user, "chosen": candidate == final})
+    tuned = _write_tuned(tuner, final)
+    _write_tables(tuner, reason, link_source, time.monotonic() - started, predicted[user])
+    log.info(f"tune: {reason}; {tuned} (dptrain {'submit' if tuner.slurm else 'train'} --config {tuned})")
+    return tuned
+
+
+def rank_shares(tuner: Tuner) -> dict[int, float]:
+    """R ranks on a node -> each one's compute rate over one rank's alone, from the matmul probe of 1 to max_ranks
+    processes (peak.json of the tune folder, measured on this machine: on SLURM, the nodes are taken to be like it).
+    Ranks on one CPU split its cores but each thread does not scale as well as a process: this is what makes more
+    ranks per node worth their communication, or not. Empty where the probe fails (the model then splits evenly)."""
+    from dptrain.bench import peak
+    from dptrain.runtime import wants_cuda
+
+    device: peak.Device = "cuda" if wants_cuda(tuner.cfg.launch.device) else "cpu"
+    try:
+        probes, _ = peak.record(tuner.tune_dir, device, "bfloat16" if tuner.cfg.train.bf16 else "float32",
+                                tuple(range(1, tuner.max_ranks + 1)))
+    except RuntimeError as e:
+        log.info(f"tune: no matmul probe ({e}); the model takes R ranks on a node to split it evenly")
+        return {}
+    if 1 not in probes:
+        return {}
+    return {r: p.peak_tflops / (r * probes[1].peak_tflops) for r, p in probes.items()}
+
+
+def _user_ranks(tuner: Tuner) -> int:
+    if tuner.slurm:
+        return tuner.cfg.slurm.ranks_here
+    from dptrain.launch.local import local_workers
+
+    return local_workers(tuner.cfg.launch)
+
+
+def _compute_from(user: Candidate, rate: float, tuner: Tuner, between: model.Timed, within: model.Timed | None) -> float:
+    """The compute per sample that makes the model predict the user's measured rate over the nodes with no overlap:
+    the measured step less its modelled communication, per sample of one rank."""
+    work = workload(tuner.cfg, 1.0)
+    nothing = model.predict(user.plan(shared_memory=False), replace(work, compute_s_per_sample=0.0), between,
+                            tuner.nodes, user.ranks_per_node, 0.0, within)
+    step_s = tuner.cfg.train.global_batch_size / rate
+    compute_step = max(step_s - nothing.comm_s, step_s * 0.05)  # never below a twentieth: a link fit off by a lot
+    world = tuner.nodes * user.ranks_per_node
+    return compute_step * world * work.share(user.ranks_per_node) / tuner.cfg.train.global_batch_size
+
+
+def _rate(value: float | None) -> str:
+    return "no rate (failed)" if value is None else f"{value:,.0f}"
+
+
+def _cell(value: float | None) -> str | float:
+    return "" if value is None else round(value, 1)
+
+
+def _write_tuned(tuner: Tuner, chosen: Candidate) -> Path:
+    """The user's configuration with the chosen candidate's options: what `dptrain train --config` runs."""
+    cfg = config_mod.load(tuner.config_path, [*tuner.user_pairs, *chosen.pairs()])
+    if tuner.slurm:
+        cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=tuner.nodes, ranks_per_node=chosen.ranks_per_node))
+    path = tuner.tune_dir / TUNED_FILE
+    path.write_text(f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file\n"
+                    + config_mod.to_toml(cfg))
+    return path
+
+
+COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "predicted_images_per_s",
+           "measured_images_per_s", "verified_images_per_s", "default", "chosen")
+
+
+def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: model.Prediction) -> None:
+    with (tuner.tune_dir / "tune.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(tuner.rows)
+    where = f"{tuner.nodes} SLURM nodes" if tuner.slurm else "this machine"
+    lines = [f"# dptrain bench --tune on {where}", "",
+             f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each probe: {STEPS} steps, timed from step "
+             f"{WARM_STEPS}; the global batch ({tuner.cfg.train.global_batch_size}) is the same in every candidate.", "",
+             "| candidate | predicted images/s | measured | verified | |", "| --- | --- | --- | --- | --- |"]
+    for row in tuner.rows:
+        marks = ", ".join(m for m, on in (("default", row["default"]), ("chosen", row["chosen"])) if on)
+        lines.append(f"| {row['candidate']} | {row['predicted_images_per_s']:,.0f} | {row['measured_images_per_s']} | "
+                     f"{row['verified_images_per_s']} | {marks} |")
+    lines += ["", "Candidates without a measured rate were ranked below the probed ones by the model and not run."]
+    (tuner.tune_dir / "tune.md").write_text("\n".join(lines) + "\n")
+
+
+def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], slurm: bool,
+                       job_pairs: list[tuple[str, str]], nodes: str | None, lossy: bool, link_name: str | None,
+                       run_timeout_s: float, keep: int = KEEP) -> Tuner:
+    """Check what `dptrain bench --tune` was given, once, before any probe; the Tuner."""
+    tune_dir: Path | None = None
+    user_pairs = []
+    for key, value in pairs:
+        if key == "output.dir":  # the tune folder; tuned.toml keeps the configuration's own output.dir
+            tune_dir = Path(value)
+        else:  # the user's strategy and ranks are the default candidate; the probes set their steps and saving
+            user_pairs.append((key, value))
+    if keep < 1:
+        raise ConfigError(f"--tune-candidates {keep} probes nothing but your own configuration; give 1 or more.")
+    if link_name is not None:
+        model.named_link(link_name)  # one sentence for a name the model does not know
+    node_count = 1
+    if slurm:
+        if nodes is not None and ("," in nodes or not nodes.strip().isdigit() or int(nodes) < 1):
+            raise ConfigError(f"--tune --nodes {nodes!r} is the one node count to tune for (e.g. 2), not a list.")
+        node_count = int(nodes) if nodes else 1
+    elif nodes is not None:
+        raise ConfigError("--nodes with --tune is the SLURM nodes to tune for; add --slurm, or drop --nodes.")
+    cfg = config_mod.load(config_path, [*user_pairs, *(job_pairs if slurm else [])])
+    if slurm:
+        user_pairs += [pair for pair in job_pairs if pair[0] != "slurm.nodes"]
+        max_ranks = max(cfg.slurm.ranks_here, cfg.slurm.cpus_per_node or 1)
+    else:
+        from dptrain.bench.peak import usable_cores
+        from dptrain.runtime import wants_cuda
+
+        if wants_cuda(cfg.launch.device):
+            import torch
+
+            max_ranks = max(1, torch.cuda.device_count())
+        else:
+            max_ranks = usable_cores()
+    return Tuner(cfg=cfg, config_path=config_path, user_pairs=user_pairs,
+                 tune_dir=tune_dir or Path("runs") / "tune" / cfg.data.name, nodes=node_count, max_ranks=max_ranks,
+                 slurm=slurm, lossy=lossy, link_name=link_name, run_timeout_s=run_timeout_s, keep=keep)
