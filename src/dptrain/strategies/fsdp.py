@@ -1,8 +1,10 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
 
-reshard_after_forward=true frees each block's gathered parameters after its forward and gathers
+reshard_after_forward=true frees each unit's gathered parameters after its forward and gathers
 them again for backward (FULL_SHARD, ZeRO-3); false keeps them until backward (SHARD_GRAD_OP,
-ZeRO-2), trading memory for one all-gather less per step.
+ZeRO-2), trading memory for one all-gather less per step. The root's own parameters (all of them
+under wrap whole) stay gathered from forward to backward either way, as torch's default for the root:
+backward needs them first, so freeing them would only gather them again at once.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
 
 
 class FSDP(Strategy):
-    """Traffic computed per step: all-gather of the parameters in forward (and again in backward when
-    resharding), reduce-scatter of the gradients; each (N-1)/N of the bytes, in their dtypes."""
+    """Traffic computed per step: all-gather of the parameters in forward (and again in backward for the units under
+    the root when resharding), reduce-scatter of the gradients; each (N-1)/N of the bytes, in their dtypes."""
 
     name = "fsdp"
     step_is_local = False  # collectives inside the step
@@ -73,18 +75,26 @@ class FSDP(Strategy):
         model = model.to(self.device, memory_format=torch.contiguous_format)
         mesh = init_device_mesh(self.device.type, (self.env.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[self.cfg.fsdp.param_dtype], reduce_dtype=DTYPES[self.cfg.fsdp.reduce_dtype])
-        for block in units(model, self.cfg.fsdp.wrap, self.cfg.fsdp.wrap_min_params):
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
+        inner = units(model, self.cfg.fsdp.wrap, self.cfg.fsdp.wrap_min_params)
+        in_units = {p for unit in inner for p in unit.parameters()}
+        self.numel_in_units = sum(p.numel() for p in in_units)
+        for unit in inner:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=self.cfg.fsdp.reshard_after_forward, mp_policy=policy)
+        # The root is never resharded after forward (torch's own default for it): backward starts with the root's
+        # parameters, so resharding them would free them only to gather them again right away, which costs one
+        # all-gather of them a step (under wrap whole, of the whole model: 2 instead of 1 a step) and saves no memory
+        # (backward's peak holds them anyway). The sums are the same.
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         self.module = model
         return model
 
     def comm_bytes(self, steps: int) -> int:
         world = self.env.world_size
         numel = sum(p.numel() for p in self.eval_module.parameters())  # DTensor numel: the full size
-        gathers = 2 if self.cfg.fsdp.reshard_after_forward else 1
+        # Gathered once a step: the root's own parameters, and every unit's unless resharded after forward (twice).
+        gathered = numel + (self.numel_in_units if self.cfg.fsdp.reshard_after_forward else 0)
         own_size = next(self.eval_module.parameters()).element_size()
         param_size = getattr(DTYPES[self.cfg.fsdp.param_dtype], "itemsize", own_size)
         reduce_size = getattr(DTYPES[self.cfg.fsdp.reduce_dtype], "itemsize", own_size)
-        per_step = (gathers * numel * param_size + numel * reduce_size) * (world - 1) // world
+        per_step = (gathered * param_size + numel * reduce_size) * (world - 1) // world
         return steps * per_step
