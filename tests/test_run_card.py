@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from dptrain import run_card
+from dptrain.bench import run_card
 from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
-from dptrain.run_card import SECTIONS, is_run_dir, timeline, write_run_card
+from dptrain.bench.run_card import SECTIONS, is_run_dir, timeline, write_run_card
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import log_tail, read_events, run_cli
+from tests.distributed import run_cli_on_ranks
 
 # 256 samples in batches of 32: 8 steps an epoch, 16 in all; a step loss every 2 steps
 TRAIN = ["train", "--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "256",
@@ -27,14 +28,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory) -> Path:
     """A run stopped by SIGTERM after step 10 (mid-epoch 2; the snapshot is of the step it stops at) and resumed by
-    the same command to the end: two starts, one stop, two epochs."""
+    the same command to the end: two starts, one stop, two epochs. The stop goes through the real launcher."""
     root = tmp_path_factory.mktemp("card")
     run_dir = root / "run"
     args = [*TRAIN, "--output.dir", str(run_dir)]
     stopped = run_cli(args, root, env={SIGNAL_AT: "0:10:SIGTERM:self"})
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
-    resumed = run_cli(args, root)
-    assert resumed.returncode == 0, log_tail(run_dir)
+    # the resume on the test pool's rank processes, as under torchrun: in a whole-suite run they are up already
+    [code] = run_cli_on_ranks(2, [args], str(root))
+    assert code == 0, log_tail(run_dir)
     return run_dir
 
 
@@ -90,7 +92,7 @@ def test_the_cards_numbers_are_those_of_metrics_jsonl(resumed_run, card):
     shares = table_rows(card, "Communication")
     for row, e in zip(shares, epochs, strict=True):  # ddp times its communication: every epoch has a share
         exposed = e["comm_exposed_ms_per_step"]
-        assert row[5] == f"{max(exposed) / (e['epoch_time_s'] * 1e3 / 8):.1%}"
+        assert row[5] == f"{max(exposed) / (e['epoch_time_s'] * 1e3 / 8):.2%}"
     ranks = table_rows(card, "Utilisation and memory per rank")
     assert [r[0] for r in ranks] == ["0", "1"]
     assert [r[3] for r in ranks] == [f"{b / 2**20:.1f}" for b in epochs[-1]["mem_params_bytes"]]
@@ -159,3 +161,38 @@ def test_the_snapshot_names_are_checkpoints():
 
     assert (run_card.SNAPSHOT_PREFIX, run_card.SNAPSHOT_MANIFEST, run_card.SNAPSHOT_LATEST) == (
         checkpoint.PREFIX, checkpoint.MANIFEST, checkpoint.LATEST)
+
+
+def test_a_wide_gpu_run_with_a_peak_json_gets_its_fraction_of_peak_and_rank_summaries(tmp_path):
+    """40 ranks on GPUs, written by hand: more ranks than the card lists or draws one by one, the GPU panels, and a
+    peak.json of the same world size and device beside the run."""
+    ranks = 40
+
+    def epoch(n: int) -> dict:
+        return {"event": "epoch", "epoch": n, "step": 10 * n, "train_samples": 1280, "epoch_time_s": 2.0,
+                "train_loss": 1.0 / n, "achieved_tflops": 5.0, "cpu_util_pct": [100.0 + r for r in range(ranks)],
+                "rss_max_mb": [1000.0] * ranks, "gpu_util_mean_pct": [90.0] * ranks,
+                "gpu_mem_used_max_mb": [float(2000 + r) for r in range(ranks)]}
+
+    events = [{"event": "run_start", "step": 0, "world_size": ranks, "device": "cuda:0", "global_batch_size": 128},
+              epoch(1), epoch(2), {"event": "run_end", "step": 20}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    probe = {"device": "cuda", "dtype": "float32", "workers": ranks, "threads": 0, "tflops_by_size": {"8192": 20.0}}
+    (tmp_path / "peak.json").write_text(json.dumps({"probes": {str(ranks): probe}}))
+    text = write_run_card(tmp_path).read_text()
+    assert [r[5] for r in table_rows(text, "Throughput and fraction of peak")] == ["25.0%", "25.0%"]  # 5 of 20 TFLOPS
+    rows = table_rows(text, "Utilisation and memory per rank")
+    assert [r[0] for r in rows] == ["lowest of 40", "mean of 40", "highest of 40"]
+    assert [r[1] for r in rows] == ["100.0", "119.5", "139.0"] and [r[-1] for r in rows] == ["2000", "2020", "2039"]
+    assert (tmp_path / "report" / run_card.UTIL_PLOT).is_file()
+    assert not (tmp_path / "report" / run_card.COMM_PLOT).exists()  # no communication timed: nothing drawn
+    assert "Communication time: not measured" in text
+    assert "Not shown: config\\.toml is missing" in text and "Not shown: env\\.json is missing" in text
+
+
+def test_a_stop_and_its_requeue_are_both_in_the_starts_ending():
+    events = [{"event": "run_start", "step": 0, "world_size": 2},
+              {"event": "stopped", "step": 7, "message": "stopped by SIGUSR1 after step 7"},
+              {"event": "requeue", "step": 7, "job_id": "41"}]
+    [start] = timeline(events).starts
+    assert start.ended == "stopped at step 7: stopped by SIGUSR1 after step 7; requeued (SLURM job 41)"

@@ -109,6 +109,9 @@ def card_problem(event: dict[str, Any]) -> str | None:
     return None
 
 
+NO_END = "no end recorded (still running, or killed)"
+
+
 @dataclass
 class Start:
     """One process group's life in the run: a run_start event and how it ended."""
@@ -119,7 +122,7 @@ class Start:
     device: str
     agent_restarts: int | None
     slurm_restarts: int | None
-    ended: str = "no end recorded (still running, or killed)"
+    ended: str = NO_END
     end_time: float | None = None
 
 
@@ -162,12 +165,14 @@ def timeline(events: list[dict[str, Any]]) -> Timeline:
             line.steps[step] = float(event["loss"])
         elif kind in ("run_end", "stopped", "requeue", "requeue_failed") and line.starts:
             last = line.starts[-1]
-            last.end_time = _number(event.get("time"))
             at = f" at step {step}" if step is not None else ""
-            last.ended = {"run_end": f"finished{at}",
-                          "stopped": f"stopped{at}: {str(event.get('message', ''))[:200]}",
-                          "requeue": f"requeued{at} (SLURM job {str(event.get('job_id', '?'))[:40]})",
-                          "requeue_failed": f"requeue refused{at}: {str(event.get('reason', ''))[:200]}"}[kind]
+            ending = {"run_end": f"finished{at}",
+                      "stopped": f"stopped{at}: {str(event.get('message', ''))[:200]}",
+                      "requeue": f"requeued (SLURM job {str(event.get('job_id', '?'))[:40]})",
+                      "requeue_failed": f"requeue refused: {str(event.get('reason', ''))[:200]}"}[kind]
+            # a stop under SLURM is followed by its requeue (or the refusal of one): the card keeps both
+            last.ended = f"{last.ended}; {ending}" if kind.startswith("requeue") and last.ended != NO_END else ending
+            last.end_time = _number(event.get("time"))
     return line
 
 
@@ -381,10 +386,9 @@ def card_markdown(run_dir: Path, line: Timeline, options: dict[str, Any], config
     parts += communication_section(line, drawn)
     parts += utilisation_section(line, drawn)
     parts += starts_section(line, snapshots, latest)
-    notes = line.left_out + [p for p in (config_problem, env_problem) if p]
-    if notes:
+    if line.left_out:  # config.toml's and env.json's own problems are said in their sections
         parts += ["## Left out of this card", "", "Not what dptrain writes, so not counted above:", ""]
-        parts += [f"- {md_text(note)}" for note in notes] + [""]
+        parts += [f"- {md_text(note)}" for note in line.left_out] + [""]
     return "\n".join(parts)
 
 
@@ -517,8 +521,8 @@ def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
         exposed = [v for v in _per_rank(e.get("comm_exposed_ms_per_step")) if v is not None]
         parts.append(f"| {n} | {fmt(step_ms(e, line.global_batch_size), '.1f')} | "
                      f"{fmt(statistics.fmean(comm) if comm else None, '.2f')} | {statistics.fmean(exposed):.2f} | "
-                     f"{fmt(statistics.fmean(shares) if shares else None, '.1%')} | "
-                     f"{fmt(max(shares) if shares else None, '.1%')} |")
+                     f"{fmt(statistics.fmean(shares) if shares else None, '.2%')} | "
+                     f"{fmt(max(shares) if shares else None, '.2%')} |")
     return parts + [""]
 
 
@@ -691,6 +695,9 @@ def _throughput_plot(plt: Any, line: Timeline, epochs: list, probes: dict[int, P
             twin.plot(*zip(*with_peak), marker="s", color="tab:red", label="fraction of peak")
             twin.set_ylabel("fraction of the matmul peak")
             _from_zero(twin)
+            # one legend for both axes: with the peak steady the two lines lie on top of each other
+            handles = [h for ax in (right, twin) for h in ax.get_legend_handles_labels()[0]]
+            right.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="lower right")
         _from_zero(right)
     right.set_ylabel("achieved TFLOPS (model arithmetic)")
     right.set_title("Model TFLOPS per epoch" + (" and fraction of peak" if any(p for _, _, p in rates) else ""))
