@@ -310,8 +310,9 @@ def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
     gb = cfg.train.global_batch_size
     for w in counts:
         if gb % w:
+            drop = f"{w // cfg.slurm.ranks_here} from --nodes" if node_counts else f"{w} from --workers"
             raise ConfigError(f"train.global_batch_size {gb} is not divisible by {w} workers; "
-                              f"choose a multiple of {w}, or drop {w} from --workers.")
+                              f"choose a multiple of {w}, or drop {drop}.")
     refused = {}
     if "dptrain" in engine_names:
         refused = refused_worlds(point_cfgs, counts, runs_on_cpu(cfg, job_pairs is not None))
