@@ -272,7 +272,7 @@ def tune(tuner: Tuner) -> Path:
     started = time.monotonic()
     user = default_candidate(tuner.cfg, min(tuner.max_ranks, _user_ranks(tuner)))
     alone = Candidate(user.strategy if user.strategy != "fsdp" else "ddp", 1)
-    one_rank_rate = tuner.measure(alone if tuner.nodes == 1 else user, "compute")
+    one_rank_rate = tuner.measure(alone if tuner.nodes == 1 else user, "compute")  # over nodes: the user's own
     if one_rank_rate is None:
         raise LaunchError(f"the first probe run failed, so nothing can be tuned; see "
                           f"{tuner.tune_dir / 'runs'}/compute-*/bench.log.")
@@ -286,7 +286,8 @@ def tune(tuner: Tuner) -> Path:
                                       tuner.lossy), work, between, tuner.nodes, within, overlap=0.5)
     predicted = dict(ranked)
     chosen_for_probe = [c for c, _ in ranked if c != user][:tuner.keep]
-    measured: dict[Candidate, float] = {alone: one_rank_rate} if alone == user and tuner.nodes == 1 else {}
+    first = alone if tuner.nodes == 1 else user  # the candidate the compute probe ran
+    measured: dict[Candidate, float] = {first: one_rank_rate} if first == user else {}
     for candidate in [user, *chosen_for_probe]:
         if candidate in measured:  # the compute probe was this candidate's
             continue
