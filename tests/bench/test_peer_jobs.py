@@ -77,6 +77,22 @@ def test_a_gpu_peer_job_gives_each_node_its_gpus_and_ranks(tmp_path, capsys):
     assert "OMP_NUM_THREADS" not in w8  # no --cpus-per-node: the threads are torchrun's and torch's choice
 
 
+def test_a_peer_engines_job_in_a_container_starts_torchrun_in_it(tmp_path, capsys):
+    code, _, err = bench(tmp_path, ["bench", "--slurm", "--dry-run", "--engines", "deepspeed", "--nodes", "2",
+                                    "--strategies", "ddp", "--container-image", "docker://nvcr.io/nvidia/pytorch:25.01-py3",
+                                    "--container-engine", "apptainer", "--output.dir", "out", *TINY])
+    assert code == 0, err
+    lines = capsys.readouterr().out.splitlines()
+    srun = lines[-1]
+    assert srun.startswith(f"srun --kill-on-bad-exit=1 apptainer exec --bind {tmp_path},")
+    assert " docker://nvcr.io/nvidia/pytorch:25.01-py3 " in srun
+    assert srun.endswith(" python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d "
+                         "--rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" --rdzv-id \"$SLURM_JOB_ID\" -m "
+                         f"dptrain.bench.deepspeed_engine {tmp_path / 'out' / 'runs' / 'deepspeed-ddp-w2-r1'}")
+    assert any(line.startswith("# Each task starts in the image (apptainer)") for line in lines)  # the container's comments
+    assert not any(line.startswith("# Each node's agent") for line in lines)  # dptrain's agents are not in it
+
+
 def scripts_by_point(dry_run: str) -> dict[str, str]:
     """A dry run's output as point name -> what follows its comment line (its script)."""
     parts = re.split(r"^# ([a-z0-9_]+-[a-z0-9_]+-w\d+-r\d+): .*\n", dry_run, flags=re.M)

@@ -107,42 +107,46 @@ def job_of(sweep: Sweep, point: Point) -> tuple[RunConfig, slurm_job.Job, str]:
     return cfg, job, slurm_job.render(cfg, job, workdir, python)
 
 
-# Where slurm.job.render's script of an agent-mode job starts its launch lines (after the set-up and MASTER_ADDR).
-LAUNCH_COMMENT = "\n# --kill-on-bad-exit"
+# render's launch lines of an agent-mode job, which peer_script replaces: the first (a comment) and the last three
+# (two comments on dptrain's agents and the srun line); those between (a container's comments) are kept.
+LAUNCH_COMMENT = "# --kill-on-bad-exit"
+AGENT_COMMENT = "# Each node's agent"
 
 
 def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, engine: str) -> str:
     """Another engine's job script: dptrain's own for one elastic agent per node (its #SBATCH lines, set-up lines, the
-    first node's address and the job's port, and whatever srun options render gives its task), with torchrun and the
-    engine's module in place of `dptrain train` on the srun line, as the engine's users launch it across nodes.
-    torchrun's c10d rendezvous numbers the nodes, so no --node-rank: each task's SLURM_NODEID is not needed."""
-    script = slurm_job.render(cfg, job, workdir, python)
+    first node's address and the job's port, and the srun options and container words render gives its task), with
+    torchrun and the engine's module in place of `dptrain train` on the srun line, as the engine's users launch it
+    across nodes. torchrun's c10d rendezvous numbers the nodes, so no --node-rank (each task's SLURM_NODEID)."""
+    lines = slurm_job.render(cfg, job, workdir, python).splitlines()
     dptrain_train = shlex.join([python, "-m", "dptrain", "train", "--config", str(job.config)])
-    head, found, launch = script.partition(LAUNCH_COMMENT)
-    srun_line = launch.rstrip("\n").splitlines()[-1] if found else ""
-    if dptrain_train not in srun_line:  # render's launch lines changed: this must follow (tests/bench/test_peer_jobs.py)
-        raise RuntimeError("slurm.job.render's agent-mode srun line no longer ends with `dptrain train --config JOB`; "
-                           "update bench.jobs.peer_script to it")
-    srun = srun_line[:srun_line.index(dptrain_train)]  # srun, its options, and a container's (if any)
+    starts = [i for i, line in enumerate(lines) if line.startswith(LAUNCH_COMMENT)]
+    if not starts or not lines[-3].startswith(AGENT_COMMENT) or dptrain_train not in lines[-1]:
+        # render's launch lines changed: this must follow them (tests/bench/test_peer_jobs.py says so)
+        raise RuntimeError("slurm.job.render's agent-mode launch lines are no longer a comment, the container's "
+                           "comments, two on the agents and srun ... dptrain train --config JOB; update "
+                           "bench.jobs.peer_script to them")
+    head, said, srun_line = lines[:starts[-1]], lines[starts[-1] + 1:-3], lines[-1]
+    srun = srun_line[:srun_line.index(dptrain_train)]  # srun, its options, and a container's words (if any)
+    module = OTHER_ENGINES[engine].__name__
+    where = slurm_job.shown(job.run_dir, workdir)
+    head[1] = head[1].replace(f"# dptrain training of {where}: ",
+                              f"# dptrain bench point of the {engine} engine ({module}) in {where}: ", 1)
+    if cfg.slurm.cpus_per_node:
+        head += ["# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
+                 "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
+                 f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}", ""]
     torchrun = shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes), "--nproc-per-node",
                            str(job.ranks_per_node), "--rdzv-backend", "c10d"])
-    module = OTHER_ENGINES[engine].__name__
-    described = f"# dptrain training of {slurm_job.shown(job.run_dir, workdir)}: "
-    head = head.replace(described, f"# dptrain bench point of the {engine} engine ({module}) in "
-                                   f"{slurm_job.shown(job.run_dir, workdir)}: ", 1)
-    threads = []
-    if cfg.slurm.cpus_per_node:
-        threads = ["# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun\n",
-                   "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).\n",
-                   f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}\n\n"]
-    return "".join([
-        head, "\n", *threads,
-        "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at MASTER_ADDR:MASTER_PORT\n",
-        "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.\n",
-        "# --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.\n",
+    return "\n".join([
+        *head,
+        "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at MASTER_ADDR:MASTER_PORT",
+        "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.",
+        "# --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.",
+        *said,
         f'{srun}{torchrun} --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_VARS["job_id"]}" '
-        f"-m {module} {shlex.quote(str(job.run_dir))}\n",
-    ])
+        f"-m {module} {shlex.quote(str(job.run_dir))}",
+    ]) + "\n"
 
 
 def recorded_job(run_dir: Path) -> str | None:
