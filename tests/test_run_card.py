@@ -124,17 +124,23 @@ def test_a_resume_replaces_what_was_logged_past_its_snapshot():
               {"event": "step", "step": 2, "loss": 2.0},
               {"event": "epoch", "epoch": 1, "step": 4, "train_samples": 16, "epoch_time_s": 1.0, "train_loss": 1.5},
               {"event": "step", "step": 6, "loss": 1.0},
+              {"event": "step", "step": 8, "loss": 0.8},
               {"event": "epoch", "epoch": 2, "step": 8, "train_samples": 16, "epoch_time_s": 1.0, "train_loss": 0.9},
-              # killed before step 8's snapshot: the next start resumes from step 4's and does steps 5-8 again
+              # killed before step 8's snapshot: the next start resumes from step 4's, and is stopped after step 6
               {"event": "run_start", "step": 4, "world_size": 3, "global_batch_size": 4},
               {"event": "step", "step": 6, "loss": 1.1},
+              {"event": "stopped", "step": 6, "message": "stopped by SIGTERM after step 6"},
+              # the third start resumes from step 6 and finishes epoch 2
+              {"event": "run_start", "step": 6, "world_size": 3, "global_batch_size": 4},
               {"event": "epoch", "epoch": 2, "step": 8, "train_samples": 16, "epoch_time_s": 2.0, "train_loss": 1.2},
               {"event": "run_end", "step": 8}]
+    line = timeline(events[:10])  # as the card sees it while the third start has not begun
+    assert line.steps == {2: 2.0, 6: 1.1} and list(line.epochs) == [1]  # step 8 and epoch 2 were undone
     line = timeline(events)
-    assert line.steps == {2: 2.0, 6: 1.1}
     assert {n: (e["train_loss"], s.world_size) for n, (e, s) in line.epochs.items()} == {1: (1.5, 2), 2: (1.2, 3)}
     assert [(s.step, s.ended) for s in line.starts] == [(0, "no end recorded (still running, or killed)"),
-                                                         (4, "finished at step 8")]
+                                                         (4, "stopped at step 6: stopped by SIGTERM after step 6"),
+                                                         (6, "finished at step 8")]
 
 
 def test_is_run_dir_tells_a_run_from_a_sweep_and_from_nothing(tmp_path):

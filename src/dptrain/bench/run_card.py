@@ -89,7 +89,8 @@ def card_problem(event: dict[str, Any]) -> str | None:
     kind = event["event"]
     if "time" in event and _number(event["time"]) is None:
         return f"time is {_shown(event['time'])}, not a number"
-    if kind in ("step", "epoch", "run_start", "run_end", "stopped") and "step" in event and _whole(event["step"]) is None:
+    counted = ("step", "epoch", "run_start", "run_end", "stopped")  # the events whose step the card reads
+    if kind in counted and "step" in event and _whole(event["step"]) is None:
         return f"step is {_shown(event['step'])}, not a whole number"
     if kind in ("step", "epoch") and "step" not in event:
         return "it has no step"
@@ -403,11 +404,12 @@ def summary_sentence(line: Timeline) -> str:
     step = max([s.step for s in line.starts] + [int(e["step"]) for _, e, _ in epochs] + list(line.steps), default=0)
     of = f" of {line.total_steps}" if line.total_steps else ""
     evaluated = [e for _, e, _ in epochs if _number(e.get("eval_acc")) is not None]
-    last_eval = (f"; last evaluation (epoch {evaluated[-1]['epoch']}): loss {fmt(_number(evaluated[-1].get('eval_loss')), '.4f')}, "
-                 f"accuracy {fmt(_number(evaluated[-1].get('eval_acc')), '.4f')}" if evaluated else "")
-    starts = len(line.starts)
+    last = evaluated[-1] if evaluated else {}
+    last_eval = (f"; last evaluation (epoch {last['epoch']}): loss {fmt(_number(last.get('eval_loss')), '.4f')}, "
+                 f"accuracy {fmt(_number(last.get('eval_acc')), '.4f')}" if evaluated else "")
+    starts, resumes = len(line.starts), max(len(line.starts) - 1, 0)
     return (f"State: {md_text(state)}. Step {step}{of}, {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
-            f"logged, {starts} start{'s' if starts != 1 else ''} ({max(starts - 1, 0)} resume{'s' if starts != 2 else ''})"
+            f"logged, {starts} start{'s' if starts != 1 else ''} ({resumes} resume{'s' if resumes != 1 else ''})"
             f"{last_eval}. Written from the run's own files by `dptrain report`; the PNGs sit beside this file.")
 
 
@@ -419,7 +421,8 @@ def configuration_section(options: dict[str, Any], problem: str | None) -> list[
     defaults = flatten(json.loads(json.dumps(config_mod.to_dict(config_mod.RunConfig()))))
     parts += ["The resolved configuration is [config.toml](../config.toml). The main options:", "",
               "| option | value |", "| --- | --- |"]
-    parts += [f"| {name} | {md_text(shown_value(options.get(name, defaults.get(name))))} |" for name in HEADLINE_OPTIONS]
+    parts += [f"| {name} | {md_text(shown_value(options.get(name, defaults.get(name))))} |"
+              for name in HEADLINE_OPTIONS]
     changed = [n for n in sorted(options) if n not in HEADLINE_OPTIONS and options[n] != defaults.get(n, object())]
     if changed:
         parts += ["", "The other options set differently from the defaults:", "", "| option | value | default |",
@@ -469,12 +472,13 @@ def throughput_section(line: Timeline, probes: dict[int, Probe], peak_file: Path
     later = epochs[1:]
     sentence = f"{samples / seconds:.0f} images/s over all {len(epochs)} epochs (training steps only)"
     if later:
-        sentence += (f", {sum(e['train_samples'] for _, e, _ in later) / sum(e['epoch_time_s'] for _, e, _ in later):.0f}"
-                     f" after the first (which pays for warm-up)")
+        rate = sum(e["train_samples"] for _, e, _ in later) / sum(e["epoch_time_s"] for _, e, _ in later)
+        sentence += f", {rate:.0f} after the first (which pays for warm-up)"
     parts += [sentence + ".", ""]
     fractions = {n: (rate / probe.peak_tflops, probe) for n, e, s in epochs
                  if (rate := achieved_tflops(e)) is not None and (probe := peak_for(probes, s)) is not None}
-    parts += ["| epoch | world size | images/s | step time (ms) | TFLOPS | of peak |", "| --- | --- | --- | --- | --- | --- |"]
+    parts += ["| epoch | world size | images/s | step time (ms) | TFLOPS | of peak |",
+              "| --- | --- | --- | --- | --- | --- |"]
     parts += [f"| {n} | {fmt(s.world_size if s else None, 'd')} | {e['train_samples'] / e['epoch_time_s']:.0f} | "
               f"{fmt(step_ms(e, line.global_batch_size), '.1f')} | {fmt(achieved_tflops(e), '.3g')} | "
               f"{fmt(fractions[n][0] if n in fractions else None, '.1%')} |" for n, e, s in epochs]
@@ -589,14 +593,15 @@ def starts_section(line: Timeline, snapshots: list[Snapshot], latest: str | None
                   "wall time (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for i, s in enumerate(line.starts, start=1):
             wall = s.end_time - s.time if s.end_time is not None and s.time is not None else None
-            parts.append(f"| {i} | {utc(s.time)} | {s.step} | {fmt(s.world_size, 'd')} | {md_text(s.device[:40]) or '-'} "
-                         f"| {fmt(s.agent_restarts, 'd')} | {fmt(s.slurm_restarts, 'd')} | {md_text(s.ended)} | "
-                         f"{fmt(wall, '.1f')} |")
+            parts.append(f"| {i} | {utc(s.time)} | {s.step} | {fmt(s.world_size, 'd')} | "
+                         f"{md_text(s.device[:40]) or '-'} | {fmt(s.agent_restarts, 'd')} | "
+                         f"{fmt(s.slurm_restarts, 'd')} | {md_text(s.ended)} | {fmt(wall, '.1f')} |")
         parts.append("")
     if not snapshots:
         return parts + ["No snapshot in checkpoints/.", ""]
-    parts += [f"Snapshots in checkpoints/, newest first, as their manifests say (`dptrain checkpoint list` verifies "
-              f"their files):", "", "| snapshot | step | world size | strategy | torch | |", "| --- | --- | --- | --- | --- | --- |"]
+    parts += ["Snapshots in checkpoints/, newest first, as their manifests say (`dptrain checkpoint list` verifies "
+              "their files):", "", "| snapshot | step | world size | strategy | torch | |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for snap in snapshots[:SNAPSHOTS_LISTED]:
         note = "latest" if snap.name == latest else ""
         if snap.problem:
@@ -660,11 +665,13 @@ def _loss_plot(plt: Any, line: Timeline, epochs: list, resumes: list[int], path:
         steps = sorted(line.steps)
         left.plot(steps, [line.steps[s] for s in steps], ".-", color="tab:blue", alpha=0.5, linewidth=1,
                   label="step loss (logged steps)")
-    for key, colour, label in (("train_loss", "tab:blue", "epoch train loss"), ("eval_loss", "tab:orange", "eval loss")):
+    for key, colour, label in (("train_loss", "tab:blue", "epoch train loss"),
+                               ("eval_loss", "tab:orange", "eval loss")):
         points = [(int(e["step"]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
         if points:
             left.plot(*zip(*points), marker="o", color=colour, label=label)
-    for key, colour, label in (("train_acc", "tab:blue", "train accuracy"), ("eval_acc", "tab:orange", "eval accuracy")):
+    for key, colour, label in (("train_acc", "tab:blue", "train accuracy"),
+                               ("eval_acc", "tab:orange", "eval accuracy")):
         points = [(int(e["step"]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
         if points:
             right.plot(*zip(*points), marker="o", color=colour, label=label)
