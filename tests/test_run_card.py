@@ -202,3 +202,17 @@ def test_a_stop_and_its_requeue_are_both_in_the_starts_ending():
               {"event": "requeue", "step": 7, "job_id": "41"}]
     [start] = timeline(events).starts
     assert start.ended == "stopped at step 7: stopped by SIGUSR1 after step 7; requeued (SLURM job 41)"
+
+
+def test_dptrain_report_of_a_run_folder_writes_its_card(tmp_path):
+    from tests.conftest import run_cli
+
+    run = tmp_path / "run"
+    done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--train.epochs", "1",
+                    "--train.global_batch_size", "32", "--output.dir", str(run)], tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    card = run_cli(["report", str(run)], tmp_path, timeout=120)
+    assert card.returncode == 0, card.stderr
+    assert card.stdout.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
+    refused = run_cli(["report", str(run), "--link", "1gbit"], tmp_path, timeout=60)
+    assert refused.returncode == 2 and "drop --link" in refused.stderr

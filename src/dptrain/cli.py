@@ -311,12 +311,20 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    """Plots and report.md from a sweep's results.csv (rebuilt from its runs when missing)."""
+    """Plots and report.md from a sweep's results.csv (rebuilt from its runs when missing), or one run's card."""
     from dptrain.bench.report import write_report
+    from dptrain.bench.run_card import is_run_dir, write_run_card
 
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain report --help.")
-    print(write_report(Path(args.bench_dir), link=args.link))
+    path = Path(args.bench_dir)
+    if is_run_dir(path):
+        if args.link:
+            raise ConfigError(f"--link draws the scaling model of a sweep; {path} is one run's folder, whose card "
+                              f"has no model: drop --link.")
+        print(write_run_card(path))
+    else:
+        print(write_report(path, link=args.link))
     return 0
 
 
@@ -500,11 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     report = sub.add_parser(
         "report",
-        help="plots and report.md of a bench sweep",
-        description="Write BENCH_DIR/{epoch_time,speedup,validation,memory}.png and BENCH_DIR/report.md (which embeds "
-        "them with the summary table) from BENCH_DIR/results.csv, rebuilt from BENCH_DIR/runs when missing.",
+        help="plots and report.md of a bench sweep, or one run's card",
+        description="Of a sweep: write BENCH_DIR/{epoch_time,speedup,validation,memory}.png and BENCH_DIR/report.md "
+        "(which embeds them with the summary table, and the scaling model where link.json is there) from "
+        "BENCH_DIR/results.csv, rebuilt from BENCH_DIR/runs when missing. Of one run: its card, RUN_DIR/report/report.md "
+        "with its plots (configuration, environment, curves, throughput, communication, memory, starts and snapshots).",
     )
-    report.add_argument("bench_dir", metavar="BENCH_DIR", help="the --output.dir of a `dptrain bench` sweep")
+    report.add_argument("bench_dir", metavar="BENCH_DIR|RUN_DIR", help="a `dptrain bench` sweep's --output.dir (its "
+                        "plots and report.md), or one run's folder (its card: RUN_DIR/report/report.md)")
     report.add_argument("--link", metavar="NAME", help="with the sweep's link.json: also predict for a named link, "
                         "100mbit, 1gbit, 10gbit or 100gbit (docs/scaling-model.md)")
     report.set_defaults(func=cmd_report)
