@@ -18,6 +18,8 @@ from dptrain.errors import ConfigError
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
 from tests.bench.test_slurm_sweep import TINY, bench, read_rows
 
+IMAGE = "docker://nvcr.io/nvidia/pytorch:25.01-py3"
+
 
 def test_a_peer_engines_job_runs_torchrun_on_every_node(tmp_path, capsys):
     code, _, err = bench(tmp_path, ["bench", "--slurm", "--dry-run", "--engines", "tutorial", "--nodes", "2",
@@ -28,7 +30,8 @@ def test_a_peer_engines_job_runs_torchrun_on_every_node(tmp_path, capsys):
     assert capsys.readouterr().out == f"""\
 # tutorial-ddp-w2-r1: 2 nodes x 1 rank, would be written to {run_dir}/job.sbatch and submitted
 #!/bin/bash
-# dptrain bench point of the tutorial engine (dptrain.bench.tutorial) in out/runs/tutorial-ddp-w2-r1: 2 nodes x 1 rank (one elastic agent per node, gloo on CPUs).
+# tutorial engine's training (dptrain bench) of out/runs/tutorial-ddp-w2-r1: 2 nodes x 1 rank (one elastic agent \
+per node, gloo on CPUs).
 # Written by `dptrain submit`; submit it again with: sbatch {run_dir}/job.sbatch
 #SBATCH --job-name=dptrain-tutorial-ddp-w2-r1
 #SBATCH --nodes=2
@@ -79,18 +82,19 @@ def test_a_gpu_peer_job_gives_each_node_its_gpus_and_ranks(tmp_path, capsys):
 
 def test_a_peer_engines_job_in_a_container_starts_torchrun_in_it(tmp_path, capsys):
     code, _, err = bench(tmp_path, ["bench", "--slurm", "--dry-run", "--engines", "deepspeed", "--nodes", "2",
-                                    "--strategies", "ddp", "--container-image", "docker://nvcr.io/nvidia/pytorch:25.01-py3",
-                                    "--container-engine", "apptainer", "--output.dir", "out", *TINY])
+                                    "--strategies", "ddp", "--container-image", IMAGE, "--container-engine",
+                                    "apptainer", "--output.dir", "out", *TINY])
     assert code == 0, err
     lines = capsys.readouterr().out.splitlines()
     srun = lines[-1]
     assert srun.startswith(f"srun --kill-on-bad-exit=1 apptainer exec --bind {tmp_path},")
-    assert " docker://nvcr.io/nvidia/pytorch:25.01-py3 " in srun
+    assert f" {IMAGE} " in srun
     assert srun.endswith(" python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d "
                          "--rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" --rdzv-id \"$SLURM_JOB_ID\" -m "
                          f"dptrain.bench.deepspeed_engine {tmp_path / 'out' / 'runs' / 'deepspeed-ddp-w2-r1'}")
-    assert any(line.startswith("# Each task starts in the image (apptainer)") for line in lines)  # the container's comments
-    assert not any(line.startswith("# Each node's agent") for line in lines)  # dptrain's agents are not in it
+    # the container's comments are kept, dptrain's agents' are not
+    assert any(line.startswith("# Each task starts in the image (apptainer)") for line in lines)
+    assert not any(line.startswith("# Each node's agent") for line in lines)
 
 
 def scripts_by_point(dry_run: str) -> dict[str, str]:
@@ -107,8 +111,9 @@ def test_gpus_per_task_for_a_peer_engine_is_one_sentence(tmp_path):
                                   job_lines={"sbatch": ("gpus-per-task=1",)})
     with pytest.raises(ConfigError) as refused:
         jobs_mod.point_config(sweep, plan(sweep)[0])
-    assert str(refused.value) == ("slurm.sbatch's --gpus-per-task=1 gives each task its GPUs, and the other engines run "
-                                  "one task per node (torchrun); ask for the GPUs per node (--gpus-per-node N) instead.")
+    assert str(refused.value) == ("slurm.sbatch's --gpus-per-task=1 gives each task its GPUs, and the other engines "
+                                  "run one task per node (torchrun); ask for the GPUs per node (--gpus-per-node N) "
+                                  "instead.")
 
 
 def test_a_submitted_peer_point_holds_the_config_its_engine_trains_and_its_nodes(tmp_path, monkeypatch):
@@ -141,7 +146,8 @@ def peer_sweep(cwd: Path, env: dict[str, str], engines: str, nodes: str) -> tupl
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)  # 25-55 s here: two jobs side by side on 2 shared cores, most of it Lightning's and DeepSpeed's imports
+@pytest.mark.timeout(120)  # 25-55 s here: two jobs side by side on 2 shared cores, mostly Lightning's and DeepSpeed's
+# imports
 def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_cluster, tmp_path):
     # the tutorial engine's 2-node job is in the sweep over node counts below
     code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "lightning,deepspeed", "2")

@@ -29,9 +29,9 @@ from dptrain.bench.sweep import (ERROR_FILE, OTHER_ENGINES, Point, Sweep, check_
                                  is_done, job_shape, last_line, plan)
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
-from dptrain.slurm.env import SLURM_VARS
 from dptrain.run_folder import RunFolder
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
+from dptrain.slurm.env import SLURM_VARS
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,10 @@ def peer_shape(shape: SlurmConfig) -> SlurmConfig:
     snapshot signal and no requeue (the plain loops write no snapshot to resume from, and SIGUSR1 would end
     torchrun at once)."""
     peer = replace(shape, mode="agent", ranks_per_node=shape.ranks_here, signal_lead_s=0, requeue=False)
-    if peer.gpus_here != shape.gpus_here:  # an --sbatch gpus-per-task line: the one task per node would get fewer
-        raise ConfigError(f"slurm.sbatch's {shape.sbatch_gpus_per_node()[0]} gives each task its GPUs, and the "  # type: ignore[index]
-                          f"other engines run one task per node (torchrun); ask for the GPUs per node "
-                          f"(--gpus-per-node N) instead.")
+    asked = shape.sbatch_gpus_per_node()
+    if asked is not None and peer.gpus_here != shape.gpus_here:  # gpus-per-task: one task per node would get fewer
+        raise ConfigError(f"slurm.sbatch's {asked[0]} gives each task its GPUs, and the other engines run one task "
+                          f"per node (torchrun); ask for the GPUs per node (--gpus-per-node N) instead.")
     return peer
 
 
@@ -131,16 +131,18 @@ def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, 
     module = OTHER_ENGINES[engine].__name__
     where = slurm_job.shown(job.run_dir, workdir)
     head[1] = head[1].replace(f"# dptrain training of {where}: ",
-                              f"# dptrain bench point of the {engine} engine ({module}) in {where}: ", 1)
+                              f"# {engine} engine's training (dptrain bench) of {where}: ", 1)
     if cfg.slurm.cpus_per_node:
-        head += ["# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
-                 "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
-                 f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}", ""]
+        head += [
+            "# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
+            "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
+            f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}", ""]
     torchrun = shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes), "--nproc-per-node",
                            str(job.ranks_per_node), "--rdzv-backend", "c10d"])
     return "\n".join([
         *head,
-        "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at MASTER_ADDR:MASTER_PORT",
+        "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at "
+        "MASTER_ADDR:MASTER_PORT",
         "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.",
         "# --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.",
         *said,

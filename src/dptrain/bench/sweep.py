@@ -7,7 +7,8 @@ bench.log there). With several engines, each runs the strategies it supports and
 that dptrain's strategy refuses (ps with a dedicated server at 1 worker) is skipped too: one line says which. Before
 the points, the matmul probe (peak.py) of every worker count goes to BENCH/peak.json. A point is done when its
 metrics.jsonl holds a run_end event; running the same command again runs the missing points only, after removing half-done folders. A failing point is recorded (bench_error.txt) and the
-sweep goes on. With --slurm (jobs.py) every point is a SLURM job instead, of the shape job_shape gives it.
+sweep goes on. With --slurm (jobs.py) every point is a SLURM job instead, of the shape job_shape gives it, the other
+engines' too (one torchrun per node); --nodes 1,2,4 then sweeps node counts instead of worker counts (node_sweep).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def parse_counts(text: str, option: str, what: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(s) for s in split_list(text, option))
     except ValueError:
-        raise ConfigError(f"{option} {text} is not a comma-separated list of whole numbers; for example {option} 1,2,4.") from None
+        raise ConfigError(f"{option} {text} is not a comma-separated list of whole numbers; for example {option} "
+                          f"1,2,4.") from None
     if any(c < 1 for c in counts):
         raise ConfigError(f"{option} {text} holds a count below 1; give {what} counts of 1 or more.")
     return tuple(sorted(set(counts)))
