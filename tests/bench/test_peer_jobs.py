@@ -146,7 +146,7 @@ def peer_sweep(cwd: Path, env: dict[str, str], engines: str, nodes: str) -> tupl
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)  # 25-55 s here: two jobs side by side on 2 shared cores, mostly Lightning's and DeepSpeed's
+@pytest.mark.timeout(120)  # 15-55 s here: two jobs side by side on 2 shared cores, mostly Lightning's and DeepSpeed's
 # imports
 def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_cluster, tmp_path):
     # the tutorial engine's 2-node job is in the sweep over node counts below
@@ -170,7 +170,7 @@ def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_clu
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)  # 25-50 s here: four jobs side by side on 2 shared cores
+@pytest.mark.timeout(120)  # 15-50 s here: four jobs side by side on 2 shared cores
 def test_a_sweep_over_node_counts_writes_a_row_per_engine_and_node_count(slurm_cluster, tmp_path):
     code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "dptrain,tutorial", "1,2")
     assert code == 0, logs + err
