@@ -41,8 +41,6 @@ def test_a_missing_package_is_one_sentence_before_anything_runs(tmp_path, monkey
     (dict(engines="deepspeed", strategies="ddp,ps"), "--engines deepspeed runs strategies ddp, zero1, fsdp only, not ps"),
     (dict(engines="deepspeed", pairs=[*SYNTH, ("train.grad_clip", "1.0")]),
      "--engines deepspeed runs the plain loop, which has no train.grad_clip = 1.0"),
-    (dict(engines="dptrain,lightning", job_pairs=[]), "--engines lightning runs under torchrun on this machine only"),
-    (dict(engines="deepspeed", job_pairs=[]), "--engines deepspeed runs under torchrun on this machine only"),
 ])
 def test_what_a_peer_cannot_run_is_one_sentence(tmp_path, kw, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
