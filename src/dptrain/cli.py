@@ -283,7 +283,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
                                       # bench's --nodes is a list (sweep.node_sweep), not slurm.nodes itself
                                       job_pairs=[pair for pair in submit_overrides(args) if pair[0] != "slurm.nodes"]
                                       if args.slurm else None,
-                                      job_lines=job_lines(args), nodes=args.nodes)
+                                      job_lines=job_lines(args), nodes=args.nodes, one_at_a_time=args.one_at_a_time)
     for note in notes:
         log.info(f"bench: {note}")
     if args.slurm:
@@ -489,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds one run may take before it is stopped and recorded as failed (default 3600; "
                        "not with --slurm, where --time limits each job)")
     bench.add_argument("--slurm", action="store_true", help="run every point as a SLURM job, submitted with sbatch")
+    bench.add_argument("--one-at-a-time", action="store_true",
+                       help="with --slurm: submit each job once the one before has ended, for nodes that share one "
+                            "machine's cores (the lab cluster of docs/lab-cluster.md) or to time each point alone")
     bench.add_argument("--tune", action="store_true",
                        help="instead of a sweep: find how to run this configuration fastest (strategy, ranks per node, "
                             "DDP's bucket size; the math stays) from short probes the scaling model picks; writes "

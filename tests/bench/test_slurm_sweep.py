@@ -150,6 +150,7 @@ def test_the_job_options_and_lines_reach_every_point(tmp_path, monkeypatch):
     (["--requeue"], "--requeue is a job option; add --slurm"),
     (["--slurm.partition", "debug"], "--slurm.partition is a job option; add --slurm"),
     (["--dry-run"], "--dry-run prints the jobs a --slurm sweep would submit; add --slurm, or drop it."),
+    (["--one-at-a-time"], "--one-at-a-time submits a --slurm sweep's jobs one after another"),
     (["--slurm", "--run-timeout-s", "10"], "--run-timeout-s limits runs on this machine; with --slurm each job's --time"),
     (["--slurm", "--workers", "1,2", "--nodes", "1,2"], "--nodes 1,2 sweeps node counts and --workers 1,2 sweeps "
      "worker counts; give one of them (with --workers, --nodes is one number: the most nodes a point may take)."),
@@ -269,6 +270,7 @@ def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(tmp_path, m
         on_end("21", None)  # ended and already forgotten by the scheduler
 
     monkeypatch.setattr(slurm_queue, "wait_for", wait_for)
+    monkeypatch.setattr(jobs_mod, "record_link_across_nodes", lambda sweep: None)  # its job: another test's
     with caplog.at_level(logging.INFO, logger="dptrain"):
         failures = jobs_mod.run_jobs(sweep)
     assert [(p.name, e) for p, e in failures] == [("dptrain-ddp-w2-r2", "dptrain: error: boom in the job.")]
@@ -348,6 +350,12 @@ def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slu
         assert (start["event"], start["world_size"], start["slurm_job_id"]) == ("run_start", int(row["workers"]), job_id)
         assert (run_dir / "logs" / f"slurm-{job_id}.out").is_file()
     assert [s["workers"] for s in read_rows(bench_dir / "summary.csv")] == ["1", "2"]
+    # the link between the 2 nodes, probed by one job once the points' had ended, for the report's scaling model
+    from dptrain.bench.link import read_link
+
+    record = read_link(bench_dir)
+    assert record is not None and record.across_hosts is not None and record.across_hosts.bandwidth_bps > 0, logs2
+    assert "#SBATCH --nodes=2\n" in (bench_dir / jobs_mod.LINK_PROBE_DIR / "job.sbatch").read_text()
 
 
 @pytest.mark.slow
@@ -377,3 +385,20 @@ def test_a_job_that_fails_is_recorded_with_its_error_line(slurm_cluster, tmp_pat
     assert row["error"].startswith("job ") and "ended FAILED; last output: ls: cannot access '/no/such/dir'" in row["error"]
     assert err.startswith("dptrain: 1 of the sweep's runs failed: dptrain-ddp-w1-r1: job ")
     assert (tmp_path / "out" / "runs" / "dptrain-ddp-w1-r1" / ERROR_FILE).read_text().strip() == row["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_one_at_a_time_submits_each_job_after_the_one_before_ended(slurm_cluster, tmp_path, monkeypatch):
+    # Two points that fit side by side (w1 on one node, w2 on both, a core each): each job's set-up writes when it
+    # began and ended (then fails, to be quick). One at a time, the second began after the first had ended.
+    monkeypatch.setattr(slurm_queue, "POLL_S", 0.2)
+    times = tmp_path / "times"
+    setup = f"echo begin $(date +%s.%N) >> {times}; sleep 2; echo end $(date +%s.%N) >> {times}; false"
+    code, logs, err = bench(tmp_path, ["bench", "--slurm", "--one-at-a-time", "--workers", "1,2", "--strategies", "ddp",
+                                       "--nodes", "2", "--cpus-per-node", "1", "--setup", setup, "--output.dir", "out",
+                                       *TINY], slurm_cluster.env)
+    assert code == 1 and "submitted one at a time" in logs, logs + err
+    marks = [line.split() for line in times.read_text().splitlines()]  # the two points', then the link probe's
+    assert [kind for kind, _ in marks] == ["begin", "end"] * (len(marks) // 2) and len(marks) >= 4, marks
+    assert all(float(marks[i][1]) >= float(marks[i - 1][1]) for i in range(2, len(marks), 2)), marks

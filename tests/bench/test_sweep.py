@@ -52,6 +52,10 @@ def test_sweep_writes_one_row_per_run_and_a_summary(sweep):
     assert tuple(rows[0]) == RESULT_COLUMNS
     peaks = read_peaks(bench)
     assert sorted(peaks) == [1, 2] and {(p.device, p.dtype) for p in peaks.values()} == {("cpu", "float32")}
+    from dptrain.bench.link import read_link  # the link between the 2 workers' processes, for the scaling model
+
+    link = read_link(bench)
+    assert link is not None and list(link.probes) == [(1, 2)] and link.within_host is not None
     assert [(r["engine"], r["strategy"], r["workers"], r["status"]) for r in rows] == [
         ("dptrain", "ddp", "1", "ok"), ("dptrain", "ddp", "2", "ok")]
     for row in rows:

@@ -151,6 +151,54 @@ def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, 
     ]) + "\n"
 
 
+LINK_PROBE_DIR = "link-probe"  # BENCH/link-probe/: the link probe's job script and output
+
+
+def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
+    """The job that probes the link between `nodes` nodes (bench/link.py --launched, one rank a node) and adds its
+    fit to BENCH/link.json: dptrain's own per-rank job script (its #SBATCH lines, set-up, master address and port),
+    with the probe in place of `dptrain train` on its srun line."""
+    assert sweep.job is not None, "a sweep of SLURM jobs"
+    run_dir = (sweep.bench_dir / LINK_PROBE_DIR).resolve()
+    cfg = config_mod.load(sweep.config_path, [*sweep.train_pairs, ("output.dir", str(run_dir))])
+    cfg = replace(cfg, slurm=replace(sweep.job, nodes=nodes, ranks_per_node=1, mode="per-rank", requeue=False))
+    workdir = Path.cwd()
+    job = slurm_job.job_for(cfg, workdir)
+    python = slurm_job.python_for(cfg.slurm)
+    script = slurm_job.render(cfg, job, workdir, python)
+    train = shlex.join([python, "-m", "dptrain", "train", "--config", str(job.config)])
+    if train not in script:  # render's srun line changed: this must follow it (tests/bench/test_slurm_sweep.py)
+        raise RuntimeError("slurm.job.render's srun line no longer runs `dptrain train --config JOB`; update "
+                           "bench.jobs.link_probe_script to it")
+    probe = shlex.join([python, "-m", "dptrain.bench.link", "--launched", "--record", str(sweep.bench_dir.resolve())])
+    return job, script.replace(train, probe)
+
+
+def record_link_across_nodes(sweep: Sweep) -> None:
+    """With points on two nodes or more: BENCH/link.json gets a probe of the link between them, from one job after
+    the points' (the report's scaling model needs it); a probe that fails leaves the report without a model."""
+    from dptrain.bench import link
+
+    assert sweep.job is not None, "a sweep of SLURM jobs"
+    nodes = max(job_shape(w, sweep.job).nodes for w in sweep.workers)
+    record = link.read_link(sweep.bench_dir)
+    if nodes < 2 or (record is not None and any(h >= 2 for h, _ in record.probes)):
+        return
+    job, script = link_probe_script(sweep, nodes)
+    if job.run_dir.exists():
+        shutil.rmtree(job.run_dir)
+    RunFolder(job.run_dir).logs.mkdir(parents=True)
+    job.script.write_text(script)
+    job_id = slurm_job.submit(job.script)
+    log.info(f"bench: the link between {nodes} nodes: job {job_id} ({job.script})")
+    ended: dict[str, str | None] = {}
+    slurm_queue.wait_for([job_id], ended.__setitem__)
+    record = link.read_link(sweep.bench_dir)
+    if record is None or record.across_hosts is None:
+        log.info(f"bench: the link probe's job {job_id} ended {ended.get(job_id) or ''} without a fit (see "
+                 f"{job.output(job_id)}); the report draws no scaling model across nodes")
+
+
 def recorded_job(run_dir: Path) -> str | None:
     """The id of the job last submitted for the point, if any."""
     try:
@@ -257,15 +305,16 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
         log.info(f"bench: {point.name}: job {job_id} is {state}, not submitted again; waiting for it")
     jobs: dict[str, Point] = {job_id: point for job_id, (point, _) in waiting.items()}
     started = {job_id: time.monotonic() for job_id in jobs}
-    for point in todo:
-        job_id, job = submit_point(sweep, point)
-        jobs[job_id], started[job_id] = point, time.monotonic()
-        log.info(f"bench: submitted job {job_id} for {point.name} ({job.shape}): {job.script}")
     failures: list[tuple[Point, str]] = []
-    if not jobs:
+    total = len(jobs) + len(todo)
+    if not total:
         return failures
-    log.info(f"bench: waiting for {len(jobs)} job{'s' if len(jobs) > 1 else ''} (squeue every {slurm_queue.POLL_S:g} s); "
-             f"Ctrl-C stops the waiting, not the jobs: run the same command again to wait for them")
+    # --one-at-a-time: each job submitted once the one before has ended (those already queued first), for nodes
+    # that share one machine's cores (the lab cluster), where jobs side by side would slow each other down.
+    batches = ([[]] if jobs else []) + [[point] for point in todo] if sweep.one_at_a_time else [todo]
+    log.info(f"bench: {total} job{'s' if total > 1 else ''} to wait for (squeue every {slurm_queue.POLL_S:g} s)"
+             + (", submitted one at a time" if sweep.one_at_a_time else "")
+             + "; Ctrl-C stops the waiting, not the jobs: run the same command again to wait for them")
     ended = 0
 
     def on_end(job_id: str, state: str | None) -> None:
@@ -274,7 +323,7 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
         point = jobs[job_id]
         run_dir = sweep.run_dir(point)
         took = time.monotonic() - started[job_id]
-        prefix = f"bench: [{ended}/{len(jobs)}] {point.name}: job {job_id} {state or 'ended'} after {took:.1f} s"
+        prefix = f"bench: [{ended}/{total}] {point.name}: job {job_id} {state or 'ended'} after {took:.1f} s"
         if is_done(run_dir):
             log.info(prefix)
             return
@@ -283,8 +332,17 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
         failures.append((point, error))
         log.info(f"{prefix}, failed: {error}")
 
+    pending = list(jobs)
     try:
-        slurm_queue.wait_for(jobs, on_end)
+        for batch in batches:
+            for point in batch:
+                job_id, job = submit_point(sweep, point)
+                jobs[job_id], started[job_id] = point, time.monotonic()
+                pending.append(job_id)
+                log.info(f"bench: submitted job {job_id} for {point.name} ({job.shape}): {job.script}")
+            slurm_queue.wait_for(pending, on_end)
+            pending = []
+        record_link_across_nodes(sweep)  # once the points' jobs have ended: the nodes are free then
     except KeyboardInterrupt:
         log.info("bench: stopped waiting; the jobs go on: run the same command again to wait for them and collect "
                  "the results")

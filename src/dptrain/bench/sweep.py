@@ -82,6 +82,8 @@ class Sweep:
     """The --section.option VALUE pairs of every run, as given (train_args holds them as arguments)."""
     job: SlurmConfig | None = None
     """With --slurm: the job options every point's job starts from (job_shape fits them to its worker count)."""
+    one_at_a_time: bool = False
+    """With --slurm: submit each point's job once the one before has ended (nodes sharing one machine's cores)."""
     skip: frozenset[tuple[str, str, int]] = frozenset()
     """(engine, strategy, workers) left out of the plan: a strategy the engine does not run, or a worker count
     dptrain's strategy refuses (sweep_from_options's notes say which and why)."""
@@ -251,10 +253,15 @@ def cap_jobs(workers: tuple[int, ...], job: SlurmConfig) -> tuple[tuple[int, ...
 def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], workers: str | None, strategies: str,
           repeats: int, warmup_epochs: int | None, engines: str, run_timeout_s: float,
           job_pairs: list[tuple[str, str]] | None = None,
-          job_lines: dict[str, tuple[str, ...]] | None = None, nodes: str | None = None) -> tuple[Sweep, list[str]]:
+          job_lines: dict[str, tuple[str, ...]] | None = None, nodes: str | None = None,
+          one_at_a_time: bool = False) -> tuple[Sweep, list[str]]:
     """Check the sweep's options and the shared train options once, before any run; (sweep, notes to print).
     job_pairs: the job options as slurm.* pairs, for a sweep of SLURM jobs (None: runs here); job_lines: the --setup
-    and --sbatch lines given, which replace the file's; nodes: bench's --nodes as given (node_sweep reads it)."""
+    and --sbatch lines given, which replace the file's; nodes: bench's --nodes as given (node_sweep reads it);
+    one_at_a_time: --one-at-a-time, for a sweep of jobs."""
+    if one_at_a_time and job_pairs is None:
+        raise ConfigError("--one-at-a-time submits a --slurm sweep's jobs one after another (a sweep here runs its "
+                          "points one at a time anyway); add --slurm, or drop it.")
     notes: list[str] = []
     node_counts = None
     if nodes is not None and job_pairs is not None:
@@ -332,7 +339,7 @@ def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
                   strategies=strategy_names, workers=counts, repeats=repeats, warmup_epochs=warmup,
                   run_timeout_s=run_timeout_s, train_args=tuple(train_args), config=cfg, config_path=config_path,
                   train_pairs=tuple(train_pairs), job=cfg.slurm if job_pairs is not None else None,
-                  skip=frozenset(skip))
+                  one_at_a_time=one_at_a_time, skip=frozenset(skip))
     return sweep, notes
 
 
@@ -532,6 +539,22 @@ def record_peaks(sweep: Sweep) -> None:
                  + f" ({sweep.bench_dir / peak.PEAK_FILE})")
 
 
+def record_link(sweep: Sweep) -> None:
+    """The link probe (link.py) between the ranks of this machine, for every worker count above 1 not yet in
+    BENCH/link.json: the report's scaling model times the strategies' collectives with its fit. A probe that fails
+    leaves the report without the model."""
+    from dptrain.bench import link
+    from dptrain.runtime import wants_cuda
+
+    worlds = tuple(w for w in sweep.workers if w > 1)
+    if not worlds:
+        return
+    try:
+        link.record(sweep.bench_dir, "cuda" if wants_cuda(sweep.config.launch.device) else "cpu", worlds)
+    except RuntimeError as e:
+        log.info(f"bench: {e}; the report draws no scaling model")
+
+
 def run_sweep(sweep: Sweep) -> list[tuple[Point, str]]:
     """Run every missing point, one at a time; the failures, as (point, error)."""
     check_and_record(sweep)
@@ -540,6 +563,7 @@ def run_sweep(sweep: Sweep) -> list[tuple[Point, str]]:
     log.info(f"bench: {describe_plan(sweep, points)} in {sweep.bench_dir}; {len(points) - len(todo)} done already, "
              f"{len(todo)} to run")
     record_peaks(sweep)
+    record_link(sweep)
     failures = []
     for i, point in enumerate(todo, 1):
         start = time.perf_counter()
