@@ -273,7 +273,8 @@ class DDPOptions:
     shared_memory: bool = True
     """With comm_hook allreduce, on CPU ranks that all run on one host: sum the gradients through a buffer in /dev/shm
     instead of gloo's TCP loopback (the same sum; a tenth of the time for the tutorials' CNN). Where it cannot be set
-    up, gloo's all-reduce, with one log line saying why."""
+    up, gloo's all-reduce, with one log line saying why. On several hosts with several ranks a host: within each host
+    through it, then across hosts by one rank a host (less traffic on each host's link)."""
     powersgd_rank: int = 4
     """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
     bucket_mb: float | None = may_change_at_resume(None)

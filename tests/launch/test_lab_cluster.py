@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FLOAT64_ENV, REPO, read_events
+from tests.conftest import FLOAT64_ENV, REPO, plan_runs, read_events
 from tests.lab_cluster import LabCluster, LabNetwork, _links, _namespaces, rate_bits_per_s
 from tests.launch.test_multinode import MULTINODE, json_env
 from tests.launch.test_slurm_jobs import job_output, losses_and_weights, submit
@@ -161,6 +161,39 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
     gradient_bytes = sum(t.numel() * t.element_size() for t in ref_weights.values() if t.is_floating_point())
     assert min(sent) >= 8 * gradient_bytes, (sent, gradient_bytes)
     assert read_events(run_dir, "run_start")[0]["world_size"] == 2
+
+
+plan_runs({"lab/one-host-4-ranks": (MULTINODE, (4,))}, precision="float64")
+
+
+@pytest.mark.slow
+def test_two_hosts_of_two_ranks_sum_within_each_host_then_once_across_the_links(tmp_path, planned_run):
+    """2 nodes x 2 ranks over 1 Gbit/s links: the gradients are summed within each host (shared memory), then by one
+    rank a host across the links (strategies/two_step.py): the float64 curve and weights of 4 ranks on one host, and
+    one gradient's worth over each host's link a step, where a flat ring of the 4 ranks sends 1.5 of it there."""
+    _skip_where_impossible()
+    import torch
+
+    with LabCluster.start(tmp_path / "lab", hosts=2, rate="1gbit") as lab:
+        job_id = submit(lab, tmp_path, "two-step", [*MULTINODE[1:], "--nodes", "2", "--ranks-per-node", "2",
+                                                    "--cpus-per-node", "2"], FLOAT64_ENV)
+        run_dir = tmp_path / "runs" / "two-step"
+        job = lab.wait(job_id, timeout=150)
+        assert job["JobState"] == "COMPLETED", (job, job_output(run_dir))
+        sent = [lab.network.bytes_sent(k) for k in (1, 2)]
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "gradients are summed in two steps: within each of 2 hosts (2,2 ranks)" in log, log[-3000:]
+    losses, weights = losses_and_weights(run_dir)
+    ref_losses, ref_weights = losses_and_weights(planned_run("lab/one-host-4-ranks", 4))
+    assert len(losses) == len(ref_losses) == 8
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        assert (weights[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    # Each link: a gradient's worth a step (the leaders' ring of 2 hosts: 2(2-1)/2 of it each way), and on host1's
+    # up to 2 more for DDP's start, which sends rank 0's weights to the others; a flat ring of the 4 ranks would
+    # carry 1.5 a step, 12 or more in all (seen: 96 and 77 MB here, 10.0 and 8.0 gradients of 9.6 MB).
+    gradient_bytes = sum(t.numel() * t.element_size() for t in ref_weights.values() if t.is_floating_point())
+    assert all(8 * gradient_bytes <= link <= 10.5 * gradient_bytes for link in sent), (sent, gradient_bytes)
 
 
 # ------------------------------------------------------------------ the script, for people

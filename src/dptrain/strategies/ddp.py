@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dptrain.strategies import comm_hooks, shared_memory
+from dptrain.strategies import comm_hooks, shared_memory, two_step
 from dptrain.strategies.base import CommTiming, Strategy
 
 
@@ -17,6 +17,8 @@ class DDP(Strategy):
     name = "ddp"
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
     """The all-reduce through /dev/shm that the gradients take (strategy.ddp.shared_memory), once wrapped; None: gloo's."""
+    two_step_sum: two_step.TwoStepAllReduce | None = None
+    """Over several hosts with several ranks on one: the sum within each host, then across them (two_step.py)."""
     ddp: DistributedDataParallel | None = None
     """The model as wrapped, on more than one rank."""
 
@@ -30,10 +32,12 @@ class DDP(Strategy):
             return self.module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         gradients = [p for p in self.module.parameters() if p.requires_grad]
+        sizes = dict(max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
+                     timeout_s=self.timeout_s)
         if self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
-            self.shared_memory_sum = shared_memory.open_on_this_host(
-                max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
-                timeout_s=self.timeout_s)
+            self.shared_memory_sum = shared_memory.open_on_this_host(**sizes)
+        elif self.cfg.ddp.comm_hook == "allreduce" and self.may_sum_in_two_steps():
+            self.two_step_sum = two_step.open_across_hosts(**sizes)
         buckets = {}
         if self.cfg.ddp.bucket_mb is not None:
             buckets["bucket_cap_mb"] = self.cfg.ddp.bucket_mb
@@ -49,6 +53,8 @@ class DDP(Strategy):
             comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
         elif self.shared_memory_sum is not None:
             ddp.register_comm_hook(None, shared_memory.allreduce_mean_hook(self.shared_memory_sum))
+        elif self.two_step_sum is not None:
+            ddp.register_comm_hook(None, self.two_step_sum.hook)
         self.ddp = ddp
         return ddp
 
@@ -56,6 +62,11 @@ class DDP(Strategy):
         """strategy.ddp.shared_memory applies: CPU ranks, all on this host (a decision every rank makes alike)."""
         return (self.cfg.ddp.shared_memory and self.device.type == "cpu"
                 and self.env.world_size == self.env.local_world_size > 1)
+
+    def may_sum_in_two_steps(self) -> bool:
+        """strategy.ddp.shared_memory on CPU ranks over several hosts: within each host, then across them, where a
+        host has several ranks (two_step.open_across_hosts asks the ranks where they run; a decision all make alike)."""
+        return self.cfg.ddp.shared_memory and self.device.type == "cpu" and self.env.world_size > self.env.local_world_size
 
     def comm_timing(self) -> CommTiming | None:
         """From DDP's own timers (its logging data), which it fills on sampled steps only: the 10th, then every
@@ -77,5 +88,7 @@ class DDP(Strategy):
             return self.counter.take()
         if self.shared_memory_sum is not None:
             return self.shared_memory_sum.counter.take()
+        if self.two_step_sum is not None:
+            return self.two_step_sum.take()
         grad_bytes = sum(p.numel() * p.element_size() for p in self.eval_module.parameters() if p.requires_grad)
         return steps * comm_hooks.bytes_per_allreduce(grad_bytes, 1, self.env.world_size)

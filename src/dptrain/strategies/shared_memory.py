@@ -102,6 +102,22 @@ class SharedMemoryAllReduce:
         # finished reading the slots; and none writes the result again before all have arrived at the next piece's
         # first barrier, which each rank reaches only after copying this result.
 
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """tensor <- root's tensor on every rank (contiguous, on the CPU), through the result slot."""
+        flat = tensor.view(-1)
+        per_slot = self.slot_bytes // flat.element_size()
+        for start in range(0, flat.numel(), per_slot):
+            piece = flat[start:start + per_slot]
+            size = piece.numel() * piece.element_size()
+            result = self.buffer[self.world * self.slot_bytes:self.world * self.slot_bytes + size].view(piece.dtype)
+            self._barrier()  # every rank has read what the result slot held before (a sum's result): it may change
+            if self.rank == root:
+                result.copy_(piece)
+                self.counter.bytes_sent += size
+            self._barrier()
+            if self.rank != root:
+                piece.copy_(result)
+
     def _barrier(self) -> None:
         self.barriers += 1
         token = _RANK.pack(self.rank)
@@ -137,38 +153,40 @@ def _close_fds(fds: list[int]) -> None:
 
 
 def open_on_this_host(max_numel: int, element_size: int, timeout_s: float,
-                      shm_dir: str = SHM_DIR) -> SharedMemoryAllReduce | None:
-    """A shared-memory sum for the default group, whose ranks must all run on this host; None where not every rank
-    could open it (then every rank gets None: the caller uses gloo). Collective: every rank calls it.
+                      shm_dir: str = SHM_DIR, group: dist.ProcessGroup | None = None) -> SharedMemoryAllReduce | None:
+    """A shared-memory sum for the ranks of `group` (default: every rank), which must all run on this host; None
+    where not every rank of it could open it (then every one gets None: the caller uses gloo). Collective: every rank
+    of the group calls it.
 
     max_numel, element_size: the largest tensor to sum, which sizes the buffer (at most BUFFER_BYTES).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
     cap = BUFFER_BYTES // (world + 1)
     slot_bytes = min(-(-max_numel * element_size // 64) * 64, cap - cap % 64)  # whole cache lines
     folder = _create(world, slot_bytes, shm_dir) if rank == 0 else None
     path = torch.zeros(PATH_BYTES, dtype=torch.uint8)
     if folder is not None:
         path[:len(folder)] = torch.tensor(list(folder.encode()), dtype=torch.uint8)
-    dist.broadcast(path, 0)
+    dist.broadcast(path, first, group=group)
     folder = bytes(path[path != 0].tolist()).decode() or None
     opened, why = _open(folder, rank, world, slot_bytes) if folder is not None else (None, None)
     outboxes: list[int] = []
-    ok = _everywhere(opened is not None)
+    ok = _everywhere(opened is not None, group)
     if ok:  # every inbox is open for reading: the write ends now open without blocking
         try:
             for peer in (r for r in range(world) if r != rank):
                 outboxes.append(os.open(os.path.join(folder, f"inbox{peer}"), os.O_WRONLY))
         except OSError as exc:
             why = f"{exc}"
-        ok = _everywhere(why is None)
-    dist.barrier()  # every rank has opened what it will: the folder can go
+        ok = _everywhere(why is None, group)
+    dist.barrier(group=group)  # every rank has opened what it will: the folder can go
     if rank == 0 and folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
-    dist.barrier()  # and is gone when any rank returns
+    dist.barrier(group=group)  # and is gone when any rank returns
     if ok:
         buffer, inbox = opened
-        if rank == 0:
+        if rank == 0 and group is None:
             log.info("gradients are summed through shared memory (%d ranks on this host)", world)
         return SharedMemoryAllReduce(rank, world, buffer, inbox, outboxes, timeout_s)
     _close_fds(([opened[1]] if opened is not None else []) + outboxes)
@@ -178,10 +196,10 @@ def open_on_this_host(max_numel: int, element_size: int, timeout_s: float,
     return None
 
 
-def _everywhere(flag: bool) -> bool:
-    """True on every rank if flag is true on every rank (collective)."""
+def _everywhere(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank of the group if flag is true on every one of them (collective)."""
     value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return bool(value.item())
 
 
