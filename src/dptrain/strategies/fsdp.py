@@ -92,7 +92,8 @@ class SharedMemoryCollectives:
     def __init__(self, transport: shared_memory.SharedMemoryAllReduce) -> None:
         self.transport, self.rank, self.world = transport, transport.rank, transport.world
         slot_bytes = transport.buffer.numel() // (2 * self.world)
-        self.slot_bytes = slot_bytes - slot_bytes % 64  # whole cache lines
+        self.slot_bytes = slot_bytes - slot_bytes % 8  # every slot starts at a whole float64 (its view needs it)
+        assert self.slot_bytes >= self.world * 8, "FSDP._share_memory sizes the buffer for one element per rank at least"
         self.turn = 0  # which half the next piece uses
 
     def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -217,12 +218,13 @@ class FSDP(Strategy):
     def _share_memory(self, model: nn.Module, inner: list[nn.Module]) -> None:
         """Every unit's all-gathers and reduce-scatters through /dev/shm, where the buffer can be set up."""
         # Room for the whole model's reduce-scatter input from every rank, twice (SharedMemoryCollectives' halves),
-        # with a row of padding per parameter; shared_memory caps the buffer, and a larger unit goes through in pieces.
+        # with a row of padding per parameter and 8 elements for the slots' alignment; shared_memory caps the buffer
+        # (32 MiB), and a larger unit goes through in pieces.
         world = self.env.world_size
         numel = sum(p.numel() for p in model.parameters()) + world * sum(1 for _ in model.parameters())
         dtypes = [d for d in (DTYPES[self.cfg.fsdp.param_dtype], DTYPES[self.cfg.fsdp.reduce_dtype]) if d is not None]
         element_size = max([d.itemsize for d in dtypes] + [p.element_size() for p in model.parameters()])
-        transport = shared_memory.open_on_this_host(max_numel=-(-2 * world * numel // (world + 1)),
+        transport = shared_memory.open_on_this_host(max_numel=-(-2 * world * numel // (world + 1)) + 8,
                                                     element_size=element_size, timeout_s=self.timeout_s)
         if transport is None:
             return
