@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+from dptrain.bench.peak import first_report
+
 LINK_FILE = "link.json"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 Device = Literal["cpu", "cuda"]
@@ -299,17 +301,7 @@ def probe(world: int, device: Device = "cpu", sizes: tuple[int, ...] | None = No
         # one thread each: a collective's time is the link's, and W processes must not fight over the cores for it
         procs = [ctx.Process(target=_process, args=(rank, world, device, store, sizes, min_s, 1, results), daemon=True)
                  for rank in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            outcome = results.get(timeout=WAIT_S + len(sizes) * len(COLLECTIVES) * 10)
-        except Exception:  # queue.Empty: no process reported
-            outcome = "no result"
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        outcome = first_report(procs, results, WAIT_S + len(sizes) * len(COLLECTIVES) * 10)
     if isinstance(outcome, str):
         raise RuntimeError(f"the link probe ({world} processes, {device}) failed: {outcome}")
     return LinkProbe(backend="nccl" if device == "cuda" else "gloo", device=device, world=world, hosts=1,

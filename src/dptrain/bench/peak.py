@@ -154,6 +154,23 @@ def _process(rank: int, workers: int, device: str, dtype: str, threads: int, siz
         results.put(f"{type(e).__name__}: {e}")
 
 
+def first_report(procs: list[Any], results: Any, timeout_s: float) -> Any:
+    """Start a probe's processes, wait for the first report one of them puts on `results` (the probe's numbers, or
+    one sentence of why it failed), then reap them all, killing any still there after 30 s; "no result" where
+    none reported within timeout_s."""
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=timeout_s)
+    except Exception:  # queue.Empty: no process reported
+        return "no result"
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 def probe(workers: int, device: Device = "cpu", dtype: Dtype = "float32", sizes: tuple[int, ...] | None = None,
           min_s: float = MIN_S, threads: int | None = None) -> Probe:
     """Run the probe in `workers` processes at once, forked from this one; RuntimeError in one sentence when it could
@@ -172,17 +189,7 @@ def probe(workers: int, device: Device = "cpu", dtype: Dtype = "float32", sizes:
     barrier, one_call, results = ctx.Barrier(workers), ctx.Array("d", workers), ctx.Queue()
     procs = [ctx.Process(target=_process, args=(rank, workers, device, dtype, threads, sizes, min_s, barrier,
                                                 one_call, results), daemon=True) for rank in range(workers)]
-    for p in procs:
-        p.start()
-    try:
-        outcome = results.get(timeout=WAIT_S + len(sizes) * 60)
-    except Exception:  # queue.Empty: no process reported
-        outcome = "no result"
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    outcome = first_report(procs, results, WAIT_S + len(sizes) * 60)
     if isinstance(outcome, str):
         raise RuntimeError(f"the matmul probe ({workers} processes, {device}, {dtype}) failed: {outcome}")
     return Probe(device=device, dtype=dtype, workers=workers, threads=threads, tflops_by_size=outcome)
