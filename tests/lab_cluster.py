@@ -37,7 +37,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as the supervisor's script: the repository root, for tests.slurm_cluster
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.netns_hosts import kill_processes_in as _kill_processes_in  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, SlurmClusterError, _supervise, _which  # noqa: E402
 
 SUBNET_PREFIX = "10.214"  # 10.214.<x>.0/24; TwoHosts (tests/netns_hosts.py) uses 10.213 inside its namespaces
@@ -334,21 +334,6 @@ class LabNetwork:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-
-
-def _kill_processes_in(ns: str, timeout: float = 10) -> None:
-    """SIGKILL whatever still runs in namespace `ns`, waiting up to `timeout` s for it to go."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = [int(p) for p in _ip("ip", "netns", "pids", ns, check=False).stdout.split()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------- the cluster

@@ -36,6 +36,21 @@ def _run(*argv: str, check: bool = True, timeout: float = 20) -> subprocess.Comp
     return done
 
 
+def kill_processes_in(ns: str, timeout: float = 10) -> None:
+    """SIGKILL whatever still runs in network namespace `ns`, waiting up to `timeout` s for it to go."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [int(p) for p in _run("ip", "netns", "pids", ns, check=False).stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
 class TwoHosts:
     """Two network namespaces `dpt<pid>n<k>a`/`...b` as hosts node1/node2 on 10.<x>.<y>.1/24 and .2/24."""
 
@@ -143,17 +158,7 @@ class TwoHosts:
     @staticmethod
     def _kill_namespace_pids(ns: str) -> None:
         """Kill whatever still runs in `ns` (started outside `popen` too), waiting up to 10 s for it to go."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            pids = [int(p) for p in _run("ip", "netns", "pids", ns, check=False).stdout.split()]
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
+        kill_processes_in(ns)
 
     # --- use ------------------------------------------------------------------------------------------------
 
