@@ -59,6 +59,22 @@ def read_events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
+def assert_trained_alike(run_dir: Path, reference: Path, steps: int, relative: float = 1e-12) -> dict:
+    """The float64 runs trained alike: each step's loss (as last computed: a resumed run logs the steps past its
+    snapshot twice) and the final weights within `relative` of the reference's, over `steps` steps; its weights."""
+    import torch
+
+    losses = {e["step"]: e["loss"] for e in read_events(run_dir, "step")}
+    expected = {e["step"]: e["loss"] for e in read_events(reference, "step")}
+    assert sorted(losses) == sorted(expected) == list(range(1, steps + 1)), (losses, expected)
+    assert all(abs(losses[k] - expected[k]) <= relative * abs(expected[k]) for k in expected), (losses, expected)
+    ours, theirs = torch.load(run_dir / "model.pt"), torch.load(reference / "model.pt")
+    for name, ref in theirs.items():
+        assert ours[name].dtype == torch.float64, name
+        assert (ours[name] - ref).abs().max() <= relative * ref.abs().max(), name
+    return theirs
+
+
 @pytest.fixture
 def cli(tmp_path: Path):
     def call(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

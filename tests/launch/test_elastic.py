@@ -15,7 +15,7 @@ import pytest
 from dptrain.dist.env import Nodes, node_range
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.faults import SIGNAL_AT
-from tests.conftest import FLOAT64_ENV, log_tail, read_events, run_cli
+from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, read_events, run_cli
 from tests.launch.test_multinode import MULTINODE
 
 
@@ -37,8 +37,6 @@ def start_agent(node_rank: int, port: int, run_dir, cwd, extra_env: dict[str, st
 
 @pytest.mark.slow
 def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with_the_same_math(planned_run, tmp_path):
-    import torch
-
     run_dir, port = tmp_path / "run", _free_port()
     # After its step 5 (a snapshot of step 4 is whole), rank 1 kills its own agent: node 1 is lost, agent and worker.
     lose_node_1 = {SIGNAL_AT: f"1:5:SIGKILL:parent:{tmp_path / 'struck'}"}
@@ -60,15 +58,7 @@ def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with
 
     # The same math as two ranks all along (tests/launch/test_multinode.py's one-host run, float64): each step's loss
     # (as last computed: steps 5 and after ran again from the snapshot) and the final weights.
-    reference = planned_run("multinode/one-host", 2)
-    losses = {e["step"]: e["loss"] for e in read_events(run_dir, "step")}
-    expected = {e["step"]: e["loss"] for e in read_events(reference, "step")}
-    assert sorted(losses) == sorted(expected) == list(range(1, 9))
-    assert all(abs(losses[k] - expected[k]) <= 1e-12 * abs(expected[k]) for k in expected), (losses, expected)
-    ours, theirs = torch.load(run_dir / "model.pt"), torch.load(reference / "model.pt")
-    for name, ref in theirs.items():
-        assert ours[name].dtype == torch.float64
-        assert (ours[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    assert_trained_alike(run_dir, planned_run("multinode/one-host", 2), steps=8)
 
 
 def test_the_node_range_reads_as_torchrun_writes_it():

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FLOAT64_ENV, REPO, plan_runs, read_events
+from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, plan_runs, read_events
 from tests.lab_cluster import LabCluster, LabNetwork, _links, _namespaces, rate_bits_per_s
 from tests.launch.test_multinode import MULTINODE, json_env
-from tests.launch.test_slurm_jobs import job_output, losses_and_weights, submit
+from tests.launch.test_slurm_jobs import job_output, submit
 from tests.slurm_cluster import SlurmClusterError, _cmdline
 
 PY = sys.executable
@@ -139,8 +139,6 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
     """`dptrain submit` with 2 nodes x 1 rank on host1 and host2, links of 1 Gbit/s: the same float64 curve and
     weights as 2 workers on one host (the run planned by test_multinode), its gradients crossing the links."""
     _skip_where_impossible()
-    import torch
-
     with LabCluster.start(tmp_path / "lab", hosts=2, rate="1gbit") as lab:
         job_id = submit(lab, tmp_path, "across", [*MULTINODE[1:], "--nodes", "2", "--cpus-per-node", "1"],
                         FLOAT64_ENV)
@@ -150,13 +148,7 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
         sent = [lab.network.bytes_sent(k) for k in (1, 2)]
     assert job["NodeList"] == "host[1-2]"
     assert json_env(run_dir)["host"] == "host1"  # rank 0 on the first node, by its hostname there
-    losses, weights = losses_and_weights(run_dir)
-    ref_losses, ref_weights = losses_and_weights(planned_run("multinode/one-host", 2))
-    assert len(losses) == len(ref_losses) == 8
-    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-    for name, ref in ref_weights.items():
-        assert weights[name].dtype == torch.float64
-        assert (weights[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    ref_weights = assert_trained_alike(run_dir, planned_run("multinode/one-host", 2), steps=8)
     # each step's all-reduce sends about the gradients' size from each host: 8 steps' worth went over each link
     gradient_bytes = sum(t.numel() * t.element_size() for t in ref_weights.values() if t.is_floating_point())
     assert min(sent) >= 8 * gradient_bytes, (sent, gradient_bytes)
@@ -172,8 +164,6 @@ def test_two_hosts_of_two_ranks_sum_within_each_host_then_once_across_the_links(
     rank a host across the links (strategies/two_step.py): the float64 curve and weights of 4 ranks on one host, and
     one gradient's worth over each host's link a step, where a flat ring of the 4 ranks sends 1.5 of it there."""
     _skip_where_impossible()
-    import torch
-
     with LabCluster.start(tmp_path / "lab", hosts=2, rate="1gbit") as lab:
         job_id = submit(lab, tmp_path, "two-step", [*MULTINODE[1:], "--nodes", "2", "--ranks-per-node", "2",
                                                     "--cpus-per-node", "2"], FLOAT64_ENV)
@@ -183,12 +173,7 @@ def test_two_hosts_of_two_ranks_sum_within_each_host_then_once_across_the_links(
         sent = [lab.network.bytes_sent(k) for k in (1, 2)]
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "gradients are summed in two steps: within each of 2 hosts (2,2 ranks)" in log, log[-3000:]
-    losses, weights = losses_and_weights(run_dir)
-    ref_losses, ref_weights = losses_and_weights(planned_run("lab/one-host-4-ranks", 4))
-    assert len(losses) == len(ref_losses) == 8
-    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-    for name, ref in ref_weights.items():
-        assert (weights[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    ref_weights = assert_trained_alike(run_dir, planned_run("lab/one-host-4-ranks", 4), steps=8)
     # Each link: a gradient's worth a step (the leaders' ring of 2 hosts: 2(2-1)/2 of it each way), and on host1's
     # up to 2 more for DDP's start, which sends rank 0's weights to the others; a flat ring of the 4 ranks would
     # carry 1.5 a step, 12 or more in all (seen: 96 and 77 MB here, 10.0 and 8.0 gradients of 9.6 MB).

@@ -18,7 +18,7 @@ import pytest
 
 from dptrain.dist.env import Nodes
 from dptrain.errors import LaunchError
-from tests.conftest import FLOAT64_ENV, REPO, log_tail, plan_runs, read_events, run_cli
+from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, log_tail, plan_runs, read_events, run_cli
 from tests.netns_hosts import TwoHosts
 
 PY = sys.executable
@@ -159,8 +159,6 @@ def start_node(hosts: TwoHosts, index: int, argv: list[str], cwd, extra_env: dic
 
 @pytest.mark.slow
 def test_two_hosts_train_as_one_host_with_two_workers(two_hosts, planned_run, tmp_path):
-    import torch
-
     run_dir = tmp_path / "run"  # one folder both hosts see, as an NFS share would be
     argv = [*MULTINODE, "--output.dir", str(run_dir)]
     procs = [start_node(two_hosts, i, argv, tmp_path, FLOAT64_ENV) for i in (0, 1)]
@@ -170,13 +168,7 @@ def test_two_hosts_train_as_one_host_with_two_workers(two_hosts, planned_run, tm
     start = read_events(run_dir, "run_start")[0]
     assert start["world_size"] == 2
     assert json_env(run_dir)["host"] == "node1"  # rank 0 ran on the host of the rendezvous
-    losses, expected = [e["loss"] for e in read_events(run_dir, "step")], [e["loss"] for e in read_events(reference, "step")]
-    assert len(losses) == len(expected) == 8
-    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, expected)), (losses, expected)
-    ours, theirs = torch.load(run_dir / "model.pt"), torch.load(reference / "model.pt")
-    for name, ref in theirs.items():
-        assert ours[name].dtype == torch.float64
-        assert (ours[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    assert_trained_alike(run_dir, reference, steps=8)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 from dptrain import config
 from dptrain.errors import ConfigError
 from dptrain.slurm import job as slurm_job
-from tests.conftest import FLOAT64_ENV, read_events
+from tests.conftest import FLOAT64_ENV, assert_trained_alike, read_events
 from tests.launch.test_multinode import MULTINODE
 
 pytestmark = pytest.mark.slow
@@ -107,13 +107,7 @@ def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, jobs, planne
     assert "1 CPU threads per rank" in (run_dir / "logs" / "rank0.log").read_text()  # --cpus-per-task 1
     if mode == "agent":  # the ranks were started by the elastic agent (torchrun's variables), not by srun
         assert "(torchrun)" in (run_dir / "logs" / "rank0.log").read_text()
-    losses, weights = losses_and_weights(run_dir)
-    ref_losses, ref_weights = losses_and_weights(planned_run("multinode/one-host", 2))
-    assert len(losses) == len(ref_losses) == 8
-    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-    for name, ref in ref_weights.items():
-        assert weights[name].dtype == torch.float64
-        assert (weights[name] - ref).abs().max() <= 1e-12 * ref.abs().max(), name
+    assert_trained_alike(run_dir, planned_run("multinode/one-host", 2), steps=8)
 
 
 def test_a_signalled_job_requeues_resumes_and_ends_equal_to_an_uninterrupted_one(slurm_cluster, jobs):
