@@ -37,7 +37,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from dptrain.bench.peak import first_report
+from dptrain.bench.peak import first_report, probe_in_fresh_python
 
 LINK_FILE = "link.json"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -338,15 +337,9 @@ def probe_launched(sizes: tuple[int, ...] | None = None, min_s: float = MIN_S) -
 
 def measure(worlds: tuple[int, ...], device: Device = "cpu", timeout_s: float = 2 * WAIT_S) -> dict[int, LinkProbe]:
     """One probe per world size, in a fresh Python (`python -m dptrain.bench.link --json`), as peak.measure."""
-    command = [sys.executable, "-m", __name__, "--world", ",".join(map(str, worlds)), "--device", device, "--json"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the link probe took more than {timeout_s:g} s") from None
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise RuntimeError(lines[-1] if lines else f"the link probe exited with status {proc.returncode}")
-    return {int(w): LinkProbe.from_dict(p) for w, p in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    probes = probe_in_fresh_python(__name__, ["--world", ",".join(map(str, worlds)), "--device", device, "--json"],
+                                   "the link probe", timeout_s)
+    return {int(w): LinkProbe.from_dict(p) for w, p in probes.items()}
 
 
 @dataclass(frozen=True)

@@ -199,16 +199,22 @@ def measure(workers: tuple[int, ...], device: Device = "cpu", dtype: Dtype = "fl
             timeout_s: float = 2 * WAIT_S) -> dict[int, Probe]:
     """One probe per worker count, one after the other, in a fresh Python (`python -m dptrain.bench.peak`): torch is
     imported once for all of them, and nothing this process ran reaches the probe's processes."""
-    command = [sys.executable, "-m", __name__, "--workers", ",".join(map(str, workers)), "--device", device,
-               "--dtype", dtype]
+    probes = probe_in_fresh_python(__name__, ["--workers", ",".join(map(str, workers)), "--device", device,
+                                              "--dtype", dtype], "the matmul probe", timeout_s)
+    return {int(w): Probe.from_dict(p) for w, p in probes.items()}
+
+
+def probe_in_fresh_python(module: str, args: list[str], what: str, timeout_s: float) -> dict[str, Any]:
+    """`python -m MODULE ARGS`, whose last line of output is its probes as one JSON object; RuntimeError with one
+    line (its last line of errors) where it fails or takes longer than timeout_s."""
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the matmul probe took more than {timeout_s:g} s") from None
+        raise RuntimeError(f"{what} took more than {timeout_s:g} s") from None
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise RuntimeError(lines[-1] if lines else f"the matmul probe exited with status {proc.returncode}")
-    return {int(w): Probe.from_dict(p) for w, p in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+        raise RuntimeError(lines[-1] if lines else f"{what} exited with status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def record(bench_dir: Path, device: Device, dtype: Dtype, workers: tuple[int, ...]) -> tuple[dict[int, Probe], list[int]]:
