@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,8 +43,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as the supervisor's script: the repository root, for tests.slurm_cluster
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.netns_hosts import kill_processes_in as _kill_processes_in  # noqa: E402
-from tests.slurm_cluster import SlurmCluster, SlurmClusterError, _supervise, _which  # noqa: E402
+from tests.netns_hosts import finish, kill_processes_in as _kill_processes_in  # noqa: E402
+from tests.slurm_cluster import SlurmCluster, SlurmClusterError, _which, supervisor_main  # noqa: E402
 
 SUBNET_PREFIX = "10.214"  # 10.214.<x>.0/24; TwoHosts (tests/netns_hosts.py) uses 10.213 inside its namespaces
 CONTROLLER_OCTET = 254
@@ -308,14 +307,7 @@ class LabNetwork:
         """argv on host `host` to its end (text output captured); killed, with its session, past `timeout`."""
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
-        proc = self.popen(host, argv, env=env, text=True, **kwargs)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return finish(self.popen(host, argv, env=env, text=True, **kwargs), timeout)
 
     def bytes_sent(self, host: int) -> int:
         """Bytes host `host` has sent over its link since the network was made (its interface's counter)."""
@@ -434,11 +426,4 @@ class LabCluster(SlurmCluster):
 
 
 if __name__ == "__main__":  # the supervisor, as SlurmCluster._start_supervisor runs it for a LabCluster
-    import argparse
-
-    parser = argparse.ArgumentParser(description="The supervisor of a lab cluster (see LabCluster).")
-    parser.add_argument("command", choices=["supervise"])
-    parser.add_argument("state_dir", type=Path)
-    parser.add_argument("--parent", type=int, help="stop the cluster when this process (the starter) ends")
-    args = parser.parse_args()
-    sys.exit(_supervise(LabCluster(args.state_dir), args.parent))
+    sys.exit(supervisor_main(LabCluster))

@@ -51,6 +51,18 @@ def kill_processes_in(ns: str, timeout: float = 10) -> None:
         time.sleep(0.05)
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """A process started in its own session, to its end; killed with its session, and TimeoutExpired raised, past
+    `timeout`."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 class TwoHosts:
     """Two network namespaces `dpt<pid>n<k>a`/`...b` as hosts node1/node2 on 10.<x>.<y>.1/24 and .2/24."""
 
@@ -182,14 +194,7 @@ class TwoHosts:
 
     def run(self, index: int, argv: list[str], timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess:
         """popen + communicate under `timeout` (killed and raised past it)."""
-        proc = self.popen(index, argv, **kwargs)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return finish(self.popen(index, argv, **kwargs), timeout)
 
     def cut_link(self) -> None:
         """Take both veth ends down: traffic between the hosts stops, as if the cable were pulled out."""

@@ -602,12 +602,17 @@ def _stop_supervised(daemons: dict[int, str], stop_order: tuple[tuple[str, ...],
     # still not empty: an unkillable (D-state) process; give up rather than hang the caller
 
 
-if __name__ == "__main__":  # the supervisor, as SlurmCluster._start_supervisor runs it
+def supervisor_main(cluster_class: type[SlurmCluster]) -> int:
+    """`python THIS_FILE supervise STATE_DIR [--parent PID]`: the supervisor of a cluster of that class."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="The supervisor of a private SLURM cluster (see SlurmCluster).")
+    parser = argparse.ArgumentParser(description=f"The supervisor of a {cluster_class.__name__} (see its docstring).")
     parser.add_argument("command", choices=["supervise"])
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("--parent", type=int, help="stop the cluster when this process (the starter) ends")
     args = parser.parse_args()
-    sys.exit(_supervise(SlurmCluster(args.state_dir), args.parent))
+    return _supervise(cluster_class(args.state_dir), args.parent)
+
+
+if __name__ == "__main__":  # the supervisor, as SlurmCluster._start_supervisor runs it
+    sys.exit(supervisor_main(SlurmCluster))
