@@ -190,6 +190,10 @@ class Tuner:
                  ("train.log_every", str(LOG_EVERY)), ("checkpoint.every_epochs", "0"),
                  ("checkpoint.every_steps", "0"), ("train.eval_every_epochs", "0"), ("train.resume", "never"),
                  ("output.dir", str((self.tune_dir / "runs" / f"{label}-{candidate.name}").resolve()))]
+        return self.config_of(candidate, pairs)
+
+    def config_of(self, candidate: Candidate, pairs: list[tuple[str, str]]) -> RunConfig:
+        """The user's configuration with `pairs` (the candidate's among them), on SLURM in the candidate's job shape."""
         cfg = config_mod.load(self.config_path, pairs)
         if self.slurm:
             cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=self.nodes, ranks_per_node=candidate.ranks_per_node))
@@ -210,7 +214,7 @@ def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
         shutil.rmtree(run_dir)
     RunFolder(run_dir).logs.mkdir(parents=True)
     if tuner.slurm:
-        ok = _run_job(cfg, tuner.run_timeout_s)
+        ok = _run_job(cfg)
     else:
         ok = _run_here(cfg, run_dir, tuner.run_timeout_s)
     return images_per_s(run_dir, cfg.train.global_batch_size) if ok else None
@@ -232,7 +236,8 @@ def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
             return False
 
 
-def _run_job(cfg: RunConfig, timeout_s: float) -> bool:
+def _run_job(cfg: RunConfig) -> bool:
+    """The probe as a job, waited for (its --time, if any, bounds it, as a --slurm sweep's jobs)."""
     from dptrain.slurm import job as slurm_job, queue as slurm_queue
 
     workdir = Path.cwd()
@@ -241,9 +246,7 @@ def _run_job(cfg: RunConfig, timeout_s: float) -> bool:
     job.script.write_text(slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm)))
     job_id = slurm_job.submit(job.script)
     ended: dict[str, str | None] = {}
-    deadline = time.monotonic() + timeout_s
-    while not ended and time.monotonic() < deadline:
-        slurm_queue.wait_for([job_id], lambda jid, state: ended.__setitem__(jid, state))
+    slurm_queue.wait_for([job_id], ended.__setitem__)
     return ended.get(job_id) == "COMPLETED"
 
 
@@ -267,12 +270,13 @@ def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
 
 def tune(tuner: Tuner) -> Path:
     """Probe, choose, verify; write tuned.toml, tune.csv and tune.md into the tune folder; the path of tuned.toml."""
-    workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed probe
+    base = workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed probe
     tuner.tune_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     user = default_candidate(tuner.cfg, min(tuner.max_ranks, _user_ranks(tuner)))
     alone = Candidate(user.strategy if user.strategy != "fsdp" else "ddp", 1)
-    one_rank_rate = tuner.measure(alone if tuner.nodes == 1 else user, "compute")  # over nodes: the user's own
+    first = alone if tuner.nodes == 1 else user  # over nodes, the compute probe is the user's own configuration
+    one_rank_rate = tuner.measure(first, "compute")
     if one_rank_rate is None:
         raise LaunchError(f"the first probe run failed, so nothing can be tuned; see "
                           f"{tuner.tune_dir / 'runs'}/compute-*/bench.log.")
@@ -280,13 +284,13 @@ def tune(tuner: Tuner) -> Path:
     if tuner.nodes == 1:  # one rank alone: its time per sample is the compute of every candidate
         compute_s = 1 / one_rank_rate
     else:  # the user's run over the nodes: its compute per sample as if communication were free (overlap 0)
-        compute_s = _compute_from(user, one_rank_rate, tuner, between, within)
-    work = replace(workload(tuner.cfg, compute_s), rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares)
+        compute_s = _compute_from(user, one_rank_rate, tuner, base, between, within)
+    work = replace(base, compute_s_per_sample=compute_s,
+                   rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares)
     ranked = rank_by_model(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size,
                                       tuner.lossy), work, between, tuner.nodes, within, overlap=0.5)
     predicted = dict(ranked)
     chosen_for_probe = [c for c, _ in ranked if c != user][:tuner.keep]
-    first = alone if tuner.nodes == 1 else user  # the candidate the compute probe ran
     measured: dict[Candidate, float] = {first: one_rank_rate} if first == user else {}
     for candidate in [user, *chosen_for_probe]:
         if candidate in measured:  # the compute probe was this candidate's
@@ -353,10 +357,10 @@ def _user_ranks(tuner: Tuner) -> int:
     return local_workers(tuner.cfg.launch)
 
 
-def _compute_from(user: Candidate, rate: float, tuner: Tuner, between: model.Timed, within: model.Timed | None) -> float:
+def _compute_from(user: Candidate, rate: float, tuner: Tuner, work: model.Workload, between: model.Timed,
+                  within: model.Timed | None) -> float:
     """The compute per sample that makes the model predict the user's measured rate over the nodes with no overlap:
     the measured step less its modelled communication, per sample of one rank."""
-    work = workload(tuner.cfg, 1.0)
     nothing = model.predict(user.plan(shared_memory=False), replace(work, compute_s_per_sample=0.0), between,
                             tuner.nodes, user.ranks_per_node, 0.0, within)
     step_s = tuner.cfg.train.global_batch_size / rate
@@ -375,9 +379,7 @@ def _cell(value: float | None) -> str | float:
 
 def _write_tuned(tuner: Tuner, chosen: Candidate) -> Path:
     """The user's configuration with the chosen candidate's options: what `dptrain train --config` runs."""
-    cfg = config_mod.load(tuner.config_path, [*tuner.user_pairs, *chosen.pairs()])
-    if tuner.slurm:
-        cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=tuner.nodes, ranks_per_node=chosen.ranks_per_node))
+    cfg = tuner.config_of(chosen, [*tuner.user_pairs, *chosen.pairs()])
     path = tuner.tune_dir / TUNED_FILE
     path.write_text(f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file\n"
                     + config_mod.to_toml(cfg))
