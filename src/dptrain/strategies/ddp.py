@@ -60,8 +60,7 @@ class DDP(Strategy):
 
     def uses_shared_memory(self) -> bool:
         """strategy.ddp.shared_memory applies: CPU ranks, all on this host (a decision every rank makes alike)."""
-        return (self.cfg.ddp.shared_memory and self.device.type == "cpu"
-                and self.env.world_size == self.env.local_world_size > 1)
+        return self.cfg.ddp.shared_memory and shared_memory.all_on_this_host(self.device, self.env)
 
     def may_sum_in_two_steps(self) -> bool:
         """strategy.ddp.shared_memory on CPU ranks over several hosts: within each host, then across them, where a

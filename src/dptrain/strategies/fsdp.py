@@ -114,7 +114,7 @@ class SharedMemoryCollectives:
             end = min(n, start + per_piece)
             slots = self._slots(input_tensor.dtype)
             slots[self.rank][:end - start].copy_(input_tensor.view(-1)[start:end])
-            self.transport._barrier()
+            self.transport.barrier()
             for r in range(self.world):
                 if r != self.rank or out[r].data_ptr() != input_tensor.data_ptr():
                     out[r, start:end].copy_(slots[r][:end - start])
@@ -129,7 +129,7 @@ class SharedMemoryCollectives:
             length = end - start
             slots = [s[:self.world * length].view(self.world, length) for s in self._slots(input_tensor.dtype)]
             slots[self.rank].copy_(parts[:, start:end])
-            self.transport._barrier()
+            self.transport.barrier()
             mine = [s[self.rank] for s in slots]
             if self.world == 2:
                 torch.add(mine[0], mine[1], out=out[start:end])
@@ -236,7 +236,7 @@ class FSDP(Strategy):
     def uses_shared_memory(self) -> bool:
         """CPU ranks, all on this host: FSDP's collectives go through shared memory (a decision every rank makes alike).
         A buffer that cannot be set up leaves them on gloo."""
-        return self.device.type == "cpu" and self.env.world_size == self.env.local_world_size > 1
+        return shared_memory.all_on_this_host(self.device, self.env)
 
     def comm_bytes(self, steps: int) -> int:
         world = self.env.world_size

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import SHARED_MEMORY_PEER_LOST
 from dptrain.strategies import comm_hooks
 
@@ -86,7 +87,7 @@ class SharedMemoryAllReduce:
             slots[self.rank].copy_(piece)
         else:
             torch.div(piece, divisor, out=slots[self.rank])
-        self._barrier()
+        self.barrier()
         part = -(-n // self.world)
         lo, hi = min(n, self.rank * part), min(n, (self.rank + 1) * part)
         if lo < hi:
@@ -96,7 +97,7 @@ class SharedMemoryAllReduce:
             else:
                 torch.sum(torch.stack([s[lo:hi] for s in slots[:self.world]]), dim=0, out=result)
         self.counter.bytes_sent += size + max(0, hi - lo) * piece.element_size()
-        self._barrier()
+        self.barrier()
         piece.copy_(slots[self.world])
         # No third barrier: a rank that writes its slot for the next piece is past the second, so every rank has
         # finished reading the slots; and none writes the result again before all have arrived at the next piece's
@@ -110,15 +111,15 @@ class SharedMemoryAllReduce:
             piece = flat[start:start + per_slot]
             size = piece.numel() * piece.element_size()
             result = self.buffer[self.world * self.slot_bytes:self.world * self.slot_bytes + size].view(piece.dtype)
-            self._barrier()  # every rank has read what the result slot held before (a sum's result): it may change
+            self.barrier()  # every rank has read what the result slot held before (a sum's result): it may change
             if self.rank == root:
                 result.copy_(piece)
                 self.counter.bytes_sent += size
-            self._barrier()
+            self.barrier()
             if self.rank != root:
                 piece.copy_(result)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self.barriers += 1
         token = _RANK.pack(self.rank)
         try:
@@ -150,6 +151,12 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def all_on_this_host(device: torch.device, env: DistEnv) -> bool:
+    """Whether the ranks are CPU ranks, several, all on this host: where a shared-memory sum can serve them all (a
+    decision every rank makes alike, from the launcher's variables)."""
+    return device.type == "cpu" and env.world_size == env.local_world_size > 1
 
 
 def open_on_this_host(max_numel: int, element_size: int, timeout_s: float,
