@@ -164,14 +164,8 @@ def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
     cfg = replace(cfg, slurm=replace(sweep.job, nodes=nodes, ranks_per_node=1, mode="per-rank", requeue=False))
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
-    python = slurm_job.python_for(cfg.slurm)
-    script = slurm_job.render(cfg, job, workdir, python)
-    train = shlex.join([python, "-m", "dptrain", "train", "--config", str(job.config)])
-    if train not in script:  # render's srun line changed: this must follow it (tests/bench/test_slurm_sweep.py)
-        raise RuntimeError("slurm.job.render's srun line no longer runs `dptrain train --config JOB`; update "
-                           "bench.jobs.link_probe_script to it")
-    probe = shlex.join([python, "-m", "dptrain.bench.link", "--launched", "--record", str(sweep.bench_dir.resolve())])
-    return job, script.replace(train, probe)
+    probe = ["-m", "dptrain.bench.link", "--launched", "--record", str(sweep.bench_dir.resolve())]
+    return job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm), program=probe)
 
 
 def record_link_across_nodes(sweep: Sweep) -> None:
@@ -188,15 +182,22 @@ def record_link_across_nodes(sweep: Sweep) -> None:
     if job.run_dir.exists():
         shutil.rmtree(job.run_dir)
     RunFolder(job.run_dir).logs.mkdir(parents=True)
-    job.script.write_text(script)
-    job_id = slurm_job.submit(job.script)
-    log.info(f"bench: the link between {nodes} nodes: job {job_id} ({job.script})")
-    ended: dict[str, str | None] = {}
-    slurm_queue.wait_for([job_id], ended.__setitem__)
+    log.info(f"bench: the link between {nodes} nodes: a job of {job.script}")
+    job_id, state = run_to_its_end(job, script)
     record = link.read_link(sweep.bench_dir)
     if record is None or record.across_hosts is None:
-        log.info(f"bench: the link probe's job {job_id} ended {ended.get(job_id) or ''} without a fit (see "
+        log.info(f"bench: the link probe's job {job_id} ended {state or ''} without a fit (see "
                  f"{job.output(job_id)}); the report draws no scaling model across nodes")
+
+
+def run_to_its_end(job: slurm_job.Job, script: str) -> tuple[str, str | None]:
+    """Write the job's script, submit it and wait until it has ended: (its id, its last state; None where the
+    scheduler has forgotten it). Its --time, if any, bounds it."""
+    job.script.write_text(script)
+    job_id = slurm_job.submit(job.script)
+    ended: dict[str, str | None] = {}
+    slurm_queue.wait_for([job_id], ended.__setitem__)
+    return job_id, ended.get(job_id)
 
 
 def recorded_job(run_dir: Path) -> str | None:

@@ -476,7 +476,7 @@ def first_error(output: str, returncode: int) -> str:
     return f"exit status {returncode}" + (f"; last output: {last}" if last else "")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_run(proc: subprocess.Popen) -> None:
     """End the run and the workers it started: they share its process group (start_new_session)."""
     for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:
@@ -507,10 +507,10 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
             returncode = proc.wait(timeout=sweep.run_timeout_s)
             error = None if returncode == 0 and is_done(run_dir) else "pending"
         except subprocess.TimeoutExpired:
-            _stop(proc)
+            stop_run(proc)
             returncode, error = proc.returncode, f"timed out after {sweep.run_timeout_s:g} s (--run-timeout-s)"
         except BaseException:  # Ctrl-C: leave no workers behind; the half-done folder is redone on resume
-            _stop(proc)
+            stop_run(proc)
             raise
     if error == "pending":
         error = first_error((run_dir / LOG_FILE).read_text(errors="replace"), returncode)

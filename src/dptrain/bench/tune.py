@@ -230,24 +230,22 @@ def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
         try:
             return proc.wait(timeout=timeout_s) == 0
         except subprocess.TimeoutExpired:
-            from dptrain.bench.sweep import _stop
+            from dptrain.bench.sweep import stop_run
 
-            _stop(proc)
+            stop_run(proc)
             return False
 
 
 def _run_job(cfg: RunConfig) -> bool:
     """The probe as a job, waited for (its --time, if any, bounds it, as a --slurm sweep's jobs)."""
-    from dptrain.slurm import job as slurm_job, queue as slurm_queue
+    from dptrain.bench.jobs import run_to_its_end
+    from dptrain.slurm import job as slurm_job
 
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
     job.config.write_text(config_mod.to_toml(cfg))
-    job.script.write_text(slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm)))
-    job_id = slurm_job.submit(job.script)
-    ended: dict[str, str | None] = {}
-    slurm_queue.wait_for([job_id], ended.__setitem__)
-    return ended.get(job_id) == "COMPLETED"
+    _, state = run_to_its_end(job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm)))
+    return state == "COMPLETED"
 
 
 def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:

@@ -160,8 +160,10 @@ def check_container(s: SlurmConfig, job: Job, workdir: Path) -> None:
                                   f"splits on; run from, and write the run to, folders without them.")
 
 
-def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
-    """The sbatch script, as text: readable, commented, and the same for the same inputs (golden tests compare it)."""
+def render(cfg: RunConfig, job: Job, workdir: Path, python: str, program: list[str] | None = None) -> str:
+    """The sbatch script, as text: readable, commented, and the same for the same inputs (golden tests compare it).
+    program: what each task runs after `python` (default: `-m dptrain train --config JOB`), for the benchmark's
+    probes in the same job."""
     s = cfg.slurm
     per_rank = s.mode == "per-rank"
     tasks_per_node = job.ranks_per_node if per_rank else 1
@@ -232,7 +234,7 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str) -> str:
         ]
     elif s.requeue:
         lines.append(f"export {REQUEUE_VAR}=1  # after a signal's snapshot, rank 0 runs: scontrol requeue {job_id}")
-    train = [*launch.command, python, "-m", "dptrain", "train", "--config", str(job.config)]
+    train = [*launch.command, python, *(program or ["-m", "dptrain", "train", "--config", str(job.config)])]
     srun = shlex.join(["srun", "--kill-on-bad-exit=1", *launch.srun_options])
     lines += ["", "# --kill-on-bad-exit: a rank that fails stops the others at once, instead of at their timeout."]
     lines += [f"# {part}" for line in launch.said for part in textwrap.wrap(line, 115)]
