@@ -2,7 +2,7 @@
 markdown table, printed and written to --output.
 
     python bench/speed.py                  # the defaults: about 8 minutes on this project's 2-core machine
-    python bench/speed.py --quick          # one repeat, short runs (tests/bench/test_speed.py): about 80 s
+    python bench/speed.py --quick          # one repeat, short runs, target 5 at 1-2 (tests/bench/test_speed.py): about 45 s
     python bench/speed.py --repeats 7 --steps 200 --output /tmp/speed.md
 
 1. Throughput, 2 workers on the CPU, the tutorials' CNN on FashionMNIST, global batch 128: in every repeat the plain
@@ -66,6 +66,8 @@ class Plan:
     growth_repeats: int
     size_base: int
     """Synthetic training samples of the 1x epoch (target 5)."""
+    growth_workers: tuple[int, ...] = GROWTH_WORKERS
+    size_factors: tuple[int, ...] = SIZE_FACTORS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -74,7 +76,8 @@ class Plan:
         if args.quick:
             return cls(repeats=repeats, steps=steps, accuracy_args=("--train.max_steps", str(steps)),
                        accuracy_label=f"after {steps} steps (--quick)", growth_steps=max(4, steps // 2),
-                       growth_repeats=repeats, size_base=512)
+                       growth_repeats=repeats, size_base=512,
+                       growth_workers=GROWTH_WORKERS[:2], size_factors=SIZE_FACTORS[:2])  # a launch each: the cost
         return cls(repeats=repeats, steps=steps, accuracy_args=("--train.epochs", "2"), accuracy_label="after 2 epochs",
                    growth_steps=max(4, steps * 2 // 5), growth_repeats=max(1, math.ceil(repeats / 2)), size_base=2048)
 
@@ -323,19 +326,20 @@ def size_args(size: int) -> list[str]:
 
 
 def growth(plan: Plan) -> list[tuple[str, str, str, str]]:
-    """Target 5: per-rank throughput at 1, 2, 4 workers (fixed per-rank batch); epoch time at 1x, 2x, 4x the data."""
-    per_rank: dict[int, list[float]] = {w: [] for w in GROWTH_WORKERS}
-    seconds: dict[int, list[float]] = {f: [] for f in SIZE_FACTORS}
+    """Target 5: per-rank throughput at 1, 2, 4 workers (fixed per-rank batch); epoch time at 1x, 2x, 4x the data
+    (--quick: 1 and 2 workers, 1x and 2x)."""
+    per_rank: dict[int, list[float]] = {w: [] for w in plan.growth_workers}
+    seconds: dict[int, list[float]] = {f: [] for f in plan.size_factors}
     for i in range(plan.growth_repeats):
-        for w in GROWTH_WORKERS:
+        for w in plan.growth_workers:
             per_rank[w].append(train(w, growth_args(w, plan.growth_steps)).epochs()[0]["samples_per_s"] / w)
-        for f in SIZE_FACTORS:
+        for f in plan.size_factors:
             seconds[f].append(train(WORKERS, size_args(plan.size_base * f)).epochs()[-1]["epoch_time_s"])
         log(f"growth repeat {i + 1}/{plan.growth_repeats}: per rank " + ", ".join(f"{w}w {per_rank[w][-1]:.0f}"
-            for w in GROWTH_WORKERS) + " images/s; epoch " + ", ".join(f"{f}x {seconds[f][-1]:.2f}" for f in SIZE_FACTORS) + " s")
+            for w in plan.growth_workers) + " images/s; epoch " + ", ".join(f"{f}x {seconds[f][-1]:.2f}" for f in plan.size_factors) + " s")
     cores = peak.usable_cores()
     rows = []
-    for w in GROWTH_WORKERS:
+    for w in plan.growth_workers:
         threads = peak.cpu_threads(cores, w)
         over = f", oversubscribed: {w} workers on {cores} cores" if w > cores else ""
         rows.append((f"5. per-rank images/s, synthetic, {PER_RANK_BATCH} per rank, {w} worker{'s' if w > 1 else ''} x "
@@ -343,7 +347,7 @@ def growth(plan: Plan) -> list[tuple[str, str, str, str]]:
                      f"{median(per_rank[w]):.0f} ({median(per_rank[w]) / median(per_rank[1]):.2f}x 1 worker's)",
                      spread(per_rank[w], ".0f"), dptrain_shown(w, growth_args(w, plan.growth_steps))))
     base = median(seconds[1])
-    for f in SIZE_FACTORS:
+    for f in plan.size_factors:
         ratios = [s / b for s, b in zip(seconds[f], seconds[1])]
         rows.append((f"5. epoch time, {f}x the synthetic set ({plan.size_base * f} samples), {WORKERS} workers",
                      f"{median(seconds[f]):.2f} s ({median(seconds[f]) / base:.2f}x the 1x epoch; linear: {f}x)",

@@ -33,6 +33,19 @@ def _log_handlers_as_found():
             handler.close()
 
 
+@pytest.fixture(scope="session")
+def machine_probes(tmp_path_factory) -> Path:
+    """A folder holding this machine's matmul probe (1 and 2 workers, float32) and link probe (2 processes), made
+    once a session: the sweeps of tests that are not about the probes take them with `--probes-from` (the probes
+    cost about 10 s a sweep)."""
+    from dptrain.bench import link, peak
+
+    folder = tmp_path_factory.mktemp("probes")
+    peak.record(folder, "cpu", "float32", (1, 2))
+    link.record(folder, "cpu", (2,))
+    return folder
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m dptrain ARGS` with tests/ importable (user models), killed after `timeout` seconds."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -261,6 +261,9 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
     pairs = split_overrides(extra)
     if args.tune:
+        if args.probes_from is not None:
+            raise ConfigError("--probes-from is an option of a sweep, not of --tune (which reads link.json from its "
+                              "own folder); drop it.")
         return tune_here_or_on_nodes(args, pairs)
     tune_only = [o for o, given in (("--tune-lossy", args.tune_lossy), ("--link", args.link),
                                      ("--tune-candidates", args.tune_candidates != 3)) if given]
@@ -286,6 +289,11 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
                                       job_lines=job_lines(args), nodes=args.nodes, one_at_a_time=args.one_at_a_time)
     for note in notes:
         log.info(f"bench: {note}")
+    if args.probes_from is not None:
+        from dptrain.bench.sweep import adopt_probes
+
+        copied = adopt_probes(Path(args.probes_from), sweep.bench_dir)
+        log.info(f"bench: {', '.join(copied) or 'nothing'} taken from {args.probes_from} (--probes-from)")
     if args.slurm:
         from dptrain.bench import jobs
 
@@ -489,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds one run may take before it is stopped and recorded as failed (default 3600; "
                        "not with --slurm, where --time limits each job)")
     bench.add_argument("--slurm", action="store_true", help="run every point as a SLURM job, submitted with sbatch")
+    bench.add_argument("--probes-from", metavar="DIR",
+                       help="take this machine's matmul and link probes (peak.json, link.json) from an earlier sweep's "
+                            "folder DIR instead of probing again; what they lack is still probed")
     bench.add_argument("--one-at-a-time", action="store_true",
                        help="with --slurm: submit each job once the one before has ended, for nodes that share one "
                             "machine's cores (the lab cluster of docs/lab-cluster.md) or to time each point alone")

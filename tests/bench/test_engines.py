@@ -93,9 +93,11 @@ def test_a_failed_peer_is_named_by_its_workers_exception():
     assert first_error(out, 1) == "TypeError: 'NoneType' object is not subscriptable"
 
 
-def run_one(tmp_path: Path, engine: str, strategy: str, *extra: str) -> dict[str, str]:
+def run_one(tmp_path: Path, engine: str, strategy: str, *extra: str, probes: Path | None = None) -> dict[str, str]:
+    """One point of `engine`'s `strategy` on 2 workers (probes: a folder of this machine's probes to take)."""
+    taken = ["--probes-from", str(probes)] if probes is not None else []
     assert run_bench(tmp_path, "--workers", "2", "--strategies", strategy, "--engines", engine,
-                     "--output.dir", "out", *TINY, *extra) == 0
+                     "--output.dir", "out", *TINY, *extra, *taken) == 0
     [row] = read_rows(tmp_path / "out" / "results.csv")
     assert (row["engine"], row["strategy"], row["workers"], row["status"], row["global_batch_size"],
             row["epochs_timed"]) == (engine, strategy, "2", "ok", "32", "1")
@@ -110,8 +112,8 @@ def events(tmp_path: Path, name: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_lightning_point_writes_a_row(tmp_path):
-    run_one(tmp_path, "lightning", "ddp")
+def test_lightning_point_writes_a_row(tmp_path, machine_probes):
+    run_one(tmp_path, "lightning", "ddp", probes=machine_probes)
     run = events(tmp_path, "lightning-ddp-w2-r1")
     assert [e["event"] for e in run] == ["run_start", "epoch", "epoch", "run_end"]
     assert [e["step"] for e in run[1:]] == [8, 16, 16]  # 256 samples / 32 a step, per epoch
@@ -123,9 +125,10 @@ def test_lightning_point_writes_a_row(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)  # 15 s here; DeepSpeed's first run on a machine compiles its CPU comm op (75 s), then cached
-def test_deepspeed_zero3_point_writes_a_row(tmp_path):
+def test_deepspeed_zero3_point_writes_a_row(tmp_path, machine_probes):
     # 65 test samples in batches of 16: rank 1's last batch is empty, and ZeRO-3 still gathers with rank 0
-    run_one(tmp_path, "deepspeed", "fsdp", "--data.synthetic_test_size", "65", "--train.eval_batch_size", "16")
+    run_one(tmp_path, "deepspeed", "fsdp", "--data.synthetic_test_size", "65", "--train.eval_batch_size", "16",
+            probes=machine_probes)
     run = events(tmp_path, "deepspeed-fsdp-w2-r1")
     assert run[0]["zero_stage"] == 3 and [e["event"] for e in run] == ["run_start", "epoch", "epoch", "run_end"]
     assert run[1]["train_samples"] == 256 and run[1]["eval_count"] == 65

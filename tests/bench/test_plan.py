@@ -84,8 +84,9 @@ def test_mistakes_are_one_sentence(tmp_path, kw, words):
         make(tmp_path, **kw)
 
 
-def test_resume_runs_missing_points_only(tmp_path, monkeypatch):
+def test_resume_runs_missing_points_only(tmp_path, monkeypatch, machine_probes):
     sweep = make(tmp_path, strategies="ddp")
+    sweep_mod.adopt_probes(machine_probes, sweep.bench_dir)  # what the probes measure is not this test's
     for point in plan(sweep)[:3]:  # three finished points; the fourth never started
         run_dir = sweep.run_dir(point)
         run_dir.mkdir(parents=True)
@@ -94,16 +95,16 @@ def test_resume_runs_missing_points_only(tmp_path, monkeypatch):
     (sweep.run_dir(plan(sweep)[2]) / sweep_mod.ERROR_FILE).write_text("worker failed: exit at teardown\n")
     ran: list[str] = []
     monkeypatch.setattr(sweep_mod, "run_point", lambda s, p: ran.append(p.name) or None)
-    monkeypatch.setattr(sweep_mod, "record_peaks", lambda s: None)  # the matmul probe: tests/bench/test_peak.py
     assert run_sweep(sweep) == []
     # the half-done one, the one that ended but failed, and the missing one, in plan order
     assert ran == ["dptrain-ddp-w2-r1", "dptrain-ddp-w2-r2", "dptrain-ddp-w1-r2"]
 
 
-def test_a_resume_with_other_train_options_is_refused(tmp_path, monkeypatch):
+def test_a_resume_with_other_train_options_is_refused(tmp_path, monkeypatch, machine_probes):
     monkeypatch.setattr(sweep_mod, "run_point", lambda s, p: None)
-    monkeypatch.setattr(sweep_mod, "record_peaks", lambda s: None)
-    run_sweep(make(tmp_path))
+    first = make(tmp_path)
+    sweep_mod.adopt_probes(machine_probes, first.bench_dir)
+    run_sweep(first)
     with pytest.raises(ConfigError, match="holds a sweep with other train options"):
         run_sweep(make(tmp_path, pairs=[*SYNTH, ("optim.lr", "0.1"), ("output.dir", str(tmp_path / "b"))]))
 

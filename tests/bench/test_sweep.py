@@ -18,6 +18,7 @@ from dptrain.bench.peak import read_peaks
 from dptrain.bench.report import PLOTS
 from dptrain.bench.sweep import ERROR_FILE, LOG_FILE
 from dptrain.cli import main
+from dptrain.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -111,10 +112,10 @@ def test_resumed_sweep_runs_only_the_missing_point(sweep, caplog):
 
 
 @pytest.mark.timeout(60)
-def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path, capsys):
+def test_failing_point_is_recorded_and_the_exit_code_says_so(tmp_path, capsys, machine_probes):
     # a training split of one sample for 2 workers is refused inside the run: a real failure of one point, in seconds
     assert run_bench(tmp_path, "--workers", "2", "--strategies", "ddp", "--output.dir", "out", *TINY,
-                     "--data.synthetic_train_size", "1") == 1
+                     "--data.synthetic_train_size", "1", "--probes-from", str(machine_probes)) == 1
     assert ("1 of the sweep's runs failed: dptrain-ddp-w2-r1: dptrain: error: world size 2 is larger than the training "
             "split") in capsys.readouterr().err
     [row] = read_rows(tmp_path / "out" / "results.csv")
@@ -135,8 +136,9 @@ def test_report_without_results_is_one_sentence(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_tutorial_engine_writes_the_same_event_shape(tmp_path):
-    assert run_bench(tmp_path, "--workers", "2", "--strategies", "ddp", "--engines", "tutorial", "--output.dir", "out", *TINY) == 0
+def test_tutorial_engine_writes_the_same_event_shape(tmp_path, machine_probes):
+    assert run_bench(tmp_path, "--workers", "2", "--strategies", "ddp", "--engines", "tutorial", "--output.dir", "out", *TINY,
+                     "--probes-from", str(machine_probes)) == 0
     [row] = read_rows(tmp_path / "out" / "results.csv")
     assert (row["engine"], row["workers"], row["status"], row["global_batch_size"], row["epochs_timed"]) == (
         "tutorial", "2", "ok", "32", "1")
@@ -152,3 +154,30 @@ def test_a_sweep_goes_under_runs_by_default_not_into_the_source_folder_bench():
     sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic")], workers="1", strategies="ddp",
                                   repeats=1, warmup_epochs=0, engines="dptrain", run_timeout_s=60)
     assert sweep.bench_dir == Path("runs") / "bench" / "synthetic"
+
+
+def test_probes_from_an_earlier_sweep_are_copied_where_the_sweep_has_none_and_nothing_else(tmp_path, machine_probes):
+    from dptrain.bench.link import LINK_FILE, read_link
+    from dptrain.bench.peak import PEAK_FILE
+    from dptrain.bench.sweep import adopt_probes
+
+    fresh = tmp_path / "fresh"
+    assert adopt_probes(machine_probes, fresh) == [PEAK_FILE, LINK_FILE]
+    assert read_peaks(fresh) == read_peaks(machine_probes) and read_link(fresh).probes == read_link(machine_probes).probes
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / PEAK_FILE).write_text("the sweep's own, kept as it is")
+    assert adopt_probes(machine_probes, own) == [LINK_FILE] and (own / PEAK_FILE).read_text().startswith("the sweep's")
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / PEAK_FILE).write_text('{"probes": "not probes"}')  # not a sweep's: neither file is read as one
+    with pytest.raises(ConfigError, match=f"^--probes-from {planted} holds no peak.json or link.json a sweep wrote; "
+                                          f"give the folder of an earlier sweep on this machine, or drop it"):
+        adopt_probes(planted, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_probes_from_is_refused_with_tune_in_one_sentence(tmp_path, capsys):
+    assert run_bench(tmp_path, "--tune", "--probes-from", str(tmp_path), "--output.dir", "t") == 2
+    err = capsys.readouterr().err
+    assert "--probes-from is an option of a sweep, not of --tune" in err and err.count("\n") == 1

@@ -15,6 +15,7 @@ import pytest
 from dptrain.dist.env import Nodes, node_range
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.faults import SIGNAL_AT
+from dptrain.launch.rendezvous import KEEP_ALIVE_ENV, LAST_CALL_ENV, seconds_from_env
 from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, read_events, run_cli
 from tests.launch.test_multinode import MULTINODE
 
@@ -39,7 +40,9 @@ def start_agent(node_rank: int, port: int, run_dir, cwd, extra_env: dict[str, st
 def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with_the_same_math(planned_run, tmp_path):
     run_dir, port = tmp_path / "run", _free_port()
     # After its step 5 (a snapshot of step 4 is whole), rank 1 kills its own agent: node 1 is lost, agent and worker.
-    lose_node_1 = {SIGNAL_AT: f"1:5:SIGKILL:parent:{tmp_path / 'struck'}"}
+    lose_node_1 = {SIGNAL_AT: f"1:5:SIGKILL:parent:{tmp_path / 'struck'}",
+                   # noticed after 3 missed beats of 1 s, the rendezvous then waiting 2 s more (defaults: 6 s and 10 s)
+                   KEEP_ALIVE_ENV: "1", LAST_CALL_ENV: "2"}
     agents = [start_agent(rank, port, run_dir, tmp_path, lose_node_1) for rank in (0, 1)]
     try:
         out0, err0 = agents[0].communicate(timeout=150)
@@ -118,3 +121,15 @@ def test_deepspeed_cannot_run_elastic():
     cfg = config.load(None, [("strategy.name", "deepspeed"), ("launch.max_restarts", "2"), ("data.name", "synthetic")])
     with pytest.raises(ConfigError, match="strategy deepspeed's snapshots resume on as many processes only"):
         check_elastic(cfg, 1, 2, 1)
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf", "nan"])
+def test_a_rendezvous_time_from_the_environment_that_is_no_positive_number_is_one_sentence(monkeypatch, value):
+    monkeypatch.setenv(LAST_CALL_ENV, value)
+    with pytest.raises(LaunchError, match=f"^{LAST_CALL_ENV}='{value}' is not a number of seconds above 0; .*unset it "
+                                          f"for 10\\.$"):
+        seconds_from_env(LAST_CALL_ENV, 10)
+    monkeypatch.setenv(LAST_CALL_ENV, " 2.5 ")
+    assert seconds_from_env(LAST_CALL_ENV, 10) == 2.5
+    monkeypatch.delenv(LAST_CALL_ENV)
+    assert seconds_from_env(LAST_CALL_ENV, 10) == 10

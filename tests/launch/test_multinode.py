@@ -193,7 +193,7 @@ def json_env(run_dir) -> dict:
 @pytest.mark.slow
 def test_a_cut_link_fails_the_other_host_within_the_timeout_naming_the_lost_rank(two_hosts, tmp_path):
     run_dir = tmp_path / "run"
-    timeout_s = 12
+    timeout_s = 8
     argv = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "100000", "--train.epochs", "1",
             "--train.global_batch_size", "32", "--train.log_every", "1", "--launch.timeout_s", str(timeout_s),
             "--output.dir", str(run_dir)]

@@ -15,6 +15,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from dptrain.dist.env import Nodes
 from dptrain.dist.store import listening_store, reach_store
+from dptrain.errors import LaunchError
 
 REFUSAL_FILE = "DPTRAIN_REFUSAL_FILE"
 """Names the file where a worker leaves the sentence of a refusal that no restart can change, for its agent."""
@@ -28,10 +29,29 @@ RENDEZVOUS = "dptrain"
 # How an elastic run (--nnodes MIN:MAX) notices a lost node: each agent writes a heart beat to the rendezvous store
 # every KEEP_ALIVE_S; one silent for KEEP_ALIVE_MISSED beats is out (torch's defaults, 5 s x 3, took 15 s; a beat is
 # one small store write). Once MIN nodes have come, the rendezvous waits LAST_CALL_S for more (torch: 30 s) before
-# the workers start: that long is added to every restart of a run that is not at its MAX nodes.
+# the workers start: that long is added to every restart of a run that is not at its MAX nodes. Both can be set in
+# the agents' environment (docs/elastic.md): shorter notices sooner, but a node whose beats a busy machine delays may
+# be taken for lost.
 KEEP_ALIVE_S = 2
 KEEP_ALIVE_MISSED = 3
 LAST_CALL_S = 10
+KEEP_ALIVE_ENV, LAST_CALL_ENV = "DPTRAIN_RDZV_KEEP_ALIVE_S", "DPTRAIN_RDZV_LAST_CALL_S"
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable `name`, else `default`; LaunchError in one sentence
+    for another value."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise LaunchError(f"{name}={text!r} is not a number of seconds above 0; set it to one (e.g. {default:g}), or "
+                          f"unset it for {default:g}.")
+    return value
 
 
 def register_rendezvous() -> None:
@@ -64,7 +84,7 @@ def _rendezvous(params: Any) -> Any:
     # A node that died (its agent killed with its workers) leaves the rendezvous once it missed KEEP_ALIVE_MISSED
     # heart beats; then the nodes left meet without it, after waiting LAST_CALL_S for any other node to join.
     timeout = RendezvousTimeout(join=datetime.timedelta(seconds=join_s),
-                                last_call=datetime.timedelta(seconds=LAST_CALL_S))
+                                last_call=datetime.timedelta(seconds=seconds_from_env(LAST_CALL_ENV, LAST_CALL_S)))
     with nodes_in_node_rank_order(node_rank):
         handler = DynamicRendezvousHandler.from_backend(
             params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
@@ -72,10 +92,11 @@ def _rendezvous(params: Any) -> Any:
     return RefusalAware(handler)
 
 
-def _keep_alive(handler_class: Any) -> dict[str, int]:
+def _keep_alive(handler_class: Any) -> dict[str, Any]:
     """The heart beat settings for torchs whose handler takes them (older ones keep their 5 s x 3)."""
     taken = inspect.signature(handler_class.from_backend).parameters
-    return ({"keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": KEEP_ALIVE_MISSED}
+    return ({"keep_alive_interval": seconds_from_env(KEEP_ALIVE_ENV, KEEP_ALIVE_S),  # seconds; torch makes a timedelta
+             "keep_alive_max_attempt": KEEP_ALIVE_MISSED}
             if "keep_alive_interval" in taken else {})
 
 
