@@ -327,12 +327,13 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain report --help.")
     path = Path(args.bench_dir)
     if is_run_dir(path):
-        if args.link:
-            raise ConfigError(f"--link draws the scaling model of a sweep; {path} is one run's folder, whose card "
-                              f"has no model: drop --link.")
+        for given, option in ((args.link, "--link"), (args.fitted_on, "--fitted-on")):
+            if given:
+                raise ConfigError(f"{option} draws the scaling model of a sweep; {path} is one run's folder, whose "
+                                  f"card has no model: drop {option}.")
         print(write_run_card(path))
     else:
-        print(write_report(path, link=args.link))
+        print(write_report(path, link=args.link, fitted_on=Path(args.fitted_on) if args.fitted_on else None))
     return 0
 
 
@@ -532,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "plots and report.md), or one run's folder (its card: RUN_DIR/report/report.md)")
     report.add_argument("--link", metavar="NAME", help="with the sweep's link.json: also predict for a named link, "
                         "100mbit, 1gbit, 10gbit or 100gbit (docs/scaling-model.md)")
+    report.add_argument("--fitted-on", metavar="BENCH_DIR", help="predict every point of this sweep with the model "
+                        "fitted on another sweep's folder (a sweep over another link, say) and give the errors")
     report.set_defaults(func=cmd_report)
     return parser
 

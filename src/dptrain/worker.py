@@ -21,7 +21,7 @@ from dptrain.config import RunConfig
 from dptrain.dist.ending import exit_deadline
 from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
-from dptrain.dist.world import barrier, destroy_process_group, init_process_group
+from dptrain.dist.world import barrier, destroy_process_group, init_process_group, placement
 from dptrain.errors import DataError, OutputError
 from dptrain.files import written_whole
 from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,
@@ -81,8 +81,9 @@ def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
     root.addHandler(console)
 
 
-def environment_record(env: DistEnv, device: torch.device, threads: int) -> dict[str, Any]:
-    """What produced a result: versions, hardware, source revision (written as env.json)."""
+def environment_record(env: DistEnv, device: torch.device, threads: int, where: dict[str, int]) -> dict[str, Any]:
+    """What produced a result: versions, hardware, source revision, where the ranks ran (world.placement) (written as
+    env.json)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
@@ -92,7 +93,7 @@ def environment_record(env: DistEnv, device: torch.device, threads: int) -> dict
         "dptrain_git_sha": sha, "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "host": socket.gethostname(), "world_size": env.world_size, "launched_by": env.source,
-        "device": str(device), "cpu_threads_per_rank": threads,
+        "device": str(device), "cpu_threads_per_rank": threads, **where,
     }
 
 
@@ -165,8 +166,10 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                          env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
             trainer = build_trainer(cfg, env, device, events, phase)
             step = trainer.state.step
+            with phase("placement of the ranks"):
+                where = placement()  # every rank: a collective
             if env.is_main:  # only now: a refused resume leaves the run directory as it was
-                record = environment_record(env, device, threads)
+                record = environment_record(env, device, threads, where)
                 with phase("writing config.toml and env.json"):
                     write_run_file(cfg.output.folder.config, config_mod.to_toml(cfg))
                     write_run_file(cfg.output.folder.env, json.dumps(record, indent=2) + "\n")

@@ -130,6 +130,31 @@ def test_split_fits_on_the_smaller_shapes():
     assert split_for_fit([Measured(1, 1, 1.0)]) == ([Measured(1, 1, 1.0)], [])
 
 
+def test_nodes_that_share_one_machine_share_its_cores():
+    # the lab cluster: hosts that are namespaces of one 2-core kernel, a rank of 1 thread each; the 1-worker run that
+    # gave 1 ms a sample had 1 thread too
+    lab = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1)
+    assert lab.machine_share(2, 1, 1) == 1.0 and lab.machine_share(4, 1, 1) == 0.5  # 2 ranks a core, from 4 on
+    assert lab.machine_share(4, 1, 2) == 0.5 and lab.machine_share(8, 2, 1) == 0.5  # 2 threads of 1 core; 2 machines
+    alone_on_two = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, machine_cores=2,
+                            threads_alone=2)
+    assert alone_on_two.machine_share(2, 1, 1) == 0.5  # a rank of 1 thread against a 1-worker run of 2
+    # 100 samples over 4 ranks at half the 1-worker rate: 25 x 1 ms / 0.5; on 4 machines of their own, 25 ms
+    assert predict(Plan(strategy="single"), lab, LINK, 4, machines=1, threads_per_rank=1).compute_s == pytest.approx(0.05)
+    assert predict(Plan(strategy="single"), lab, LINK, 4, machines=4, threads_per_rank=1).compute_s == pytest.approx(0.025)
+    assert predict(Plan(strategy="single"), lab, LINK, 4).compute_s == pytest.approx(0.025)
+    # a count missing: no machine sharing to count, each node its own machine
+    assert Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3).machine_share(4, 1, 1) is None
+    # held out on the lab: fitted on 1 and 2 hosts, the 4-host point predicted with its ranks at half speed
+    plan, truth = Plan(strategy="ddp"), 0.3
+    points = [Measured(n, n, predict(plan, lab, LINK, n, 1, truth, machines=1, threads_per_rank=1).images_per_s, 1, 1)
+              for n in (1, 2, 4)]
+    calibration = calibrate(plan, Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=5e-3,
+                                           machine_cores=2), points, LINK)
+    assert calibration.work.threads_alone == 1 and calibration.overlap == pytest.approx(truth)
+    assert [m.nodes for m, _ in calibration.held_out] == [4] and abs(calibration.errors()[0][2]) < 1e-9
+
+
 def test_calibrate_recovers_a_known_overlap_and_predicts_the_held_out_points():
     truth = 0.4
     plan = Plan(strategy="ddp")

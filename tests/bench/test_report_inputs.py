@@ -277,7 +277,7 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     assert (bench / SCALING_PLOT).stat().st_size > 10_000  # a drawn plot, not an empty canvas
     assert f"![Scaling model: measured and predicted]({SCALING_PLOT})" in text
     assert ("ddp: fitted on 1x1, 2x1 (nodes x ranks per node); compute 1 ms per sample from its 1-worker run; "
-            "overlap 0.30 fitted.") in text
+            "overlap 0.30 fitted.") in text.replace("\\", "")
     errors = text.split("## Model error on the points it was not fitted on", 1)[1].split("##", 1)[0]
     [held_out] = [line for line in errors.splitlines() if line.startswith("| ddp |")]
     assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4] / 0.9:.0f} | +11.1% |")
@@ -288,6 +288,62 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     assert "| 256 |" not in predicted
     assert "Its curves end at 128 nodes: the global batch of 128 gives each of 128 ranks a sample" in text
     assert "100mbit \\(assumed\\): 100 Mbit/s Ethernet" in text
+
+
+def write_lab_sweep(bench: Path, link, overlap: float, hosts: tuple[int, ...], slower: dict[int, float] | None = None):
+    """A sweep of 1 rank on each of `hosts` hosts that are one 2-core machine (the lab cluster), a thread a rank: the
+    runs' env.json say so, their images/s follow the model (times `slower` at a host count), link.json is `link`."""
+    from dptrain.bench.model import Plan, Workload, predict
+
+    work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1)
+    rates = {n: predict(Plan(strategy="ddp"), work, link, n, 1, overlap, machines=1, threads_per_rank=1).images_per_s
+             * (slower or {}).get(n, 1.0) for n in hosts}
+    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n], global_batch_size=128)
+                          for n in hosts])
+    for n in hosts:
+        run_dir = write_run(bench, [{"event": "run_start", "global_batch_size": 128},
+                                    epoch(1, mem_params_bytes=[4_000_000] * n, mem_optim_bytes=[8_000_000] * n,
+                                          comm_bytes_per_step=[0 if n == 1 else 8_000_000 * (n - 1) // n] * n),
+                                    {"event": "run_end"}], workers=n)
+        (run_dir / "env.json").write_text(json.dumps({"hosts": n, "machines": 1, "machine_cores": 2,
+                                                      "cpu_threads_per_rank": 1}))
+    write_link(bench, link.latency_s, link.bandwidth_bps)
+    return rates
+
+
+def errors_of(text: str) -> list[str]:
+    """The rows of report.md's error table."""
+    errors = text.split("## Model error on the points it was not fitted on", 1)[1].split("##", 1)[0]
+    return [line for line in errors.splitlines() if line.startswith("| ddp |")]
+
+
+def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit_predicts_another_link(tmp_path):
+    from dptrain.bench.model import Link
+    from dptrain.bench.report import write_report
+
+    # the 4-host point computes at half speed (4 ranks on 2 cores), which env.json's placement lets the model know
+    lab = tmp_path / "1gbit"
+    rates = write_lab_sweep(lab, Link("1gbit", 50e-6, 125e6, ""), 0.3, (1, 2, 4))
+    [held_out] = errors_of(write_report(lab).read_text())
+    assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4]:.0f} | +0.0% |")
+    for run_env in lab.glob("runs/*/env.json"):  # without it, 4 hosts would be 4 machines: half the compute time,
+        run_env.unlink()  # the step (compute, then what communication it does not hide) a third shorter
+    [blind] = errors_of(write_report(lab).read_text())
+    assert float(blind.split("|")[-2].strip().rstrip("%")) > 30
+    lab = tmp_path / "1gbit-again"
+    write_lab_sweep(lab, Link("1gbit", 50e-6, 125e6, ""), 0.3, (1, 2, 4))
+    # the same ranks on a 100 Mbit/s link, 10% slower at 2 hosts than the model says: every point held out
+    slow = tmp_path / "100mbit"
+    slow_rates = write_lab_sweep(slow, Link("100mbit", 200e-6, 12.5e6, ""), 0.3, (1, 2, 4), slower={2: 0.9})
+    text = write_report(slow, fitted_on=lab).read_text()
+    assert f"ddp: fitted on none of these points, every one held out; compute 1 ms per sample from the fit on " in \
+        text.replace("\\", "")
+    rows = errors_of(text)
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "4"]
+    assert rows[1].startswith(f"| ddp | 2 | 2 | {slow_rates[2]:.0f} | {slow_rates[2] / 0.9:.0f} | +11.1% |")
+    assert rows[0].endswith("| +0.0% |") and rows[2].endswith("| +0.0% |")
+    with pytest.raises(ConfigError, match=f"^--fitted-on {tmp_path / 'empty'} does not exist"):
+        write_report(slow, fitted_on=tmp_path / "empty")
 
 
 def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):

@@ -11,7 +11,6 @@ from dptrain import config
 from dptrain.bench import tune
 from dptrain.bench.tune import Candidate, Tuner
 from dptrain.cli import main
-from dptrain.errors import ConfigError
 from tests.conftest import run_cli
 
 TINY = [("data.name", "synthetic"), ("data.synthetic_train_size", "512"), ("data.synthetic_test_size", "64"),

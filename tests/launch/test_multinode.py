@@ -168,6 +168,8 @@ def test_two_hosts_train_as_one_host_with_two_workers(two_hosts, planned_run, tm
     start = read_events(run_dir, "run_start")[0]
     assert start["world_size"] == 2
     assert json_env(run_dir)["host"] == "node1"  # rank 0 ran on the host of the rendezvous
+    # two hosts by name, one machine by kernel (network namespaces of this one): the cores they share, for the model
+    assert (json_env(run_dir)["hosts"], json_env(run_dir)["machines"]) == (2, 1)
     assert_trained_alike(run_dir, reference, steps=8)
 
 

@@ -103,6 +103,10 @@ class Workload:
     """R ranks on one node -> each rank's rate over one rank's alone (peak.json: peak(R) / (R peak(1)))."""
     ranks_share_a_node: bool = True
     """Without a rank_share entry: True (CPU), R ranks split the node (1/R each); False (one GPU a rank), 1 each."""
+    machine_cores: int | None = None
+    """CPU cores of one machine (env.json's machine_cores), for nodes that share a machine (machine_share)."""
+    threads_alone: int | None = None
+    """CPU threads of the 1-worker run that gave compute_s_per_sample (env.json's cpu_threads_per_rank)."""
 
     def batch(self, world: int) -> int:
         """The global batch of a step on `world` ranks."""
@@ -112,6 +116,17 @@ class Workload:
         if ranks_per_node in self.rank_share:
             return self.rank_share[ranks_per_node]
         return 1.0 / ranks_per_node if self.ranks_share_a_node else 1.0
+
+    def machine_share(self, world: int, machines: int, threads_per_rank: int) -> float | None:
+        """Where several nodes are one machine (the lab cluster: network namespaces of one kernel), each rank's rate
+        over the 1-worker run's, counted in cores: a rank of t threads among the k ranks of a machine of C cores
+        computes on min(t, C / k) of them, the 1-worker run on min(threads_alone, C). None where a count is missing
+        or on GPUs (one each)."""
+        if not (self.ranks_share_a_node and self.machine_cores and self.threads_alone and machines and threads_per_rank):
+            return None
+        on_one = math.ceil(world / machines)
+        return (min(threads_per_rank, self.machine_cores / on_one)
+                / min(self.threads_alone, self.machine_cores))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,11 +275,25 @@ class Prediction:
         return self.nodes * self.ranks_per_node
 
 
+def compute_seconds(work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
+                    threads_per_rank: int | None = None) -> float:
+    """A step's compute on nodes x ranks_per_node ranks: the global batch split over them, each at its share of the
+    1-worker run's rate (Workload.share; Workload.machine_share where nodes share machines: see predict)."""
+    world = nodes * ranks_per_node
+    shared = (work.machine_share(world, machines, threads_per_rank or 0)
+              if machines is not None and machines < nodes else None)
+    return work.batch(world) * work.compute_s_per_sample / (world * (work.share(ranks_per_node) if shared is None
+                                                                      else shared))
+
+
 def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node: int = 1, overlap: float = 0.0,
-            local_link: Timed | None = None) -> Prediction:
+            local_link: Timed | None = None, machines: int | None = None,
+            threads_per_rank: int | None = None) -> Prediction:
     """One step of `plan` on nodes x ranks_per_node ranks: over `link` between nodes, or `local_link` (default: the
     same) when all ranks share one node. overlap: the fraction of the communication in forward and backward that
-    hides behind that phase's compute (0: none, 1: all it can)."""
+    hides behind that phase's compute (0: none, 1: all it can). machines (fewer than nodes where nodes share a
+    machine's cores, as the lab cluster's do) and threads_per_rank: the ranks' cores are then counted
+    (Workload.machine_share); None: every node is a machine of its own."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"{nodes} nodes x {ranks_per_node} ranks: both must be 1 or more")
     world = nodes * ranks_per_node
@@ -272,7 +301,7 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     if batch < world:
         raise ValueError(f"{world} ranks share a global batch of {batch}: some would get no sample")
     over = link if nodes > 1 or local_link is None else local_link
-    compute = batch * work.compute_s_per_sample / (world * work.share(ranks_per_node))
+    compute = compute_seconds(work, nodes, ranks_per_node, machines, threads_per_rank)
     phase_compute = {"forward": compute * (1 - work.backward_share), "backward": compute * work.backward_share}
     by_phase = {"forward": 0.0, "backward": 0.0, "after": 0.0}
     for c in collectives(plan, work, world):
@@ -303,11 +332,14 @@ def curve(plan: Plan, work: Workload, link: Timed, ranks_per_node: int = 1, over
 
 @dataclass(frozen=True)
 class Measured:
-    """A measured point: its nodes and ranks (workers), and the images/s it trained at."""
+    """A measured point: its nodes and ranks (workers), and the images/s it trained at; where known (env.json), the
+    machines its nodes were (fewer on the lab cluster) and each rank's CPU threads."""
 
     nodes: int
     workers: int
     images_per_s: float
+    machines: int | None = None
+    threads_per_rank: int | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -325,6 +357,13 @@ def split_for_fit(points: list[Measured]) -> tuple[list[Measured], list[Measured
 OVERLAP_GRID = tuple(i / 100 for i in range(101))
 
 
+def predict_point(plan: Plan, work: Workload, link: Timed, point: Measured, overlap: float,
+                  local_link: Timed | None = None) -> Prediction:
+    """The prediction of a measured point's shape, on the machines it ran on."""
+    return predict(plan, work, link, point.nodes, point.ranks_per_node, overlap, local_link, point.machines,
+                   point.threads_per_rank)
+
+
 def fit_overlap(plan: Plan, work: Workload, points: list[Measured], link: Timed,
                 local_link: Timed | None = None) -> float | None:
     """The overlap (0..1, by hundredths) whose predictions of the points with two ranks or more are closest in
@@ -334,8 +373,8 @@ def fit_overlap(plan: Plan, work: Workload, points: list[Measured], link: Timed,
         return None
 
     def cost(overlap: float) -> float:
-        return sum((predict(plan, work, link, p.nodes, p.ranks_per_node, overlap, local_link).images_per_s
-                    - p.images_per_s) ** 2 / p.images_per_s**2 for p in multi)
+        return sum((predict_point(plan, work, link, p, overlap, local_link).images_per_s - p.images_per_s) ** 2
+                   / p.images_per_s**2 for p in multi)
 
     return min(OVERLAP_GRID, key=cost)
 
@@ -361,11 +400,18 @@ def calibrate(plan: Plan, work: Workload, points: list[Measured], link: Timed, l
     1-worker points where there are any (else work's own, from peak.json), the overlap from its multi-rank points
     (else default_overlap)."""
     fit_on, held = split_for_fit(points)
-    single = [p.images_per_s for p in fit_on if p.workers == 1 and p.nodes == 1]
+    single = [p for p in fit_on if p.workers == 1 and p.nodes == 1]
     if single:
-        work = replace(work, compute_s_per_sample=len(single) / sum(single))  # mean time per sample
+        work = replace(work, compute_s_per_sample=len(single) / sum(p.images_per_s for p in single),  # mean per sample
+                       threads_alone=single[0].threads_per_rank or work.threads_alone)
     overlap = fit_overlap(plan, work, fit_on, link, local_link)
     fitted = overlap is not None
     overlap = default_overlap if overlap is None else overlap
-    predicted = [(m, predict(plan, work, link, m.nodes, m.ranks_per_node, overlap, local_link)) for m in held]
-    return Calibration(work=work, overlap=overlap, overlap_fitted=fitted, fitted_on=fit_on, held_out=predicted)
+    return Calibration(work=work, overlap=overlap, overlap_fitted=fitted, fitted_on=fit_on,
+                       held_out=predicted(plan, work, held, link, overlap, local_link))
+
+
+def predicted(plan: Plan, work: Workload, points: list[Measured], link: Timed, overlap: float,
+              local_link: Timed | None = None) -> list[tuple[Measured, Prediction]]:
+    """(point, the model's prediction of it) for each point."""
+    return [(m, predict_point(plan, work, link, m, overlap, local_link)) for m in points]

@@ -19,8 +19,9 @@ from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive
                                    summarize, write_csv, write_results)
 from dptrain.bench.link import LINK_FILE, read_link
 from dptrain.bench.model import STRATEGIES as MODEL_STRATEGIES
-from dptrain.bench.model import (DDP_BUCKET_BYTES, MAX_NODES, Calibration, Measured, Plan, Prediction, Workload,
-                                 calibrate, curve, named_link, split_for_fit)
+from dptrain.bench.model import (DDP_BUCKET_BYTES, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
+                                 Workload, calibrate, compute_seconds, curve, named_link, predicted,
+                                 split_for_fit)
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import SWEEP_FILE
 from dptrain.errors import ConfigError
@@ -72,9 +73,10 @@ def load_rows(bench_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, [note for r in rows if (note := r.get("skipped_events"))]
 
 
-def write_report(bench_dir: Path, link: str | None = None) -> Path:
+def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | None = None) -> Path:
     """The PNGs and report.md in bench_dir; the path of report.md. With BENCH/link.json, the scaling model's plot and
-    tables too, for the measured link and, given its name (`link`, model.NAMED_LINKS), a named one."""
+    tables too, for the measured link and, given its name (`link`, model.NAMED_LINKS), a named one; fitted_on:
+    another sweep whose fit predicts every point of this one (scaling_lines)."""
     rows, left_out = load_rows(bench_dir)
     summary = [s for s in summarize(rows) if positive(s["epoch_time_s_mean"]) is not None]
     if not summary and left_out:
@@ -91,7 +93,7 @@ def write_report(bench_dir: Path, link: str | None = None) -> Path:
                           f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
     write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summarize(rows))
     plot_all(summary, bench_dir)
-    lines, notes, links = scaling_lines(bench_dir, rows, link)
+    lines, notes, links = scaling_lines(bench_dir, rows, link, fitted_on)
     if lines:
         plot_scaling(lines, bench_dir)
     path = bench_dir / "report.md"
@@ -331,14 +333,34 @@ def _plan(strategy: str, table: dict[str, Any]) -> Plan:
                 reduce_dtype_size=DTYPE_BYTES.get(str(fsdp.get("reduce_dtype"))))
 
 
-def _last_epoch(bench_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
-    """The last epoch event of a row's run (metrics.jsonl), {} without one; only folders inside bench_dir are read."""
+def _run_folder(bench_dir: Path, row: dict[str, Any]) -> RunFolder | None:
+    """A row's run folder; None without one, or where it is not inside bench_dir (only those are read)."""
     run_dir = (bench_dir / str(row.get("run_dir") or "")).resolve()
     if not row.get("run_dir") or not run_dir.is_relative_to(bench_dir.resolve()):
+        return None
+    return RunFolder(run_dir)
+
+
+def _last_epoch(bench_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """The last epoch event of a row's run (metrics.jsonl), {} without one."""
+    folder = _run_folder(bench_dir, row)
+    if folder is None:
         return {}
-    events, _ = read_run_events(RunFolder(run_dir).metrics)
+    events, _ = read_run_events(folder.metrics)
     epochs = [e for e in events if e.get("event") == "epoch"]
     return epochs[-1] if epochs else {}
+
+
+def _placement(bench_dir: Path, row: dict[str, Any]) -> dict[str, int]:
+    """Where a row's ranks ran, from its env.json (worker.environment_record): machines, machine_cores and
+    cpu_threads_per_rank, those it holds as positive integers."""
+    folder = _run_folder(bench_dir, row)
+    try:
+        env = json.loads(folder.env.read_text()) if folder is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return {key: value for key in ("machines", "machine_cores", "cpu_threads_per_rank")
+            if isinstance(value := env.get(key) if isinstance(env, dict) else None, int) and value > 0}
 
 
 def _ranks_total(values: Any, sharded: bool) -> float | None:
@@ -372,26 +394,33 @@ def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | N
     shares = {w: p.peak_tflops / (w * peaks[1].peak_tflops) for w, p in peaks.items() if 1 in peaks}
     on_gpu = any(p.device == "cuda" for p in peaks.values())
     per_sample = flops / (peaks[1].peak_tflops * 1e12) if flops and 1 in peaks else 0.0  # peak.json + FLOPs
+    cores = next((c for r in rows if (c := _placement(bench_dir, r).get("machine_cores"))), None)
     work = Workload(param_bytes=params, optimizer_bytes=optim, global_batch=batches[0] if batches else 1,
-                    compute_s_per_sample=per_sample, rank_share=shares, ranks_share_a_node=not on_gpu)
+                    compute_s_per_sample=per_sample, rank_share=shares, ranks_share_a_node=not on_gpu,
+                    machine_cores=cores)
     return work, powersgd, ""
 
 
-def _measured(rows: list[dict[str, Any]]) -> list[Measured]:
-    """The line's finished points, the repeats of a shape averaged."""
+def _measured(bench_dir: Path, rows: list[dict[str, Any]]) -> list[Measured]:
+    """The line's finished points, the repeats of a shape averaged, with the machines and threads of their first run."""
     shapes: dict[tuple[int, int], list[float]] = {}
+    where: dict[tuple[int, int], dict[str, int]] = {}
     for r in rows:
         rate = positive(r.get("images_per_s"))
         if r["status"] == "ok" and rate is not None:
-            nodes = int(as_number(r.get("nodes")) or 1)
-            shapes.setdefault((nodes, int(r["workers"])), []).append(rate)
-    return [Measured(n, w, sum(v) / len(v)) for (n, w), v in sorted(shapes.items())]
+            shape = (int(as_number(r.get("nodes")) or 1), int(r["workers"]))
+            shapes.setdefault(shape, []).append(rate)
+            where.setdefault(shape, _placement(bench_dir, r))
+    return [Measured(n, w, sum(v) / len(v), where[(n, w)].get("machines"), where[(n, w)].get("cpu_threads_per_rank"))
+            for (n, w), v in sorted(shapes.items())]
 
 
-def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | None = None
-                  ) -> tuple[list[ScalingLine], list[str], dict[str, str]]:
+def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | None = None,
+                  fitted_on: Path | None = None) -> tuple[list[ScalingLine], list[str], dict[str, str]]:
     """The model's line of each dptrain strategy it has formulas for; notes on what it could not do; the links used,
-    by label, in words. Nothing without link.json."""
+    by label, in words. Nothing without link.json. fitted_on: another sweep's folder (another link, say) whose fit
+    (compute per sample, overlap) predicts every point here, none of which is then fitted on."""
+    earlier = _fits_of(fitted_on) if fitted_on is not None else None
     named = named_link(link_name) if link_name else None  # an unknown name is refused before anything is read
     record = read_link(bench_dir)
     if record is None:
@@ -412,9 +441,22 @@ def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | 
         return [], [why_not], links
     table, lines, notes = _sweep_strategy(bench_dir), [], []
     for strategy in sorted({r["strategy"] for r in ours}):
-        measured = _measured([r for r in ours if r["strategy"] == strategy])
+        measured = _measured(bench_dir, [r for r in ours if r["strategy"] == strategy])
         plan = _plan(strategy, table)
         line_work = replace(work, powersgd_bytes=powersgd.get(strategy))
+        if earlier is not None:
+            if strategy not in earlier:
+                notes.append(f"{strategy}: {fitted_on} has no fit of it to predict these points with")
+                continue
+            fit = earlier[strategy].calibration
+            line_work = replace(line_work, compute_s_per_sample=fit.work.compute_s_per_sample,
+                                threads_alone=fit.work.threads_alone)
+            calibration = Calibration(work=line_work, overlap=fit.overlap, overlap_fitted=fit.overlap_fitted,
+                                      fitted_on=[], held_out=predicted(plan, line_work, measured, between, fit.overlap,
+                                                                       within))
+            lines.append(_line(strategy, plan, calibration, measured, between, within, named,
+                               f"the fit on {fitted_on}"))
+            continue
         has_single = any(m.workers == 1 for m in split_for_fit(measured)[0])
         if not measured or (not has_single and not line_work.compute_s_per_sample):
             notes.append(f"{strategy}: no 1-worker run and no peak.json with the model's operations per sample, so "
@@ -425,20 +467,40 @@ def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | 
         except ConfigError as e:  # PowerSGD without its measured bytes, say
             notes.append(f"{strategy}: {e}")
             continue
-        per_node = max((m.ranks_per_node for m in measured if m.nodes > 1), default=1)
-        curves = {"measured": curve(plan, calibration.work, between, per_node, calibration.overlap, local_link=within)}
-        if named is not None:
-            curves[named.name] = curve(plan, calibration.work, named, per_node, calibration.overlap, local_link=within)
-        lines.append(ScalingLine(strategy, plan, calibration, measured, per_node, curves,
-                                 "its 1-worker run" if has_single else "peak.json and the model's operations"))
+        lines.append(_line(strategy, plan, calibration, measured, between, within, named,
+                           "its 1-worker run" if has_single else "peak.json and the model's operations"))
     return lines, notes, links
+
+
+def _line(strategy: str, plan: Plan, calibration: Calibration, measured: list[Measured], between: Timed,
+          within: Timed | None, named: Timed | None, compute_from: str) -> ScalingLine:
+    """A strategy's line: its curves to MAX_NODES over the measured link (and the named one), each node a machine."""
+    per_node = max((m.ranks_per_node for m in measured if m.nodes > 1), default=1)
+    curves = {"measured": curve(plan, calibration.work, between, per_node, calibration.overlap, local_link=within)}
+    if named is not None:
+        curves[named.name] = curve(plan, calibration.work, named, per_node, calibration.overlap, local_link=within)
+    return ScalingLine(strategy, plan, calibration, measured, per_node, curves, compute_from)
+
+
+def _fits_of(bench_dir: Path) -> dict[str, ScalingLine]:
+    """Another sweep's lines by strategy, for --fitted-on; ConfigError in one sentence where it has none."""
+    if not bench_dir.is_dir():
+        raise ConfigError(f"--fitted-on {bench_dir} does not exist; give the folder of a sweep whose own report draws "
+                          f"the scaling model.")
+    rows, _ = load_rows(bench_dir)
+    lines, notes, _ = scaling_lines(bench_dir, rows)
+    if not lines:
+        why = notes[0] if notes else f"it has no {LINK_FILE}"
+        raise ConfigError(f"--fitted-on {bench_dir} gives the model no fit ({why}); give a sweep's folder whose own "
+                          f"report draws the scaling model.")
+    return {line.strategy: line for line in lines}
 
 
 def _measured_efficiency(line: ScalingLine, point: Measured) -> float:
     """compute_s / step_s of a measured point, as the model defines efficiency."""
     work = line.calibration.work
-    compute = work.global_batch * work.compute_s_per_sample / (point.workers * work.share(point.ranks_per_node))
-    return compute * point.images_per_s / work.global_batch
+    compute = compute_seconds(work, point.nodes, point.ranks_per_node, point.machines, point.threads_per_rank)
+    return compute * point.images_per_s / work.batch(point.workers)
 
 
 def plot_scaling(lines: list[ScalingLine], out_dir: Path) -> None:
@@ -503,8 +565,10 @@ def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str
         fit_shapes = ", ".join(sorted({f"{m.nodes}x{m.ranks_per_node}" for m in c.fitted_on}))
         overlap = (f"overlap {c.overlap:.2f} fitted" if c.overlap_fitted else
                    f"overlap {c.overlap:.2f} assumed (no point of two ranks or more to fit it on)")
-        parts.append(f"- {md_text(line.strategy)}: fitted on {fit_shapes} (nodes x ranks per node); compute "
-                     f"{c.work.compute_s_per_sample * 1e3:.3g} ms per sample from {line.compute_from}; {overlap}.")
+        fitted = (f"fitted on {fit_shapes} (nodes x ranks per node)" if c.fitted_on else
+                  "fitted on none of these points, every one held out")
+        parts.append(f"- {md_text(line.strategy)}: {fitted}; compute {c.work.compute_s_per_sample * 1e3:.3g} ms per "
+                     f"sample from {md_text(line.compute_from)}; {overlap}.")
         last = max(p.nodes for p in line.curves["measured"])
         if last < MAX_NODES:  # the sweep keeps the global batch: past it, a rank would get no sample
             parts.append(f"  Its curves end at {last} nodes: the global batch of {c.work.global_batch} gives each of "

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,30 @@ def barrier() -> None:
         dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def machine_id() -> str:
+    """What the ranks of one machine share even where each host has its own name (the lab cluster's hosts are
+    network namespaces of one kernel, containers too): the kernel's boot id, else the host name."""
+    try:
+        return BOOT_ID.read_text().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def placement() -> dict[str, int]:
+    """How the world's ranks sit: on how many hosts (names) and machines (kernels, whose cores their ranks share),
+    and the cores of this one (collective: every rank calls it; one process needs no peer)."""
+    mine = (socket.gethostname(), machine_id())
+    everyone: list = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return {"hosts": len({host for host, _ in everyone}), "machines": len({machine for _, machine in everyone}),
+            "machine_cores": os.cpu_count() or 1}
 
 
 def destroy_process_group() -> None:
