@@ -9,8 +9,8 @@ half.
 Collectives, each at a few buffer sizes: all_reduce (ddp, zero1, the hooks), reduce_scatter and all_gather (fsdp,
 zero1's parameters), broadcast (DDP's buffers and first parameters). Each collective and size: a warm-up call, one
 timed call that sets how many calls fill MIN_S (the slowest rank's, agreed by an all_reduce), then ROUNDS rounds of
-those calls, each between two barriers; its time per call is the best round's, so a round another program slowed
-down does not count.
+those calls, each after a barrier and timed by its slowest rank; its time per call is the best round's, so a round
+another program slowed down does not count.
 
 The fit (fit(), pure) assumes the ring algorithms of the bandwidth-optimal textbook: for a buffer of S bytes on N
 processes, with a per-message latency alpha and a link bandwidth B (bytes/s),
@@ -251,7 +251,11 @@ def _time_collectives(rank: int, world: int, device: str, sizes: tuple[int, ...]
                 for _ in range(calls):
                     call()
                 sync()
-                best = min(best, (time.perf_counter() - start) / calls)
+                # the slowest rank's time: a broadcast's root returns once its sends sit in the socket buffers (a
+                # MiB at 100 Mbit/s "took" 1 ms there), its receivers once the data came
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                best = min(best, elapsed.item() / calls)
             timings.append(Timing(collective, world, whole.numel() * whole.element_size(), best))
     return timings
 
