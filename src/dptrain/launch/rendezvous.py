@@ -60,6 +60,8 @@ def register_rendezvous() -> None:
     the host by matching host names, which fails where a node's name does not resolve to its address)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+    for name, default in ((KEEP_ALIVE_ENV, KEEP_ALIVE_S), (LAST_CALL_ENV, LAST_CALL_S)):
+        seconds_from_env(name, default)  # a bad value refused here, in one sentence, not later inside the agent
     rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous)
 
 

@@ -7,6 +7,8 @@ the algorithm where a library collective does it (allreduce, fp16, bf16, powersg
 """
 
 
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -123,7 +125,11 @@ def _install_powersgd(model: DistributedDataParallel, powersgd_rank: int, counte
         process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
         warm_start=True,
     )
-    model.register_comm_hook(state, _powersgd_counting(counter, state))
+    hook = _powersgd_counting(counter, state)
+    # On gloo, PowerSGD's chained all-reduces of two buckets would interleave differently on each rank (a collective
+    # mismatch, seen as a gloo size error): each bucket finishes before the next, on a thread, so backward goes on.
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    model.register_comm_hook(state, in_order(hook, "dptrain-powersgd") if on_cpu else hook)
 
 
 def _install_ring(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
@@ -139,6 +145,34 @@ COMM_HOOKS: dict[str, Callable[[DistributedDataParallel, int, CommCounter], None
 def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:
     """Register hook `name` on a DDP model; 'allreduce' registers a counting wrapper of DDP's default."""
     COMM_HOOKS[name](model, powersgd_rank, counter)
+
+
+def in_order(hook: Callable, thread_name: str) -> Callable:
+    """`hook` with its buckets run on one thread of the rank's, each to its end before the next, in the order DDP
+    hands them over (the same on every rank); the returned hook itself returns at once, so backward goes on computing
+    while a bucket is compressed and sent. For hooks whose chained collectives of two buckets would otherwise
+    interleave differently on each rank (PowerSGD on gloo). Costs a thread a model, blocked on its queue between
+    buckets."""
+    buckets: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        while True:
+            state, bucket, future = buckets.get()
+            try:
+                result = hook(state, bucket).wait()
+            except Exception as exc:  # noqa: BLE001 - DDP raises it in backward, where the worker reports it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
+
+    def ordered(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        buckets.put((state, bucket, future))
+        return future
+
+    return ordered
 
 
 def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState) -> Callable:
@@ -160,11 +194,6 @@ def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState)
                     # PowerSGD's own rule (_should_compress): compress only where it saves min_compression_rate x.
                     numel += compressed if compressed * st.min_compression_rate < n * m else n * m
             counter.bytes_sent += bytes_per_allreduce(numel, size, world)
-        future = powerSGD_hook.powerSGD_hook(st, bucket)
-        if bucket.buffer().device.type == "cuda":
-            return future
-        # On gloo, PowerSGD's chained all-reduces of two buckets would interleave differently on each
-        # rank (a collective mismatch, seen as a gloo size error): finish this bucket before the next.
-        return completed(future.wait())
+        return powerSGD_hook.powerSGD_hook(st, bucket)
 
     return counted
