@@ -342,8 +342,10 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "4"]
     assert rows[1].startswith(f"| ddp | 2 | 2 | {slow_rates[2]:.0f} | {slow_rates[2] / 0.9:.0f} | +11.1% |")
     assert rows[0].endswith("| +0.0% |") and rows[2].endswith("| +0.0% |")
+    before = {f.name: f.stat().st_mtime_ns for f in slow.iterdir()}
     with pytest.raises(ConfigError, match=f"^--fitted-on {tmp_path / 'empty'} does not exist"):
         write_report(slow, fitted_on=tmp_path / "empty")
+    assert {f.name: f.stat().st_mtime_ns for f in slow.iterdir()} == before  # refused before anything was written
 
 
 def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):

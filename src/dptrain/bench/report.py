@@ -91,9 +91,9 @@ def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | Non
     if not summary:
         raise ConfigError(f"{bench_dir} holds no finished runs (no results.csv, and no run under {bench_dir / 'runs'} "
                           f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
+    lines, notes, links = scaling_lines(bench_dir, rows, link, fitted_on)  # a bad --link or --fitted-on: nothing written
     write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summarize(rows))
     plot_all(summary, bench_dir)
-    lines, notes, links = scaling_lines(bench_dir, rows, link, fitted_on)
     if lines:
         plot_scaling(lines, bench_dir)
     path = bench_dir / "report.md"
