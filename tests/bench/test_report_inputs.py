@@ -336,8 +336,8 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
     slow = tmp_path / "100mbit"
     slow_rates = write_lab_sweep(slow, Link("100mbit", 200e-6, 12.5e6, ""), 0.3, (1, 2, 4), slower={2: 0.9})
     text = write_report(slow, fitted_on=lab).read_text()
-    assert f"ddp: fitted on none of these points, every one held out; compute 1 ms per sample from the fit on " in \
-        text.replace("\\", "")
+    assert (f"ddp: fitted on none of these points, every one held out; compute 1 ms per sample from the fit on {lab}; "
+            f"overlap 0.30 fitted.") in text.replace("\\", "")
     rows = errors_of(text)
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "4"]
     assert rows[1].startswith(f"| ddp | 2 | 2 | {slow_rates[2]:.0f} | {slow_rates[2] / 0.9:.0f} | +11.1% |")
