@@ -355,7 +355,8 @@ def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slu
 
     record = read_link(bench_dir)
     assert record is not None and record.across_hosts is not None and record.across_hosts.bandwidth_bps > 0, logs2
-    assert "#SBATCH --nodes=2\n" in (bench_dir / jobs_mod.LINK_PROBE_DIR / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2\n" in (bench_dir / jobs_mod.LINK_PROBE_DIR / "nodes-2" / "job.sbatch").read_text()
+    assert sorted(record.probes) == [(2, 2)]  # the 1-node point needs no probe across nodes
 
 
 @pytest.mark.slow
@@ -402,3 +403,9 @@ def test_one_at_a_time_submits_each_job_after_the_one_before_ended(slurm_cluster
     marks = [line.split() for line in times.read_text().splitlines()]  # the two points', then the link probe's
     assert [kind for kind, _ in marks] == ["begin", "end"] * (len(marks) // 2) and len(marks) >= 4, marks
     assert all(float(marks[i][1]) >= float(marks[i - 1][1]) for i in range(2, len(marks), 2)), marks
+
+
+def test_the_link_is_probed_once_for_each_node_count_of_two_or_more():
+    assert jobs_mod.nodes_to_probe({1, 2, 4}, set()) == [2, 4]
+    assert jobs_mod.nodes_to_probe({1, 2, 4}, {1, 2}) == [4]  # 2 nodes were probed by an earlier run of the sweep
+    assert jobs_mod.nodes_to_probe({1}, set()) == [] and jobs_mod.nodes_to_probe({2, 4}, {2, 4}) == []

@@ -151,15 +151,15 @@ def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, 
     ]) + "\n"
 
 
-LINK_PROBE_DIR = "link-probe"  # BENCH/link-probe/: the link probe's job script and output
+LINK_PROBE_DIR = "link-probe"  # BENCH/link-probe/nodes-N/: the job script and output of the probe between N nodes
 
 
 def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
     """The job that probes the link between `nodes` nodes (bench/link.py --launched, one rank a node) and adds its
-    fit to BENCH/link.json: dptrain's own per-rank job script (its #SBATCH lines, set-up, master address and port),
-    with the probe in place of `dptrain train` on its srun line."""
+    timings to BENCH/link.json: dptrain's own per-rank job script (its #SBATCH lines, set-up, master address and
+    port), with the probe in place of `dptrain train` on its srun line."""
     assert sweep.job is not None, "a sweep of SLURM jobs"
-    run_dir = (sweep.bench_dir / LINK_PROBE_DIR).resolve()
+    run_dir = (sweep.bench_dir / LINK_PROBE_DIR / f"nodes-{nodes}").resolve()
     cfg = config_mod.load(sweep.config_path, [*sweep.train_pairs, ("output.dir", str(run_dir))])
     cfg = replace(cfg, slurm=replace(sweep.job, nodes=nodes, ranks_per_node=1, mode="per-rank", requeue=False))
     workdir = Path.cwd()
@@ -168,26 +168,34 @@ def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
     return job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm), program=probe)
 
 
+def nodes_to_probe(node_counts: set[int], probed_hosts: set[int]) -> list[int]:
+    """The node counts of a sweep's points whose link no probe in link.json crossed yet (two nodes or more)."""
+    return sorted(n for n in node_counts - probed_hosts if n >= 2)
+
+
 def record_link_across_nodes(sweep: Sweep) -> None:
-    """With points on two nodes or more: BENCH/link.json gets a probe of the link between them, from one job after
-    the points' (the report's scaling model needs it); a probe that fails leaves the report without a model."""
+    """For every node count of two or more among the points: BENCH/link.json gets a probe of the link between that
+    many nodes, from one job each after the points' (the report's scaling model fits the link on all of them); a
+    count already probed is not probed again, and a probe that fails leaves the report without a model."""
     from dptrain.bench import link
 
     assert sweep.job is not None, "a sweep of SLURM jobs"
-    nodes = max(job_shape(w, sweep.job).nodes for w in sweep.workers)
     record = link.read_link(sweep.bench_dir)
-    if nodes < 2 or (record is not None and any(h >= 2 for h, _ in record.probes)):
-        return
-    job, script = link_probe_script(sweep, nodes)
-    if job.run_dir.exists():
-        shutil.rmtree(job.run_dir)
-    RunFolder(job.run_dir).logs.mkdir(parents=True)
-    log.info(f"bench: the link between {nodes} nodes: a job of {job.script}")
-    job_id, state = run_to_its_end(job, script)
-    record = link.read_link(sweep.bench_dir)
-    if record is None or record.across_hosts is None:
-        log.info(f"bench: the link probe's job {job_id} ended {state or ''} without a fit (see "
-                 f"{job.output(job_id)}); the report draws no scaling model across nodes")
+    missing = nodes_to_probe({job_shape(w, sweep.job).nodes for w in sweep.workers},
+                             {hosts for hosts, _ in record.probes} if record is not None else set())
+    for nodes in missing:
+        job, script = link_probe_script(sweep, nodes)
+        if job.run_dir.exists():
+            shutil.rmtree(job.run_dir)
+        RunFolder(job.run_dir).logs.mkdir(parents=True)
+        log.info(f"bench: the link between {nodes} nodes: a job of {job.script}")
+        job_id, state = run_to_its_end(job, script)
+        record = link.read_link(sweep.bench_dir)
+        if record is None or (nodes, nodes) not in record.probes:
+            log.info(f"bench: the link probe's job {job_id} ended {state or ''} without a probe (see "
+                     f"{job.output(job_id)})")
+    if missing and (record is None or record.across_hosts is None):
+        log.info("bench: link.json holds no fit across nodes; the report draws no scaling model across nodes")
 
 
 def run_to_its_end(job: slurm_job.Job, script: str) -> tuple[str, str | None]:
