@@ -21,14 +21,14 @@ SIZES = [1, 7, 100_003]
 @contextlib.contextmanager
 def host_named(name: str):
     """Within: this rank process says it runs on host `name` (the pool's processes serve other tests after)."""
-    from dptrain.strategies import two_step
+    from dptrain.dist import world
 
-    real = two_step.this_host
-    two_step.this_host = lambda: name
+    real = world.host_name
+    world.host_name = lambda: name
     try:
         yield
     finally:
-        two_step.this_host = real
+        world.host_name = real
 
 
 def _two_step_sums(rank: int, world: int, hosts_of: list[str], max_numel: int) -> tuple[list, int, bool]:

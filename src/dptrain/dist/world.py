@@ -57,23 +57,34 @@ def barrier() -> None:
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
+def host_name() -> str:
+    """The name the ranks of one host share (gloo picks its interface from it too)."""
+    return socket.gethostname()
+
+
 def machine_id() -> str:
     """What the ranks of one machine share even where each host has its own name (the lab cluster's hosts are
     network namespaces of one kernel, containers too): the kernel's boot id, else the host name."""
     try:
-        return BOOT_ID.read_text().strip() or socket.gethostname()
+        return BOOT_ID.read_text().strip() or host_name()
     except OSError:
-        return socket.gethostname()
+        return host_name()
+
+
+def where_each_rank_runs() -> list[tuple[str, str]]:
+    """(host name, machine id) of every rank, by rank (collective: every rank calls it; one process needs no peer)."""
+    mine = (host_name(), machine_id())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def placement() -> dict[str, int]:
     """How the world's ranks sit: on how many hosts (names) and machines (kernels, whose cores their ranks share),
-    and the cores of this one (collective: every rank calls it; one process needs no peer)."""
-    mine = (socket.gethostname(), machine_id())
-    everyone: list = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    and the cores of this one (collective, as where_each_rank_runs)."""
+    everyone = where_each_rank_runs()
     return {"hosts": len({host for host, _ in everyone}), "machines": len({machine for _, machine in everyone}),
             "machine_cores": os.cpu_count() or 1}
 

@@ -17,31 +17,23 @@ The sums are those of a flat all-reduce in another order: equal up to rounding (
 
 import logging
 import queue
-import socket
 import threading
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from dptrain.dist.world import where_each_rank_runs
 from dptrain.strategies import comm_hooks
 from dptrain.strategies.shared_memory import SharedMemoryAllReduce, open_on_this_host
 
 log = logging.getLogger(__name__)
 
 
-def this_host() -> str:
-    """The name the ranks of one host share (gloo picks its interface from it too)."""
-    return socket.gethostname()
-
-
 def hosts_of_the_ranks() -> dict[str, list[int]]:
     """Host name -> the global ranks on it, hosts in the order of their first rank (collective)."""
-    names: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, this_host())
     hosts: dict[str, list[int]] = {}
-    for rank, name in enumerate(names):
-        hosts.setdefault(str(name), []).append(rank)
+    for rank, (name, _) in enumerate(where_each_rank_runs()):
+        hosts.setdefault(name, []).append(rank)
     return hosts
 
 
