@@ -227,6 +227,14 @@ def _time_collectives(rank: int, world: int, device: str, sizes: tuple[int, ...]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    def slowest_since(start: float) -> float:
+        """The seconds since `start` of the slowest rank (an all_reduce, after the clock stopped): a broadcast's root
+        returns once its sends sit in the socket buffers (a MiB at 100 Mbit/s "took" 1 ms there), its receivers once
+        the data came."""
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return elapsed.item()
+
     timings = []
     for collective in COLLECTIVES:
         for nbytes in sizes:
@@ -241,9 +249,7 @@ def _time_collectives(rank: int, world: int, device: str, sizes: tuple[int, ...]
             start = time.perf_counter()
             call()
             sync()
-            slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank runs as many calls
-            calls = max(1, math.ceil(min_s / max(slowest.item(), 1e-9)))
+            calls = max(1, math.ceil(min_s / max(slowest_since(start), 1e-9)))  # every rank runs as many calls
             best = math.inf
             for _ in range(ROUNDS):
                 dist.barrier()
@@ -251,11 +257,7 @@ def _time_collectives(rank: int, world: int, device: str, sizes: tuple[int, ...]
                 for _ in range(calls):
                     call()
                 sync()
-                # the slowest rank's time: a broadcast's root returns once its sends sit in the socket buffers (a
-                # MiB at 100 Mbit/s "took" 1 ms there), its receivers once the data came
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                best = min(best, elapsed.item() / calls)
+                best = min(best, slowest_since(start) / calls)
             timings.append(Timing(collective, world, whole.numel() * whole.element_size(), best))
     return timings
 

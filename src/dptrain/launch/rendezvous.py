@@ -30,7 +30,7 @@ RENDEZVOUS = "dptrain"
 # every KEEP_ALIVE_S; one silent for KEEP_ALIVE_MISSED beats is out (torch's defaults, 5 s x 3, took 15 s; a beat is
 # one small store write). Once MIN nodes have come, the rendezvous waits LAST_CALL_S for more (torch: 30 s) before
 # the workers start: that long is added to every restart of a run that is not at its MAX nodes. Both can be set in
-# the agents' environment (docs/elastic.md): shorter notices sooner, but a node whose beats a busy machine delays may
+# the agents' environment (docs/launching.md): shorter notices sooner, but a node whose beats a busy machine delays may
 # be taken for lost.
 KEEP_ALIVE_S = 2
 KEEP_ALIVE_MISSED = 3
