@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dptrain.bench.model import (NAMED_LINKS, Link, Measured, Plan, Workload, bytes_sent_per_rank, calibrate,
-                                 collectives, curve, fit_overlap, memory_per_rank, named_link, node_counts,
-                                 powersgd_elements, predict, split_for_fit)
+                                 collectives, comm_cpu_per_byte, curve, fit_overlap, memory_per_rank, named_link,
+                                 node_counts, powersgd_elements, predict, split_for_fit)
 from dptrain.errors import ConfigError
 
 # 100 us a message, 100 MB/s; a model of 1 M float32 parameters (4 MB); 100 images a step at 1 ms each on one rank
@@ -153,6 +155,56 @@ def test_nodes_that_share_one_machine_share_its_cores():
                                            machine_cores=2), points, LINK)
     assert calibration.work.threads_alone == 1 and calibration.overlap == pytest.approx(truth)
     assert [m.nodes for m, _ in calibration.held_out] == [4] and abs(calibration.errors()[0][2]) < 1e-9
+
+
+def test_moving_bytes_between_nodes_costs_a_cpu_rank_its_cores_time():
+    # 2 ns of CPU a byte sent; ddp's all-reduce of 4 MB: a rank sends 2(N-1)/N x 4 MB
+    lab = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1,
+                   cores_busy_alone=1.0, comm_cpu_s_per_byte=2e-9)
+    ddp = Plan(strategy="ddp")
+    two = predict(ddp, lab, LINK, 2, machines=1, threads_per_rank=1)  # a core each: 4 MB x 2 ns = 8 ms
+    assert two.comm_cpu_s == pytest.approx(8e-3)
+    assert two.step_s == pytest.approx(two.compute_s + 8e-3 + two.exposed_s)
+    assert two.efficiency == pytest.approx(two.compute_s / two.step_s)
+    # 4 ranks on 2 cores: 6 MB x 2 ns = 12 ms of CPU, on half a core 24 ms; on 4 machines of their own, 12 ms
+    assert predict(ddp, lab, LINK, 4, machines=1, threads_per_rank=1).comm_cpu_s == pytest.approx(24e-3)
+    assert predict(ddp, lab, LINK, 4, machines=4, threads_per_rank=1).comm_cpu_s == pytest.approx(12e-3)
+    # a rank of several cores waits for one core's work: no shorter than the CPU time itself
+    wide = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, cores_busy_alone=8.0,
+                    comm_cpu_s_per_byte=2e-9)
+    assert predict(ddp, wide, LINK, 4).comm_cpu_s == pytest.approx(12e-3)
+    # none on one node (shared memory, loopback), none on GPUs, none unmeasured
+    assert predict(ddp, lab, LINK, 1, 2).comm_cpu_s == 0.0
+    assert predict(ddp, Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3,
+                                 ranks_share_a_node=False, comm_cpu_s_per_byte=2e-9), LINK, 2).comm_cpu_s == 0.0
+    assert predict(ddp, WORK, LINK, 2).comm_cpu_s == 0.0
+
+
+def _lab_point(plan: Plan, lab: Workload, nodes: int, overlap: float, threads: int = 1) -> Measured:
+    """A lab point as a run would measure it: its images/s, and its ranks' CPU use (compute's CPU at the 1-worker
+    run's CPU per sample, plus moving the bytes) over its step."""
+    predicted = predict(plan, lab, LINK, nodes, 1, overlap, machines=1, threads_per_rank=threads)
+    cpu_s = (lab.batch(nodes) / nodes * lab.compute_s_per_sample * lab.cores_busy_alone
+             + (bytes_sent_per_rank(plan, lab, nodes) * lab.comm_cpu_s_per_byte if nodes > 1 else 0.0))
+    return Measured(nodes, nodes, predicted.images_per_s, 1, threads, 100 * cpu_s / predicted.step_s)
+
+
+def test_calibrate_recovers_the_cpu_a_byte_costs_from_the_runs_cpu_use():
+    plan, truth = Plan(strategy="ddp"), Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3,
+                                                 machine_cores=2, threads_alone=1, cores_busy_alone=1.0,
+                                                 comm_cpu_s_per_byte=3e-9)
+    points = [_lab_point(plan, truth, n, 0.3) for n in (1, 2, 4)]
+    start = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=5e-3, machine_cores=2)
+    calibration = calibrate(plan, start, points, LINK)
+    assert calibration.work.cores_busy_alone == pytest.approx(1.0)
+    assert calibration.work.comm_cpu_s_per_byte == pytest.approx(3e-9) and calibration.overlap == pytest.approx(0.3)
+    assert [m.nodes for m, _ in calibration.held_out] == [4] and abs(calibration.errors()[0][2]) < 1e-9
+    # left out, the 4-host point's ranks (half a core each) would be predicted faster than they ran
+    blind = calibrate(plan, start, [replace(p, cpu_util_pct=None) for p in points], LINK)
+    assert blind.work.comm_cpu_s_per_byte == 0.0 and blind.errors()[0][2] > 0.01
+    # a rank that used no more CPU than its compute: nothing to count, never a negative cost
+    idle = [replace(p, cpu_util_pct=1.0) if p.nodes > 1 else p for p in points]
+    assert comm_cpu_per_byte(plan, calibration.work, idle) == 0.0
 
 
 def test_calibrate_recovers_a_known_overlap_and_predicts_the_held_out_points():

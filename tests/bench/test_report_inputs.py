@@ -290,15 +290,22 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     assert "100mbit \\(assumed\\): 100 Mbit/s Ethernet" in text
 
 
-def write_lab_sweep(bench: Path, link, overlap: float, hosts: tuple[int, ...], slower: dict[int, float] | None = None):
+def write_lab_sweep(bench: Path, link, overlap: float, hosts: tuple[int, ...], slower: dict[int, float] | None = None,
+                    comm_cpu_s_per_byte: float = 0.0):
     """A sweep of 1 rank on each of `hosts` hosts that are one 2-core machine (the lab cluster), a thread a rank: the
-    runs' env.json say so, their images/s follow the model (times `slower` at a host count), link.json is `link`."""
-    from dptrain.bench.model import Plan, Workload, predict
+    runs' env.json say so, their images/s follow the model (times `slower` at a host count), link.json is `link`.
+    With comm_cpu_s_per_byte, moving a byte between hosts costs a rank that much CPU, and results.csv has each
+    point's CPU use (its compute's, a core's worth at 1 ms a sample, plus the bytes' over its step)."""
+    from dptrain.bench.model import Plan, Workload, bytes_sent_per_rank, predict
 
-    work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1)
+    work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1,
+                    cores_busy_alone=1.0, comm_cpu_s_per_byte=comm_cpu_s_per_byte)
     rates = {n: predict(Plan(strategy="ddp"), work, link, n, 1, overlap, machines=1, threads_per_rank=1).images_per_s
              * (slower or {}).get(n, 1.0) for n in hosts}
-    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n], global_batch_size=128)
+    cpu = {n: {"cpu_util_pct": 100 * (128 / n * 1e-3 + (n > 1) * bytes_sent_per_rank(Plan(), work, n)
+                                      * comm_cpu_s_per_byte) * rates[n] / 128} if comm_cpu_s_per_byte else {}
+           for n in hosts}
+    write_results(bench, [result_row(n, 128 / rates[n], nodes=n, images_per_s=rates[n], global_batch_size=128, **cpu[n])
                           for n in hosts])
     for n in hosts:
         run_dir = write_run(bench, [{"event": "run_start", "global_batch_size": 128},
@@ -346,6 +353,27 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
     with pytest.raises(ConfigError, match=f"^--fitted-on {tmp_path / 'empty'} does not exist"):
         write_report(slow, fitted_on=tmp_path / "empty")
     assert {f.name: f.stat().st_mtime_ns for f in slow.iterdir()} == before  # refused before anything was written
+
+
+def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carried_to_another_link(tmp_path):
+    from dptrain.bench.model import Link
+    from dptrain.bench.report import write_report
+
+    # 3 ns of a rank's CPU a byte sent: on 4 hosts of a 2-core machine, each rank with half a core, it costs twice the
+    # wall time it does on 2; fitted on 1 and 2 hosts from results.csv's cpu_util_pct, the 4-host point is exact
+    lab = tmp_path / "1gbit"
+    rates = write_lab_sweep(lab, Link("1gbit", 50e-6, 125e6, ""), 0.3, (1, 2, 4), comm_cpu_s_per_byte=3e-9)
+    text = write_report(lab).read_text()
+    assert ("compute 1 ms per sample from its 1-worker run; moving a byte between nodes took 3 ns of a rank's CPU; "
+            "overlap 0.30 fitted.") in text.replace("\\", "")
+    [held_out] = errors_of(text)
+    assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4]:.0f} | +0.0% |")
+    # the same hosts at 100 Mbit/s, predicted from the 1 Gbit/s fit: its CPU a byte goes with it
+    slow = tmp_path / "100mbit"
+    slow_rates = write_lab_sweep(slow, Link("100mbit", 200e-6, 12.5e6, ""), 0.3, (1, 2, 4), comm_cpu_s_per_byte=3e-9)
+    rows = errors_of(write_report(slow, fitted_on=lab).read_text())
+    assert [row.split("|")[4].strip() for row in rows] == [f"{slow_rates[n]:.0f}" for n in (1, 2, 4)]
+    assert all(row.endswith("| +0.0% |") for row in rows)
 
 
 def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):

@@ -2,10 +2,15 @@
 measured compute per sample, the strategy's communication and a link (measured in link.json, or a named one).
 Pure functions, no torch; docs/scaling-model.md writes the formulas out.
 
-    step_s    = compute_s + exposed_s
-    compute_s = batch x compute_s_per_sample / (N x rank_share(R))     N = nodes x R ranks, batch the global one
-    exposed_s = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
-    comm_s    = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call)
+    step_s     = compute_s + comm_cpu_s + exposed_s
+    compute_s  = batch x compute_s_per_sample / (N x rank_share(R))    N = nodes x R ranks, batch the global one
+    comm_cpu_s = bytes a rank sends x comm_cpu_s_per_byte / min(1, its cores)    CPU ranks across nodes; else 0
+    exposed_s  = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
+    comm_s     = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call)
+
+comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP in the kernel, the backend's
+copies and sums), time its compute waits for; a rank of less than a core (more ranks than cores on a machine) waits
+longer. It is fitted on the multi-node runs' own CPU time (calibrate, comm_cpu_per_byte).
 
 The collectives of a step (collectives()): ddp and zero1 all-reduce the gradients in buckets during backward (fp16
 and bf16 hooks halve the bytes, PowerSGD sends r (rows + cols) per matrix in two all-reduces and the vectors in a
@@ -107,6 +112,10 @@ class Workload:
     """CPU cores of one machine (env.json's machine_cores), for nodes that share a machine (machine_share)."""
     threads_alone: int | None = None
     """CPU threads of the 1-worker run that gave compute_s_per_sample (env.json's cpu_threads_per_rank)."""
+    cores_busy_alone: float | None = None
+    """Cores the 1-worker run kept busy (its cpu_util_pct / 100): its CPU seconds per sample over its wall seconds."""
+    comm_cpu_s_per_byte: float = 0.0
+    """CPU seconds a CPU rank spends on each byte it sends to other nodes, beyond its compute (comm_cpu_per_byte)."""
 
     def batch(self, world: int) -> int:
         """The global batch of a step on `world` ranks."""
@@ -261,6 +270,8 @@ class Prediction:
     nodes: int
     ranks_per_node: int
     compute_s: float
+    comm_cpu_s: float
+    """What the rank's compute waits while its cores move its bytes (comm_cpu_seconds)."""
     comm_s: float
     exposed_s: float
     step_s: float
@@ -275,15 +286,34 @@ class Prediction:
         return self.nodes * self.ranks_per_node
 
 
+def rank_share(work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
+               threads_per_rank: int | None = None) -> float:
+    """Each rank's rate over the 1-worker run's: Workload.share, or Workload.machine_share where nodes share
+    machines (see predict)."""
+    shared = (work.machine_share(nodes * ranks_per_node, machines, threads_per_rank or 0)
+              if machines is not None and machines < nodes else None)
+    return work.share(ranks_per_node) if shared is None else shared
+
+
 def compute_seconds(work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
                     threads_per_rank: int | None = None) -> float:
     """A step's compute on nodes x ranks_per_node ranks: the global batch split over them, each at its share of the
-    1-worker run's rate (Workload.share; Workload.machine_share where nodes share machines: see predict)."""
+    1-worker run's rate (rank_share)."""
     world = nodes * ranks_per_node
-    shared = (work.machine_share(world, machines, threads_per_rank or 0)
-              if machines is not None and machines < nodes else None)
-    return work.batch(world) * work.compute_s_per_sample / (world * (work.share(ranks_per_node) if shared is None
-                                                                      else shared))
+    return work.batch(world) * work.compute_s_per_sample / (world * rank_share(work, nodes, ranks_per_node, machines,
+                                                                                threads_per_rank))
+
+
+def comm_cpu_seconds(plan: Plan, work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
+                     threads_per_rank: int | None = None) -> float:
+    """The wall time a CPU rank's compute loses to moving its bytes between nodes: their CPU seconds
+    (Workload.comm_cpu_s_per_byte) on one core, longer on a rank of less than a core (the 1-worker run's busy cores
+    times rank_share). 0 on GPUs (the collectives run there), on one node, or where no multi-node run measured it."""
+    if nodes <= 1 or not work.ranks_share_a_node or not work.comm_cpu_s_per_byte:
+        return 0.0
+    cores = (work.cores_busy_alone or 1.0) * rank_share(work, nodes, ranks_per_node, machines, threads_per_rank)
+    return (bytes_sent_per_rank(plan, work, nodes * ranks_per_node) * work.comm_cpu_s_per_byte
+            / min(1.0, max(cores, 1e-9)))
 
 
 def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node: int = 1, overlap: float = 0.0,
@@ -302,6 +332,7 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
         raise ValueError(f"{world} ranks share a global batch of {batch}: some would get no sample")
     over = link if nodes > 1 or local_link is None else local_link
     compute = compute_seconds(work, nodes, ranks_per_node, machines, threads_per_rank)
+    comm_cpu = comm_cpu_seconds(plan, work, nodes, ranks_per_node, machines, threads_per_rank)
     phase_compute = {"forward": compute * (1 - work.backward_share), "backward": compute * work.backward_share}
     by_phase = {"forward": 0.0, "backward": 0.0, "after": 0.0}
     for c in collectives(plan, work, world):
@@ -309,8 +340,9 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     comm = sum(by_phase.values())
     hidden = overlap * sum(min(by_phase[p], phase_compute[p]) for p in phase_compute)
     exposed = comm - hidden
-    step = compute + exposed
-    return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_s=comm, exposed_s=exposed,
+    step = compute + comm_cpu + exposed
+    return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_cpu_s=comm_cpu, comm_s=comm,
+                      exposed_s=exposed,
                       step_s=step, images_per_s=batch / step, efficiency=compute / step,
                       memory_bytes=memory_per_rank(plan, work, world),
                       bytes_sent=bytes_sent_per_rank(plan, work, world))
@@ -333,13 +365,15 @@ def curve(plan: Plan, work: Workload, link: Timed, ranks_per_node: int = 1, over
 @dataclass(frozen=True)
 class Measured:
     """A measured point: its nodes and ranks (workers), and the images/s it trained at; where known (env.json), the
-    machines its nodes were (fewer on the lab cluster) and each rank's CPU threads."""
+    machines its nodes were (fewer on the lab cluster) and each rank's CPU threads; and the ranks' mean CPU use
+    (metrics.jsonl's cpu_util_pct: percent of one core)."""
 
     nodes: int
     workers: int
     images_per_s: float
     machines: int | None = None
     threads_per_rank: int | None = None
+    cpu_util_pct: float | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -379,6 +413,24 @@ def fit_overlap(plan: Plan, work: Workload, points: list[Measured], link: Timed,
     return min(OVERLAP_GRID, key=cost)
 
 
+def comm_cpu_per_byte(plan: Plan, work: Workload, points: list[Measured]) -> float:
+    """CPU seconds a rank spent per byte it sent, beyond its compute, in the multi-node CPU points that say their CPU
+    use: a rank's CPU seconds a step (cpu_util_pct x its step) less its samples' compute at the 1-worker run's CPU
+    per sample (compute_s_per_sample x cores_busy_alone), over the bytes it sent (bytes_sent_per_rank); their mean,
+    0 or more. 0 without such a point, or without the 1-worker run's CPU use to subtract."""
+    if not work.ranks_share_a_node or not work.cores_busy_alone:
+        return 0.0
+    per_byte = []
+    for p in points:
+        sent = bytes_sent_per_rank(plan, work, p.workers)
+        if p.nodes > 1 and p.cpu_util_pct and sent > 0:
+            batch = work.batch(p.workers)
+            cpu_per_step = p.cpu_util_pct / 100 * batch / p.images_per_s
+            compute_cpu = batch / p.workers * work.compute_s_per_sample * work.cores_busy_alone
+            per_byte.append((cpu_per_step - compute_cpu) / sent)
+    return max(0.0, sum(per_byte) / len(per_byte)) if per_byte else 0.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """What the measured points gave the model, and its error on those it was not fitted on."""
@@ -396,14 +448,18 @@ class Calibration:
 
 def calibrate(plan: Plan, work: Workload, points: list[Measured], link: Timed, local_link: Timed | None = None,
               default_overlap: float = 0.0) -> Calibration:
-    """Fit on the smaller shapes (split_for_fit), predict the larger: the compute per sample from the fit set's
-    1-worker points where there are any (else work's own, from peak.json), the overlap from its multi-rank points
-    (else default_overlap)."""
+    """Fit on the smaller shapes (split_for_fit), predict the larger: the compute per sample (and the cores it kept
+    busy) from the fit set's 1-worker points where there are any (else work's own, from peak.json), the CPU that
+    moving a byte between nodes costs from its multi-node points (comm_cpu_per_byte), the overlap from its multi-rank
+    points (else default_overlap)."""
     fit_on, held = split_for_fit(points)
     single = [p for p in fit_on if p.workers == 1 and p.nodes == 1]
     if single:
+        busy = [p.cpu_util_pct / 100 for p in single if p.cpu_util_pct]
         work = replace(work, compute_s_per_sample=len(single) / sum(p.images_per_s for p in single),  # mean per sample
-                       threads_alone=single[0].threads_per_rank or work.threads_alone)
+                       threads_alone=single[0].threads_per_rank or work.threads_alone,
+                       cores_busy_alone=sum(busy) / len(busy) if busy else work.cores_busy_alone)
+    work = replace(work, comm_cpu_s_per_byte=comm_cpu_per_byte(plan, work, fit_on))
     overlap = fit_overlap(plan, work, fit_on, link, local_link)
     fitted = overlap is not None
     overlap = default_overlap if overlap is None else overlap

@@ -402,16 +402,21 @@ def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | N
 
 
 def _measured(bench_dir: Path, rows: list[dict[str, Any]]) -> list[Measured]:
-    """The line's finished points, the repeats of a shape averaged, with the machines and threads of their first run."""
+    """The line's finished points, the repeats of a shape averaged (images/s, CPU use), with the machines and threads
+    of their first run."""
     shapes: dict[tuple[int, int], list[float]] = {}
+    cpu: dict[tuple[int, int], list[float]] = {}
     where: dict[tuple[int, int], dict[str, int]] = {}
     for r in rows:
         rate = positive(r.get("images_per_s"))
         if r["status"] == "ok" and rate is not None:
             shape = (int(as_number(r.get("nodes")) or 1), int(r["workers"]))
             shapes.setdefault(shape, []).append(rate)
+            if (util := positive(r.get("cpu_util_pct"))) is not None:
+                cpu.setdefault(shape, []).append(util)
             where.setdefault(shape, _placement(bench_dir, r))
-    return [Measured(n, w, sum(v) / len(v), where[(n, w)].get("machines"), where[(n, w)].get("cpu_threads_per_rank"))
+    return [Measured(n, w, sum(v) / len(v), where[(n, w)].get("machines"), where[(n, w)].get("cpu_threads_per_rank"),
+                     sum(cpu[(n, w)]) / len(cpu[(n, w)]) if (n, w) in cpu else None)
             for (n, w), v in sorted(shapes.items())]
 
 
@@ -450,7 +455,8 @@ def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | 
                 continue
             fit = earlier[strategy].calibration
             line_work = replace(line_work, compute_s_per_sample=fit.work.compute_s_per_sample,
-                                threads_alone=fit.work.threads_alone)
+                                threads_alone=fit.work.threads_alone, cores_busy_alone=fit.work.cores_busy_alone,
+                                comm_cpu_s_per_byte=fit.work.comm_cpu_s_per_byte)
             calibration = Calibration(work=line_work, overlap=fit.overlap, overlap_fitted=fit.overlap_fitted,
                                       fitted_on=[], held_out=predicted(plan, line_work, measured, between, fit.overlap,
                                                                        within))
@@ -567,8 +573,10 @@ def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str
                    f"overlap {c.overlap:.2f} assumed (no point of two ranks or more to fit it on)")
         fitted = (f"fitted on {fit_shapes} (nodes x ranks per node)" if c.fitted_on else
                   "fitted on none of these points, every one held out")
+        comm_cpu = (f"; moving a byte between nodes took {c.work.comm_cpu_s_per_byte * 1e9:.3g} ns of a rank's CPU"
+                    if c.work.comm_cpu_s_per_byte else "")
         parts.append(f"- {md_text(line.strategy)}: {fitted}; compute {c.work.compute_s_per_sample * 1e3:.3g} ms per "
-                     f"sample from {md_text(line.compute_from)}; {overlap}.")
+                     f"sample from {md_text(line.compute_from)}{comm_cpu}; {overlap}.")
         last = max(p.nodes for p in line.curves["measured"])
         if last < MAX_NODES:  # the sweep keeps the global batch: past it, a rank would get no sample
             parts.append(f"  Its curves end at {last} nodes: the global batch of {c.work.global_batch} gives each of "
