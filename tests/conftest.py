@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,25 @@ def machine_probes(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("probes")
     peak.record(folder, "cpu", "float32", (1, 2))
     link.record(folder, "cpu", (2,))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def slurm_link_probes(slurm_cluster, tmp_path_factory) -> Path:
+    """A folder whose link.json holds a real probe of the link between the test cluster's 2 nodes (one task each,
+    `srun ... -m dptrain.bench.link --launched`), made once a session: the SLURM sweeps of tests that are not about
+    the probe take it with `--probes-from` instead of running a probe job each (about 5 s a sweep here)."""
+    from dptrain.bench import link
+
+    folder = tmp_path_factory.mktemp("slurm-link")
+    with socket.socket() as free:  # the test cluster's nodes are this machine: its loopback joins them
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = slurm_cluster.run("srun", "-N", "2", "--ntasks-per-node", "1",
+                             f"--export=ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={port}", sys.executable, "-m",
+                             "dptrain.bench.link", "--launched", "--record", str(folder), timeout=120, cwd=REPO)
+    record = link.read_link(folder)
+    assert done.returncode == 0 and record is not None and (2, 2) in record.probes, done.stderr[-2000:]
     return folder
 
 

@@ -122,9 +122,13 @@ def fill(folder: Path) -> None:
     assert os.statvfs(folder).f_bavail == 0
 
 
-@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("what, snapshots", [("the final weights", "at the end"), ("the final weights", "every 2 steps"),
-                                             ("a snapshot", "at the end"), ("a snapshot", "every 2 steps")])
+# Every write on 1 worker; on 2, one case of each sentence (the run resumes: the final weights after two snapshots;
+# it starts again: the first snapshot), which is what a second worker adds (its failure heard as the same one sentence)
+@pytest.mark.parametrize("what, snapshots, workers", [
+    ("the final weights", "at the end", 1), ("the final weights", "every 2 steps", 1),
+    ("a snapshot", "at the end", 1), ("a snapshot", "every 2 steps", 1),
+    pytest.param("the final weights", "every 2 steps", 2, marks=pytest.mark.slow),
+    pytest.param("a snapshot", "at the end", 2, marks=pytest.mark.slow)])
 @pytest.mark.timeout(300)
 def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_path, ample_run, what, snapshots, workers):
     """The disk fills at the write named, whatever this machine's file sizes: a first run on an ample disk measures

@@ -138,19 +138,19 @@ def test_a_submitted_peer_point_holds_the_config_its_engine_trains_and_its_nodes
 
 # ---------------------------------------------------------------------------------------------- on the cluster
 
-def peer_sweep(cwd: Path, env: dict[str, str], engines: str, nodes: str) -> tuple[int, str, str]:
+def peer_sweep(cwd: Path, env: dict[str, str], engines: str, nodes: str, probes: Path) -> tuple[int, str, str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(slurm_queue, "POLL_S", 0.2)
         return bench(cwd, ["bench", "--slurm", "--engines", engines, "--nodes", nodes, "--strategies", "ddp",
-                           "--cpus-per-node", "1", "--output.dir", "out", *TINY], env)
+                           "--cpus-per-node", "1", "--probes-from", str(probes), "--output.dir", "out", *TINY], env)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # 15-55 s here: two jobs side by side on 2 shared cores, mostly Lightning's and DeepSpeed's
 # imports
-def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_cluster, tmp_path):
+def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_cluster, slurm_link_probes, tmp_path):
     # the tutorial engine's 2-node job is in the sweep over node counts below
-    code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "lightning,deepspeed", "2")
+    code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "lightning,deepspeed", "2", slurm_link_probes)
     assert code == 0, logs + err
     rows = read_rows(tmp_path / "out" / "results.csv")
     assert [(r["engine"], r["nodes"], r["workers"], r["status"]) for r in rows] == [
@@ -171,8 +171,8 @@ def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_clu
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # 15-50 s here: four jobs side by side on 2 shared cores
-def test_a_sweep_over_node_counts_writes_a_row_per_engine_and_node_count(slurm_cluster, tmp_path):
-    code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "dptrain,tutorial", "1,2")
+def test_a_sweep_over_node_counts_writes_a_row_per_engine_and_node_count(slurm_cluster, slurm_link_probes, tmp_path):
+    code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "dptrain,tutorial", "1,2", slurm_link_probes)
     assert code == 0, logs + err
     assert "4 points (2 engines x 1 strategies x workers 1,2 x 1 repeats)" in logs
     rows = read_rows(tmp_path / "out" / "results.csv")
