@@ -368,6 +368,9 @@ def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carri
             "overlap 0.30 fitted.") in text.replace("\\", "")
     [held_out] = errors_of(text)
     assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4]:.0f} | +0.0% |")
+    # the curves, a machine a node: on 2 nodes a rank sends the 4 MB gradient's 2(N-1)/N, 4 MB, at 3 ns a byte
+    [two_nodes] = [row for row in text.splitlines() if row.startswith("| ddp | measured | 2 | 2 |")]
+    assert two_nodes.split("|")[8].strip() == "12"
     # the same hosts at 100 Mbit/s, predicted from the 1 Gbit/s fit: its CPU a byte goes with it
     slow = tmp_path / "100mbit"
     slow_rates = write_lab_sweep(slow, Link("100mbit", 200e-6, 12.5e6, ""), 0.3, (1, 2, 4), comm_cpu_s_per_byte=3e-9)

@@ -598,11 +598,12 @@ def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str
         parts.append("No point was held out: each line has one shape only, so there is nothing to compare yet.")
     parts += ["", f"## Predicted to {MAX_NODES} nodes", "",
               "| strategy | link | nodes | ranks | images/s | efficiency | exposed comm / step (ms) | "
-              "params + grads + optimizer / rank (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "comm CPU / step (ms) | params + grads + optimizer / rank (MiB) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for line in lines:
         for label, predictions in line.curves.items():
             parts += [f"| {md_text(line.strategy)} | {md_text(label)} | {p.nodes} | {p.ranks} | {p.images_per_s:.0f} | "
-                      f"{p.efficiency:.2f} | {p.exposed_s * 1e3:.3g} | {p.memory_bytes / 2**20:.1f} |"
-                      for p in predictions]
+                      f"{p.efficiency:.2f} | {p.exposed_s * 1e3:.3g} | {p.comm_cpu_s * 1e3:.3g} | "
+                      f"{p.memory_bytes / 2**20:.1f} |" for p in predictions]
     parts += ["", "Memory leaves the activations out (they depend on the batch per rank, not on the strategy).", ""]
     return parts
