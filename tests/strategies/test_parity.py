@@ -46,7 +46,7 @@ EXACT = {
 }
 LOSSY = {hook: StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook=hook)) for hook in ("powersgd", "fp16", "bf16")}
 # PowerSGD over buckets of 4 KB: about one a tensor, compressed and sent one after the other on the rank's thread
-# while backward goes on (comm_hooks.in_order); interleaved on gloo, their chained all-reduces mismatched.
+# while backward goes on (comm_hooks.InOrder); interleaved on gloo, their chained all-reduces mismatched.
 LOSSY["powersgd-buckets"] = StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook="powersgd", bucket_mb=0.004))
 EXACT_STEPS = {"powersgd": 2, "powersgd-buckets": 2, "fp16": 0, "bf16": 0}
 

@@ -129,7 +129,7 @@ def _install_powersgd(model: DistributedDataParallel, powersgd_rank: int, counte
     # On gloo, PowerSGD's chained all-reduces of two buckets would interleave differently on each rank (a collective
     # mismatch, seen as a gloo size error): each bucket finishes before the next, on a thread, so backward goes on.
     on_cpu = next(model.parameters()).device.type == "cpu"
-    model.register_comm_hook(state, in_order(hook, "dptrain-powersgd") if on_cpu else hook)
+    model.register_comm_hook(state, InOrder(hook, "dptrain-powersgd").hook if on_cpu else hook)
 
 
 def _install_ring(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
@@ -147,32 +147,36 @@ def install(model: DistributedDataParallel, name: str, powersgd_rank: int, count
     COMM_HOOKS[name](model, powersgd_rank, counter)
 
 
-def in_order(hook: Callable, thread_name: str) -> Callable:
+class InOrder:
     """`hook` with its buckets run on one thread of the rank's, each to its end before the next, in the order DDP
-    hands them over (the same on every rank); the returned hook itself returns at once, so backward goes on computing
-    while a bucket is compressed and sent. For hooks whose chained collectives of two buckets would otherwise
-    interleave differently on each rank (PowerSGD on gloo). Costs a thread a model, blocked on its queue between
-    buckets."""
-    buckets: queue.SimpleQueue = queue.SimpleQueue()
+    hands them over (the same on every rank); the comm hook to register, InOrder.hook, returns at once, so backward
+    goes on computing while a bucket is compressed and sent. For hooks whose chained collectives of two buckets would
+    otherwise interleave differently on each rank (PowerSGD on gloo), and for sums made off DDP's thread (the two-step
+    sum). Costs a thread a model, blocked on its queue between buckets; close() ends it after the buckets handed
+    over."""
 
-    def run() -> None:
-        while True:
-            state, bucket, future = buckets.get()
+    def __init__(self, hook: Callable, thread_name: str) -> None:
+        self._inner = hook
+        self._buckets: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=thread_name, daemon=True).start()
+
+    def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._buckets.put((state, bucket, future))
+        return future
+
+    def close(self) -> None:
+        self._buckets.put(None)
+
+    def _run(self) -> None:
+        while (item := self._buckets.get()) is not None:
+            state, bucket, future = item
             try:
-                result = hook(state, bucket).wait()
+                result = self._inner(state, bucket).wait()
             except Exception as exc:  # noqa: BLE001 - DDP raises it in backward, where the worker reports it
                 future.set_exception(exc)
             else:
                 future.set_result(result)
-
-    threading.Thread(target=run, name=thread_name, daemon=True).start()
-
-    def ordered(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        buckets.put((state, bucket, future))
-        return future
-
-    return ordered
 
 
 def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState) -> Callable:

@@ -16,8 +16,6 @@ The sums are those of a flat all-reduce in another order: equal up to rounding (
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations against dist.GradBucket itself.
 
 import logging
-import queue
-import threading
 
 import torch
 import torch.distributed as dist
@@ -50,15 +48,11 @@ class TwoStepAllReduce:
         self.local, self.local_group, self.leaders = local, local_group, leaders
         self.counter = comm_hooks.CommCounter()
         """Bytes this rank sent across hosts (a leader's share of the ring between hosts) and within its host."""
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._sum_buckets, name="dptrain-two-step-sum", daemon=True)
-        self._thread.start()
+        self._in_order = comm_hooks.InOrder(self._sum_bucket, "dptrain-two-step-sum")
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP comm hook: DDP's default (divide by the world size, then sum), in two steps on the rank's thread."""
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._queue.put((bucket.buffer(), future))
-        return future
+        return self._in_order.hook(state, bucket)
 
     def take(self) -> int:
         """Bytes sent since the last call, across hosts and within this one."""
@@ -66,20 +60,12 @@ class TwoStepAllReduce:
         return self.counter.take() + within
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._in_order.close()
 
-    def _sum_buckets(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            buffer, future = item
-            try:
-                self.all_reduce_mean(buffer)
-            except Exception as exc:  # noqa: BLE001 - DDP raises it in backward, where the worker reports it
-                future.set_exception(exc)
-            else:
-                future.set_result(buffer)
+    def _sum_bucket(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        self.all_reduce_mean(buffer)
+        return comm_hooks.completed(buffer)
 
     def all_reduce_mean(self, buffer: torch.Tensor) -> None:
         """buffer <- the mean over every rank of buffer, in two steps."""
