@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from dptrain.config import RunConfig
 from dptrain.dist.ending import exit_deadline
 from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
-from dptrain.dist.world import barrier, destroy_process_group, init_process_group, placement
+from dptrain.dist.world import barrier, destroy_process_group, host_name, init_process_group, placement
 from dptrain.errors import DataError, OutputError
 from dptrain.files import written_whole
 from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,
@@ -92,7 +91,7 @@ def environment_record(env: DistEnv, device: torch.device, threads: int, where: 
     return {
         "dptrain_git_sha": sha, "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "host": socket.gethostname(), "world_size": env.world_size, "launched_by": env.source,
+        "host": host_name(), "world_size": env.world_size, "launched_by": env.source,
         "device": str(device), "cpu_threads_per_rank": threads, **where,
     }
 
