@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import queue
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Literal
 
 import pytest
 
-from tests.distributed import run_cli_on_ranks
+from tests.distributed import free_port, run_cli_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,11 +54,9 @@ def slurm_link_probes(slurm_cluster, tmp_path_factory) -> Path:
     from dptrain.bench import link
 
     folder = tmp_path_factory.mktemp("slurm-link")
-    with socket.socket() as free:  # the test cluster's nodes are this machine: its loopback joins them
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    # the test cluster's nodes are this machine: its loopback joins them
     done = slurm_cluster.run("srun", "-N", "2", "--ntasks-per-node", "1",
-                             f"--export=ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={port}", sys.executable, "-m",
+                             f"--export=ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={free_port()}", sys.executable, "-m",
                              "dptrain.bench.link", "--launched", "--record", str(folder), timeout=120, cwd=REPO)
     record = link.read_link(folder)
     assert done.returncode == 0 and record is not None and (2, 2) in record.probes, done.stderr[-2000:]

@@ -25,7 +25,8 @@ POOL_SIZE = 4
 """The processes a pool starts for jobs side by side (see run_cli_on_ranks); a job on more ranks gets more."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (the tests' one way of picking a port)."""
     import socket
 
     with socket.socket() as s:
@@ -235,5 +236,5 @@ def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: 
     store, picked as it starts. `env` is added to the environment the rank processes start with (their pool is
     another one than that of the plain environment).
     """
-    payloads = [lambda argv=argv: (argv, _free_port(), cwd) for argv in runs]  # the port picked as the run starts
+    payloads = [lambda argv=argv: (argv, free_port(), cwd) for argv in runs]  # the port picked as the run starts
     return [by_rank[0] for by_rank in _on_pool(env, world_size, "cli", payloads, timeout, side_by_side=side_by_side)]

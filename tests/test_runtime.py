@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -14,17 +13,11 @@ from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase, WorkerFailure, roll_call
 from dptrain.dist.store import join_store
 from dptrain.dist.world import init_process_group
-from tests.distributed import run_on_ranks
+from tests.distributed import free_port, run_on_ranks
 
 # join_store gives up at its deadline, checking every 0.05-0.1 s; the rest is scheduling on a busy machine.
 MARGIN_S = 1.0
 # The tests of join_store's deadline wait for it on purpose, seconds each: marked slow, as the multi-process ones.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world: int, port: int) -> DistEnv:

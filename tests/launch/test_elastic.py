@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -17,13 +16,8 @@ from dptrain.errors import ConfigError, LaunchError
 from dptrain.faults import SIGNAL_AT
 from dptrain.launch.rendezvous import KEEP_ALIVE_ENV, LAST_CALL_ENV, seconds_from_env
 from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, read_events, run_cli
+from tests.distributed import free_port
 from tests.launch.test_multinode import MULTINODE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_agent(node_rank: int, port: int, run_dir, cwd, extra_env: dict[str, str]) -> subprocess.Popen:
@@ -38,7 +32,7 @@ def start_agent(node_rank: int, port: int, run_dir, cwd, extra_env: dict[str, st
 
 @pytest.mark.slow
 def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with_the_same_math(planned_run, tmp_path):
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     # After its step 5 (a snapshot of step 4 is whole), rank 1 kills its own agent: node 1 is lost, agent and worker.
     lose_node_1 = {SIGNAL_AT: f"1:5:SIGKILL:parent:{tmp_path / 'struck'}",
                    # noticed after 3 missed beats of 1 s, the rendezvous then waiting 2 s more (defaults: 6 s and 10 s)
