@@ -44,7 +44,8 @@ if __package__ in (None, ""):  # run as the supervisor's script: the repository 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.netns_hosts import finish, kill_processes_in as _kill_processes_in  # noqa: E402
-from tests.slurm_cluster import SlurmCluster, SlurmClusterError, _which, supervisor_main  # noqa: E402
+from tests.slurm_cluster import (SlurmCluster, SlurmClusterError, _which, check_state_folder,  # noqa: E402
+                                 read_small_file, supervisor_main)
 
 SUBNET_PREFIX = "10.214"  # 10.214.<x>.0/24; TwoHosts (tests/netns_hosts.py) uses 10.213 inside its namespaces
 CONTROLLER_OCTET = 254
@@ -322,10 +323,21 @@ class LabNetwork:
 
     @classmethod
     def load(cls, path: Path) -> LabNetwork | None:
+        """The network `save` wrote to `path`, or None where the file is missing or is not one `save` writes (its
+        numbers name links, namespaces and /etc/netns folders that destroy() removes)."""
         try:
-            return cls(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            network = cls(**json.loads(read_small_file(path, 4096) or ""))
+        except (ValueError, TypeError):
             return None
+        well_typed = (type(network.subnet) is int and type(network.hosts) is int and isinstance(network.owner, str)
+                      and (network.rate is None or isinstance(network.rate, str)))
+        try:
+            if well_typed and 1 <= network.subnet <= 250:
+                check_shape(network.hosts, network.rate)
+                return network
+        except SlurmClusterError:
+            pass
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- the cluster
@@ -337,13 +349,23 @@ class LabCluster(SlurmCluster):
     def __init__(self, state_dir: Path, hosts: int | None = None, rate: str | None = None):
         """The cluster of `state_dir` as its lab.json describes it; `hosts` and `rate`: the one start() makes."""
         super().__init__(state_dir)
-        self.network = None if hosts is not None else LabNetwork.load(self.state_dir / LAB_FILE)
+        self.network = None if hosts is not None else self._saved_network()
         self.hosts = hosts if hosts is not None else (self.network.hosts if self.network else 0)
         self.rate = rate if hosts is not None else (self.network.rate if self.network else None)
 
     @property
     def nodes(self) -> tuple[str, ...]:  # type: ignore[override]
         return tuple(LabNetwork.hostname(k) for k in range(1, self.hosts + 1))
+
+    @property
+    def network_owner(self) -> str:
+        """The alias of this folder's bridge: a lab.json copied from another lab's folder names another owner."""
+        return f"dptrain lab cluster {self.state_dir}"
+
+    def _saved_network(self) -> LabNetwork | None:
+        """The network this folder's lab.json describes, if this folder made it (None otherwise: not ours to stop)."""
+        network = LabNetwork.load(self.state_dir / LAB_FILE)
+        return network if network is not None and network.owner == self.network_owner else None
 
     @staticmethod
     def is_lab_folder(state_dir: Path) -> bool:
@@ -358,9 +380,11 @@ class LabCluster(SlurmCluster):
     def start(cls, state_dir: Path, *, hosts: int = 2, rate: str | None = None, detached: bool = False,
               timeout: float = 60) -> LabCluster:
         """Start a fresh lab cluster of `hosts` hosts, links shaped to `rate` (None: unshaped), in `state_dir`
-        (its old contents are removed), returning once `srun -N<hosts>` has run on every host. `detached`: as
-        SlurmCluster.start (stop a detached one with `LabCluster.stop_folder`)."""
+        (a new path, an empty folder, or a folder a previous start made, emptied first), returning once
+        `srun -N<hosts>` has run on every host. `detached`: as SlurmCluster.start (stop a detached one with
+        `LabCluster.stop_folder`)."""
         check_shape(hosts, rate)
+        check_state_folder(state_dir)  # the path as given: resolved, a link would be its target
         reason = cls.unavailable_reason()
         if reason:
             raise SlurmClusterError(reason)
@@ -393,7 +417,8 @@ class LabCluster(SlurmCluster):
     def _prepare(self) -> None:
         """As SlurmCluster's, with the network made between the folder and slurm.conf; a network left by a
         killed supervisor of this folder is removed first (the bridge's alias keeps another lab's safe)."""
-        stale = LabNetwork.load(self.state_dir / LAB_FILE)
+        check_state_folder(self.state_dir)  # a lab.json in a folder no start made is not read
+        stale = self._saved_network()
         if stale is not None and self.supervisor_pid() is None and not self._daemon_pids():
             stale.destroy()
         try:
@@ -404,7 +429,7 @@ class LabCluster(SlurmCluster):
             raise
 
     def _prepare_network(self) -> None:
-        self.network = LabNetwork.create(self.hosts, self.rate, owner=f"dptrain lab cluster {self.state_dir}")
+        self.network = LabNetwork.create(self.hosts, self.rate, owner=self.network_owner)
         self.network.save(self.state_dir / LAB_FILE)
 
     def _controller_addr(self) -> str:

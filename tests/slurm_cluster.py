@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -47,6 +48,10 @@ BINARIES = {
 # Inherited from an outer SLURM job, these would make our clients talk about that job instead of ours.
 _FOREIGN_ENV = re.compile(r"^(SLURM_|SBATCH_|SALLOC_|SRUN_|SQUEUE_|SCONTROL_|SINFO_)")
 _SUN_PATH_MAX = 107  # a UNIX socket path longer than this cannot be bound
+# Written into every state folder start() makes or adopts: the only folders it ever empties are those that carry it.
+MARKER = ".slurm-cluster"
+_MARKER_TEXT = ("This folder holds a private SLURM cluster's state (tests/slurm_cluster.py, scripts/slurm-cluster): "
+                "a new start in it empties it.\n")
 
 
 class SlurmClusterError(RuntimeError):
@@ -95,14 +100,39 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _read_pid(pid_file: Path, must_mention: str) -> int | None:
-    """The PID in `pid_file` if that process runs and its command line names `must_mention` (our state folder),
-    so that a stale pid file never gets a reused PID (or a system daemon) killed."""
+def _arguments(pid: int) -> list[str]:
     try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def read_small_file(path: Path, limit: int) -> str | None:
+    """The text of `path` if it is a regular file (not a link) of at most `limit` bytes, else None: a state folder
+    `stop` is pointed at may be anyone's, its pid file a link to /dev/zero or a FIFO that would block a read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return None
-    return pid if _pid_alive(pid) and must_mention in _cmdline(pid) else None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = file.read(limit + 1)
+    return data.decode(errors="replace") if len(data) <= limit else None
+
+
+def _read_pid(pid_file: Path, *arguments: str) -> int | None:
+    """The PID in `pid_file` if that process runs and `arguments` stand whole, one after the other, in its command
+    line (`-f <our slurm.conf>`), so that a stale or planted pid file never gets a reused PID (a system daemon, an
+    editor of a file in the folder) killed."""
+    try:
+        pid = int((read_small_file(pid_file, 64) or "").split()[0])
+    except (ValueError, IndexError):
+        return None
+    if not _pid_alive(pid):
+        return None
+    argv, wanted = _arguments(pid), list(arguments)
+    return pid if any(argv[i:i + len(wanted)] == wanted for i in range(len(argv) - len(wanted) + 1)) else None
 
 
 def _terminate(pids: list[int], grace_s: float = STOP_GRACE_S) -> None:
@@ -128,18 +158,72 @@ def _signal(pid: int, sig: int) -> None:
 
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
     found, frontier = [], [root]
     while frontier:
         for child in children.get(frontier.pop(), []):
             found.append(child)
             frontier.append(child)
     return found
+
+
+# ---------------------------------------------------------------------------------------------- the state folder
+
+def _is_marked(folder: Path) -> bool:
+    """Whether `folder` carries MARKER as a regular file (a link named so does not count): a start made it."""
+    try:
+        return stat.S_ISREG(os.lstat(Path(folder) / MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def check_state_folder(state_dir: Path) -> None:
+    """Refuse, in one sentence and before anything is made, a state folder that start() must not empty: a symbolic
+    link (to anything), a path that is no folder, a folder with something in it but no MARKER (no start made it).
+    A new path, an empty folder (adopted) and a folder a previous start made (emptied) are fine."""
+    path = Path(state_dir)
+    try:
+        mode = os.lstat(path).st_mode
+        entries = os.listdir(path) if stat.S_ISDIR(mode) else []
+    except FileNotFoundError:
+        return  # made by _prepare
+    except OSError as error:  # a file where a parent folder should be, a folder this user may not read
+        raise SlurmClusterError(f"{path} cannot hold a cluster ({error.strerror}); choose a new or empty "
+                                f"folder") from None
+    if stat.S_ISLNK(mode):
+        raise SlurmClusterError(f"{path} is a symbolic link, and start never empties what a link points at; give the "
+                                f"cluster a new or empty folder of its own")
+    if not stat.S_ISDIR(mode):
+        raise SlurmClusterError(f"{path} is a file, not a folder; give the cluster a new or empty folder")
+    if entries and not _is_marked(path):
+        raise SlurmClusterError(f"{path} is not empty and no cluster was started in it before (it has no {MARKER} "
+                                f"file), so start will not empty it; choose a new or empty folder")
+
+
+def _make_state_folder(state_dir: Path) -> None:
+    """`state_dir` as check_state_folder allows it, marked as ours and emptied but for MARKER. Nothing is followed:
+    a link inside it is removed, never what it points at (shutil.rmtree works below folders it opened itself)."""
+    check_state_folder(state_dir)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        if not _is_marked(state_dir):
+            (state_dir / MARKER).write_text(_MARKER_TEXT)
+        with os.scandir(state_dir) as entries:
+            for entry in entries:
+                if entry.name == MARKER:
+                    continue  # kept throughout: a start cut short leaves a folder still known as ours
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+    except OSError as error:
+        raise SlurmClusterError(f"could not make {state_dir} a fresh cluster folder ({error.strerror or error}: "
+                                f"{error.filename or state_dir}); choose another folder") from None
 
 
 # ---------------------------------------------------------------------------------------------- the cluster
@@ -225,9 +309,11 @@ class SlurmCluster:
 
     @classmethod
     def start(cls, state_dir: Path, *, detached: bool = False, timeout: float = 60) -> SlurmCluster:
-        """Start a fresh cluster in `state_dir` (its old contents are removed) and return once a real
-        `srun -N2 -n2 true` has run. `detached`: the daemons outlive this process (stop with `stop_folder`);
-        otherwise they also stop when the thread that called this ends (PR_SET_PDEATHSIG), e.g. if pytest is killed."""
+        """Start a fresh cluster in `state_dir` and return once a real `srun -N2 -n2 true` has run. `state_dir`: a
+        new path, an empty folder, or a folder a previous start made (emptied first); anything else is refused (see
+        check_state_folder). `detached`: the daemons outlive this process (stop with `stop_folder`); otherwise
+        they also stop when the thread that called this ends (PR_SET_PDEATHSIG), e.g. if pytest is killed."""
+        check_state_folder(state_dir)  # the path as given: resolved, a link would be its target
         reason = cls.unavailable_reason()
         if reason:
             raise SlurmClusterError(reason)
@@ -250,7 +336,7 @@ class SlurmCluster:
         return was_running
 
     def supervisor_pid(self) -> int | None:
-        return _read_pid(self.run_dir / "supervisor.pid", str(self.state_dir))
+        return _read_pid(self.run_dir / "supervisor.pid", "supervise", str(self.state_dir))
 
     def stop(self) -> None:
         """Stop slurmctld, both slurmd, munged by the PIDs in their pid files, then the supervisor, which kills
@@ -287,20 +373,22 @@ class SlurmCluster:
         return ("slurmctld",), tuple(f"slurmd-{node}" for node in self.nodes), ("munged",)
 
     def _daemon_pids(self) -> dict[str, int]:
-        """daemon name -> PID, from the pid files, for those of ours that still run."""
-        files = {"munged": self.run_dir / "munged.pid", "slurmctld": self.run_dir / "slurmctld.pid",
-                 **{f"slurmd-{node}": self.run_dir / f"slurmd-{node}.pid" for node in self.nodes}}
-        pids = {name: _read_pid(path, str(self.state_dir)) for name, path in files.items()}
+        """daemon name -> PID, from the pid files, for those of ours that still run (their command lines name
+        our munge socket or slurm.conf)."""
+        munged, slurm = (f"--socket={self.munge_socket}",), ("-f", str(self.conf_path))
+        files = {"munged": (self.run_dir / "munged.pid", munged), "slurmctld": (self.run_dir / "slurmctld.pid", slurm),
+                 **{f"slurmd-{node}": (self.run_dir / f"slurmd-{node}.pid", slurm) for node in self.nodes}}
+        pids = {name: _read_pid(path, *arguments) for name, (path, arguments) in files.items()}
         return {name: pid for name, pid in pids.items() if pid is not None}
 
     def _prepare(self) -> None:
         """A fresh state folder: config, munge key, empty state/spool/log dirs."""
+        check_state_folder(self.state_dir)  # before the pid files of a folder that may be anyone's are read
         if self.supervisor_pid() is not None or self._daemon_pids():
             raise SlurmClusterError(f"a cluster still runs from {self.state_dir}; stop it first")
         if len(str(self.munge_socket)) > _SUN_PATH_MAX:
             raise SlurmClusterError(f"state folder path too long for munge's socket ({self.munge_socket})")
-        if self.state_dir.exists():
-            shutil.rmtree(self.state_dir)  # saved state would let nodes look idle before their slurmd registered
+        _make_state_folder(self.state_dir)  # saved state would let nodes look idle before their slurmd registered
         for folder in (self.munge_socket.parent, self.log_dir, self.run_dir, self.state_dir / "ctld",
                        *(self.state_dir / "spool" / node for node in self.nodes)):
             folder.mkdir(parents=True, mode=0o755)
