@@ -9,13 +9,16 @@ What may change is how the run is spread, never what it computes: the strategy (
 node (each node's cores are split among them as threads), and DDP's bucket size; the global batch, the model and the
 optimizer stay the user's, so the math does too (dptrain's same-math promise over strategies and world sizes). With
 --tune-lossy the compressing comm hooks (fp16, bf16, powersgd) are candidates too: they round every gradient.
+Candidates that make the same run on the chosen shape (same_run: at one rank DDP's bucket cap and comm hook are never
+used) are one candidate, probed once.
 
 How: (1) one rank alone probes the compute per sample; (2) the scaling model (bench/model.py) predicts every
 candidate over the link (--link NAME, else link.json of the tune folder, else one measured now); (3) the KEEP best
 predicted and the user's own configuration (the default) are probed for STEPS steps each, one after another; (4) the
-fastest is run once more beside the default, and chosen only if it is at least as fast there, else the default is
-kept with the reason. Written into the tune folder: tuned.toml (the user's configuration with the choice), tune.csv
-and tune.md (each candidate's predicted and measured images/s).
+default and the CONTENDERS candidates whose probe beat it run again, in turns, up to REPEATS runs each; a candidate is
+chosen only if each of its runs was faster than each of the default's (it beat the default by more than the spread
+the runs measured), else the default is kept with the reason. Written into the tune folder: tuned.toml (the user's
+configuration with the choice), tune.csv and tune.md (each candidate's predicted images/s and each of its runs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -47,10 +51,16 @@ WARM_STEPS = 10
 LOG_EVERY = 5  # a step event (its time) every 5 steps: the timing's ticks, at one small loss reduction each
 KEEP = 3
 """Candidates probed besides the default: those the model predicts fastest."""
+REPEATS = 3
+"""Runs a winner and the default each need: a candidate is chosen only if its slowest was faster than the default's
+fastest (were the two the same run, all 3 runs of one would beat all 3 of the other 1 time in 20)."""
+CONTENDERS = 2
+"""Candidates run again beside the default: those whose probe beat it, fastest first (each repeat is a probe run)."""
 BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
 TUNED_FILE = "tuned.toml"
 STRATEGIES = ("ddp", "zero1", "fsdp")
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
+DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -136,9 +146,96 @@ def rank_by_model(found: list[Candidate], work: model.Workload, link: model.Time
     return sorted(predicted, key=lambda cp: -cp[1].images_per_s)
 
 
-def choose(default: Candidate, measured: dict[Candidate, float]) -> Candidate:
-    """The fastest measured candidate (the default among equals)."""
-    return max(measured, key=lambda c: (measured[c], c == default))
+def same_run(candidate: Candidate, nodes: int, gradient_bytes: float) -> Candidate:
+    """The run the candidate makes on `nodes` nodes: candidates with the same one compute the same thing the same way,
+    so probing each would only measure the machine's noise as a difference between them.
+
+    - At world size 1 (one node, one rank) DDP.wrap returns the bare model before it builds a bucket or installs a
+      comm hook: ddp's and zero1's bucket cap and hook are never used, and ddp is then the single strategy (the bare
+      model, the plain optimizer, no collective). zero1 stays its own run (its ZeroRedundancyOptimizer still wraps the
+      optimizer), and so does fsdp (its parameters are sharded over a mesh of one).
+    - Only ddp and zero1 read a comm hook or a bucket cap; the other strategies ignore both.
+    - A bucket cap only groups the gradients: where they all fit within the first bucket of every cap in question
+      (DDP's own 1 MiB, the cap where smaller), each cap makes one bucket, the same run at any world size.
+    """
+    world = nodes * candidate.ranks_per_node
+    strategy = "ddp" if world == 1 and candidate.strategy == "single" else candidate.strategy
+    if world == 1 or strategy not in ("ddp", "zero1"):
+        return Candidate(strategy, candidate.ranks_per_node)
+    cap = float("inf") if candidate.bucket_mb is None else candidate.bucket_mb * 2**20
+    one_bucket = gradient_bytes < min(DDP_FIRST_BUCKET_BYTES, cap)
+    return replace(candidate, bucket_mb=None if one_bucket else candidate.bucket_mb)
+
+
+def distinct(found: list[Candidate], nodes: int, gradient_bytes: float) -> dict[Candidate, list[Candidate]]:
+    """Each run among `found` once (same_run), as the first candidate that makes it (the default, first in `found`,
+    stands for its own run), with the other candidates that make the same run."""
+    by_run: dict[Candidate, list[Candidate]] = {}
+    for candidate in found:
+        by_run.setdefault(same_run(candidate, nodes, gradient_bytes), []).append(candidate)
+    return {same[0]: same[1:] for same in by_run.values()}
+
+
+Runs = dict[Candidate, list[float | None]]
+"""Each probed candidate's runs in images/s, in the order they ran (None: a run that failed)."""
+
+
+def rates(runs: list[float | None]) -> list[float]:
+    """The runs that gave a rate."""
+    return [r for r in runs if r is not None]
+
+
+def ahead_of(theirs: list[float | None], default: list[float | None]) -> bool:
+    """Whether each of a candidate's runs was faster than each of the default's (none failed, one at least each). More
+    runs can only undo this, never restore it: a candidate no longer ahead is not run again."""
+    if not theirs or not default or None in theirs or None in default:
+        return False
+    return min(rates(theirs)) > max(rates(default))
+
+
+def contenders(default: Candidate, runs: Runs) -> list[Candidate]:
+    """The candidates worth running again beside the default: the CONTENDERS fastest of those ahead of it (ahead_of)."""
+    ahead = [c for c in runs if c != default and ahead_of(runs[c], runs[default])]
+    return sorted(ahead, key=lambda c: -statistics.fmean(rates(runs[c])))[:CONTENDERS]
+
+
+def choose(default: Candidate, runs: Runs) -> tuple[Candidate, str]:
+    """The candidate to run and why: of those with REPEATS runs each faster than each of the default's REPEATS or more
+    (ahead_of), the fastest on average; else the default, the reason naming the closest candidate and both spreads."""
+    ours = runs[default]
+    winners = [c for c in runs if c != default and len(runs[c]) >= REPEATS and ahead_of(runs[c], ours)]
+    if len(ours) >= REPEATS and winners:
+        best = max(winners, key=lambda c: statistics.fmean(rates(runs[c])))
+        ratio = statistics.fmean(rates(runs[best])) / statistics.fmean(rates(ours))
+        return best, (f"{best.name} ran {ratio:.2f}x your configuration, each of its {len(runs[best])} runs faster "
+                      f"than each of yours ({spread(runs[best])}, against {spread(ours)})")
+    if None in ours:
+        return default, (f"a run of your configuration failed ({spread(ours)}), so no candidate can be shown faster "
+                         f"than it, and your configuration is kept")
+    ran = {c: rs for c, rs in runs.items() if c != default and rates(rs)}
+    if not ran:
+        return default, "no other candidate's probe gave a rate, so your configuration is kept"
+    repeated = [c for c in ran if len(ran[c]) > 1]
+    if not repeated:
+        closest = max(ran, key=lambda c: max(rates(ran[c])))
+        return default, (f"no candidate's probe was faster than your configuration (the fastest, {closest.name}: "
+                         f"{spread(ran[closest])}, against your {spread(ours)}), so your configuration is kept")
+    closest = max(repeated, key=lambda c: statistics.fmean(rates(ran[c])))
+    return default, (f"no candidate beat your configuration by more than the spread of their runs (the closest, "
+                     f"{closest.name}: {spread(ran[closest])}, against your {spread(ours)}), so your configuration "
+                     f"is kept")
+
+
+def spread(runs: list[float | None]) -> str:
+    """A candidate's runs as a reader compares them: its one rate, or its slowest to its fastest; any that failed."""
+    measured = rates(runs)
+    failed = len(runs) - len(measured)
+    if not measured:
+        return f"no rate ({failed} failed)"
+    if len(measured) == 1:
+        return f"{measured[0]:,.0f} images/s" + (f" over 1 run, {failed} failed" if failed else "")
+    return (f"{min(measured):,.0f}-{max(measured):,.0f} images/s over {len(measured)} runs"
+            + (f", {failed} failed" if failed else ""))
 
 
 def images_per_s(run_dir: Path, global_batch: int) -> float | None:
@@ -267,7 +364,8 @@ def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
 
 
 def tune(tuner: Tuner) -> Path:
-    """Probe, choose, verify; write tuned.toml, tune.csv and tune.md into the tune folder; the path of tuned.toml."""
+    """Probe, run the contenders again, choose; write tuned.toml, tune.csv and tune.md into the tune folder; the path of
+    tuned.toml."""
     base = workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed probe
     tuner.tune_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -285,46 +383,52 @@ def tune(tuner: Tuner) -> Path:
         compute_s = _compute_from(user, one_rank_rate, tuner, base, between, within)
     work = replace(base, compute_s_per_sample=compute_s,
                    rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares)
-    ranked = rank_by_model(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size,
-                                      tuner.lossy), work, between, tuner.nodes, within, overlap=0.5)
+    same = distinct(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size, tuner.lossy),
+                    tuner.nodes, base.param_bytes)
+    ranked = rank_by_model(list(same), work, between, tuner.nodes, within, overlap=0.5)
     predicted = dict(ranked)
-    chosen_for_probe = [c for c, _ in ranked if c != user][:tuner.keep]
-    measured: dict[Candidate, float] = {first: one_rank_rate} if first == user else {}
-    for candidate in [user, *chosen_for_probe]:
-        if candidate in measured:  # the compute probe was this candidate's
-            continue
-        rate = tuner.measure(candidate, "probe")
-        if rate is not None:
-            measured[candidate] = rate
-    if user not in measured:
+    runs: Runs = {c: [] for c in same}
+    first_run = same_run(first, tuner.nodes, base.param_bytes)
+    for candidate in same:  # the compute probe is a run of the candidate that makes the same run, if one does
+        if same_run(candidate, tuner.nodes, base.param_bytes) == first_run:
+            runs[candidate].append(one_rank_rate)
+    for candidate in [user, *[c for c, _ in ranked if c != user][:tuner.keep]]:
+        if not runs[candidate]:
+            runs[candidate].append(tuner.measure(candidate, "probe"))
+    if not rates(runs[user]):
         raise LaunchError(f"the probe of your own configuration ({user.name}) failed, so nothing can be compared; see "
                           f"{tuner.tune_dir / 'runs'}/probe-{user.name}/bench.log.")
-    best = choose(user, measured)
-    verified: dict[Candidate, float | None] = {}
-    reason = "your configuration was the fastest probe"
-    final = user
-    if best != user:
-        verified = {user: tuner.measure(user, "verify"), best: tuner.measure(best, "verify")}
-        if verified[best] is not None and verified[user] is not None and verified[best] >= verified[user]:
-            final = best
-            reason = (f"{best.name} ran {verified[best] / verified[user]:.2f}x your configuration in the verification "
-                      f"run ({verified[best]:,.0f} against {verified[user]:,.0f} images/s)")
-        else:
-            reason = (f"{best.name} was the fastest probe but not in the verification run "
-                      f"({_rate(verified[best])} against your configuration's {_rate(verified[user])} images/s), so "
-                      f"your configuration is kept")
+    run_again(tuner, user, runs)
+    final, reason = choose(user, runs)
     for candidate, prediction in ranked:
+        measured = rates(runs[candidate])
         tuner.rows.append({"candidate": candidate.name, "strategy": candidate.strategy,
                            "ranks_per_node": candidate.ranks_per_node, "comm_hook": candidate.comm_hook,
                            "bucket_mb": "" if candidate.bucket_mb is None else candidate.bucket_mb,
+                           "same_run": " ".join(c.name for c in same[candidate]),
                            "predicted_images_per_s": round(prediction.images_per_s, 1),
-                           "measured_images_per_s": _cell(measured.get(candidate)),
-                           "verified_images_per_s": _cell(verified.get(candidate)),
+                           "runs": " ".join("failed" if r is None else f"{r:.1f}" for r in runs[candidate]),
+                           "measured_images_per_s": _cell(statistics.fmean(measured) if measured else None),
+                           "min_images_per_s": _cell(min(measured, default=None)),
+                           "max_images_per_s": _cell(max(measured, default=None)),
                            "default": candidate == user, "chosen": candidate == final})
-    tuned = _write_tuned(tuner, final)
+    tuned = _write_tuned(tuner, final, kept=final == user)
     _write_tables(tuner, reason, link_source, time.monotonic() - started, predicted[user])
     log.info(f"tune: {reason}; {tuned} (dptrain {'submit' if tuner.slurm else 'train'} --config {tuned})")
     return tuned
+
+
+def run_again(tuner: Tuner, default: Candidate, runs: Runs) -> None:
+    """Run the default and its contenders (contenders()) again, in turns, until each has REPEATS runs; a contender no
+    longer ahead of the default (ahead_of) runs no more, and a failed run of the default ends the repeats."""
+    ahead = contenders(default, runs)
+    while ahead and None not in runs[default]:
+        behind = [c for c in [default, *ahead] if len(runs[c]) < REPEATS]
+        if not behind:
+            return
+        for candidate in behind:
+            runs[candidate].append(tuner.measure(candidate, f"repeat{len(runs[candidate]) + 1}"))
+        ahead = [c for c in ahead if ahead_of(runs[c], runs[default])]
 
 
 def rank_shares(tuner: Tuner) -> dict[int, float]:
@@ -367,25 +471,25 @@ def _compute_from(user: Candidate, rate: float, tuner: Tuner, work: model.Worklo
     return compute_step * world * work.share(user.ranks_per_node) / tuner.cfg.train.global_batch_size
 
 
-def _rate(value: float | None) -> str:
-    return "no rate (failed)" if value is None else f"{value:,.0f}"
-
-
 def _cell(value: float | None) -> str | float:
     return "" if value is None else round(value, 1)
 
 
-def _write_tuned(tuner: Tuner, chosen: Candidate) -> Path:
-    """The user's configuration with the chosen candidate's options: what `dptrain train --config` runs."""
+def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
+    """The user's configuration with the chosen candidate's options: what `dptrain train --config` runs. kept: the
+    choice is the user's own configuration, which the header says rather than presenting it as a finding."""
     cfg = tuner.config_of(chosen, [*tuner.user_pairs, *chosen.pairs()])
     path = tuner.tune_dir / TUNED_FILE
-    path.write_text(f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file\n"
-                    + config_mod.to_toml(cfg))
+    header = (f"# dptrain bench --tune kept your configuration ({chosen.name}): see tune.md beside this file for why"
+              if kept else f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file")
+    path.write_text(f"{header}\n" + config_mod.to_toml(cfg))
     return path
 
 
-COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "predicted_images_per_s",
-           "measured_images_per_s", "verified_images_per_s", "default", "chosen")
+COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "same_run", "predicted_images_per_s",
+           "runs", "measured_images_per_s", "min_images_per_s", "max_images_per_s", "default", "chosen")
+"""tune.csv: one row per distinct run (same_run: the other candidates that make it, not probed apart); runs: each
+run's images/s in the order they ran ("failed" for one that failed), measured: their mean, min and max."""
 
 
 def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: model.Prediction) -> None:
@@ -397,12 +501,22 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
     lines = [f"# dptrain bench --tune on {where}", "",
              f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each probe: {STEPS} steps, timed from step "
              f"{WARM_STEPS}; the global batch ({tuner.cfg.train.global_batch_size}) is the same in every candidate.", "",
-             "| candidate | predicted images/s | measured | verified | |", "| --- | --- | --- | --- | --- |"]
+             "| candidate | predicted images/s | each run, images/s | slowest-fastest | |",
+             "| --- | --- | --- | --- | --- |"]
     for row in tuner.rows:
         marks = ", ".join(m for m, on in (("default", row["default"]), ("chosen", row["chosen"])) if on)
-        lines.append(f"| {row['candidate']} | {row['predicted_images_per_s']:,.0f} | {row['measured_images_per_s']} | "
-                     f"{row['verified_images_per_s']} | {marks} |")
-    lines += ["", "Candidates without a measured rate were ranked below the probed ones by the model and not run."]
+        name = row["candidate"] + (f" (the same run: {row['same_run'].replace(' ', ', ')})" if row["same_run"] else "")
+        each = "; ".join(r if r == "failed" else f"{float(r):,.0f}" for r in row["runs"].split())
+        rated = sum(1 for r in row["runs"].split() if r != "failed")
+        slowest_fastest = f"{row['min_images_per_s']:,.0f}-{row['max_images_per_s']:,.0f}" if rated > 1 else ""
+        lines.append(f"| {name} | {row['predicted_images_per_s']:,.0f} | {each} | {slowest_fastest} | {marks} |")
+    lines += ["", f"A candidate is chosen only if each of its {REPEATS} runs was faster than each of your "
+              f"configuration's {REPEATS}: your configuration and the {CONTENDERS} fastest candidates whose probe beat "
+              f"it ran again, in turns, a candidate stopping at its first run no faster than one of yours.", "",
+              "The same run: candidates that compute the same thing the same way on this shape (at one rank DDP wraps "
+              "nothing, so its bucket cap and comm hook are never used; gradients under 1 MiB make one bucket whatever "
+              "the cap), probed once as the first one named.", "",
+              "Candidates without a run were ranked below the probed ones by the model and not run."]
     (tuner.tune_dir / "tune.md").write_text("\n".join(lines) + "\n")
 
 
