@@ -67,7 +67,7 @@ def test_bad_rows_of_results_csv_are_left_out_and_named(tmp_path, capsys, caplog
     code, err, text = report(bench, capsys)
     assert code == 0, err
     [warning] = caplog.messages  # one line for them all
-    assert "7 rows of" in warning and "(results.csv line 4: epoch_time_s is '0', not a positive number; ...)" in warning
+    assert "7 rows of" in warning and "(results.csv line 4: epoch_time_s is '0', not a number from 1e-06 to 1e+08; ...)" in warning
     left_out = text.split("## Left out of this report", 1)[1]
     for line, what in [(4, "epoch\\_time\\_s is '0'"), (5, "epoch\\_time\\_s is '\\-1\\.0'"),
                        (6, "epoch\\_time\\_s is 'nan'"), (7, "epoch\\_time\\_s is 'inf'"),
@@ -87,7 +87,7 @@ def test_results_csv_with_every_row_bad_is_one_sentence(tmp_path, capsys):
     assert code == 2
     error = err.splitlines()[-1]
     assert error.startswith(f"dptrain: error: {bench} has no finished run left to plot: 1 left out, the first as "
-                            f"results.csv line 2: epoch_time_s is '0', not a positive number; fix the file it names")
+                            f"results.csv line 2: epoch_time_s is '0', not a number from 1e-06 to 1e+08; fix the file it names")
 
 
 @pytest.mark.parametrize("content, says", [
@@ -177,7 +177,7 @@ def test_report_rebuilt_from_the_runs_lists_the_skipped_lines(tmp_path, capsys, 
     code, err, text = report(bench, capsys)
     assert code == 0, err
     assert ("- runs/dptrain\\-ddp\\-w1\\-r1/metrics\\.jsonl: 1 line skipped \\(line 4: epoch\\_time\\_s is 'fast', "
-            "not a positive number\\)") in text
+            "not a number from 1e\\-06 to 1e\\+08\\)") in text
     [warning] = caplog.messages
     assert warning.startswith(f"{bench / 'runs' / 'dptrain-ddp-w1-r1' / 'metrics.jsonl'}: 1 line skipped (line 4: ")
 

@@ -9,7 +9,7 @@ run's images/s; fraction_of_peak divides it by what the probe of the same worker
 from __future__ import annotations
 
 import csv
-import json
+import io
 import logging
 import math
 import re
@@ -22,6 +22,9 @@ from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
 from dptrain.config import read_config_text
 from dptrain.errors import ConfigError
+from dptrain import read_back
+from dptrain.files import written_whole
+from dptrain.read_back import UnreadableFile, read_json_lines
 from dptrain.run_folder import RunFolder
 from dptrain.slurm.job import CONFIG_NAME
 
@@ -40,9 +43,14 @@ SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s 
 
 # The measures an epoch event may carry, each one number or a per-rank list (null where a rank has none). All of them
 # are zero or more; dptrain writes a nan or inf as null (metrics.finite_or_none), so a nan here was not written by it.
+# Each lies in its RANGE (zero to BIGGEST where not named): no run measures beyond them, and a report that divides by
+# an epoch of 1e-320 s, or sums CPU uses of 1e308 %, showed 0.000 s and a speedup of 0.00, or overflowed.
 EPOCH_MEASURES = ("model_flops_per_sample", "cpu_util_pct", "eval_loss", "eval_acc", "peak_mem_mb", "rss_max_mb",
                   "comm_ms_per_step", "comm_exposed_ms_per_step")
 SMALL_FILE_BYTES = 1 << 16  # env.json and bench_error.txt hold a few lines; a larger one is cut here, not read whole
+BIGGEST = 1e15
+RANGE = {"epoch_time_s": (1e-6, 1e8), "images_per_s": (1e-6, 1e12), "train_samples": (1.0, 1e12),
+         "cpu_util_pct": (0.0, 1e6), "eval_acc": (0.0, 1.0), "fraction_of_peak": (0.0, 1e3)}
 NAME = re.compile(r"[a-z0-9_]+")  # an engine's or a strategy's name, as in a point's folder name (POINT_NAME)
 
 
@@ -52,15 +60,7 @@ def _flat(values: Any) -> list[float]:
     return [float(v) for v in items if _is_number(v)]
 
 
-def _is_number(value: Any) -> bool:
-    """A finite int or float; True and False are ints to Python but not numbers in a metrics file."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _shown(value: Any) -> str:
-    """A bad value quoted in a message, cut short: it came from a file that may hold anything."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+_is_number, _shown = read_back.is_number, read_back.shown
 
 
 def event_problem(event: dict[str, Any]) -> str | None:
@@ -81,45 +81,31 @@ def event_problem(event: dict[str, Any]) -> str | None:
     for key in ("epoch_time_s", "train_samples"):  # a rate divides one by the other: both must be above zero
         if key not in event:
             return f"it has no {key}"
-        if not (_is_number(event[key]) and event[key] > 0):
-            return f"{key} is {_shown(event[key])}, not a positive number"
+        if not in_range(key, event[key]):
+            return f"{key} is {_shown(event[key])}, {range_words(key)}"
     for key in EPOCH_MEASURES:
         value = event.get(key)
         items = value if isinstance(value, list) else [value]
-        if not all(v is None or (_is_number(v) and v >= 0) for v in items):
-            return f"{key} is {_shown(value)}, not a number of zero or more"
+        if not all(v is None or in_range(key, v) for v in items):
+            return f"{key} is {_shown(value)}, {range_words(key)}"
     return None
 
 
-def read_run_events(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The usable events of a metrics.jsonl, and where and why the others were skipped ("line 7: ...").
+def in_range(measure: str, value: Any) -> bool:
+    """value is a finite number within measure's RANGE."""
+    low, high = RANGE.get(measure, (0.0, BIGGEST))
+    return _is_number(value) and low <= value <= high
 
-    One rule for every line collect cannot use, whether it is not JSON, JSON but no event, or an event whose fields
-    are not what dptrain writes (a missing key, a string for a number, a nan): it is skipped, as a line cut short by a
-    killed run always was, and counted, so that a run's numbers never come silently from fewer epochs. The last line
-    alone, when it is not JSON, is skipped without a word: that is how a killed run's file ends. Refusing the file
-    instead would hold up the report of every other run for one line."""
-    if not path.is_file():
-        return [], []
-    events, skipped = [], []
-    with path.open(errors="replace") as file:  # line by line: a long run's file holds an event per logged step
-        lines = list(enumerate(file, start=1))
-    for number, line in lines:
-        try:
-            event = json.loads(line)
-        except RecursionError:  # brackets nested thousands deep: Python's parser recurses once per bracket
-            skipped.append(f"line {number}: it nests brackets too deep to be an event")
-            continue
-        except json.JSONDecodeError:
-            if number != len(lines) and line.strip():
-                skipped.append(f"line {number}: it is not JSON")
-            continue
-        problem = event_problem(event) if isinstance(event, dict) else "it is JSON but not an event object"
-        if problem:
-            skipped.append(f"line {number}: {problem}")
-        else:
-            events.append(event)
-    return events, skipped
+
+def range_words(measure: str) -> str:
+    low, high = RANGE.get(measure, (0.0, BIGGEST))
+    return f"not a number from {low:g} to {high:g}"
+
+
+def read_run_events(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The usable events of a metrics.jsonl, and where and why the others were skipped ("line 7: ..."), by
+    read_back.read_json_lines' rule, event_problem saying what collect cannot use."""
+    return read_json_lines(path, event_problem)
 
 
 def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
@@ -196,20 +182,19 @@ def run_nodes(run_dir: Path) -> int:
 
 
 def _read_head(path: Path) -> str:
-    """The first SMALL_FILE_BYTES of a file as text ("" when it cannot be read)."""
+    """The first SMALL_FILE_BYTES of a regular file as text ("" when it cannot be read)."""
     try:
-        with path.open(errors="replace") as file:
-            return file.read(SMALL_FILE_BYTES)
-    except OSError:
+        return read_back.read_head(path, SMALL_FILE_BYTES)
+    except (FileNotFoundError, UnreadableFile):
         return ""
 
 
 def _read_json(path: Path) -> dict:
+    """A small JSON object file (env.json); {} where it is missing or not one."""
     try:
-        data = json.loads(_read_head(path))
-    except (json.JSONDecodeError, RecursionError):
+        return read_back.read_json(path, lambda value: read_back.mapping(value, "the file"), SMALL_FILE_BYTES)
+    except (FileNotFoundError, UnreadableFile):
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def collect(bench_dir: Path) -> list[dict[str, Any]]:
@@ -284,7 +269,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
+    with written_whole(path) as tmp, tmp.open("w", newline="") as f:  # never half a table, nor through a planted link
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
@@ -298,8 +283,6 @@ def _cell(value: Any) -> Any:
 # The columns without which results.csv is no sweep's; the others, missing from an older file, read as empty.
 NEEDED_COLUMNS = ("engine", "strategy", "workers", "status", "epoch_time_s")
 STATUSES = ("ok", "failed", "unfinished")
-# Measures that are a time or a rate: zero would make a speedup or an efficiency infinite (or a division fail).
-ABOVE_ZERO = ("epoch_time_s", "images_per_s")
 
 
 def row_problem(row: dict[str | None, Any], width: int) -> str | None:
@@ -325,13 +308,8 @@ def row_problem(row: dict[str | None, Any], width: int) -> str | None:
         return f"global_batch_size is {_shown(row['global_batch_size'])}, not a positive whole number"
     for measure in MEASURES:
         value = row.get(measure, "")
-        if value == "":
-            continue
-        number = as_number(value)
-        if measure in ABOVE_ZERO and (number is None or number <= 0):
-            return f"{measure} is {_shown(value)}, not a positive number"
-        if number is None or number < 0:
-            return f"{measure} is {_shown(value)}, not a number of zero or more"
+        if value != "" and not in_range(measure, as_number(value)):
+            return f"{measure} is {_shown(value)}, {range_words(measure)}"
     return None
 
 
@@ -349,8 +327,10 @@ def read_results(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     results.csv at all (no header, a column missing, not UTF-8 text) is refused in one sentence."""
     where = path.name
     rows, left_out = [], []
+    text = read_back.read_text(path, read_back.TABLE_BYTES, advice="delete it, and `dptrain report` writes it again "
+                               "from the runs")
     try:
-        with path.open(newline="", encoding="utf-8") as f:
+        with io.StringIO(text, newline="") as f:  # newline="": line breaks inside quoted cells kept, as csv wants
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
             missing = [c for c in NEEDED_COLUMNS if c not in header]
@@ -366,9 +346,6 @@ def read_results(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
                     left_out.append(f"{where} line {start}: {problem}")
                 else:
                     rows.append({c: "" for c in RESULT_COLUMNS} | row | {"workers": int(row["workers"])})
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text ({exc.reason}); delete it, and `dptrain report` writes it again "
-                          f"from the runs.") from None
     except csv.Error as exc:  # a cell over the csv module's 128 KiB, say
         raise ConfigError(f"{path} line {reader.line_num} cannot be read as CSV ({exc}); delete the file, and "
                           f"`dptrain report` writes it again from the runs.") from None

@@ -25,10 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from dptrain import config as config_mod
+from dptrain import read_back
 from dptrain.bench.sweep import (ERROR_FILE, OTHER_ENGINES, Point, Sweep, check_and_record, describe_plan, error_line,
                                  is_done, job_shape, last_line, plan)
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
+from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 from dptrain.slurm import job as slurm_job, queue as slurm_queue
 from dptrain.slurm.env import SLURM_VARS
@@ -211,8 +213,8 @@ def run_to_its_end(job: slurm_job.Job, script: str) -> tuple[str, str | None]:
 def recorded_job(run_dir: Path) -> str | None:
     """The id of the job last submitted for the point, if any."""
     try:
-        text = (run_dir / JOB_ID_FILE).read_text().strip()
-    except OSError:
+        text = read_back.read_head(run_dir / JOB_ID_FILE, 256).strip()
+    except (FileNotFoundError, UnreadableFile):
         return None
     return text or None
 
@@ -284,9 +286,9 @@ def job_error(run_dir: Path, job_id: str, state: str | None) -> str:
     job = slurm_job.Job(run_dir, 1, 1, "per-rank")
     texts = []
     for path in (job.errors(job_id), job.output(job_id)):
-        try:
-            texts.append(path.read_text(errors="replace"))
-        except OSError:
+        try:  # bounded: a job's output is a log, and a link to /dev/zero planted there must not fill the memory
+            texts.append(read_back.read_text(path, read_back.TABLE_BYTES, errors="replace"))
+        except (FileNotFoundError, UnreadableFile):
             pass
     output = "\n".join(texts)
     found = error_line(output)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -44,7 +45,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from dptrain.bench.peak import first_report, probe_in_fresh_python
+from dptrain import read_back
+from dptrain.bench.peak import MAX_PROCESSES, first_report, probe_in_fresh_python
+from dptrain.files import written_whole
+from dptrain.read_back import BadValue, UnreadableFile, field
+
+log = logging.getLogger(__name__)
 
 LINK_FILE = "link.json"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -56,6 +62,10 @@ SIZES: dict[str, tuple[int, ...]] = {"cpu": (4 << 10, 64 << 10, 1 << 20, 8 << 20
 MIN_S = 0.05  # seconds of timed calls per round (at least one call)
 ROUNDS = 3
 WAIT_S = 300.0  # the longest a process waits for the others: starting torch on a loaded machine takes seconds
+# What a link.json read back may hold: a call from a nanosecond to an hour, a buffer up to a TiB. The model multiplies
+# and sums these (a step's seconds, 256 nodes' fits): with 1e308 s or 1e-320 s it overflowed or divided by zero.
+TIMING_S = (1e-9, 3600.0)
+MAX_BUFFER_BYTES = 1 << 40
 
 
 def ring_terms(collective: str, world: int) -> tuple[float, float]:
@@ -203,11 +213,25 @@ class LinkProbe:
             return data | {"fit": None, "fit_error": str(e)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LinkProbe:
-        return cls(backend=str(data["backend"]), device=str(data["device"]), world=int(data["world"]),
-                   hosts=int(data.get("hosts", 1)),
-                   timings=[Timing(str(t["collective"]), int(t["world"]), int(t["nbytes"]), float(t["seconds"]))
-                            for t in data["timings"]])
+    def from_dict(cls, data: Any, name: str = "a probe") -> LinkProbe:
+        """A probe as link.json holds it, each value checked (BadValue naming it)."""
+        data = read_back.mapping(data, name)
+        world = read_back.whole(field(data, "world", name), f"{name}.world", 1, MAX_PROCESSES)
+        timings = read_back.sequence(field(data, "timings", name), f"{name}.timings", 10_000)
+        return cls(backend=read_back.text(field(data, "backend", name), f"{name}.backend", 20),
+                   device=read_back.text(field(data, "device", name), f"{name}.device", 20),
+                   world=world, hosts=read_back.whole(data.get("hosts", 1), f"{name}.hosts", 1, world),
+                   timings=[_timing(t, f"{name}.timings[{i}]") for i, t in enumerate(timings)])
+
+
+def _timing(data: Any, name: str) -> Timing:
+    data = read_back.mapping(data, name)
+    collective = field(data, "collective", name)
+    if collective not in COLLECTIVES:
+        raise BadValue(f"{name}.collective = {read_back.shown(collective)}, not one of {', '.join(COLLECTIVES)}")
+    return Timing(collective, read_back.whole(field(data, "world", name), f"{name}.world", 1, MAX_PROCESSES),
+                  read_back.whole(field(data, "nbytes", name), f"{name}.nbytes", 1, MAX_BUFFER_BYTES),
+                  read_back.number(field(data, "seconds", name), f"{name}.seconds", *TIMING_S))
 
 
 def _elements(nbytes: int, world: int) -> int:
@@ -393,7 +417,8 @@ def _write(bench_dir: Path, probes: dict[tuple[int, int], LinkProbe]) -> None:
         if fitted is not None:
             text[name] = fitted.to_dict()
     bench_dir.mkdir(parents=True, exist_ok=True)
-    (bench_dir / LINK_FILE).write_text(json.dumps(text, indent=2) + "\n")
+    with written_whole(bench_dir / LINK_FILE) as tmp:  # a link planted there is replaced, never written through
+        tmp.write_text(json.dumps(text, indent=2) + "\n")
 
 
 def record(bench_dir: Path, device: Device = "cpu", worlds: tuple[int, ...] = (2,),
@@ -415,14 +440,28 @@ def record(bench_dir: Path, device: Device = "cpu", worlds: tuple[int, ...] = (2
     return LinkRecord(probes), missing
 
 
-def read_link(bench_dir: Path) -> LinkRecord | None:
-    """BENCH/link.json's probes; None when it is missing, unreadable or holds none."""
+def load_link(bench_dir: Path) -> LinkRecord | None:
+    """BENCH/link.json's probes; None when it is missing or holds none; UnreadableFile in one sentence where it is
+    not what record writes (too large, not a regular file, not JSON, a value out of its range)."""
+    def take(data: Any) -> list[LinkProbe]:
+        probes = read_back.sequence(field(read_back.mapping(data, "the file"), "probes", "the file"), "probes", 1024)
+        return [LinkProbe.from_dict(p, f"probes[{i}]") for i, p in enumerate(probes)]
+
     try:
-        data = json.loads((bench_dir / LINK_FILE).read_text())
-        probes = [LinkProbe.from_dict(p) for p in data["probes"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        probes = read_back.read_json(bench_dir / LINK_FILE, take)
+    except FileNotFoundError:
         return None
     return LinkRecord({(p.hosts, p.world): p for p in probes}) if probes else None
+
+
+def read_link(bench_dir: Path) -> LinkRecord | None:
+    """load_link, with a file it refuses taken as none (one log line says why): the sweep probes again, the report
+    draws no scaling model."""
+    try:
+        return load_link(bench_dir)
+    except UnreadableFile as exc:
+        log.warning(f"{exc.path} {exc.problem}; it is left out.")
+        return None
 
 
 def _where(p: LinkProbe) -> str:

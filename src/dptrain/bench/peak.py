@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -29,6 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dptrain import read_back
+from dptrain.files import written_whole
+from dptrain.read_back import BadValue, UnreadableFile, field
+
+log = logging.getLogger(__name__)
+
 PEAK_FILE = "peak.json"
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
@@ -37,6 +44,10 @@ SIZES: dict[str, tuple[int, ...]] = {"cpu": (512, 1024, 2048), "cuda": (2048, 40
 MIN_S = 0.1  # seconds of timed calls per round (at least one call)
 ROUNDS = 3  # timed rounds per size, the best kept: a peak, so the rounds another program slowed down do not count
 WAIT_S = 300.0  # the longest a process waits at a barrier: starting torch on a loaded machine takes seconds
+# What a peak.json read back may hold: no machine of today has a million processes, an exaFLOPS, or computes at less
+# than a MFLOPS (a peak of 1e-320 TFLOPS made the fraction of peak inf%)
+MAX_PROCESSES = 1 << 20
+TFLOPS = (1e-6, 1e6)
 
 
 def matmul_flops(n: int) -> int:
@@ -95,10 +106,26 @@ class Probe:
                                "peak_tflops": self.peak_tflops}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Probe:
-        return cls(device=str(data["device"]), dtype=str(data["dtype"]), workers=int(data["workers"]),
-                   threads=int(data["threads"]),
-                   tflops_by_size={int(n): float(t) for n, t in data["tflops_by_size"].items()})
+    def from_dict(cls, data: Any, name: str = "a probe") -> Probe:
+        """A probe as peak.json holds it, each value checked (BadValue naming it): a peak of 0, -1, NaN or 1e308
+        TFLOPS, or none at all, would become a fraction of peak of inf, a negative one, nan or 0 downstream."""
+        data = read_back.mapping(data, name)
+        sizes = read_back.mapping(field(data, "tflops_by_size", name), f"{name}.tflops_by_size", max_items=64)
+        if not sizes:
+            raise BadValue(f"{name}.tflops_by_size holds no size")
+        return cls(device=_choice(field(data, "device", name), f"{name}.device", ("cpu", "cuda")),
+                   dtype=_choice(field(data, "dtype", name), f"{name}.dtype", ("float32", "bfloat16")),
+                   workers=read_back.whole(field(data, "workers", name), f"{name}.workers", 1, MAX_PROCESSES),
+                   threads=read_back.whole(field(data, "threads", name), f"{name}.threads", 0, MAX_PROCESSES),
+                   tflops_by_size={read_back.whole(n, f"{name}.tflops_by_size key", 1, 1 << 20):
+                                   read_back.number(t, f"{name}.tflops_by_size[{n!r}]", *TFLOPS)
+                                   for n, t in sizes.items()})
+
+
+def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise BadValue(f"{name} = {read_back.shown(value)}, not one of {', '.join(choices)}")
+    return value
 
 
 def _process(rank: int, workers: int, device: str, dtype: str, threads: int, sizes: tuple[int, ...], min_s: float,
@@ -232,16 +259,32 @@ def record(bench_dir: Path, device: Device, dtype: Dtype, workers: tuple[int, ..
         text = {"cpu": cpu_model(), "cores": usable_cores(), "torch": torch.__version__, "host": platform.node(),
                 "probes": {str(w): probes[w].to_dict() for w in sorted(probes)}}
         bench_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(text, indent=2) + "\n")
+        with written_whole(path) as tmp:  # a link planted at path is replaced, never written through
+            tmp.write_text(json.dumps(text, indent=2) + "\n")
     return probes, missing
 
 
-def read_peaks(bench_dir: Path) -> dict[int, Probe]:
-    """The probes of BENCH/peak.json by worker count; none when it is missing or unreadable."""
+def load_peaks(bench_dir: Path) -> dict[int, Probe]:
+    """The probes of BENCH/peak.json by worker count; none when it is missing; UnreadableFile in one sentence where
+    it is not what record writes (too large, not a regular file, not JSON, a value out of its range)."""
+    def take(data: Any) -> dict[int, Probe]:
+        probes = read_back.mapping(field(read_back.mapping(data, "the file"), "probes", "the file"), "probes", 1024)
+        return {read_back.whole(w, "a probes key", 1, MAX_PROCESSES): Probe.from_dict(p, f"probes[{w!r}]")
+                for w, p in probes.items()}
+
     try:
-        data = json.loads((bench_dir / PEAK_FILE).read_text())
-        return {int(w): Probe.from_dict(p) for w, p in data["probes"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return read_back.read_json(bench_dir / PEAK_FILE, take)
+    except FileNotFoundError:
+        return {}
+
+
+def read_peaks(bench_dir: Path) -> dict[int, Probe]:
+    """load_peaks, with a file it refuses taken as no probe (one log line says why): the sweep probes again, the
+    report and the run card go on without a fraction of peak."""
+    try:
+        return load_peaks(bench_dir)
+    except UnreadableFile as exc:
+        log.warning(f"{exc.path} {exc.problem}; it is left out.")
         return {}
 
 

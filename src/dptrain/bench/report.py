@@ -17,14 +17,16 @@ from typing import Any
 
 from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results, read_run_events,
                                    summarize, write_csv, write_results)
-from dptrain.bench.link import LINK_FILE, read_link
+from dptrain.bench.link import LINK_FILE, load_link, read_link
 from dptrain.bench.model import STRATEGIES as MODEL_STRATEGIES
-from dptrain.bench.model import (DDP_BUCKET_BYTES, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
+from dptrain.bench.model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
                                  Workload, calibrate, compute_seconds, curve, named_link, predicted,
                                  split_for_fit)
-from dptrain.bench.peak import read_peaks
+from dptrain.bench.peak import MAX_PROCESSES, load_peaks, read_peaks
 from dptrain.bench.sweep import SWEEP_FILE
+from dptrain import read_back
 from dptrain.errors import ConfigError
+from dptrain.read_back import BadValue, UnreadableFile
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -314,23 +316,48 @@ class ScalingLine:
 
 
 def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
-    """sweep.json's [strategy] table, {} when it is missing or unreadable (the plans keep their defaults)."""
+    """sweep.json's [strategy] table as far as the model reads it, each of those options checked; {} where the file
+    is missing, and where it holds a value out of its range (a log line says which): the plans keep their defaults."""
+    def take(value: Any) -> dict[str, Any]:
+        config = read_back.mapping(read_back.field(read_back.mapping(value, "the file"), "config", "the file"), "config")
+        table = read_back.mapping(config.get("strategy") or {}, "config.strategy")
+        ddp = read_back.mapping(table.get("ddp") or {}, "config.strategy.ddp")
+        fsdp = read_back.mapping(table.get("fsdp") or {}, "config.strategy.fsdp")
+        name = "config.strategy.{}".format
+        if ddp.get("bucket_mb") is not None:  # unset: DDP's own 25 MiB
+            read_back.number(ddp["bucket_mb"], name("ddp.bucket_mb"), 0, 1e6, above_low=True)
+        _one_of(ddp.get("comm_hook", "allreduce"), name("ddp.comm_hook"), HOOKS)
+        read_back.whole(ddp.get("powersgd_rank", 4), name("ddp.powersgd_rank"), 1, 1 << 16)
+        _one_of(fsdp.get("reshard_after_forward", True), name("fsdp.reshard_after_forward"), (True, False))
+        for key in ("param_dtype", "reduce_dtype"):
+            read_back.text(fsdp.get(key, "auto"), name(f"fsdp.{key}"), 40)
+        return {"ddp": ddp, "fsdp": fsdp}
+
     try:
-        table = json.loads((bench_dir / SWEEP_FILE).read_text())["config"]["strategy"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_back.read_json(bench_dir / SWEEP_FILE, take)
+    except FileNotFoundError:
         return {}
-    return table if isinstance(table, dict) else {}
+    except UnreadableFile as exc:
+        log.warning(f"{exc.path} {exc.problem}; the model takes each strategy's default options.")
+        return {}
+
+
+def _one_of(value: Any, name: str, choices: tuple[Any, ...]) -> Any:
+    if isinstance(value, bool) != isinstance(choices[0], bool) or value not in choices:
+        raise BadValue(f"{name} = {read_back.shown(value)}, not one of {', '.join(map(str, choices))}")
+    return value
 
 
 def _plan(strategy: str, table: dict[str, Any]) -> Plan:
+    """The model's plan of a strategy, from [strategy] as _sweep_strategy checked it."""
     ddp, fsdp = table.get("ddp") or {}, table.get("fsdp") or {}
-    bucket_mb = as_number(ddp.get("bucket_mb"))  # strategy.ddp.bucket_mb; unset, DDP's own 25 MiB
+    bucket_mb = ddp.get("bucket_mb")  # strategy.ddp.bucket_mb; unset, DDP's own 25 MiB
     return Plan(strategy=strategy, bucket_bytes=bucket_mb * 2**20 if bucket_mb else DDP_BUCKET_BYTES,
-                comm_hook=str(ddp.get("comm_hook", "allreduce")) if strategy in ("ddp", "zero1") else "allreduce",
+                comm_hook=ddp.get("comm_hook", "allreduce") if strategy in ("ddp", "zero1") else "allreduce",
                 powersgd_rank=int(ddp.get("powersgd_rank", 4)),
-                reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
-                param_dtype_size=DTYPE_BYTES.get(str(fsdp.get("param_dtype"))),
-                reduce_dtype_size=DTYPE_BYTES.get(str(fsdp.get("reduce_dtype"))))
+                reshard_after_forward=fsdp.get("reshard_after_forward", True),
+                param_dtype_size=DTYPE_BYTES.get(fsdp.get("param_dtype", "auto")),
+                reduce_dtype_size=DTYPE_BYTES.get(fsdp.get("reduce_dtype", "auto")))
 
 
 def _run_folder(bench_dir: Path, row: dict[str, Any]) -> RunFolder | None:
@@ -356,11 +383,11 @@ def _placement(bench_dir: Path, row: dict[str, Any]) -> dict[str, int]:
     cpu_threads_per_rank, those it holds as positive integers."""
     folder = _run_folder(bench_dir, row)
     try:
-        env = json.loads(folder.env.read_text()) if folder is not None else {}
-    except (OSError, ValueError):
+        env = read_back.read_json(folder.env, lambda value: read_back.mapping(value, "the file")) if folder else {}
+    except (FileNotFoundError, UnreadableFile):
         return {}
     return {key: value for key in ("machines", "machine_cores", "cpu_threads_per_rank")
-            if isinstance(value := env.get(key) if isinstance(env, dict) else None, int) and value > 0}
+            if read_back.is_number(value := env.get(key)) and value == int(value) and 0 < value <= MAX_PROCESSES}
 
 
 def _ranks_total(values: Any, sharded: bool) -> float | None:
@@ -493,6 +520,11 @@ def _fits_of(bench_dir: Path) -> dict[str, ScalingLine]:
     if not bench_dir.is_dir():
         raise ConfigError(f"--fitted-on {bench_dir} does not exist; give the folder of a sweep whose own report draws "
                           f"the scaling model.")
+    try:  # refused in one sentence here, where the report of the sweep itself would leave the file out
+        load_link(bench_dir), load_peaks(bench_dir)
+    except UnreadableFile as exc:
+        raise ConfigError(f"--fitted-on {bench_dir}: {exc.path.name} {exc.problem}; give a sweep's folder whose own "
+                          f"report draws the scaling model.") from None
     rows, _ = load_rows(bench_dir)
     lines, notes, _ = scaling_lines(bench_dir, rows)
     if not lines:

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from dptrain import config as config_mod
+from dptrain import read_back
 from dptrain.bench.collect import read_run_events
 from dptrain.bench.peak import Probe, read_peaks
 from dptrain.bench.report import _save, md_text
 from dptrain.bench.sweep import POINT_NAME
 from dptrain.errors import ConfigError, OutputError
+from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
 REPORT_FOLDER = "report"  # RUN_DIR/report/: a resume never writes there, so a card survives the run going on
@@ -187,19 +189,11 @@ def _cut(text: str) -> str:
 def read_small_json(path: Path) -> tuple[dict[str, Any], str | None]:
     """A small JSON object file (env.json, a manifest) and why it could not be read, if it could not."""
     try:
-        with path.open("rb") as file:
-            data = file.read(SMALL_FILE_BYTES + 1)
+        return read_back.read_json(path, lambda value: read_back.mapping(value, "the file"), SMALL_FILE_BYTES), None
     except FileNotFoundError:
         return {}, f"{path.name} is missing"
-    except OSError as exc:
-        return {}, f"{path.name} cannot be read ({exc.strerror or exc})"
-    if len(data) > SMALL_FILE_BYTES:
-        return {}, f"{path.name} is larger than {SMALL_FILE_BYTES >> 20} MiB, far more than dptrain writes there"
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
-        return {}, f"{path.name} is not JSON"
-    return (value, None) if isinstance(value, dict) else ({}, f"{path.name} is JSON but not an object")
+    except UnreadableFile as exc:
+        return {}, f"{path.name} {exc.problem}"
 
 
 def read_run_config(path: Path) -> tuple[dict[str, Any], str | None]:

@@ -25,12 +25,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from dptrain import config as config_mod
+from dptrain import read_back
 from dptrain.bench import deepspeed_engine, lightning_engine, peak, tutorial
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError
 from dptrain.files import written_whole
+from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -363,19 +366,8 @@ def describe_plan(sweep: Sweep, points: list[Point]) -> str:
 
 
 def read_events(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's events; a line cut short by a killed run is skipped."""
-    path = RunFolder(run_dir).metrics
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict):
-            events.append(event)
-    return events
+    """metrics.jsonl's events (read_back.read_json_lines: bounded; a line cut short by a killed run is skipped)."""
+    return read_back.read_json_lines(RunFolder(run_dir).metrics)[0]
 
 
 def is_done(run_dir: Path) -> bool:
@@ -405,11 +397,13 @@ def check_and_record(sweep: Sweep) -> None:
     selects epochs when collecting)."""
     path = sweep.bench_dir / SWEEP_FILE
     record = sweep_record(sweep)
-    if path.is_file():
-        try:
-            earlier = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            earlier = None
+    earlier = None
+    try:
+        earlier = read_back.read_json(path, lambda value: value, advice="delete it to start the sweep afresh, or "
+                                      "choose another --output.dir")
+    except FileNotFoundError:
+        pass
+    if earlier is not None:
         # config_mod.upgraded: a sweep recorded before the strategy tables wrote strategy.comm_hook for strategy.ddp.comm_hook
         recorded = config_mod.upgraded(earlier.get("config")) if isinstance(earlier, dict) else None
         if isinstance(earlier, dict) and (not isinstance(recorded, dict) or shared_options(recorded) != record["config"]):
@@ -420,14 +414,19 @@ def check_and_record(sweep: Sweep) -> None:
             raise ConfigError(f"{sweep.bench_dir} holds a sweep run {where[0]}; run it {where[1]} to resume it, or "
                               f"choose another --output.dir.")
     sweep.bench_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    with written_whole(path) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def read_warmup(bench_dir: Path) -> int | None:
-    path = bench_dir / SWEEP_FILE
+    """sweep.json's warm-up epochs; None where it has none (collect then takes its default)."""
+    def take(value: Any) -> int:
+        data = read_back.mapping(value, "the file")
+        return read_back.whole(read_back.field(data, "warmup_epochs", "the file"), "warmup_epochs", 0, 1 << 20)
+
     try:
-        return int(json.loads(path.read_text())["warmup_epochs"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_back.read_json(bench_dir / SWEEP_FILE, take)
+    except (FileNotFoundError, UnreadableFile):
         return None
 
 
@@ -547,7 +546,11 @@ def adopt_probes(source: Path, bench_dir: Path) -> list[str]:
     form the bench reads (only JSON is read: nothing there can run code)."""
     from dptrain.bench import link
 
-    readable = {peak.PEAK_FILE: bool(peak.read_peaks(source)), link.LINK_FILE: link.read_link(source) is not None}
+    try:  # each file read whole and checked, value by value: a planted one is refused, not copied
+        readable = {peak.PEAK_FILE: bool(peak.load_peaks(source)), link.LINK_FILE: link.load_link(source) is not None}
+    except UnreadableFile as exc:
+        raise ConfigError(f"--probes-from {source}: {exc.path.name} {exc.problem}; give the folder of an earlier sweep "
+                          f"on this machine, or drop --probes-from to probe afresh.") from None
     if not any(readable.values()):
         raise ConfigError(f"--probes-from {source} holds no {peak.PEAK_FILE} or {link.LINK_FILE} a sweep wrote; give "
                           f"the folder of an earlier sweep on this machine, or drop it to probe afresh.")
@@ -556,7 +559,7 @@ def adopt_probes(source: Path, bench_dir: Path) -> list[str]:
         if ok and not (bench_dir / name).exists():  # the sweep's own probes are kept
             bench_dir.mkdir(parents=True, exist_ok=True)
             with written_whole(bench_dir / name) as tmp:
-                tmp.write_text((source / name).read_text())
+                tmp.write_bytes(read_back.read_bytes(source / name))
             copied.append(name)
     return copied
 

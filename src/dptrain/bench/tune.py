@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -38,9 +37,11 @@ from pathlib import Path
 from typing import Callable
 
 from dptrain import config as config_mod
+from dptrain import read_back
 from dptrain.bench import link as link_mod, model
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError, LaunchError
+from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -243,17 +244,14 @@ def images_per_s(run_dir: Path, global_batch: int) -> float | None:
     its last, over the time between them; None where it has fewer than two such events."""
     ticks = []
     try:
-        lines = RunFolder(run_dir).metrics.read_text().splitlines()
-    except OSError:
+        events, _ = read_back.read_json_lines(RunFolder(run_dir).metrics)
+    except UnreadableFile:
         return None
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("event") == "step" and isinstance(event.get("step"), int) \
-                and event["step"] >= WARM_STEPS and isinstance(event.get("time"), (int, float)):
-            ticks.append((event["step"], float(event["time"])))
+    for event in events:
+        step, time_s = event.get("step"), event.get("time")
+        if event.get("event") == "step" and isinstance(step, int) and not isinstance(step, bool) \
+                and step >= WARM_STEPS and read_back.is_number(time_s):
+            ticks.append((step, float(time_s)))
     if len(ticks) < 2 or ticks[-1][1] <= ticks[0][1]:
         return None
     (first_step, first_time), (last_step, last_time) = ticks[0], ticks[-1]
