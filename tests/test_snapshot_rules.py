@@ -20,6 +20,7 @@ from dptrain.dist.env import DistEnv
 from dptrain.errors import ConfigError, SnapshotError
 from dptrain.strategies.state import Shards
 from dptrain.train_state import TrainState
+from tests.conftest import read_events
 
 # Snapshots of one process: DCP says it assumes one process, which is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -319,3 +320,73 @@ def test_a_snapshot_file_that_cannot_be_read_is_one_sentence():
                                               f"make it readable for you, or use another snapshot.")
     finally:
         shutil.rmtree(folder)
+
+
+def planted(root: Path, kind: str, elsewhere: Path) -> Path:
+    """A checkpoints/step-00000005 entry that dptrain never writes: a dangling link, a link to a whole snapshot (of
+    another run, in elsewhere) or a file."""
+    root.mkdir(parents=True, exist_ok=True)
+    entry = root / "step-00000005"
+    if kind == "dangling link":
+        entry.symlink_to("/nonexistent")
+    elif kind == "link to a snapshot":
+        entry.symlink_to(save_at(snapshotter(elsewhere), 5))
+    else:
+        entry.write_text("not a snapshot\n")
+    return entry
+
+
+WHAT = {"dangling link": "a symbolic link (to /nonexistent)", "link to a snapshot": "a symbolic link (to {})",
+        "file": "a file"}
+
+
+@pytest.mark.parametrize("kind", list(WHAT))
+@pytest.mark.parametrize("resume", ["auto", "never"])
+def test_a_step_entry_that_is_no_folder_is_refused_as_the_run_starts(tmp_path, kind, resume):
+    """A dangling checkpoints/step-* link: the run trained to that step, then failed with a raw [Errno 20] at the
+    snapshot's rename, once per restart. Now the run is refused before it trains, whatever train.resume says."""
+    root = tmp_path / "run" / "checkpoints"
+    save_at(snapshotter(tmp_path / "run"), 2)  # a whole snapshot older than the entry: auto would resume from it
+    entry = planted(root, kind, tmp_path / "other")
+    target = os.readlink(entry) if entry.is_symlink() else None
+    sentence = (f"{entry} is {WHAT[kind].format(target)}, not a snapshot folder: dptrain writes each snapshot as a "
+                f"folder of its own there; remove it (or put the snapshot itself in its place), or use another "
+                f"--output.name to start afresh.")
+    run = cfg(("output.dir", str(tmp_path / "run")), ("train.resume", resume))
+    with pytest.raises(SnapshotError) as refused:
+        checkpoint.choose(run, is_main=True, world_size=1)
+    assert str(refused.value) == sentence
+    with pytest.raises(SnapshotError, match="is a symbolic link|is a file"):
+        checkpoint.find_latest(root)  # eval --checkpoint RUN and train --dry-run look there
+    assert dict(checkpoint.list_snapshots(root))[entry] == sentence  # checkpoint list shows it with the others
+    checkpoint._prune(root, keep_last=1, config_hash_=checkpoint.config_hash(run), damage=lambda path: None)
+    assert entry.is_symlink() or entry.is_file()  # never deleted, nor what it points to
+    assert target is None or Path(target).exists() or kind == "dangling link"
+
+
+def test_a_link_planted_while_the_run_trains_is_one_sentence_at_its_step(tmp_path):
+    snapshots = snapshotter(tmp_path / "run")
+    entry = planted(tmp_path / "run" / "checkpoints", "dangling link", tmp_path)
+    with pytest.raises(SnapshotError) as refused:
+        save_at(snapshots, 5)
+    assert str(refused.value).startswith(f"{entry} is a symbolic link (to /nonexistent), not a snapshot folder")
+    assert entry.is_symlink() and not list(entry.parent.glob(".*-step-*"))  # no temporary folder left behind
+
+
+def test_a_run_with_a_dangling_step_link_is_refused_before_its_first_step(tmp_path, monkeypatch, capsys):
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    entry = planted(tmp_path / "runs" / "x" / "checkpoints", "dangling link", tmp_path)
+    code = main(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "64", "--data.synthetic_test_size",
+                 "16", "--train.global_batch_size", "16", "--train.epochs", "1", "--checkpoint.every_steps", "2",
+                 "--output.name", "x"])
+    err = capsys.readouterr().err
+    assert code == 1
+    [line] = [line for line in err.splitlines() if line.startswith("dptrain: error:")]
+    assert line == (f"dptrain: error: rank 0 failed during resume: {entry.relative_to(tmp_path)} is a symbolic link (to "
+                    f"/nonexistent), not a snapshot folder: dptrain writes each snapshot as a folder of its own there; "
+                    f"remove it (or put the snapshot itself in its place), or use another --output.name to start afresh.")
+    assert "Traceback" not in err and "Errno" not in err
+    metrics = tmp_path / "runs" / "x" / "metrics.jsonl"
+    assert not metrics.exists() or not read_events(metrics.parent, "step")  # refused before its first step

@@ -289,6 +289,10 @@ class Snapshotter:
         make_private(tmp)  # a umask of 002 would let the group plant files, and verify() would refuse the snapshot
         _fsync_tree(tmp)
         faults.crash_before_rename(final.name)
+        refusal = not_a_snapshot_folder(final)
+        if refusal is not None:  # planted while the run trained: the start found none (choose)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SnapshotError(refusal)
         replaced = final.parent / f".replaced-{final.name}"
         if final.is_dir():  # damaged (save() keeps a whole one): moved aside in one rename, as os.replace needs it gone
             log.warning("writing %s again, in place of the damaged one (%s)", final.name, (self._damage(final) or "").rstrip("."))
@@ -418,7 +422,7 @@ def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path
     ones every snapshot of this run is deleted without being verified: verifying reads every byte.
     """
     whole_kept, damaged = 0, []
-    for path in sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True):
+    for path in (p for p, refusal in _entries(root) if refusal is None):  # a link or a file is never ours to delete
         try:
             check_private(path, "snapshot")
             theirs = recorded_hash(_read_manifest(path))
@@ -546,9 +550,44 @@ def _verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def _entries(root: Path) -> list[tuple[Path, str | None]]:
+    """Every step-* entry under root, newest first, with None for a snapshot folder, else the sentence refusing it
+    (not_a_snapshot_folder)."""
+    return [(path, not_a_snapshot_folder(path)) for path in sorted(root.glob(f"{PREFIX}*"), reverse=True)]
+
+
+def not_a_snapshot_folder(path: Path) -> str | None:
+    """None where the step-* entry `path` is a folder, as every snapshot dptrain writes is (renamed into place), or is
+    not there; else one sentence saying what it is instead and what to do. A symbolic link, dangling or not, is refused as such: the
+    run would fail to write that step's snapshot in its place ([Errno 20], after training up to it), and what a link
+    points to is not the run's own folder, whose owner and mode are what make a snapshot safe to load."""
+    if path.is_symlink():
+        target = os.readlink(path)
+        what = f"a symbolic link (to {target if target.isprintable() else repr(target)})"
+    elif path.is_dir() or not path.exists():
+        return None
+    else:
+        what = "a file" if path.is_file() else "a device, a pipe or a socket"
+    return (f"{path} is {what}, not a snapshot folder: dptrain writes each snapshot as a folder of its own there; "
+            f"remove it (or put the snapshot itself in its place), or use another --output.name to start afresh.")
+
+
+def snapshot_folders(root: Path) -> list[Path]:
+    """The snapshot folders under root, newest first; SnapshotError in one sentence for a step-* entry that is not a
+    folder (not_a_snapshot_folder), found before a run trains rather than when it reaches that step."""
+    entries = _entries(root)
+    for _, refusal in entries:
+        if refusal is not None:
+            raise SnapshotError(refusal)
+    return [path for path, _ in entries]
+
+
 def _snapshot_statuses(root: Path) -> Iterator[tuple[Path, str]]:
-    """Each snapshot folder under root, newest first, with 'ok' or what is wrong with it, verified as it is reached."""
-    for path in sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()), reverse=True):
+    """Each step-* entry under root, newest first, with 'ok' or what is wrong with it, verified as it is reached."""
+    for path, refusal in _entries(root):
+        if refusal is not None:
+            yield path, refusal
+            continue
         try:
             manifest = verify(path)
             yield path, f"ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}"
@@ -576,7 +615,8 @@ def newest_whole(root: Path) -> Path | None:
 def find_latest(root: Path) -> Path | None:
     """The newest snapshot that verifies; the newer ones skipped are named in one log line however many they are.
     None if there are none; SnapshotError if there are snapshots and none verifies (a resume from step 0 would throw
-    their work away)."""
+    their work away), or where a step-* entry is not a folder (snapshot_folders)."""
+    snapshot_folders(root)
     skipped = []
     for path, status in _snapshot_statuses(root):
         if status.startswith("ok"):
@@ -636,24 +676,27 @@ def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total
 
 
 def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
-    """The snapshot train.resume names: auto (the newest valid one in the run directory), a folder, or never (None)."""
+    """The snapshot train.resume names: auto (the newest valid one in the run directory), a folder, or never (None).
+    Whatever it names, the run's checkpoints folder, where it will write, is checked first (snapshot_folders)."""
     choice = cfg.train.resume
-    if choice == "never":
-        return None
-    if choice != "auto":
-        return Path(choice)
     # Rank 0 chooses for everyone: on a shared file system other ranks may not see the newest files yet.
     found: list[Any] = [None, None]
     if is_main:
         try:
-            latest = find_latest(cfg.output.folder.checkpoints)
-            found[0] = str(latest) if latest is not None else None
+            root = cfg.output.folder.checkpoints
+            if choice == "auto":
+                latest = find_latest(root)
+                found[0] = str(latest) if latest is not None else None
+            else:
+                snapshot_folders(root)
         except SnapshotError as exc:
             found[1] = str(exc)
     if world_size > 1:
         dist.broadcast_object_list(found, src=0)
     if found[1] is not None:
         raise SnapshotError(found[1])
+    if choice not in ("auto", "never"):
+        return Path(choice)
     return Path(found[0]) if found[0] is not None else None
 
 

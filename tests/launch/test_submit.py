@@ -179,18 +179,71 @@ def test_setup_lines_cannot_smuggle_a_line_break_through_the_config_file(tmp_pat
         config_mod.load(tmp_path / "bad.toml")
 
 
-@pytest.mark.parametrize("option", ["--partition", "--account", "--qos", "--constraint", "--mem", "--time", "--master-addr"])
-@pytest.mark.parametrize("value", ["debug --job-name=X --comment=y", "debug\tx", "debug\n#SBATCH --job-name=X", "a\x1b[2J"])
-def test_a_space_or_control_character_in_a_one_word_job_option_is_refused(submit, tmp_path, option, value):
-    # --partition 'debug --job-name=X --comment=y' became '#SBATCH --partition=debug --job-name=X --comment=y': the job ran
-    # as X.
+ONE_OPTION_MORE = "debug --job-name=X --comment=y"  # '#SBATCH --partition=debug --job-name=X --comment=y' ran as X
+
+
+@pytest.mark.parametrize("option", ["--partition", "--account", "--qos", "--constraint", "--mem"])
+@pytest.mark.parametrize("value, reading", [
+    (ONE_OPTION_MORE, "reads as more than one option"),
+    ("debug\tx", "reads as more than one option"),
+    ("debug\n#SBATCH --job-name=X", "reads as more than one line or option"),
+    ("a\x1b[2J", "reads as more than one line or option"),
+    ("debug#x", "reads otherwise than written"),   # sbatch drops what follows a #: the job asked for 'debug'
+    ('"debug --job-name=X"', "reads otherwise than written"),
+])
+def test_a_one_word_job_option_that_sbatch_would_read_otherwise_is_refused(submit, tmp_path, option, value, reading):
     code, _, err = submit(option, value, *DATA)
     assert code == 2
     [line] = err.strip().splitlines()
     name = option.removeprefix("--").replace("-", "_")
-    assert line == (f"dptrain: error: slurm.{name} = {value!r} holds a space or control character, which would split its "
-                    f"line into more options; give one word, as sbatch takes it (other sbatch options go in slurm.sbatch).")
+    written = f"#SBATCH {option}={value}"
+    assert line.startswith(f"dptrain: error: slurm.{name} = {value!r} would be written as {written!r}, which sbatch "
+                           f"{reading}")
+    assert line.endswith("; give one word, as sbatch takes it, without spaces, quotes, backslashes or # (other sbatch "
+                         "options go in slurm.sbatch).")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("option, value", [("--time", ONE_OPTION_MORE), ("--master-addr", ONE_OPTION_MORE),
+                                           ("--master-addr", "a\x1b[2J")])
+def test_the_time_and_the_master_address_are_checked_with_the_config(submit, tmp_path, option, value):
+    code, _, err = submit(option, value, *DATA)
+    assert code == 2
+    [line] = err.strip().splitlines()
+    assert line == {"--time": f"dptrain: error: slurm.time = {value!r} is not a time sbatch reads; write it as HH:MM:SS or "
+                              f"D-HH:MM:SS.",
+                    "--master-addr": f"dptrain: error: slurm.master_addr = {value!r} holds a space or control character; "
+                                     f"give one host name or address."}[option]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+@pytest.mark.parametrize("options, line", [
+    (["--sbatch", "comment=x --job-name=INJECTED"], "comment=x --job-name=INJECTED"),  # the job ran as INJECTED
+    (["--gres", "gpu:4 --chdir=/"], "gres=gpu:4 --chdir=/"),  # --gres is read as --sbatch gres=...
+    (["--sbatch", "mail-type=END", "--sbatch", "-G 4 -J INJECTED"], "-G 4 -J INJECTED"),
+    (["--sbatch", "comment=x\t--job-name=INJECTED"], "comment=x\t--job-name=INJECTED"),
+    (["--sbatch", 'comment="x --job-name=INJECTED"'], 'comment="x --job-name=INJECTED"'),  # quotes: sbatch's own syntax
+    (["--sbatch", "comment=x#y"], "comment=x#y"),
+])
+def test_an_sbatch_line_that_would_smuggle_another_option_is_refused_before_anything_is_written(submit, tmp_path,
+                                                                                                 dry_run, options, line):
+    code, out, err = submit(*dry_run, *options, *DATA)
+    assert code == 2 and out == ""
+    sentence = err.strip().splitlines()[-1]  # --gres is first noted as --sbatch gres=..., its name here
+    written = "#SBATCH " + (line if line.startswith("-") else "--" + line)
+    assert sentence.startswith(f"dptrain: error: slurm.sbatch's line {line!r} would be written as {written!r}, which "
+                               f"sbatch reads ")
+    assert sentence.endswith("; give each option its own --sbatch line, as --sbatch NAME=VALUE with no space, quote, "
+                             "backslash or # in VALUE.")
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_an_option_and_its_value_as_two_words_are_one_sbatch_line(submit):
+    # sbatch reads '#SBATCH --mail-type END' and '#SBATCH -G 4' as one option each (tests/slurm/test_job.py asks sbatch)
+    code, out, err = submit("--dry-run", "--sbatch", "mail-type END", "--sbatch", "-G 4", "--ranks-per-node", "4", *DATA)
+    assert code == 0, err
+    assert "\n#SBATCH --mail-type END\n#SBATCH -G 4\n" in out
 
 
 @pytest.mark.parametrize("option", ["--setup", "--sbatch", "--python"])

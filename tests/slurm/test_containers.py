@@ -124,6 +124,23 @@ def test_a_container_file_that_is_not_there_is_refused_in_one_sentence(tmp_path,
     assert sentence.format(tmp_path, tmp_path) in str(caught.value)
 
 
+@pytest.mark.parametrize("slurm", [{"container_env_file": "{}"},
+                                   {"container_image": "{}", "container_engine": "apptainer"}])
+@pytest.mark.parametrize("given, what", [
+    ("/etc", "/etc, a folder, not a file"),
+    ("/dev/zero", "/dev/zero, which is not a regular file (a device, a pipe or a socket)"),  # read, it never ends
+    ("link.toml", "{}/link.toml, a folder, not a file"),  # a link is followed, as the engine follows it
+])
+def test_a_container_file_that_is_there_but_no_file_says_what_it_is(tmp_path, monkeypatch, slurm, given, what):
+    # Both were "a file that is not there".
+    (tmp_path / "link.toml").symlink_to("/etc")
+    options = {key: value.format(given) for key, value in slurm.items()}
+    with pytest.raises(ConfigError) as caught:
+        rendered(options, None, monkeypatch, workdir=tmp_path)
+    name = next(iter(options))
+    assert str(caught.value).startswith(f"slurm.{name} = {given!r} names {what.format(tmp_path)}; give the path of the ")
+
+
 def test_registry_images_and_environments_by_name_are_not_looked_for_here(tmp_path, monkeypatch):
     # Found by the engine on the node (a registry, ~/.edf): nothing to check where the job is written.
     for slurm in ({"container_image": NGC}, {"container_image": "ubuntu"},

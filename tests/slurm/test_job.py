@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from pathlib import Path
 
 import pytest
 
 from dptrain import config
 from dptrain.config import SlurmConfig
+from dptrain.errors import ConfigError
 from dptrain.slurm import job as slurm_job
 
 FIELDS = [f.name for f in dataclasses.fields(SlurmConfig)]
@@ -22,9 +24,91 @@ def test_every_slurm_field_is_an_sbatch_option_or_said_not_to_be():
     assert set(slurm_job.AS_GIVEN) <= set(slurm_job.SBATCH_OPTIONS)
 
 
-def test_the_options_written_as_given_are_refused_with_a_space():
-    # Written as `#SBATCH --partition=VALUE`: a space in VALUE would start another sbatch option.
-    assert set(slurm_job.AS_GIVEN) <= set(config.SLURM_WORDS)
+# (what follows #SBATCH, sbatch_reading's verdict: None where sbatch reads it as that one option)
+SBATCH_READINGS = [
+    ("--partition=gpu", None),
+    ("--exclusive", None),
+    ("-G8", None),
+    ("--gres gpu:4", None),                      # an option and its value, as sbatch also takes them
+    ("-G 8", None),
+    ("--mail-type\tEND", None),                  # a tab parts words as a space does
+    ("--comment=x --job-name=INJECTED", "reads as more than one option"),
+    ("--gres=gpu:4 --chdir=/", "reads as more than one option"),
+    ("--gres gpu:4 --exclusive", "reads as more than one option"),
+    ("--gres --chdir=/", "reads as more than one option"),  # a value that is an option
+    ("--comment=x\t--job-name=INJECTED", "reads as more than one option"),
+    ("--partition=a\n#SBATCH --job-name=X", "reads as more than one line or option"),
+    ("--partition=a\x1b[2J", "reads as more than one line or option"),
+    ('--comment="x --job-name=INJECTED"', "reads otherwise than written"),
+    ("--comment='x'", "reads otherwise than written"),
+    ("--comment=x\\ --job-name=INJECTED", "reads otherwise than written"),
+    ("--comment=x#--job-name=INJECTED", "reads otherwise than written"),
+    ("--", "does not read as an option"),
+    ("---x", "does not read as an option"),
+]
+
+
+@pytest.mark.parametrize("text, reading", SBATCH_READINGS)
+def test_an_sbatch_line_is_one_option_or_how_sbatch_would_read_it_instead(text, reading):
+    found = slurm_job.sbatch_reading(text)
+    assert found == reading or (reading is not None and found is not None and found.startswith(reading)), found
+
+
+def test_every_sbatch_line_of_the_script_is_checked_whatever_its_source(monkeypatch):
+    """One check for every #SBATCH line render writes: the job options, the --sbatch lines, the run directory's."""
+    checked = []
+    monkeypatch.setattr(slurm_job, "check_sbatch_option", lambda option: checked.append(option.text))
+    pairs = [("data.name", "synthetic"), ("slurm.nodes", "2"), ("slurm.cpus_per_node", "8"),
+             ("slurm.gpus_per_node", "2"), ("slurm.time", "01:00:00"), ("slurm.exclusive", "true"), ("slurm.requeue", "true"),
+             *((f"slurm.{name}", "x") for name in slurm_job.AS_GIVEN if name != "time")]
+    cfg = config.load(None, pairs)
+    cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, sbatch=("mail-type=END", "-G 4")))
+    workdir = Path("/home/ada/project")
+    script = slurm_job.render(cfg, slurm_job.job_for(cfg, workdir), workdir, "python")
+    written = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert checked == written
+    assert {"--partition=x", "--exclusive", "--requeue", "--mail-type=END", "-G 4"} <= set(written)
+
+
+@pytest.mark.parametrize("pairs, sbatch, source", [
+    ([("slurm.qos", "high --job-name=X")], (), "slurm.qos = 'high --job-name=X' would be written as "
+                                            "'#SBATCH --qos=high --job-name=X'"),
+    ([], ("mail-type=END", "gres=gpu:4 --chdir=/"), "slurm.sbatch's line 'gres=gpu:4 --chdir=/' would be written as "
+                                                   "'#SBATCH --gres=gpu:4 --chdir=/'"),
+    ([("output.dir", "/home/ada/runs/a#b")], (), "the job's name (from the run directory /home/ada/runs/a#b) would be "
+                                             "written as '#SBATCH --job-name=dptrain-a#b'"),  # its name, its first line
+])
+def test_a_value_that_sbatch_would_not_read_as_one_option_is_refused_where_the_script_is_made(pairs, sbatch, source):
+    cfg = config.load(None, [("data.name", "synthetic"), *pairs])
+    cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, sbatch=sbatch))
+    workdir = Path("/home/ada/project")
+    with pytest.raises(ConfigError) as refused:
+        slurm_job.render(cfg, slurm_job.job_for(cfg, workdir), workdir, "python")
+    message = str(refused.value)
+    assert message.startswith(source + ", which sbatch ") and "\n" not in message
+
+
+@pytest.mark.parametrize("text", [
+    "--comment=x", "--comment x", "--comment\tx",                        # one option: read as written
+    "--comment=x --job-name=INJECTED", "--comment=x\t--job-name=INJECTED", "--comment x -J INJECTED",
+    '--comment="x --job-name=INJECTED"', "--comment='x y'", "--comment=x\\ --job-name=INJECTED", "--comment=x#y",
+])
+def test_sbatch_reads_as_written_exactly_the_lines_dptrain_lets_through(slurm_cluster, tmp_path, text):
+    """sbatch_reading's account of sbatch, asked of the private cluster's real sbatch (a held job, then cancelled): a
+    line it lets through is read as the one option written, and sbatch reads every line it refuses otherwise (another
+    option, a quote or backslash taken away, the rest of the line cut at a #)."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --job-name=dptrain-run\n#SBATCH {text}\ntrue\n")
+    done = slurm_cluster.run("sbatch", "--parsable", "--hold", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip().split(";")[0]
+    try:
+        record = slurm_cluster.job(int(job_id))
+    finally:
+        slurm_cluster.run("scancel", job_id)
+    written = text.removeprefix("--comment")[1:]  # after the = or the space that parts the option from its value
+    as_written = record.get("Comment") == written and record.get("JobName") == "dptrain-run"
+    assert as_written == (slurm_job.sbatch_reading(text) is None), record
 
 
 def job_group(command: str) -> dict[str, argparse.Action]:

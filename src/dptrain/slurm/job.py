@@ -14,7 +14,9 @@ the set-up lines) run on the node as it is; the container sees the folder dptrai
 directory at their own paths, and has no scontrol, so the script requeues the job itself once srun returns.
 
 Every slurm.<field> of the config is in SBATCH_OPTIONS (the #SBATCH option it becomes) or in NOT_SBATCH_OPTIONS
-(where the script uses it instead); the variables the script reads come from env.SLURM_VARS.
+(where the script uses it instead); the variables the script reads come from env.SLURM_VARS. Every #SBATCH line,
+whatever its source (a job option, an --sbatch line, the run directory), is checked in one place, sbatch_options: sbatch
+must read it as the one option written, never as more.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ SBATCH_OPTIONS = {
     "ranks_per_node": "--ntasks-per-node",  # per-rank mode: the ranks; agent mode: 1, the agent
     "gpus_per_node": "--gpus-per-node",  # left out where an --sbatch line asks for the GPUs (gres=gpu:4, ...)
     "cpus_per_node": "--cpus-per-task",  # the node's cores shared out among its tasks
-    # passed through as given (AS_GIVEN: one word each, SlurmConfig refuses a space)
+    # passed through as given (AS_GIVEN: one word each, as sbatch_options checks every line)
     "time": "--time",
     "partition": "--partition",
     "account": "--account",
@@ -58,12 +60,20 @@ SBATCH_OPTIONS = {
     "requeue": "--requeue",  # a flag
 }
 AS_GIVEN = ("time", "partition", "account", "qos", "constraint", "mem")
+# sbatch reads what follows #SBATCH as words of its command line, as slurm 22.05's sbatch was seen to: split at spaces
+# and tabs, quotes (' and ") joining words, a backslash dropped, and # starting a comment that ends the line. So
+# `--sbatch 'comment=x --job-name=INJECTED'` ran as INJECTED, and `comment=x#y` lost its y. Every #SBATCH line the
+# script holds is one option (sbatch_options checks them all, whatever their source): one word, or an option and its
+# value, and none of those characters, whose reading may differ between SLURM versions.
+SBATCH_OWN_SYNTAX = "\"'\\#"
+SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=\S*)?|-[A-Za-z]\S*")  # one word: --name, --name=value, -G8
+SBATCH_OPTION_NAME = re.compile(r"--[A-Za-z][A-Za-z0-9-]*|-[A-Za-z]")  # the first of two: --gres gpu:4, -G 8
 # slurm.<field> that no #SBATCH option carries -> where the script uses it instead.
 NOT_SBATCH_OPTIONS = {
     "mode": "srun's tasks: one per rank, or one per node running torch's elastic agent",
     "master_addr": "export MASTER_ADDR: the address the ranks reach the first node by",
     "setup": "shell lines run before srun",
-    "sbatch": "extra #SBATCH lines, written as given",
+    "sbatch": "extra #SBATCH lines, written as given, one option each",
     "python": "the interpreter srun runs dptrain with",
     "container_image": "srun's tasks start in this image: srun --container-image (pyxis), or apptainer exec",
     "container_env_file": "srun's tasks start in the container this file describes: srun --environment",
@@ -142,11 +152,14 @@ def check_container(s: SlurmConfig, job: Job, workdir: Path) -> None:
     local = container_file(s)
     if local is not None:
         path = container_path(local, workdir)
-        if not path.is_file():
+        if not path.is_file():  # follows a link, as the engine does; reading a device (/dev/zero) would never end
             kind, other = (("environment file (.toml)", "the name of one in ~/.edf") if s.container == "edf" else
                            ("image file", "a registry image as the engine names one"))
-            raise ConfigError(f"slurm.{name} = {value!r} names a file that is not there ({path}); give the path of the "
-                              f"{kind}, absolute or relative to {workdir}, or {other}.")
+            what = (f"{path}, a folder, not a file" if path.is_dir() else
+                    f"{path}, which is not a regular file (a device, a pipe or a socket)" if path.exists() else
+                    f"a file that is not there ({path})")
+            raise ConfigError(f"slurm.{name} = {value!r} names {what}; give the path of the {kind}, absolute or "
+                              f"relative to {workdir}, or {other}.")
         if s.container == "edf":
             try:
                 tomllib.loads(path.read_text())
@@ -178,28 +191,8 @@ def render(cfg: RunConfig, job: Job, workdir: Path, python: str, program: list[s
         f"{'nccl on GPUs' if gpus else 'gloo on CPUs'}"
         f"{', ' + CONTAINER_SHOWN[s.container] if s.container else ''}).",
         "# Written by `dptrain submit`; submit it again with: sbatch " + shlex.quote(str(job.script)),
-        f"#SBATCH --job-name={job_name(job.run_dir.name)}",
-        sbatch_line("nodes", job.nodes),
-        sbatch_line("ranks_per_node", tasks_per_node),
     ]
-    if s.gpus_per_node and s.sbatch_gpus_per_node() is None:  # else the user's line asks for them, once
-        lines.append(sbatch_line("gpus_per_node", s.gpus_per_node))
-    if s.cpus_per_node:
-        lines.append(sbatch_line("cpus_per_node", s.cpus_per_node // tasks_per_node))
-    lines += [sbatch_line(name, getattr(s, name)) for name in AS_GIVEN if getattr(s, name) is not None]
-    if s.exclusive:
-        lines.append(sbatch_line("exclusive"))
-    lines += [
-        f"#SBATCH --chdir={workdir}",
-        f"#SBATCH --output={job.output()}",
-        f"#SBATCH --error={job.errors()}",
-        "#SBATCH --open-mode=append",  # a requeued job keeps writing to the same files
-    ]
-    if s.signal_lead_s:
-        lines.append(sbatch_line("signal_lead_s", f"USR1@{s.signal_lead_s}"))
-    if s.requeue:
-        lines.append(sbatch_line("requeue"))
-    lines += [f"#SBATCH {extra if extra.startswith('-') else '--' + extra}" for extra in s.sbatch]
+    lines += [f"#SBATCH {option.text}" for option in sbatch_options(s, job, workdir, tasks_per_node)]
     lines += ["", "set -e"]
     if s.setup:
         lines += ["", *s.setup]
@@ -333,10 +326,82 @@ def dptrain_source() -> Path | None:
     return None if root.name in ("site-packages", "dist-packages") else root
 
 
-def sbatch_line(field: str, value: object = None) -> str:
-    """The #SBATCH line of slurm.<field> (SBATCH_OPTIONS): its option with the value, or alone (a flag)."""
+@dataclass(frozen=True)
+class SbatchOption:
+    """What one #SBATCH line of the script carries (--partition=gpu), where it comes from as an error names it, and
+    what to do where sbatch would not read it as that one option."""
+
+    text: str
+    source: str
+    remedy: str = "choose a plain path (--output.dir, or submit from another folder)"
+
+
+def sbatch_options(s: SlurmConfig, job: Job, workdir: Path, tasks_per_node: int) -> list[SbatchOption]:
+    """The script's #SBATCH options, in its order, each checked (check_sbatch_option) before anything is written."""
+    word = ("give one word, as sbatch takes it, without spaces, quotes, backslashes or # (other sbatch options go in "
+            "slurm.sbatch)")
+    line = ("give each option its own --sbatch line, as --sbatch NAME=VALUE with no space, quote, backslash or # in "
+            "VALUE")
+    options = [
+        SbatchOption(f"--job-name={job_name(job.run_dir.name)}",
+                     f"the job's name (from the run directory {job.run_dir})"),
+        sbatch_option("nodes", job.nodes),
+        sbatch_option("ranks_per_node", tasks_per_node),
+    ]
+    if s.gpus_per_node and s.sbatch_gpus_per_node() is None:  # else the user's line asks for them, once
+        options.append(sbatch_option("gpus_per_node", s.gpus_per_node))
+    if s.cpus_per_node:
+        options.append(sbatch_option("cpus_per_node", s.cpus_per_node // tasks_per_node))
+    options += [sbatch_option(name, getattr(s, name), f"slurm.{name} = {getattr(s, name)!r}", word)
+                for name in AS_GIVEN if getattr(s, name) is not None]
+    if s.exclusive:
+        options.append(sbatch_option("exclusive"))
+    options += [
+        SbatchOption(f"--chdir={workdir}", f"the folder dptrain submit runs in ({workdir})"),
+        SbatchOption(f"--output={job.output()}", f"the job's output file (in the run directory {job.run_dir})"),
+        SbatchOption(f"--error={job.errors()}", f"the job's error file (in the run directory {job.run_dir})"),
+        SbatchOption("--open-mode=append", "the job's --open-mode"),  # a requeued job keeps writing to the same files
+    ]
+    if s.signal_lead_s:
+        options.append(sbatch_option("signal_lead_s", f"USR1@{s.signal_lead_s}"))
+    if s.requeue:
+        options.append(sbatch_option("requeue"))
+    options += [SbatchOption(extra if extra.startswith("-") else "--" + extra, f"slurm.sbatch's line {extra!r}", line)
+                for extra in s.sbatch]
+    for option in options:
+        check_sbatch_option(option)
+    return options
+
+
+def sbatch_option(field: str, value: object = None, source: str | None = None,
+                  remedy: str = "give one word, as sbatch takes it") -> SbatchOption:
+    """The #SBATCH option of slurm.<field> (SBATCH_OPTIONS): its option with the value, or alone (a flag)."""
     option = SBATCH_OPTIONS[field]
-    return f"#SBATCH {option}" if value is None else f"#SBATCH {option}={value}"
+    return SbatchOption(option if value is None else f"{option}={value}", source or f"slurm.{field}", remedy)
+
+
+def check_sbatch_option(option: SbatchOption) -> None:
+    """ConfigError in one sentence where sbatch would not read `#SBATCH <option.text>` as the one option written."""
+    reading = sbatch_reading(option.text)
+    if reading is not None:
+        raise ConfigError(f"{option.source} would be written as {'#SBATCH ' + option.text!r}, which sbatch {reading}; "
+                          f"{option.remedy}.")
+
+
+def sbatch_reading(text: str) -> str | None:
+    """None where sbatch reads `#SBATCH <text>` as one option: one word (--partition=gpu, --exclusive, -G8) or an
+    option and its value (--gres gpu:4, -G 8, as a user's --sbatch line may write them); else how sbatch reads it
+    instead, as the end of a sentence."""
+    if any(not c.isprintable() and c != "\t" for c in text):  # a tab parts words, as a space does
+        return "reads as more than one line or option (it holds a line break or another control character)"
+    if any(c in SBATCH_OWN_SYNTAX for c in text):
+        return "reads otherwise than written (quotes and backslashes are its own syntax there, and # starts a comment)"
+    words = text.split()
+    if len(words) == 1 and SBATCH_OPTION.fullmatch(words[0]):
+        return None
+    if len(words) == 2 and SBATCH_OPTION_NAME.fullmatch(words[0]) and not words[1].startswith("-"):
+        return None
+    return "reads as more than one option" if len(words) > 1 else "does not read as an option"
 
 
 def job_name(run_name: str) -> str:
