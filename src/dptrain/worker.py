@@ -17,7 +17,7 @@ import torch
 
 from dptrain import checkpoint, config as config_mod
 from dptrain.config import RunConfig
-from dptrain.dist.ending import exit_deadline
+from dptrain.dist.ending import agent_restarts_this_worker, exit_deadline
 from dptrain.dist.env import DistEnv
 from dptrain.dist.failures import Phase
 from dptrain.dist.world import barrier, destroy_process_group, host_name, init_process_group, placement
@@ -191,9 +191,13 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             return last
     except Stopped as exc:
         events.emit("stopped", step=step, message=str(exc))
-        log.warning("%s", exc)  # in every rank's log: which rank saw the signal
+        # Where dptrain's agent restarts the workers (a lost node of an elastic run), the stop is no end of the run and
+        # the agent's console says how it goes on: "run the same command" would be wrong there.
+        goes_on = agent_restarts_this_worker()
+        log.warning("%s", exc, extra={"file_only": goes_on})  # in every rank's log: which rank saw the signal
         if DistEnv.from_environ().is_main:
-            print(f"dptrain: {exc}", file=sys.stderr, flush=True)
+            if not goes_on:
+                print(f"dptrain: {exc}", file=sys.stderr, flush=True)
             requeue_after_stop(step, events.emit)
         raise SystemExit(EXIT_STOPPED) from None  # the same documented code on every rank, under any launcher
     finally:

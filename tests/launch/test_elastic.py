@@ -12,9 +12,10 @@ import sys
 import pytest
 
 from dptrain.dist.env import Nodes, node_range
-from dptrain.errors import ConfigError, LaunchError
+from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
-from dptrain.launch.rendezvous import KEEP_ALIVE_ENV, LAST_CALL_ENV, seconds_from_env
+from dptrain.launch.rendezvous import (KEEP_ALIVE_ENV, LAST_CALL_ENV, NodeInOrder, RefusalAware, nodes_lost,
+                                       rendezvous_times, seconds_from_env)
 from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, read_events, run_cli
 from tests.distributed import free_port
 from tests.launch.test_multinode import MULTINODE
@@ -47,6 +48,10 @@ def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with
                 os.killpg(agent.pid, signal.SIGKILL)
     assert agents[1].returncode == -signal.SIGKILL
     assert agents[0].returncode == 0, (err0[-2000:], log_tail(run_dir))
+    # Node 0's console says which node went and how the run goes on (it said "stopped ... run the same command").
+    assert ("dptrain: node 1 left the run (its `dptrain train` ended, or its host stopped answering); the run goes on "
+            "with 1 node (node 0; 1 rank) from its last snapshot.") in err0.splitlines(), err0
+    assert "run the same command" not in out0 + err0, (out0, err0)
 
     starts = read_events(run_dir, "run_start")
     assert [s["world_size"] for s in starts] == [2, 1], starts  # two ranks, then the one left
@@ -74,9 +79,26 @@ def test_the_node_range_reads_as_torchrun_writes_it():
     ("0:2", "--nnodes 0:2 needs 1 <= MIN <= MAX"),
 ])
 def test_a_bad_node_range_is_one_sentence(nnodes, sentence):
-    with pytest.raises(LaunchError) as refused:
+    with pytest.raises(ConfigError) as refused:
         node_range(nnodes)
     assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("nodes, sentence", [
+    (["--nnodes", "a:b"], "--nnodes 'a:b' is not a node count"),
+    (["--nnodes", "3:2"], "--nnodes 3:2 needs 1 <= MIN <= MAX"),
+    (["--nnodes", "2", "--node-rank", "5", "--master-addr", "127.0.0.1"], "--node-rank 5 is outside 0 to 1"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "node1"], "--rdzv-endpoint 'node1' is not HOST:PORT"),
+    (["--node-rank", "1"], "--node-rank is for a run over several nodes"),
+])
+def test_a_bad_node_option_is_an_option_error_exit_2(tmp_path, capsys, nodes, sentence):
+    # They exited 1, where argparse's own option errors (and every other one of dptrain's) exit 2.
+    from dptrain.cli import main
+
+    code = main(["train", "--data.name", "synthetic", "--output.dir", str(tmp_path / "run"), *nodes])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"dptrain: error: {sentence}") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 ELASTIC = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--nnodes", "1:2",
@@ -117,13 +139,92 @@ def test_deepspeed_cannot_run_elastic():
         check_elastic(cfg, 1, 2, 1)
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf", "nan"])
-def test_a_rendezvous_time_from_the_environment_that_is_no_positive_number_is_one_sentence(monkeypatch, value):
-    monkeypatch.setenv(LAST_CALL_ENV, value)
-    with pytest.raises(LaunchError, match=f"^{LAST_CALL_ENV}='{value}' is not a number of seconds above 0; .*unset it "
-                                          f"for 10\\.$"):
-        seconds_from_env(LAST_CALL_ENV, 10)
-    monkeypatch.setenv(LAST_CALL_ENV, " 2.5 ")
-    assert seconds_from_env(LAST_CALL_ENV, 10) == 2.5
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf", "nan", "1e-9", "0.09", "1e308", "604801"])
+@pytest.mark.parametrize("name", [LAST_CALL_ENV, KEEP_ALIVE_ENV])
+def test_a_rendezvous_time_from_the_environment_out_of_its_range_is_one_sentence(monkeypatch, name, value):
+    # 1e308 overflowed torch's timedelta, 1e-9 made one of 0 s: 32-36-line tracebacks; 1e-9 beats lost every node.
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"^{name}='{value}' is not a number of seconds from 0.1 to 604800 \\(a "
+                                          f"week\\); .*unset it for 10\\.$"):
+        seconds_from_env(name, 10)
+    for edge in ("0.1", "604800"):
+        monkeypatch.setenv(name, edge)
+        assert seconds_from_env(name, 10) == float(edge)
+    monkeypatch.setenv(name, " 2.5 ")
+    assert seconds_from_env(name, 10) == 2.5
+    monkeypatch.delenv(name)
+    assert seconds_from_env(name, 10) == 10
+
+
+ELASTIC_NODES = Nodes(count=2, rank=0, host="127.0.0.1", port=29500, min_count=1)
+
+
+@pytest.mark.parametrize("keep_alive, last_call, total", [("1", "1e5", "100003"), ("1000", "10", "3010"),
+                                                          (None, "294", "300")])
+def test_an_elastic_run_whose_lost_node_would_outlast_the_timeout_is_refused(monkeypatch, keep_alive, last_call, total):
+    # Last call 1e6 s (now out of range too): the nodes left timed out before meeting again, saying a node never came.
+    for name, value in ((KEEP_ALIVE_ENV, keep_alive), (LAST_CALL_ENV, last_call)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as refused:
+        rendezvous_times(300, ELASTIC_NODES)
+    message = str(refused.value)
+    assert message.startswith("a --nnodes 1:2 run notices a lost node after 3 missed heart beats of ")
+    assert f"{total} s in all, which must stay below launch.timeout_s (300 s)" in message, message
+    assert message.endswith("lower those or raise --launch.timeout_s.") and len(message.splitlines()) == 1
+    fixed = Nodes(count=2, rank=0, host="127.0.0.1", port=29500)  # no node may leave it: no lost node to wait for
+    assert rendezvous_times(300, fixed).last_call_s == float(last_call)
+
+
+def test_the_rendezvous_times_that_fit_are_taken(monkeypatch):
+    monkeypatch.setenv(KEEP_ALIVE_ENV, "1")
+    monkeypatch.setenv(LAST_CALL_ENV, "2")
+    times = rendezvous_times(60, ELASTIC_NODES)
+    assert (times.keep_alive_s, times.last_call_s, times.lost_after_s) == (1, 2, 5)
+    monkeypatch.delenv(KEEP_ALIVE_ENV)
     monkeypatch.delenv(LAST_CALL_ENV)
-    assert seconds_from_env(LAST_CALL_ENV, 10) == 10
+    assert rendezvous_times(300, ELASTIC_NODES).lost_after_s == 16  # the defaults: 3 beats of 2 s, 10 s
+
+
+def test_an_elastic_dry_run_refuses_a_rendezvous_time_out_of_range_in_one_sentence(tmp_path):
+    done = run_cli([*ELASTIC, "--launch.max_restarts", "2", "--output.dir", str(tmp_path / "run")], tmp_path,
+                   timeout=60, env={LAST_CALL_ENV: "1e5"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("dptrain: error: a --nnodes 1:2 run notices a lost node after 3 missed heart beats")
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_lost_node_and_the_nodes_left_in_one_sentence():
+    assert nodes_lost([1], [0], 1) == ("node 1 left the run (its `dptrain train` ended, or its host stopped "
+                                       "answering); the run goes on with 1 node (node 0; 1 rank) from its last "
+                                       "snapshot.")
+    assert nodes_lost([1, 3], [0, 2], 4) == ("nodes 1, 3 left the run (their `dptrain train` ended, or their hosts "
+                                             "stopped answering); the run goes on with 2 nodes (nodes 0, 2; 8 ranks) "
+                                             "from its last snapshot.")
+
+
+class _Rounds:
+    """torch's rendezvous handler as RefusalAware sees it: each next_rendezvous meets the next round's nodes."""
+
+    def __init__(self, *rounds: list[int]) -> None:
+        self.rounds = list(rounds)
+        self._state_holder = type("Holder", (), {"state": type("State", (), {"participants": {}})()})()
+
+    def next_rendezvous(self) -> str:
+        nodes = self.rounds.pop(0)
+        self._state_holder.state.participants = {NodeInOrder("10.0.0.1", 100 + r, 0, node_rank=r): r for r in nodes}
+        return f"round of {len(nodes)}"
+
+
+def test_a_round_without_a_node_of_the_one_before_names_it_on_the_console(capsys):
+    handler = RefusalAware(_Rounds([0, 1, 2], [0, 1, 2], [0, 2], [0, 2, 1]), ranks_per_node=2)
+    said = []
+    for _ in range(4):
+        assert handler.next_rendezvous().startswith("round of")
+        said.append(capsys.readouterr().err)
+    # the first round and a restart with the same nodes say nothing; a node that joins again starts nothing to say
+    assert said[0] == said[1] == said[3] == "", said
+    assert said[2] == ("dptrain: node 1 left the run (its `dptrain train` ended, or its host stopped answering); the "
+                       "run goes on with 2 nodes (nodes 0, 2; 4 ranks) from its last snapshot.\n")

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import pytest
 
 from dptrain.dist.env import DistEnv, Nodes, check_master_resolves
-from dptrain.errors import LaunchError
+from dptrain.errors import ConfigError, LaunchError
 from dptrain.slurm.env import expand_nodelist
 
 
@@ -74,9 +75,32 @@ def test_from_environ_reads_os_environ():
 @pytest.mark.parametrize("addr", ["0.0.0.0", "0", "::", "0:0::0"])
 def test_a_wildcard_master_address_is_refused(addr):
     # A store bound there would listen on every interface of node 0, and the other nodes cannot reach "0.0.0.0".
-    with pytest.raises(LaunchError, match=f"master address '{addr}' means every interface of a host"):
+    with pytest.raises(ConfigError, match=f"master address '{addr}' means every interface of a host"):  # an option's
         Nodes.from_options(2, 0, addr, None, None, {})
-    with pytest.raises(LaunchError, match="means every interface of a host"):
+    with pytest.raises(ConfigError, match="means every interface of a host"):
         Nodes.from_options(2, 0, None, None, f"[{addr}]:29500", {})
     with pytest.raises(LaunchError, match="means every interface of a host"):  # MASTER_ADDR from torchrun or SLURM
         check_master_resolves(addr)
+
+
+@pytest.mark.parametrize("user_sets_it", [False, True])
+def test_a_world_in_the_calling_process_gives_the_collective_interface_back(monkeypatch, user_sets_it):
+    # A one-rank run in the CLI's own process left GLOO_SOCKET_IFNAME=lo behind, and a later multi-host run of that
+    # process bound loopback. Set while the world lives (torch reads it for every group); a user's own is kept.
+    import torch
+
+    from dptrain.dist.store import loopback_interface
+    from dptrain.dist.world import destroy_process_group, init_process_group
+
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(key, raising=False)
+    users = loopback_interface() if user_sets_it else None  # gloo must find it: an interface of this host
+    if users is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", users)
+    init_process_group(DistEnv.single(), torch.device("cpu"), 10)
+    try:
+        assert os.environ["GLOO_SOCKET_IFNAME"] == loopback_interface()
+        assert "NCCL_SOCKET_IFNAME" in os.environ
+    finally:
+        destroy_process_group()
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == users and "NCCL_SOCKET_IFNAME" not in os.environ

@@ -76,3 +76,23 @@ def test_a_lifted_deadline_never_ends_the_process(tmp_path, monkeypatch, to_log_
     lift_exit_deadline()
     time.sleep(1.0)  # past the deadline: this process, pytest's, is still here
     assert not to_log_file or not (tmp_path / "rank0.log").read_text()
+
+
+@pytest.mark.parametrize("agent, restart_count, max_restarts, restarts", [
+    ("parent", "0", "2", True),  # an elastic run that lost a node: the agent goes on, and says so
+    ("parent", "2", "2", False),  # no restart left: the run ends here
+    ("other", "0", "2", False),  # the agent is gone (the worker's parent is another process now)
+    (None, "0", "2", False),  # torchrun's worker, or srun's: no agent of dptrain's to speak for the stop
+])
+def test_a_worker_knows_whether_its_agent_restarts_it(monkeypatch, agent, restart_count, max_restarts, restarts):
+    import os
+
+    from dptrain.dist.ending import AGENT_PID, agent_restarts_this_worker
+
+    if agent is None:
+        monkeypatch.delenv(AGENT_PID, raising=False)
+    else:
+        monkeypatch.setenv(AGENT_PID, str(os.getppid() if agent == "parent" else os.getppid() + 1))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart_count)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
+    assert agent_restarts_this_worker() is restarts

@@ -210,3 +210,108 @@ def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, refuse, atte
                      log_file=tmp_path / "launcher.log", on_cuda=False)
     assert tally.read_text().count("attempt") == attempts
     assert str(failed.value) == ("rank 0 failed during resume: no snapshot can be used" if refuse else "rank 0 crashed")
+
+
+class _HostGone:
+    """A rendezvous whose store, on node 0, stops answering (node 0 is gone): what node 1's agent meets then."""
+
+    def __init__(self, params, cpp_levels: list) -> None:
+        self.params, self.cpp_levels = params, cpp_levels
+
+    def get_backend(self) -> str:
+        from dptrain.launch.rendezvous import RENDEZVOUS
+
+        return RENDEZVOUS
+
+    def get_run_id(self) -> str:
+        return self.params.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self):
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        from dptrain.dist.failures import cpp_log_level
+
+        self.cpp_levels.append(cpp_log_level())
+        try:
+            raise ConnectionResetError("Connection reset by peer")
+        except ConnectionResetError as exc:
+            raise RendezvousConnectionError("The connection to the C10d store has failed.") from exc
+
+    def shutdown(self) -> bool:
+        return True
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+
+def test_a_rendezvous_host_that_is_gone_is_one_sentence_with_the_details_in_the_launcher_log(tmp_path, monkeypatch):
+    # Node 1, after node 0's agent was killed: 92-100 lines of C++ frames and a RendezvousConnectionError traceback.
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from dptrain.dist.env import Nodes
+    from dptrain.dist.failures import cpp_log_level
+    from dptrain.errors import LaunchError
+    from dptrain.launch import local
+    from dptrain.launch.rendezvous import RENDEZVOUS
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(local, "register_rendezvous", lambda: None)
+    monkeypatch.setitem(rendezvous_handler_registry._registry, RENDEZVOUS, lambda params: _HostGone(params, seen))
+    before = cpp_log_level()
+    log = tmp_path / "logs" / "launcher.log"
+    node_1 = Nodes(count=2, rank=1, host="127.0.0.1", port=29500, min_count=1)
+    with pytest.raises(LaunchError) as failed:
+        local.launch_local(print, (), nproc_per_node=1, timeout_s=60, max_restarts=1, log_file=log, nodes=node_1,
+                           on_cuda=False)
+    assert str(failed.value) == (
+        "node 0, which hosts the run's rendezvous at 127.0.0.1:29500, is gone (its `dptrain train` ended, or its host "
+        "or the network failed) and the run cannot go on without it; run the same command again on every node, node 0 "
+        "included, to resume from the last snapshot.")
+    details = log.read_text()
+    assert "the rendezvous store at 127.0.0.1:29500 stopped answering" in details
+    assert "ConnectionResetError: Connection reset by peer" in details and "RendezvousConnectionError" in details
+    if before is not None:  # the agent's C++ warnings (its store's frames) were off, and are back as they were
+        assert seen and all(level >= 2 for level in seen) and cpp_log_level() == before
+
+
+def _what_a_worker_sees(out: str) -> None:
+    import json
+
+    from dptrain.dist.ending import AGENT_PID
+    from dptrain.dist.failures import cpp_log_level
+    from dptrain.launch.rendezvous import REFUSAL_FILE
+
+    Path(out).write_text(json.dumps({"cpp_level": cpp_log_level(), "agent_pid": os.environ.get(AGENT_PID),
+                                     "parent": os.getppid(), "refusal_file": REFUSAL_FILE in os.environ,
+                                     "own_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}))
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_leaves_the_callers_environment_as_it_was_and_the_workers_their_cpp_warnings(tmp_path, monkeypatch):
+    import json
+
+    from dptrain.dist.failures import cpp_log_level
+    from dptrain.launch.local import AGENT_ENV, launch_local
+    from dptrain.launch.rendezvous import REFUSAL_FILE
+
+    for key in (*AGENT_ENV, REFUSAL_FILE):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    out = tmp_path / "seen.json"
+    launch_local(_what_a_worker_sees, (str(out),), nproc_per_node=1, timeout_s=10, max_restarts=1,
+                 log_file=tmp_path / "launcher.log", on_cuda=False)
+    assert dict(os.environ) == before  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE stayed set in the caller
+    seen = json.loads(out.read_text())
+    assert seen["refusal_file"] and seen["own_store"] == "1"  # the workers had them
+    assert seen["agent_pid"] == str(seen["parent"])  # dist.ending.agent_restarts_this_worker reads it
+    assert seen["cpp_level"] == cpp_log_level()  # not the agent's, raised while it runs

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from dptrain.dist.env import Nodes
-from dptrain.errors import LaunchError
+from dptrain.errors import ConfigError
 from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, log_tail, plan_runs, read_events, run_cli
 from tests.netns_hosts import TwoHosts
 
@@ -255,7 +255,7 @@ def test_the_multinode_options_read_as_torchrun_reads_them():
     ((2, 0, "127.0.0.1", None, None), {"RANK": "0", "WORLD_SIZE": "2"}, "a launcher (torchrun) already started this process"),
 ])
 def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sentence):
-    with pytest.raises(LaunchError) as refused:
+    with pytest.raises(ConfigError) as refused:  # an option error: exit 2
         Nodes.from_options(*options, environ)
     assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
 

@@ -35,6 +35,24 @@ def record_for_launcher(exc: BaseException) -> None:
             ErrorHandler().record_exception(exc)
 
 
+AGENT_PID = "DPTRAIN_AGENT_PID"
+"""Set in every worker that dptrain's own elastic agent started (launch.local.run_then_leave): the agent's pid."""
+
+
+def agent_restarts_this_worker() -> bool:
+    """Whether dptrain's agent that started this worker is alive and starts the workers again once they end without
+    success (restarts are left): it then says on its console how the run goes on (after a lost node: with which
+    nodes), so a worker's "run the same command" would be wrong there. False under torchrun, srun, in the CLI's own
+    process, and once the agent is gone (a worker's parent is then another process)."""
+    agent = os.environ.get(AGENT_PID)
+    try:  # torch's agent gives each worker these two
+        restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                         - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return agent is not None and os.getppid() == int(agent) and restarts_left > 0
+    except ValueError:
+        return False
+
+
 FAILED_RANK_EXIT_S = 30.0
 """How long a failed rank of a multi-process world may take to leave once its failure is logged (see exit_deadline)."""
 

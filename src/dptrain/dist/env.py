@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from dptrain.errors import LaunchError
+from dptrain.errors import ConfigError, LaunchError
 from dptrain.slurm.env import SLURM_VARS, expand_nodelist, in_srun_task, job_port, slurm_count, slurm_value
 
 
@@ -145,8 +145,9 @@ class Nodes:
     def from_options(cls, nnodes: int | str | None, node_rank: int | None, master_addr: str | None,
                      master_port: int | None, rdzv_endpoint: str | None,
                      environ: Mapping[str, str] | None = None) -> "Nodes | None":
-        """The options of `dptrain train` checked together; None for a run on this node alone. nnodes: N, or MIN:MAX
-        (torchrun's elastic form: the run starts with up to MAX nodes and goes on with MIN or more)."""
+        """The options of `dptrain train` checked together; None for a run on this node alone; ConfigError (an option
+        error, exit 2, as argparse's own) for a bad one. nnodes: N, or MIN:MAX (torchrun's elastic form: the run starts
+        with up to MAX nodes and goes on with MIN or more)."""
         env = os.environ if environ is None else environ
         spelled = nnodes
         fewest, nnodes = node_range(nnodes)
@@ -154,19 +155,19 @@ class Nodes:
                                           ("--master-port", master_port), ("--rdzv-endpoint", rdzv_endpoint)) if value is not None]
         if nnodes is None:
             if given:
-                raise LaunchError(f"{given[0]} is for a run over several nodes; give --nnodes too (the number of nodes).")
+                raise ConfigError(f"{given[0]} is for a run over several nodes; give --nnodes too (the number of nodes).")
             return None
         if nnodes < 1:
-            raise LaunchError(f"--nnodes {nnodes} must be 1 or more.")
+            raise ConfigError(f"--nnodes {nnodes} must be 1 or more.")
         if "RANK" in env and "WORLD_SIZE" in env:
-            raise LaunchError("--nnodes starts this node's workers, but a launcher (torchrun) already started this process "
+            raise ConfigError("--nnodes starts this node's workers, but a launcher (torchrun) already started this process "
                               "as a rank; drop --nnodes, or run dptrain without torchrun.")
         if rdzv_endpoint is not None and (master_addr is not None or master_port is not None):
-            raise LaunchError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both.")
+            raise ConfigError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both.")
         if rdzv_endpoint is not None:
             host, sep, port_text = rdzv_endpoint.rpartition(":")
             if not sep or not host or not port_text.isdigit():
-                raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT; write it as node1:29500.")
+                raise ConfigError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT; write it as node1:29500.")
             master_addr, master_port = host.strip("[]"), int(port_text)
         if node_rank is None:
             node_rank = slurm_count("node_rank", env)  # one agent per node under srun: the task's node (else None)
@@ -175,29 +176,32 @@ class Nodes:
         if nnodes == 1:
             node_rank = 0 if node_rank is None else node_rank
         if node_rank is None:
-            raise LaunchError(f"--node-rank is needed with --nnodes {spelled}: 0 on the node at the master address, "
+            raise ConfigError(f"--node-rank is needed with --nnodes {spelled}: 0 on the node at the master address, "
                               f"1 to {nnodes - 1} on the others.")
         if not 0 <= node_rank < nnodes:
-            raise LaunchError(f"--node-rank {node_rank} is outside 0 to {nnodes - 1} (--nnodes {spelled}).")
+            raise ConfigError(f"--node-rank {node_rank} is outside 0 to {nnodes - 1} (--nnodes {spelled}).")
         if master_addr is None:
-            raise LaunchError(f"--master-addr is needed with --nnodes {spelled}: the address of node 0, which every node "
+            raise ConfigError(f"--master-addr is needed with --nnodes {spelled}: the address of node 0, which every node "
                               f"can reach (or --rdzv-endpoint HOST:PORT).")
         port = DEFAULT_MASTER_PORT if master_port is None else master_port
         if not 0 < port < 65536:
-            raise LaunchError(f"--master-port {port} is not a TCP port; pick one from 1024 to 65535.")
-        check_master_resolves(master_addr)
+            raise ConfigError(f"--master-port {port} is not a TCP port; pick one from 1024 to 65535.")
+        try:
+            check_master_resolves(master_addr)
+        except LaunchError as exc:  # here the address is an option's value: an option error, as the others
+            raise ConfigError(str(exc)) from None
         return cls(nnodes, node_rank, master_addr, port, min_count=fewest if fewest != nnodes else None)
 
 
 def node_range(nnodes: int | str | None) -> tuple[int | None, int | None]:
-    """--nnodes as (fewest, most): N is (N, N), MIN:MAX is (MIN, MAX); LaunchError for anything else."""
+    """--nnodes as (fewest, most): N is (N, N), MIN:MAX is (MIN, MAX); ConfigError (exit 2) for anything else."""
     if nnodes is None or isinstance(nnodes, int):
         return nnodes, nnodes
     low, sep, high = nnodes.partition(":")
     if not (low.strip().isdigit() and (not sep or high.strip().isdigit())):
-        raise LaunchError(f"--nnodes {nnodes!r} is not a node count; write N (e.g. 2) or MIN:MAX (e.g. 1:4, a run that "
+        raise ConfigError(f"--nnodes {nnodes!r} is not a node count; write N (e.g. 2) or MIN:MAX (e.g. 1:4, a run that "
                           f"goes on with fewer nodes after losing one).")
     fewest, most = int(low), int(high if sep else low)
     if fewest < 1 or most < fewest:
-        raise LaunchError(f"--nnodes {nnodes} needs 1 <= MIN <= MAX; write e.g. 1:4.")
+        raise ConfigError(f"--nnodes {nnodes} needs 1 <= MIN <= MAX; write e.g. 1:4.")
     return fewest, most

@@ -101,15 +101,27 @@ def cpp_warnings_off() -> Iterator[None]:
     """Within: libtorch's C++ warnings are not printed (c10's log level raised to ERROR, as TORCH_CPP_LOG_LEVEL=ERROR
     would at start-up); errors still are. For calls whose failure is expected and answered in a sentence of ours.
     Nothing changes where libc10 does not export the flag (a build logging through glog)."""
-    import ctypes
-
-    try:
-        level = ctypes.c_int.in_dll(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")), "FLAGS_caffe2_log_level")
-    except (OSError, ValueError):
+    saved = cpp_log_level()
+    if saved is None:
         yield
         return
-    saved, level.value = level.value, max(level.value, 2)  # 2: ERROR
+    cpp_log_level(max(saved, 2))  # 2: ERROR
     try:
         yield
     finally:
-        level.value = saved
+        cpp_log_level(saved)
+
+
+def cpp_log_level(level: int | None = None) -> int | None:
+    """libtorch's C++ log level (c10's FLAGS_caffe2_log_level: 0 INFO, 1 WARNING, 2 ERROR), set to level where given;
+    returns the one before. None (and nothing set) where libc10 does not export the flag."""
+    import ctypes
+
+    try:
+        flag = ctypes.c_int.in_dll(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")), "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+    before = flag.value
+    if level is not None:
+        flag.value = level
+    return before

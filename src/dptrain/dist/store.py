@@ -123,14 +123,29 @@ def pin_collective_interface(master_addr: str) -> None:
     """The network interface gloo's sockets use: loopback when the master is loopback (every rank is on this host;
     nccl's bootstrap too); else the interface this host reaches the master through. By default gloo binds the
     address its host name resolves to, which on many machines is 127.0.1.1 (Debian's /etc/hosts) or a management
-    network that the other nodes cannot reach: the run then hangs until its timeout. A user's setting wins."""
+    network that the other nodes cannot reach: the run then hangs until its timeout. A user's setting wins.
+
+    torch reads these variables each time it makes a group, so they stay set while the world lives;
+    unpin_collective_interface takes them back when it ends: a run in the calling process (one rank, no agent) left
+    GLOO_SOCKET_IFNAME=lo there, and a later multi-host run in that process bound loopback and never met its peers."""
     if is_loopback(master_addr):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
-        return
-    interface = interface_of(address_towards(master_addr))
-    if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        pinned = {"GLOO_SOCKET_IFNAME": loopback_interface(), "NCCL_SOCKET_IFNAME": loopback_interface()}
+    else:
+        interface = interface_of(address_towards(master_addr))
+        pinned = {} if interface is None else {"GLOO_SOCKET_IFNAME": interface}
+    for key, value in pinned.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            _pinned.append(key)
+
+
+_pinned: list[str] = []  # the variables pin_collective_interface set (not a user's), for unpin_collective_interface
+
+
+def unpin_collective_interface() -> None:
+    """Take back the variables pin_collective_interface set: the process's environment is again as it was."""
+    while _pinned:
+        os.environ.pop(_pinned.pop(), None)
 
 
 def address_towards(host: str) -> str:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.dist.env import DistEnv, check_master_resolves
-from dptrain.dist.store import join_store, pin_collective_interface
+from dptrain.dist.store import join_store, pin_collective_interface, unpin_collective_interface
 
 
 def pick_backend(requested: str, device: torch.device) -> str:
@@ -26,20 +26,26 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float, bac
     """Join the world with a bounded timeout, on launch.backend (auto: nccl for CUDA, gloo for CPU).
 
     torch's default waits 30 minutes on a dead peer; here every collective and the rendezvous
-    fail after timeout_s instead. Returns the world's store (None for one process without a launcher).
+    fail after timeout_s instead. Returns the world's store (None for one process without a launcher). The
+    interface it pins for the collectives is taken back by destroy_process_group, or here if joining fails.
     """
     backend = pick_backend(backend, device)
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"device_id": device} if backend == "nccl" else {}  # binds nccl to this rank's GPU, no guessing
-    if env.world_size == 1 and env.source == "none":
-        # One process, no launcher: an in-memory store, no port needed.
-        pin_collective_interface("127.0.0.1")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
-        return None
-    check_master_resolves(env.master_addr)
-    pin_collective_interface(env.master_addr)
-    store = join_store(env, timeout_s)
-    dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    try:
+        if env.world_size == 1 and env.source == "none":
+            # One process, no launcher: an in-memory store, no port needed.
+            pin_collective_interface("127.0.0.1")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+            return None
+        check_master_resolves(env.master_addr)
+        pin_collective_interface(env.master_addr)
+        store = join_store(env, timeout_s)
+        dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.world_size, timeout=timeout,
+                                **kwargs)
+    except BaseException:
+        unpin_collective_interface()
+        raise
     return store
 
 
@@ -92,7 +98,9 @@ def placement() -> dict[str, int]:
 def destroy_process_group() -> None:
     """Leave the world. First a short sleep without the GIL: gloo's worker threads free the last finished work,
     whose tensors they can only release holding the GIL; a group destroyed meanwhile (its destructor joins those
-    threads while holding the GIL) deadlocks. Seen after a snapshot's final barrier: a rank hung at exit."""
+    threads while holding the GIL) deadlocks. Seen after a snapshot's final barrier: a rank hung at exit. The
+    environment is then as before init_process_group (see pin_collective_interface)."""
     if dist.is_initialized():
         time.sleep(0.05)
         dist.destroy_process_group()
+    unpin_collective_interface()

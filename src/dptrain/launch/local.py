@@ -15,18 +15,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 from dptrain.config import LaunchConfig, RunConfig
-from dptrain.dist.ending import leave_now, record_for_launcher
+from dptrain.dist.ending import AGENT_PID, leave_now, record_for_launcher
 from dptrain.dist.env import DistEnv, Nodes
+from dptrain.dist.failures import cpp_log_level, cpp_warnings_off
 from dptrain.dist.store import address_towards
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError, UnsafeFileError
 from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
-                                       rendezvous_timeout)
+                                       rendezvous_host_gone, rendezvous_timeout, rendezvous_times)
 from dptrain.runtime import libc_function, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
-# to connect (pytorch/pytorch#135712); a store of the workers' own avoids that.
+# to connect (pytorch/pytorch#135712); a store of the workers' own avoids that. Set for the launch only.
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+log = logging.getLogger(__name__)
 
 
 # What every training rank imports, imported once by the agent before it forks the workers (see start_method).
@@ -45,22 +48,24 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
     listens on that address only); without, everything listens on loopback. The agent's own log (restarts,
     tracebacks of failed workers) goes to log_file (the run's logs/launcher.log), not to the console: the user sees the one
-    sentence of the LaunchError, the details stay in the run's logs.
+    sentence of the LaunchError, the details stay in the run's logs. The agent's C++ warnings (its rendezvous store's:
+    a block of C++ frames for each call that a node 0 that is gone does not answer) are off; the workers keep theirs.
+    The calling process's environment is left as it was.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for key, value in AGENT_ENV.items():
-        os.environ.setdefault(key, value)
+    if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
+        nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
+    # The launch sets variables for its workers (ours, below; torch's launcher and imports their own): all taken back.
+    kept = dict(os.environ)
+    times = rendezvous_times(timeout_s, nodes)  # a bad DPTRAIN_RDZV_* refused here, not later inside the agent
     register_rendezvous()
     # The agent's own per-worker folders (error files, maybe logs) in a folder of ours, removed after the
     # run: by default torch leaves a /tmp/torchelastic_* folder behind for every launch.
     agent_dir = tempfile.TemporaryDirectory(prefix="dptrain-agent-")
-    os.environ[REFUSAL_FILE] = str(Path(agent_dir.name) / "refused")  # the workers inherit it
-    if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
-        nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
     config = LaunchConfig(
         min_nodes=nodes.fewest,
         max_nodes=nodes.count,
@@ -68,7 +73,9 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         run_id="dptrain",  # the rendezvous store serves this run alone
         rdzv_backend=RENDEZVOUS,
         rdzv_endpoint=nodes.endpoint,
-        rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0, "node_rank": nodes.rank},
+        rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0, "node_rank": nodes.rank,
+                      "keep_alive_s": times.keep_alive_s, "last_call_s": times.last_call_s,
+                      "ranks_per_node": nproc_per_node},
         # The workers' MASTER_ADDR, where the node that gets global rank 0 is this one: this node's address on the
         # route to node 0, which every node reaches (the host name may resolve to 127.0.1.1 or another network).
         local_addr=address_towards(nodes.host),
@@ -87,12 +94,23 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
             importlib.import_module(module)
     previous = signal.signal(signal.SIGUSR1, forward)
     continuer = ContinueStoppedWorkers()
+    # The workers' own C++ log level: a forked worker would otherwise inherit the agent's, raised below.
+    worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint, os.getpid(), cpp_log_level()),
+                                      entrypoint)  # its name in logs
+    for key, value in AGENT_ENV.items():  # the workers inherit the agent's environment
+        os.environ.setdefault(key, value)
+    os.environ[REFUSAL_FILE] = str(Path(agent_dir.name) / "refused")
     try:
-        with _agent_log_to(log_file), continuer:
-            worker = functools.update_wrapper(functools.partial(run_then_leave, entrypoint, os.getpid()), entrypoint)  # its name in logs
-            elastic_launch(config, worker)(*args)
+        with _agent_log_to(log_file), continuer, cpp_warnings_off():
+            try:
+                elastic_launch(config, worker)(*args)
+            except RendezvousConnectionError:
+                log.error("the rendezvous store at %s stopped answering", nodes.endpoint, exc_info=True)  # launcher.log
+                raise
     except RendezvousTimeoutError:
         raise LaunchError(rendezvous_timeout(nodes, timeout_s)) from None
+    except RendezvousConnectionError:
+        raise LaunchError(rendezvous_host_gone(nodes)) from None
     except Refused as exc:
         raise LaunchError(str(exc)) from None
     except SignalException as exc:
@@ -106,8 +124,15 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     finally:
         signal.signal(signal.SIGUSR1, previous)
         forget_the_rendezvous()
-        os.environ.pop(REFUSAL_FILE, None)
+        _restore_environment(kept)
         agent_dir.cleanup()
+
+
+def _restore_environment(kept: dict[str, str]) -> None:
+    """os.environ as it was (kept): a run in the caller's process, or a later launch, sees none of this one's."""
+    for key in set(os.environ) - set(kept):
+        del os.environ[key]
+    os.environ.update(kept)
 
 
 class ContinueStoppedWorkers:
@@ -164,17 +189,20 @@ def _state(pid: int) -> str:
         return ""
 
 
-def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, *args: Any) -> Any:
+def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, cpp_level: int | None, *args: Any) -> Any:
     """A worker's life: entrypoint(*args), then the worker process skips Python's interpreter teardown.
 
     After a success that saves 0.6 s of freeing torch's objects (`python bench/micro.py`, teardown), which the
     agent, and so the user, would wait for; the exit hook runs first of all (the last one registered), once the
     agent has read the result, which it waits for before the worker may exit. After a failure, see leave_after_failure.
     """
-    # A forked worker starts with the agent's signal handlers: give it a fresh interpreter's.
+    # A forked worker starts with the agent's signal handlers and C++ log level: give it a fresh interpreter's.
     for sig, handler in ((signal.SIGUSR1, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
                          (signal.SIGINT, signal.default_int_handler)):
         signal.signal(sig, handler)
+    if cpp_level is not None:
+        cpp_log_level(cpp_level)
+    os.environ[AGENT_PID] = str(agent_pid)  # this worker's own environment (dist.ending.agent_restarts_this_worker)
     stop_with_the_agent(agent_pid)
     try:
         result = entrypoint(*args)
@@ -247,7 +275,7 @@ def local_workers(launch: LaunchConfig) -> int:
     return 1
 
 
-AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "dptrain.launch")
 
 
 @contextlib.contextmanager

@@ -1,21 +1,28 @@
 """The rendezvous of the nodes' elastic agents: torch's c10d rendezvous on a store that listens on the rendezvous
-address only, hosted by node 0, whose nodes take their ranks in --node-rank order; the node that never came named;
-a worker's refusal that no restart can change ending the launch at once."""
+address only, hosted by node 0, whose nodes take their ranks in --node-rank order, with its times checked; the node
+that never came, the node lost and a host that is gone named; a worker's refusal that no restart can change ending
+the launch at once."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import inspect
+import logging
+import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
+from dptrain.config import MAX_TIMEOUT_S
 from dptrain.dist.env import Nodes
 from dptrain.dist.store import listening_store, reach_store
-from dptrain.errors import LaunchError
+from dptrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 REFUSAL_FILE = "DPTRAIN_REFUSAL_FILE"
 """Names the file where a worker leaves the sentence of a refusal that no restart can change, for its agent."""
@@ -36,32 +43,64 @@ KEEP_ALIVE_S = 2
 KEEP_ALIVE_MISSED = 3
 LAST_CALL_S = 10
 KEEP_ALIVE_ENV, LAST_CALL_ENV = "DPTRAIN_RDZV_KEEP_ALIVE_S", "DPTRAIN_RDZV_LAST_CALL_S"
+# The range either may take: below 0.1 s the beats flood the store and any pause of a busy machine loses a node
+# (1e-9 is a beat, or a last call, of 0 s to torch's timedelta); a week bounds every wait of a run, as it bounds
+# launch.timeout_s (1e308 overflowed that timedelta: a traceback inside the agent).
+FEWEST_RDZV_S, MOST_RDZV_S = 0.1, MAX_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class RendezvousTimes:
+    """The heart beat and the last call of the agents' rendezvous, in seconds, checked (rendezvous_times)."""
+
+    keep_alive_s: float
+    last_call_s: float
+
+    @property
+    def lost_after_s(self) -> float:
+        """How long the nodes left wait before they meet again without a lost node: its missed beats, the last call."""
+        return KEEP_ALIVE_MISSED * self.keep_alive_s + self.last_call_s
 
 
 def seconds_from_env(name: str, default: float) -> float:
-    """A positive number of seconds from the environment variable `name`, else `default`; LaunchError in one sentence
-    for another value."""
+    """A number of seconds from FEWEST_RDZV_S to MOST_RDZV_S from the environment variable `name`, else `default`;
+    ConfigError in one sentence for another value."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise LaunchError(f"{name}={text!r} is not a number of seconds above 0; set it to one (e.g. {default:g}), or "
-                          f"unset it for {default:g}.")
+        value = math.nan
+    if not FEWEST_RDZV_S <= value <= MOST_RDZV_S:  # nan and inf fail too
+        raise ConfigError(f"{name}={text!r} is not a number of seconds from {FEWEST_RDZV_S:g} to {MOST_RDZV_S:g} (a "
+                          f"week); set it to one (e.g. {default:g}), or unset it for {default:g}.")
     return value
+
+
+def rendezvous_times(join_s: float, nodes: Nodes | None = None) -> RendezvousTimes:
+    """The rendezvous' times from the environment (DPTRAIN_RDZV_*), checked before the agent starts; ConfigError in
+    one sentence for a value out of its range or, in an elastic run (nodes.elastic), for a lost node whose notice and
+    last call would not fit in join_s (launch.timeout_s, the longest the nodes left wait to meet again): they would
+    time out instead, and say that a node never came."""
+    times = RendezvousTimes(keep_alive_s=seconds_from_env(KEEP_ALIVE_ENV, KEEP_ALIVE_S),
+                            last_call_s=seconds_from_env(LAST_CALL_ENV, LAST_CALL_S))
+    if nodes is not None and nodes.elastic and times.lost_after_s >= join_s:
+        raise ConfigError(
+            f"a --nnodes {nodes.spelled} run notices a lost node after {KEEP_ALIVE_MISSED} missed heart beats of "
+            f"{times.keep_alive_s:g} s ({KEEP_ALIVE_ENV}) and then waits {times.last_call_s:g} s ({LAST_CALL_ENV}) for "
+            f"other nodes, {times.lost_after_s:g} s in all, which must stay below launch.timeout_s ({join_s:g} s) or "
+            f"the nodes left time out before they meet again; lower those or raise --launch.timeout_s.")
+    return times
 
 
 def register_rendezvous() -> None:
     """torch's c10d rendezvous, on a store that listens on the rendezvous address only (torch's listens on every
     interface, where anyone on the network could read and write the run's keys), hosted by node 0 (torch guesses
-    the host by matching host names, which fails where a node's name does not resolve to its address)."""
+    the host by matching host names, which fails where a node's name does not resolve to its address). Its times
+    come in the launch's rdzv_configs (see rendezvous_times)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    for name, default in ((KEEP_ALIVE_ENV, KEEP_ALIVE_S), (LAST_CALL_ENV, LAST_CALL_S)):
-        seconds_from_env(name, default)  # a bad value refused here, in one sentence, not later inside the agent
     rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous)
 
 
@@ -85,29 +124,33 @@ def _rendezvous(params: Any) -> Any:
     store.set(f"{CAME}{node_rank}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
     # A node that died (its agent killed with its workers) leaves the rendezvous once it missed KEEP_ALIVE_MISSED
     # heart beats; then the nodes left meet without it, after waiting LAST_CALL_S for any other node to join.
+    times = RendezvousTimes(float(params.config["keep_alive_s"]), float(params.config["last_call_s"]))
     timeout = RendezvousTimeout(join=datetime.timedelta(seconds=join_s),
-                                last_call=datetime.timedelta(seconds=seconds_from_env(LAST_CALL_ENV, LAST_CALL_S)))
+                                last_call=datetime.timedelta(seconds=times.last_call_s))
     with nodes_in_node_rank_order(node_rank):
         handler = DynamicRendezvousHandler.from_backend(
             params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
-            local_addr=params.local_addr, timeout=timeout, **_keep_alive(DynamicRendezvousHandler))
-    return RefusalAware(handler)
+            local_addr=params.local_addr, timeout=timeout, **_keep_alive(DynamicRendezvousHandler, times.keep_alive_s))
+    return RefusalAware(handler, int(params.config.get("ranks_per_node", 1)))
 
 
-def _keep_alive(handler_class: Any) -> dict[str, Any]:
+def _keep_alive(handler_class: Any, keep_alive_s: float) -> dict[str, Any]:
     """The heart beat settings for torchs whose handler takes them (older ones keep their 5 s x 3)."""
     taken = inspect.signature(handler_class.from_backend).parameters
-    return ({"keep_alive_interval": seconds_from_env(KEEP_ALIVE_ENV, KEEP_ALIVE_S),  # seconds; torch makes a timedelta
+    return ({"keep_alive_interval": keep_alive_s,  # seconds; torch makes a timedelta
              "keep_alive_max_attempt": KEEP_ALIVE_MISSED}
             if "keep_alive_interval" in taken else {})
 
 
 class RefusalAware:
     """torch's rendezvous handler, which the agent calls again before every restart: there a worker's refusal (see
-    no_restart_changes) ends the launch instead, once, with its sentence."""
+    no_restart_changes) ends the launch instead, once, with its sentence; and a round without a node of the one
+    before says on this node's console which node was lost and with how many the run goes on (nodes_lost)."""
 
-    def __init__(self, handler: Any) -> None:
+    def __init__(self, handler: Any, ranks_per_node: int = 1) -> None:
         self._handler = handler
+        self._ranks_per_node = ranks_per_node
+        self._nodes_before: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handler, name)
@@ -117,7 +160,36 @@ class RefusalAware:
         if path:
             with contextlib.suppress(OSError), open(path) as f:
                 raise Refused(f.read(4096))
-        return self._handler.next_rendezvous()
+        info = self._handler.next_rendezvous()
+        nodes = self._node_ranks()
+        if lost := sorted(set(self._nodes_before) - set(nodes)):
+            sentence = nodes_lost(lost, nodes, self._ranks_per_node)
+            log.warning("%s", sentence)  # in logs/launcher.log too
+            print(f"dptrain: {sentence}", file=sys.stderr, flush=True)  # this node's console, as the CLI's sentences
+        self._nodes_before = nodes
+        return info
+
+    def _node_ranks(self) -> list[int]:
+        """The --node-rank of every node in the round just met (torch's state of the rendezvous; none where unread)."""
+        try:
+            participants = self._handler._state_holder.state.participants
+        except AttributeError:  # a torch whose handler keeps its state elsewhere: no sentence, the run is the same
+            return []
+        return sorted(node.node_rank for node in participants if isinstance(node, NodeInOrder))
+
+
+def nodes_lost(lost: list[int], left: list[int], ranks_per_node: int) -> str:
+    """The sentence for a round of the rendezvous without nodes `lost` of the round before: the run goes on with the
+    nodes `left`, from its last snapshot (the workers stopped, or failed, when those nodes went)."""
+    def named(node_ranks: list[int]) -> str:
+        return f"node{'s' if len(node_ranks) > 1 else ''} {', '.join(map(str, node_ranks))}"
+
+    ranks = len(left) * ranks_per_node
+    its, host = ("their", "hosts") if len(lost) > 1 else ("its", "host")
+    ranks_left = f"{ranks} rank{'s' if ranks > 1 else ''}"
+    nodes_left = f"{len(left)} node{'s' if len(left) > 1 else ''} ({named(left)}; {ranks_left})"
+    return (f"{named(lost)} left the run ({its} `dptrain train` ended, or {its} {host} stopped answering); the run "
+            f"goes on with {nodes_left} from its last snapshot.")
 
 
 CAME = "dptrain/node-came/"
@@ -127,6 +199,17 @@ _rendezvous_host: list[Any] = []  # node 0's rendezvous store, kept to read whic
 def forget_the_rendezvous() -> None:
     """After a launch: node 0's rendezvous store is let go (it was kept to name the nodes that never came)."""
     _rendezvous_host.clear()
+
+
+def rendezvous_host_gone(nodes: Nodes) -> str:
+    """The sentence for a rendezvous store that stopped answering (torch printed 90-odd lines of C++ frames and a
+    RendezvousConnectionError traceback): node 0, its host, is gone, and no run goes on without it."""
+    if nodes.rank == 0:
+        return (f"the rendezvous store this node hosts at {nodes.endpoint} stopped answering; run the "
+                f"same command again on every node to resume from the last snapshot.")
+    return (f"node 0, which hosts the run's rendezvous at {nodes.endpoint}, is gone (its `dptrain train` ended, or its "
+            f"host or the network failed) and the run cannot go on without it; run the same command again on every "
+            f"node, node 0 included, to resume from the last snapshot.")
 
 
 def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
