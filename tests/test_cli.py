@@ -34,6 +34,17 @@ def test_split_overrides_accepts_both_spellings():
         (["--data.name", "synthetic", "--strategy.name", "single", "--nproc-per-node", "2"], "strategy single cannot run on 2 processes (it runs one process); start one process, or use --strategy.name ddp."),
         (["--data.name", "mnist", "--data.root", "nowhere"], "dataset mnist not found in nowhere/MNIST/raw, nowhere/mnist, nowhere"),
         (["--data.name", "synthetic", "--model.name", "no_such_pkg.models:Net"], "cannot import module no_such_pkg.models"),
+        # a number beyond 32-bit floats failed SGD's first step, naming no option
+        (["--data.name", "synthetic", "--optim.name", "sgd", "--optim.lr", "1e308"],
+         "optim.lr = 1e+308 is above 3.4e+38, the largest 32-bit float, and the training's tensors hold 32-bit floats; "
+         "give a smaller value."),
+        # a global batch larger than the split: every step took the whole split, with the rate scaled by the batch
+        (["--data.name", "synthetic", "--train.global_batch_size", "100000", "--optim.scale_lr_with", "linear"],
+         "train.global_batch_size 100000 is larger than the training split (4096 samples), so every step would take "
+         "the whole split; choose 4096 or less."),
+        (["--data.name", "synthetic", "--train.batch_size_per_rank", "3000", "--nproc-per-node", "2"],
+         "train.batch_size_per_rank 3000 x 2 ranks is a global batch of 6000, larger than the training split (4096 "
+         "samples), so every step would take the whole split; choose a batch per rank of 2048 or less."),
     ],
 )
 def test_bad_input_is_one_sentence_before_any_worker_starts(capsys, tmp_path, monkeypatch, argv, fragment):
@@ -156,17 +167,19 @@ def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path,
     monkeypatch.chdir(tmp_path)
     base = tmp_path / "base.toml"
     base.write_text('[optim]\nname = "sgd"\nlr = 0.1\n[train]\nepochs = 3\n')
-    argv = ["--config", str(base), "--optim.lr", "3e-4", "--train.bf16=true", "--data.synthetic_shape", "3,8,8",
-            "--train.grad_clip", "1.5", "--data.root", 'a "quoted" folder', "--nproc-per-node", "2"]
+    argv = ["--config", str(base), "--optim.lr", "3e-4", "--train.bf16=true", "--data.synthetic_shape", "3,32,32",
+            "--train.grad_clip", "1.5", "--data.root", 'a "quoted" folder', "--nproc-per-node", "2",
+            "--data.name", "synthetic", "--model.name", "cifar-cnn"]  # config checks the data and the model, as train
     assert main(["config", *argv]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
     resolved = tmp_path / "resolved.toml"
     resolved.write_text(captured.out)
     cfg = config.load(resolved)
-    assert cfg == config.load(base, [("optim.lr", "3e-4"), ("train.bf16", "true"), ("data.synthetic_shape", "3,8,8"),
+    assert cfg == config.load(base, [("optim.lr", "3e-4"), ("train.bf16", "true"), ("data.synthetic_shape", "3,32,32"),
                                      ("train.grad_clip", "1.5"), ("data.root", 'a "quoted" folder'),
-                                     ("launch.nproc_per_node", "2")])
+                                     ("launch.nproc_per_node", "2"), ("data.name", "synthetic"),
+                                     ("model.name", "cifar-cnn")])
     assert (cfg.optim.name, cfg.optim.lr, cfg.train.epochs, cfg.launch.nproc_per_node) == ("sgd", 3e-4, 3, 2)
     assert main(["config", "--config", str(resolved)]) == 0
     assert capsys.readouterr().out == captured.out  # a fixed point
@@ -191,6 +204,44 @@ def test_config_errors_are_one_sentence(capsys, tmp_path, monkeypatch, argv, mes
     assert captured.err == f"dptrain: error: {message}\n"
 
 
+PLANNED = ["--data.name", "synthetic", "--data.synthetic_train_size", "256"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--batch_size", "16", "--nproc_per_node", "2"],  # config printed global_batch_size = 128, train ran 32
+    ["--batch-size", "8", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"],
+    ["--epochs", "3", "--lr", "0.01", "--train.global_batch_size", "64", "--nproc-per-node", "2"],
+    ["--batch_size", "16", "--nproc_per_node", "2", "--train.global_batch_size", "64"],  # config said 0, train refused
+    ["--nproc-per-node", "3"],  # 128 is not divisible by 3
+    ["--train.global_batch_size", "512"],  # larger than the split
+    ["--optim.lr", "1e308"],
+    ["--gpus", "2"],
+])
+def test_config_prints_what_train_runs_and_refuses_what_train_refuses(capsys, tmp_path, monkeypatch, argv):
+    from dptrain import config, dry_run
+
+    monkeypatch.chdir(tmp_path)
+    planned = []
+    monkeypatch.setattr(dry_run, "dry_run", lambda cfg, *rest: planned.append(cfg) or "")
+    trained = main(["train", "--dry-run", *PLANNED, *argv])
+    train_out, train_err = capsys.readouterr()
+    code = main(["config", *PLANNED, *argv])
+    out, err = capsys.readouterr()
+    assert (code, err) == (trained, train_err)
+    if trained:
+        assert code == 2 and out == "" and err.splitlines()[-1].startswith("dptrain: error: ")
+        return
+    assert out == config.to_toml(planned[0])  # train's configuration, which its workers get and its config.toml holds
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_prints_the_global_batch_of_the_tutorials_batch_per_process(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", *PLANNED, "--batch_size", "16", "--nproc_per_node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "global_batch_size = 32\n" in out and "batch_size_per_rank = 16\n" in out
+
+
 def test_output_into_a_pipe_that_is_closed_ends_without_a_traceback(tmp_path):
     # `dptrain train --dry-run | head -3` ended with a BrokenPipeError traceback once head had gone.
     import os
@@ -199,7 +250,8 @@ def test_output_into_a_pipe_that_is_closed_ends_without_a_traceback(tmp_path):
 
     from tests.conftest import REPO
 
-    reader_gone = subprocess.Popen([sys.executable, "-m", "dptrain", "config"], cwd=tmp_path, stdout=subprocess.PIPE,
+    reader_gone = subprocess.Popen([sys.executable, "-m", "dptrain", "config", "--data.name", "synthetic"],
+                                   cwd=tmp_path, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
     reader_gone.stdout.close()  # the reader leaves before dptrain writes a line
     err = reader_gone.stderr.read().decode()

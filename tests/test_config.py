@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 
 from dptrain import config
-from dptrain.config import RunConfig
+from dptrain.config import OptimConfig, RunConfig
 from dptrain.errors import ConfigError
 from dptrain.strategies import check_world, data_world_size
 
@@ -156,6 +156,72 @@ def test_non_finite_numbers_in_a_toml_file_are_refused_too(tmp_path, key):
             config.load(path)
 
 
+@pytest.mark.parametrize("key", FLOAT_OPTIONS + ["optim.betas"])
+@pytest.mark.parametrize("text", ["1e308", "3.5e38", "1e-320", "-1e308"])
+def test_every_float_option_refuses_a_number_beyond_32_bit_floats_in_one_sentence_naming_it(tmp_path, key, text):
+    # --optim.lr 1e308 passed every check, then failed SGD's first step: "value cannot be converted to type float
+    # without overflow", naming no option. Where an option has a range of its own (a timeout's week, a rate's sign,
+    # betas below 1), its own sentence comes first.
+    section, _, option = key.partition(".")
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{section}]\n{option} = {'[0.9, ' + text + ']' if key == 'optim.betas' else text}\n")
+    for load in (lambda: config.load(None, [(key, "0.9," + text if key == "optim.betas" else text)]),
+                 lambda: config.load(path)):
+        with pytest.raises(ConfigError) as err:
+            load()
+        message = str(err.value)
+        assert message.startswith(f"{key} = ") and message.endswith(".") and message.count(". ") == 0, message
+        if "must" not in message and "minimum" not in message and "maximum" not in message:
+            beyond = "above 3.4e+38, the largest" if text[0] != "-" and float(text) > 1 else "closer to 0 than 1.2e-38"
+            assert f"{key} = {float(text)} is {beyond}" in message, message
+
+
+@pytest.mark.parametrize("key", [key for key in FLOAT_OPTIONS if key != "launch.timeout_s"])
+def test_the_edges_of_32_bit_floats_are_accepted(key):
+    section, _, option = key.partition(".")
+    for text in ("3.4e38", "1.2e-38"):
+        assert getattr(getattr(config.load(None, [(key, text)]), section), option) == float(text)
+
+
+@pytest.mark.parametrize("scale, batch, lr, beyond, advice", [
+    ("linear", "100000", "1e38", "above 3.4e+38, the largest 32-bit float", "smaller"),
+    ("sqrt", "1", "1e-37", "closer to 0 than 1.2e-38, the smallest normal 32-bit float", "larger"),
+])
+def test_a_peak_rate_scaled_beyond_32_bit_floats_is_refused_naming_optim_lr(scale, batch, lr, beyond, advice):
+    pairs = [("optim.lr", lr), ("optim.scale_lr_with", scale), ("train.global_batch_size", batch)]
+    peak = OptimConfig(lr=float(lr), scale_lr_with=scale).peak_lr(int(batch))
+    with pytest.raises(ConfigError) as err:
+        config.load(None, pairs)
+    assert str(err.value) == (f"optim.lr = {float(lr)} scaled by optim.scale_lr_with {scale} to "
+                              f"train.global_batch_size {batch} is a peak rate of {peak:.3g}, {beyond}; give a "
+                              f"{advice} optim.lr.")
+    # the global batch a per-rank batch makes is checked too (resolve_batch replaces it in the config)
+    fine = config.load(None, [("optim.lr", lr), ("optim.scale_lr_with", scale)])
+    with pytest.raises(ConfigError, match="^optim.lr = .* is a peak rate of"):
+        dataclasses.replace(fine, train=dataclasses.replace(fine.train, global_batch_size=int(batch)))
+
+
+def test_a_step_schedule_that_raises_the_rate_beyond_32_bit_floats_ends_in_inf_not_in_a_refused_conversion():
+    # gamma above 1 raises the rate at each drop: 10 x 3e38 failed SGD's step ("value cannot be converted to type
+    # float without overflow"), and 3e38 ** 9 raised OverflowError in the schedule. inf makes the loss nan, which the
+    # loop reports as a diverged run naming optim.lr.
+    import torch
+
+    from dptrain.schedule import build_scheduler
+
+    cfg = config.load(None, [("optim.name", "sgd"), ("optim.lr", "10"), ("optim.schedule", "step"),
+                             ("optim.gamma", "3e38")])
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=10.0)
+    schedule = build_scheduler(cfg, optimizer, total_steps=20, steps_per_epoch=1)
+    weight.grad = torch.ones(2)
+    for step in range(1, 13):  # 3e38 ** 9 is beyond any float
+        optimizer.step()  # after the first drop, a finite rate above float32's range raised RuntimeError here
+        schedule.step()
+        assert schedule.get_last_lr() == [float("inf")], step
+    assert not torch.isfinite(weight).any()
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
@@ -266,8 +332,8 @@ def _refusal(path) -> str:
 
 def test_a_config_file_that_is_no_small_text_file_is_one_sentence(tmp_path):
     # /dev/zero was read until memory ran out (7 GB); a folder and a binary file gave tracebacks.
-    assert _refusal("/dev/zero") == ("config file /dev/zero is larger than 1 MiB, far more than a config holds; check that "
-                                     "the path names the right file.")
+    assert _refusal("/dev/zero") == ("config file /dev/zero is a device, a FIFO or a socket, not a regular file; check "
+                                     "that the path names the right file.")
     big = tmp_path / "big.toml"
     big.write_text("# padding\n" * (config.MAX_CONFIG_BYTES // 10) + "[optim]\nlr = 0.1\n")
     assert "is larger than 1 MiB" in _refusal(big)

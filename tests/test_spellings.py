@@ -12,8 +12,8 @@ SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "64", "--dat
 
 
 def test_the_tutorials_flags_are_read_as_dptrains_options(tmp_path, capsys):
-    assert main(["config", "--epochs", "5", "--learning_rate", "0.01", "--random_seed", "7", "--model_dir",
-                 str(tmp_path / "m")]) == 0
+    assert main(["config", "--data.name", "synthetic", "--epochs", "5", "--learning_rate", "0.01", "--random_seed", "7",
+                 "--model_dir", str(tmp_path / "m")]) == 0
     out, err = capsys.readouterr()
     assert "epochs = 5" in out and "lr = 0.01" in out and "seed = 7" in out and f'dir = "{tmp_path / "m"}"' in out
     assert err.splitlines() == ["dptrain: note: --epochs is read as --train.epochs, its name here.",
@@ -64,7 +64,8 @@ def test_help_lists_the_tutorials_spellings(capsys):
 def test_deepspeeds_own_flags_as_its_examples_pass_them(tmp_path, capsys):
     ds = tmp_path / "ds_config.json"
     ds.write_text('{"zero_optimization": {"stage": 2}}')
-    assert main(["config", "--epochs=100", "--deepspeed", "--deepspeed_config", str(ds)]) == 0
+    assert main(["config", "--data.name", "synthetic", "--epochs=100", "--deepspeed", "--deepspeed_config",
+                 str(ds)]) == 0
     out, err = capsys.readouterr()
     assert "epochs = 100" in out and 'name = "deepspeed"' in out and f'config = "{ds}"' in out
     assert "dptrain: note: --deepspeed is read as --strategy.name deepspeed, its name here." in err.splitlines()

@@ -31,6 +31,7 @@ from dptrain.dist.env import Nodes
 from dptrain.dist.failures import WorkerFailure
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
+from dptrain.launch.rendezvous import rendezvous_times
 from dptrain.prestart import (adopt_ds_config, check_elastic, check_predictions_path, preflight, preflight_job, resolve_batch,
                               snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
@@ -71,16 +72,25 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     return Nodes.from_options(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
 
 
-def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from dptrain.worker import train_worker
-
+def planned_run(args: argparse.Namespace, extra: list[str]) -> tuple[RunConfig, int, bool, Nodes | None]:
+    """(the configuration `dptrain train` runs with these arguments, its world size, whether a launcher outside dptrain
+    started this process, its nodes), after every check made before a worker starts; train and config share it, so
+    that config prints what train runs (the global batch of a per-rank one) and refuses what train refuses."""
     cfg = resolve_config(args, extra)
     nodes = nodes_of(args)
     world_size, launched_outside = world_size_here(cfg, nodes)
     if nodes is not None and nodes.elastic:
         check_elastic(cfg, nodes.fewest, nodes.count, world_size // nodes.count)
+        rendezvous_times(cfg.launch.timeout_s, nodes)  # DPTRAIN_RDZV_*, checked in a dry run too
     cfg = resolve_batch(cfg, world_size)
     preflight(cfg, world_size)
+    return cfg, world_size, launched_outside, nodes
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from dptrain.worker import train_worker
+
+    cfg, world_size, launched_outside, nodes = planned_run(args, extra)
     if args.dry_run:
         from dptrain.dry_run import dry_run
 
@@ -215,7 +225,8 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
     """Print the config that `dptrain train` with the same arguments would run, as TOML that --config reads back."""
-    print(config_mod.to_toml(resolve_config(args, extra)), end="")
+    cfg, _, _, _ = planned_run(args, extra)
+    print(config_mod.to_toml(cfg), end="")
     return 0
 
 
@@ -373,6 +384,20 @@ def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[
             job.add_argument(option, type=typed, choices=choices, help=text + shown)
 
 
+def add_node_options(command: argparse.ArgumentParser) -> None:
+    """torchrun's options for a run over several nodes (train's; config's too, as they set the world size);
+    nodes_of reads them."""
+    nodes = command.add_argument_group("several nodes (torchrun's options, same meaning; run the same command on every node)")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the run; each starts --nproc-per-node workers. MIN:MAX "
+                       "(with --launch.max_restarts): after losing a node the run goes on with the others, from its "
+                       "last snapshot, while MIN remain")
+    nodes.add_argument("--node-rank", type=int, help="this node's index, 0 on the node at --master-addr (default under "
+                       "srun: SLURM_NODEID)")
+    nodes.add_argument("--master-addr", help="node 0's address, reachable from every node; its agent hosts the rendezvous there")
+    nodes.add_argument("--master-port", type=int, help="the rendezvous port on node 0 (default 29500)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="--master-addr and --master-port in one")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dptrain", description="Data-parallel training of image classifiers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -393,15 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="check everything (config, world, data, model on one batch, output folder, snapshot to resume "
                             "from), print what the run would do, and exit without writing anything")
-    nodes = train.add_argument_group("several nodes (torchrun's options, same meaning; run the same command on every node)")
-    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the run; each starts --nproc-per-node workers. MIN:MAX "
-                       "(with --launch.max_restarts): after losing a node the run goes on with the others, from its "
-                       "last snapshot, while MIN remain")
-    nodes.add_argument("--node-rank", type=int, help="this node's index, 0 on the node at --master-addr (default under "
-                       "srun: SLURM_NODEID)")
-    nodes.add_argument("--master-addr", help="node 0's address, reachable from every node; its agent hosts the rendezvous there")
-    nodes.add_argument("--master-port", type=int, help="the rendezvous port on node 0 (default 29500)")
-    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="--master-addr and --master-port in one")
+    add_node_options(train)
     train.set_defaults(func=cmd_train)
     submit = sub.add_parser(
         "submit",
@@ -421,10 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="print the resolved config as TOML",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Print as TOML the config that `dptrain train` would run with these arguments;\n"
-        f"start nothing. Save it and run it with --config.\n{overrides}",
+        description="Print as TOML the config that `dptrain train` would run with these arguments, after the checks\n"
+        f"train makes before it starts a worker; start nothing. Save it and run it with --config.\n{overrides}",
     )
     add_run_options(resolved)
+    add_node_options(resolved)  # they set the world size, and with it the global batch of a per-rank one
     resolved.set_defaults(func=cmd_config)
     evaluation = sub.add_parser(
         "eval",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal
 
+from dptrain import read_back
 from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
 
@@ -91,6 +92,12 @@ MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take second
 # A week bounds any wait a healthy run has; in milliseconds it fits even a 32-bit int. 1e10 s overflowed c10d's
 # deadline (a 64-bit count of nanoseconds) and failed every multi-process run.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# 32-bit floats' range (torch.finfo(torch.float32): max, and tiny, the smallest normal magnitude), which every float
+# option must fit: a rate, a decay, an eps or a bound meets the run's float32 tensors, where --optim.lr 1e308 failed
+# SGD's first step ("value cannot be converted to type float without overflow", naming no option) and an eps of
+# 1e-320 became 0. The options in seconds or MiB have bounds of their own, checked first, far inside it.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def is_import_path(name: str) -> bool:
@@ -174,6 +181,11 @@ class OptimConfig:
     large-batch recipe, so that one lr serves several batch sizes."""
     reference_batch_size: int = 256
     """The global batch size optim.lr is meant for, when scale_lr_with scales it."""
+
+    def peak_lr(self, global_batch_size: int) -> float:
+        """lr, scaled to the global batch as scale_lr_with says (the large-batch recipe)."""
+        ratio = global_batch_size / self.reference_batch_size
+        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.scale_lr_with]
 
     def __post_init__(self) -> None:
         _positive(self.lr, "optim.lr")
@@ -427,9 +439,8 @@ class LaunchConfig:
                               f"that a collective may wait; set {MAX_TIMEOUT_S:g} or less (the default is 300).")
 
 
-# The slurm options that become one word of the job script (#SBATCH --partition=debug, export MASTER_ADDR=...): a
-# space in one would start another sbatch option there ('debug --job-name=X' ran the job as X).
-SLURM_WORDS = ("time", "partition", "account", "qos", "constraint", "mem", "master_addr")
+# Every #SBATCH line of the job script, whatever option it comes from, is checked in one place where it is written
+# (slurm.job.sbatch_options): sbatch must read it as one option ('debug --job-name=X' ran the job as X).
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 # The sbatch options that ask for GPUs, as the tutorials' job scripts write them (#SBATCH --gres=gpu:4), -> what their
 # count is per: a node, the whole job (-G is --gpus), or a task. slurm.sbatch lines holding one make the job a GPU job.
@@ -580,12 +591,9 @@ class SlurmConfig:
         if self.cpus_per_node and ranks > self.cpus_per_node:
             raise ConfigError(f"slurm.ranks_per_node = {ranks} is more than slurm.cpus_per_node = {self.cpus_per_node}; "
                               f"give every rank a core at least.")
-        for name in SLURM_WORDS:
-            value = getattr(self, name)
-            if value is not None and any(c.isspace() or not c.isprintable() for c in value):
-                raise ConfigError(f"slurm.{name} = {_shown(value)} holds a space or control character, which would split "
-                                  f"its line into more options; give one word, as sbatch takes it (other sbatch options "
-                                  f"go in slurm.sbatch).")
+        if self.master_addr is not None and any(c.isspace() or not c.isprintable() for c in self.master_addr):
+            raise ConfigError(f"slurm.master_addr = {_shown(self.master_addr)} holds a space or control character; give "
+                              f"one host name or address.")
         if self.time is not None and not SLURM_TIME.fullmatch(self.time):
             raise ConfigError(f"slurm.time = {self.time!r} is not a time sbatch reads; write it as HH:MM:SS or D-HH:MM:SS.")
         if self.requeue and not self.signal_lead_s:
@@ -736,6 +744,58 @@ class RunConfig:
         if self.train.cuda_graph and self.optim.schedule == "onecycle":
             raise ConfigError("train.cuda_graph cannot follow optim.schedule onecycle, which changes Adam's betas every "
                               "step; use cosine, or drop train.cuda_graph.")
+        self._check_float_ranges()
+
+    def _check_float_ranges(self) -> None:
+        """Every float option, and the peak rate scaled from optim.lr, within FLOAT32_MAX's range; after the sections'
+        own checks, whose sentences say more (a timeout's week, a rate's sign)."""
+        for name, value in _float_values(self):
+            beyond = _beyond_float32(value)
+            if beyond:
+                advice = "a smaller value" if abs(value) > 1 else "a larger value (or 0, where 0 is allowed)"
+                raise ConfigError(f"{name} = {value} is {beyond}, and the training's tensors hold 32-bit floats; give "
+                                  f"{advice}.")
+        peak = self.optim.peak_lr(self.train.global_batch_size)
+        beyond = _beyond_float32(peak)
+        if beyond:
+            raise ConfigError(f"optim.lr = {self.optim.lr} scaled by optim.scale_lr_with {self.optim.scale_lr_with} to "
+                              f"train.global_batch_size {self.train.global_batch_size} is a peak rate of {peak:.3g}, "
+                              f"{beyond}; give a {'smaller' if peak > 1 else 'larger'} optim.lr.")
+
+
+def _beyond_float32(value: float) -> str:
+    """How value lies beyond 32-bit floats' range, in words; empty where it is within (0 is)."""
+    if value > FLOAT32_MAX:
+        return f"above {FLOAT32_MAX:.3g}, the largest 32-bit float"
+    if value < -FLOAT32_MAX:
+        return f"below {-FLOAT32_MAX:.3g}, the lowest 32-bit float"
+    if value and abs(value) < FLOAT32_TINY:
+        return f"closer to 0 than {FLOAT32_TINY:.2g}, the smallest normal 32-bit float"
+    return ""
+
+
+def _float_values(cfg: RunConfig) -> Iterator[tuple[str, float]]:
+    """(dotted name, value) of every number a float option holds (each of a list's, such as optim.betas)."""
+    for name in _float_options():
+        value: Any = cfg
+        for part in name.split("."):
+            value = getattr(value, part)
+        for number in value if isinstance(value, tuple) else (value,):
+            if number is not None:
+                yield name, number
+
+
+@functools.cache
+def _float_options() -> tuple[str, ...]:
+    """The dotted names of the options declared float, float | None or a tuple of floats, tables' included."""
+    def walk(cls: type, prefix: str) -> Iterator[str]:
+        for name, tp in _field_types(cls).items():
+            if _is_table(tp):
+                yield from walk(tp, f"{prefix}.{name}")
+            elif float in (tp, *typing.get_args(tp)):
+                yield f"{prefix}.{name}"
+
+    return tuple(name for section, cls in _field_types(RunConfig).items() for name in walk(cls, section))
 
 
 # ---------------------------------------------------------------- building from dicts and strings
@@ -1010,19 +1070,17 @@ def read_config_text(path: Path, where: str) -> str:
     """A config file's text, refused in one sentence (ConfigError starting with `where`) where it is a directory,
     unreadable, over MAX_CONFIG_BYTES, not UTF-8, or nests, dots or spells out its words beyond any config's needs.
     FileNotFoundError is left to the caller, whose sentence says where the path came from."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_CONFIG_BYTES + 1)  # /dev/zero, a FIFO: never more than this
-    except IsADirectoryError:
-        raise ConfigError(f"{where} is a directory, not a file; give the path of the file.") from None
+    try:  # a regular file only (a link to /dev/zero, a FIFO: refused, not read), never more than the cap
+        data = read_back.read_bytes(Path(path), MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise
-    except OSError as exc:
-        raise ConfigError(f"{where} cannot be read ({exc.strerror or type(exc).__name__}); fix the file or its "
-                          f"permissions, or give another file.") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES >> 20} MiB, far more than a config holds; check "
-                          f"that the path names the right file.")
+    except read_back.UnreadableFile as exc:
+        if exc.problem.startswith("is larger"):
+            raise ConfigError(f"{where} is larger than {MAX_CONFIG_BYTES >> 20} MiB, far more than a config holds; "
+                              f"check that the path names the right file.") from None
+        if exc.problem.startswith("is a folder"):
+            raise ConfigError(f"{where} is a directory, not a file; give the path of the file.") from None
+        raise ConfigError(f"{where} {exc.problem}; check that the path names the right file.") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

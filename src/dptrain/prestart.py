@@ -44,10 +44,29 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
+    check_batch_fits(cfg, world_size, info.train_size)
     if config_mod.is_import_path(cfg.model.name):
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
+
+
+def check_batch_fits(cfg: RunConfig, world_size: int, train_size: int) -> None:
+    """The global batch is the training split's size or less: a larger one took the whole split every step, while the
+    schedule and a scaled rate (optim.scale_lr_with) took the batch as stated."""
+    batch = cfg.train.global_batch_size
+    if batch <= train_size:
+        return
+    per_rank = cfg.train.batch_size_per_rank
+    if per_rank is None:
+        raise ConfigError(f"train.global_batch_size {batch} is larger than the training split ({train_size} samples), "
+                          f"so every step would take the whole split; choose {train_size} or less.")
+    from dptrain.strategies import data_world_size  # imports torch: only once a run is wanted
+
+    takers = data_world_size(cfg.strategy, world_size)
+    raise ConfigError(f"train.batch_size_per_rank {per_rank} x {takers} ranks is a global batch of {batch}, larger "
+                      f"than the training split ({train_size} samples), so every step would take the whole split; "
+                      f"choose a batch per rank of {max(1, train_size // takers)} or less.")
 
 
 def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: int) -> None:

@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
-from dptrain.config import RunConfig
+from dptrain.config import FLOAT32_MAX, RunConfig
 
 
 def peak_lr(cfg: RunConfig) -> float:
     """optim.lr, scaled to the global batch as optim.scale_lr_with says (the large-batch recipe)."""
-    o = cfg.optim
-    ratio = cfg.train.global_batch_size / o.reference_batch_size
-    return o.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[o.scale_lr_with]
+    return cfg.optim.peak_lr(cfg.train.global_batch_size)
 
 
 def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int) -> "Schedule":
@@ -35,10 +33,26 @@ def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_step
         factor = {
             "constant": lambda s: 1.0,
             "cosine": lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
-            "step": lambda s: o.gamma ** (s // (o.step_epochs * steps_per_epoch)),
+            "step": lambda s: _power(o.gamma, s // (o.step_epochs * steps_per_epoch)),
         }[o.schedule]
         shape = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return Schedule(shape, o.warmup_steps)
+
+
+def _power(base: float, exponent: int) -> float:
+    """base ** exponent, inf where that is beyond a float (Python raises OverflowError: a step schedule whose gamma
+    above 1 raises the rate drop after drop)."""
+    try:
+        return base**exponent
+    except OverflowError:
+        return math.inf
+
+
+def _held(lr: float) -> float:
+    """A rate as the optimizer's float32 tensors take it: inf where it is beyond their range (a rate raised past it by
+    a step schedule's gamma), which the loop then reports as a diverged run naming optim.lr; torch refused a finite
+    rate beyond that range mid-step ("value cannot be converted to type float without overflow")."""
+    return math.inf if lr > FLOAT32_MAX else lr
 
 
 class Schedule:
@@ -62,7 +76,7 @@ class Schedule:
         steps = self.shape.last_epoch  # optimizer steps done: the rate set now is for step steps + 1
         factor = min(1.0, steps / self.warmup_steps) if self.warmup_steps else 1.0
         for group, lr in zip(self.optimizer.param_groups, self.shape.get_last_lr()):
-            group["lr"] = lr * factor
+            group["lr"] = _held(lr * factor)
 
     def get_last_lr(self) -> list[float]:
         return [float(group["lr"]) for group in self.optimizer.param_groups]

@@ -185,3 +185,61 @@ def test_dptrain_train_takes_the_tutorials_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "400" in out
+
+
+RATE = "a number from 1.2e-38 to 3.4e+38"
+QUOTED = " (text: JSON writes numbers, true and false without quotes)"
+WRONG_VALUES = {  # name -> (the file's settings, the key, its value as shown, what dptrain takes)
+    # each got advice that could not work: set --optim.lr 0.01 (then the same sentence again), --train.global_batch_size
+    # True, --optim.warmup_steps 1e+30, --train.global_batch_size 1616 (the text "16" times 2 ranks)
+    "lr as text": ({"optimizer": {"type": "Adam", "params": {"lr": "0.01"}}}, "optimizer.params.lr", '"0.01"' + QUOTED,
+                   RATE),
+    "batch as true": ({"train_batch_size": True}, "train_batch_size", "true", "a whole number above 0"),
+    "warm-up of 1e30 steps": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e30}}},
+                              "scheduler.params.warmup_num_steps", "1e+30", "a whole number 0 or more"),
+    "micro batch as text": ({"train_micro_batch_size_per_gpu": "16"}, "train_micro_batch_size_per_gpu", '"16"' + QUOTED,
+                            "a whole number above 0"),
+    "accumulation as text": ({"gradient_accumulation_steps": "1"}, "gradient_accumulation_steps", '"1"' + QUOTED,
+                             "a whole number above 0"),
+    "clipping as text": ({"gradient_clipping": "1.0"}, "gradient_clipping", '"1.0"' + QUOTED,
+                         f"0 (no clipping) or {RATE}"),
+    "negative clipping": ({"gradient_clipping": -1}, "gradient_clipping", "-1", f"0 (no clipping) or {RATE}"),
+    "lr beyond float32": ({"optimizer": {"type": "Adam", "params": {"lr": 1e39}}}, "optimizer.params.lr", "1e+39",
+                          RATE),
+    "one beta": ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas", "[0.9]",
+                 "two numbers from 0 up to (not including) 1, like [0.9, 0.999]"),
+    "betas of 1": ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1]}}}, "optimizer.params.betas", "[0.9, 1]",
+                   "two numbers from 0 up to (not including) 1, like [0.9, 0.999]"),
+    "negative warm-up": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -5}}},
+                         "scheduler.params.warmup_num_steps", "-5", "a whole number 0 or more"),
+    "fp16 off as text": ({"fp16": {"enabled": "false"}}, "fp16.enabled", '"false"' + QUOTED, 'true, false or "auto"'),
+    "adam_w_mode as text": ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}},
+                            "optimizer.params.adam_w_mode", '"false"' + QUOTED, "true or false"),
+    "a long text": ({"train_batch_size": "x" * 500}, "train_batch_size",
+                    '"' + "x" * 59 + "... (502 characters)" + QUOTED, "a whole number above 0"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_VALUES)
+def test_a_value_of_the_wrong_type_or_range_is_one_sentence_naming_the_key_and_what_is_valid(tmp_path, capsys, name):
+    ds, key, shown, valid = WRONG_VALUES[name]
+    path = tmp_path / "ds_config.json"
+    sentence = f"{path} sets {key} {shown}, where dptrain takes {valid}; fix the value, or remove {key} from the file."
+    cfg = run_config(tmp_path, ds)
+    with pytest.raises(ConfigError) as caught:
+        adopt_user_config(cfg)  # the first reader: the value was taken into the option, or left to a wrong sentence
+    assert str(caught.value) == sentence
+    assert refusal(cfg) == sentence
+    code = main(["config", "--strategy.name", "deepspeed", "--strategy.deepspeed.config", str(path), "--data.name",
+                 "synthetic", "--nproc-per-node", "2"])
+    assert (code, capsys.readouterr().err) == (2, f"dptrain: error: {sentence}\n")
+
+
+def test_auto_in_the_warmup_is_dptrains_value_not_advice_to_set_an_option_to_auto(tmp_path):
+    # "auto" (Hugging Face's placeholder) was compared as it is: "sets scheduler warmup_min_lr "auto" ... set 0",
+    # and for warmup_num_steps the advice --optim.warmup_steps auto.
+    auto = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "warmup_type": "auto"}
+    cfg = adopt_user_config(run_config(tmp_path, {"scheduler": {"type": "WarmupLR", "params": auto}},
+                                       ("optim.warmup_steps", "10"), ("optim.scale_lr_with", "linear")))
+    check_world(cfg, 2, 1000, on_cpu=True)
+    assert (cfg.optim.warmup_steps, cfg.optim.lr) == (10, 1e-3)

@@ -28,15 +28,17 @@ import math
 import os
 import warnings
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, from_dict, read_config_text, to_dict
+from dptrain.config import (FLOAT32_MAX, FLOAT32_TINY, LaunchConfig, RunConfig, StrategyConfig, from_dict,
+                            read_config_text, to_dict)
 from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy
 from dptrain.strategies.state import OwnFolder, Shards, StatePart
@@ -55,6 +57,43 @@ OPTIMIZER_PARAMS = {"sgd": ("lr", "weight_decay", "momentum"), "adam": ("lr", "w
 # DeepSpeed's WarmupLR where the file is silent: from 0 to the optimizer's lr over 1000 steps. Its default shape is a
 # log curve; dptrain's warm-up is linear (the same end points): a file asking for "log" by name is refused.
 WARMUP_LR_DEFAULTS = {"warmup_min_lr": 0, "warmup_num_steps": 1000, "warmup_type": "linear"}
+
+
+@dataclass(frozen=True)
+class FileValue:
+    """A key of the file that dptrain reads: the JSON type its value must have, the option the value goes into (whose
+    own checks it must pass too: a rate within 32-bit floats, a step count 0 or more), and a valid value in words."""
+
+    kind: Literal["count", "whole", "number", "pair", "switch"]
+    option: str | None
+    valid: str
+    zero_is_none: bool = False  # gradient_clipping 0: no clipping, train.grad_clip none
+
+
+RATE = f"a number from {FLOAT32_TINY:.2g} to {FLOAT32_MAX:.3g}"
+SWITCH = 'true, false or "auto"'
+BETAS = "two numbers from 0 up to (not including) 1, like [0.9, 0.999]"
+# Each key of the file that dptrain reads or compares with its options. Read as they came, a value of another type was
+# compared with the option, and the advice to set the option to it could not work ("lr": "0.01" -> set --optim.lr
+# 0.01, then the same sentence again; train_batch_size true -> --train.global_batch_size True); and one out of the
+# option's range was taken into it (warmup_num_steps 1e30). "auto" (Hugging Face's placeholder) is dptrain's value.
+FILE_VALUES = {
+    "train_batch_size": FileValue("count", "train.global_batch_size", "a whole number above 0"),
+    "train_micro_batch_size_per_gpu": FileValue("count", None, "a whole number above 0"),
+    "gradient_accumulation_steps": FileValue("count", None, "a whole number above 0"),
+    "gradient_clipping": FileValue("number", "train.grad_clip", f"0 (no clipping) or {RATE}", zero_is_none=True),
+    "optimizer.params.lr": FileValue("number", "optim.lr", RATE),
+    "optimizer.params.weight_decay": FileValue("number", "optim.weight_decay", f"0 or {RATE}"),
+    "optimizer.params.momentum": FileValue("number", "optim.momentum", f"0 or {RATE}"),
+    "optimizer.params.betas": FileValue("pair", "optim.betas", BETAS),
+    "optimizer.params.eps": FileValue("number", "optim.eps", RATE),
+    "optimizer.params.adam_w_mode": FileValue("switch", None, "true or false"),
+    "optimizer.params.torch_adam": FileValue("switch", None, "true or false"),
+    "scheduler.params.warmup_num_steps": FileValue("whole", "optim.warmup_steps", "a whole number 0 or more"),
+    "scheduler.params.warmup_max_lr": FileValue("number", "optim.lr", RATE),
+    "scheduler.params.warmup_min_lr": FileValue("number", None, "0"),
+    **{f"{name}.enabled": FileValue("switch", None, SWITCH) for name in ("fp16", *PRECISION_SECTIONS)},
+}
 
 
 # ---------------------------------------------------------------- the user's JSON, checked against the run
@@ -90,7 +129,44 @@ def read_user_config(path: str) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise ConfigError(f"{where} holds a JSON {type(tree).__name__}, not an object of DeepSpeed settings; "
                           f'give a file like {{"zero_optimization": {{"stage": 2}}}}.')
+    _check_values(tree, path)
     return tree
+
+
+def _check_values(tree: dict[str, Any], path: str) -> None:
+    """ConfigError naming the first key of FILE_VALUES whose value is of another type, or out of its option's range."""
+    for key, spec in FILE_VALUES.items():
+        *sections, name = key.split(".")
+        table = tree
+        for section in sections:
+            table = _section(table, section, path)
+        if name not in table or table[name] == "auto":
+            continue
+        value = table[name]
+        if not _valid(spec, value):
+            quoted = " (text: JSON writes numbers, true and false without quotes)" if isinstance(value, str) else ""
+            shown = json.dumps(value)  # escaped: no line break or escape reaches the console
+            shown = shown if len(shown) <= 60 else f"{shown[:60]}... ({len(shown)} characters)"
+            raise ConfigError(f"{path} sets {key} {shown}{quoted}, where dptrain takes {spec.valid}; fix the value, or "
+                              f"remove {key} from the file.")
+
+
+def _valid(spec: FileValue, value: Any) -> bool:
+    typed = {"count": _whole(value) and value > 0, "whole": _whole(value), "number": _number(value),
+             "pair": isinstance(value, list) and len(value) == 2 and all(map(_number, value)),
+             "switch": isinstance(value, bool)}[spec.kind]
+    if not typed or spec.option is None or (spec.zero_is_none and value == 0):
+        return typed
+    section, option = spec.option.split(".")
+    try:  # the option's own checks, on this value alone
+        from_dict({section: {option: value}})
+    except ConfigError:
+        return False
+    return True
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def config_digest(path: str | None) -> str | None:
@@ -205,7 +281,11 @@ def _check_scheduler(section: dict[str, Any], cfg: RunConfig, path: str) -> None
     if kind != "WarmupLR":
         raise ConfigError(f"{path} has a scheduler section ({kind}), but dptrain schedules the learning rate itself "
                           f"(it reads WarmupLR only); remove the section and set optim.schedule and optim.warmup_steps instead.")
-    params = {**WARMUP_LR_DEFAULTS, "warmup_max_lr": cfg.optim.lr, **_section(section, "params", path)}
+    given = _section(section, "params", path)
+    ours = {"warmup_min_lr": 0, "warmup_max_lr": cfg.optim.lr, "warmup_num_steps": cfg.optim.warmup_steps,
+            "warmup_type": "linear"}  # what "auto" stands for: advice to set an option to "auto" could not work
+    params = {**WARMUP_LR_DEFAULTS, "warmup_max_lr": cfg.optim.lr,
+              **{key: ours.get(key) if value == "auto" else value for key, value in given.items()}}
     for key in params:
         if key not in (*WARMUP_LR_DEFAULTS, "warmup_max_lr"):
             raise ConfigError(f"{path} sets scheduler {key}, which dptrain's warm-up does not take (it reads "
@@ -216,7 +296,7 @@ def _check_scheduler(section: dict[str, Any], cfg: RunConfig, path: str) -> None
     if params["warmup_min_lr"] != 0:
         raise ConfigError(f"{path} sets scheduler warmup_min_lr {json.dumps(params['warmup_min_lr'])}, but dptrain's "
                           f"warm-up starts from 0; set 0, or remove warmup_min_lr from the file.")
-    if "warmup_max_lr" in section.get("params", {}) and cfg.optim.scale_lr_with != "none":
+    if given.get("warmup_max_lr", "auto") != "auto" and cfg.optim.scale_lr_with != "none":
         raise ConfigError(f"{path} sets scheduler warmup_max_lr {json.dumps(params['warmup_max_lr'])}, a fixed rate, but "
                           f"optim.scale_lr_with {cfg.optim.scale_lr_with} scales optim.lr with the batch; remove "
                           f"warmup_max_lr from the file.")
