@@ -45,7 +45,7 @@ def test_what_is_no_regular_file_of_its_size_is_refused_in_one_sentence_without_
     assert not reader.is_alive(), "the read did not return"
     [error] = outcome
     assert isinstance(error, UnreadableFile) and str(error).count(";") == 1 and "\n" not in str(error)
-    device = "is a device, a FIFO or a socket, not a regular file (a link planted there?)"
+    device = "is a device, a FIFO or a socket, not a regular file"
     says = {"link to /dev/zero": device, "fifo": device, "folder": "is a folder, not a file",
             "too large": "is larger than 1 MiB, far more than dptrain writes there"}[planted]
     assert str(error).startswith(f"{path} {says}; delete it, or give another folder")
@@ -79,8 +79,8 @@ def test_a_value_refused_names_its_place_in_the_file(tmp_path):
 
     with pytest.raises(UnreadableFile) as refused:
         read_back.read_json(path, take, advice="run the sweep again")
-    assert str(refused.value) == (f"{path} holds probes[0].seconds = 1e+308, not a number from 1e-09 to 3600; run the "
-                                  f"sweep again.")
+    assert str(refused.value) == (f"{path} is not what dptrain writes there (probes[0].seconds = 1e+308, not a number "
+                                  f"from 1e-09 to 3600); run the sweep again.")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -math.inf, 1e308, -1.0, True, "1", None, [1]])

@@ -62,11 +62,12 @@ def test_a_resumed_run_continues_the_curves_with_one_point_per_step(tmp_path, mo
     assert [e.step for e in board.Scalars("hparams/eval_acc")] == [8, 10]  # A's, at step 6, went with B's purge
 
 
-def test_logdir_for_one_run_and_a_spec_for_several(tmp_path):
+def test_each_run_is_named_by_its_folder_even_alone(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name / "tb").mkdir(parents=True)
     (tmp_path / "x" / "a" / "tb").mkdir(parents=True)
-    assert logdir_args([tmp_path / "a"]) == ["--logdir", str(tmp_path / "a" / "tb")]
+    # alone too: a plain --logdir of its tb/ made TensorBoard list the run as "."
+    assert logdir_args([tmp_path / "a"]) == ["--logdir_spec", f"a:{tmp_path}/a/tb"]
     flag, spec = logdir_args([tmp_path / "a", tmp_path / "b", tmp_path / "x" / "a"])
     assert flag == "--logdir_spec"
     assert spec == f"a:{tmp_path}/a/tb,b:{tmp_path}/b/tb,a-2:{tmp_path}/x/a/tb"

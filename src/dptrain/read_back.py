@@ -65,7 +65,7 @@ def read_bytes(path: Path, limit: int = SMALL_BYTES, advice: str = ADVICE, *, cu
         if stat.S_ISDIR(mode):
             raise UnreadableFile(path, "is a folder, not a file", advice)
         if not stat.S_ISREG(mode):
-            raise UnreadableFile(path, "is a device, a FIFO or a socket, not a regular file (a link planted there?)",
+            raise UnreadableFile(path, "is a device, a FIFO or a socket, not a regular file",
                                  advice)
         with os.fdopen(fd, "rb", closefd=True) as file:
             fd = -1
@@ -101,7 +101,7 @@ def read_json(path: Path, take: Callable[[Any], T], limit: int = SMALL_BYTES, ad
     try:
         return take(value)
     except BadValue as exc:
-        raise UnreadableFile(path, f"holds {exc}", advice) from None
+        raise UnreadableFile(path, f"is not what dptrain writes there ({exc})", advice) from None
 
 
 def parse_json(text: str, path: Path, advice: str = ADVICE) -> Any:

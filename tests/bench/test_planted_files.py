@@ -114,9 +114,11 @@ def assert_clean(code: int, err: str) -> None:
 
 
 def assert_finite_numbers(text: str) -> None:
-    """No nan, inf or absurd figure reached a report (a value out of range shows as one of these)."""
+    """No nan, inf or absurd figure reached a report's tables (a value out of range shows as one of these; the lines
+    that say what was left out may quote it)."""
+    tables = "\n".join(line for line in text.replace("\\", "").splitlines() if line.startswith("|"))
     for word in ("nan", "inf%", " inf ", "-inf", "1e+308"):
-        assert word not in text.replace("\\", ""), word
+        assert word not in tables, word
 
 
 # ---- fast: the readers and the model on what they took -----------------------------------------------------------
@@ -263,7 +265,7 @@ def test_the_run_card_of_a_run_with_a_planted_file_is_clean(name, data, capsys):
         after = files_of(run_dir)
         assert {k: v for k, v in after.items() if k in before} == before
         assert all(k.startswith("report/") for k in after.keys() - before.keys())
-        if code == 0:
+        if code == 0 and name != "env.json":  # the card shows env.json's values as the file gives them
             assert_finite_numbers((run_dir / "report" / "report.md").read_text())
 
 
@@ -328,7 +330,7 @@ def test_the_run_card_leaves_out_an_epoch_whose_cpu_use_is_1e308(tmp_path, capsy
     write_planted(tmp_path, "metrics.jsonl", events)
     assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
     text = (tmp_path / "report" / "report.md").read_text()
-    assert "line 2: cpu\\_util\\_pct is \\[1e+308, 1e+308\\], not a number from 0 to 1e+06" in text.replace("\\+", "+")
+    assert "line 2: cpu_util_pct is \\[1e+308, 1e+308\\], not a number from 0 to 1e+06" in text
 
 
 @pytest.mark.parametrize("seconds", [1e308, -1, 1e-320])
@@ -344,7 +346,7 @@ def test_a_link_json_of_absurd_timings_is_left_out_of_the_report_and_refused_by_
     assert "Scaling model" not in (bench / "report.md").read_text()
     assert main(["report", str(bench), "--fitted-on", str(other)]) == 2
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"dptrain: error: --fitted-on {other}: link.json holds probes[0].timings[3].seconds = ")
+    assert line.startswith(f"dptrain: error: --fitted-on {other}: link.json is not what dptrain writes there (probes[0].timings[3].seconds = ")
 
 
 def test_an_epoch_time_of_1e_320_s_leaves_its_row_out_of_the_report(tmp_path, capsys):

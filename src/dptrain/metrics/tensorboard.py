@@ -199,7 +199,8 @@ def open_sink(run_dir: Path, start_step: int, config: dict[str, Any], config_tom
 
 
 def logdir_args(run_dirs: list[Path]) -> list[str]:
-    """TensorBoard's --logdir for one run's tb/, or --logdir_spec name:path,... for several (names made unique)."""
+    """TensorBoard's --logdir_spec name:path,... over the runs' tb/ folders, each named by its run folder (made unique):
+    TensorBoard lists a run as its name, where a plain --logdir of one tb/ folder listed it as "."."""
     for run_dir in run_dirs:
         if run_dir.exists() and not run_dir.is_dir():
             raise ConfigError(f"{run_dir} is a file, not a run directory; give a run directory such as runs/run.")
@@ -207,11 +208,9 @@ def logdir_args(run_dirs: list[Path]) -> list[str]:
             raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory such as runs/run.")
         if not RunFolder(run_dir).tb.is_dir():
             raise ConfigError(f"{run_dir} has no tb/ folder: no run with TensorBoard files has been written there yet.")
-        if "," in str(run_dir.resolve()):
-            raise ConfigError(f"{run_dir}: TensorBoard cannot take several run directories whose paths hold a comma; "
-                              f"rename it or show it alone.")
-    if len(run_dirs) == 1:
-        return ["--logdir", str(RunFolder(run_dirs[0]).tb)]
+        if "," in str(run_dir.resolve()):  # --logdir_spec splits on commas
+            raise ConfigError(f"{run_dir}: TensorBoard cannot take a run directory whose path holds a comma; rename "
+                              f"it.")
     names: dict[str, Path] = {}
     for run_dir in run_dirs:
         name, n = run_dir.resolve().name, 2
