@@ -1103,17 +1103,24 @@ def read_config_text(path: Path, where: str) -> str:
     return text
 
 
+def read_toml(path: Path, where: str) -> dict[str, Any]:
+    """A TOML file's tables, through read_config_text's bounds: the one way dptrain reads TOML (tomllib, or tomli on
+    Python 3.10). ConfigError in one sentence starting with `where`; FileNotFoundError is left to the caller."""
+    try:
+        return tomllib.loads(read_config_text(path, where))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where} is not valid TOML ({exc}); fix the file.") from None
+
+
 def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> RunConfig:
     """TOML file (optional) with dotted overrides on top, validated."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
-            tree = tomllib.loads(read_config_text(path, f"config file {path}"))
+            tree = read_toml(path, f"config file {path}")
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML ({exc}); fix the file.") from None
     moved = _move_legacy_keys(tree)
     over, moved_here = _parse_overrides(overrides or [])
     _merge(tree, over, str(path))

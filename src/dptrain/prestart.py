@@ -98,8 +98,6 @@ def adopt_ds_config(cfg: RunConfig, config_path: str | None, pairs: list[tuple[s
     taken into the options that neither the --config file nor the command line sets; cfg itself without one."""
     if cfg.strategy.name != "deepspeed" or cfg.strategy.deepspeed.config is None:
         return cfg
-    import tomllib
-
     from dptrain.strategies.deepspeed import adopt_user_config
 
     given = {key for key, _ in pairs}
@@ -108,8 +106,7 @@ def adopt_ds_config(cfg: RunConfig, config_path: str | None, pairs: list[tuple[s
             return [n for key, value in table.items()
                     for n in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
-        given |= set(names(tomllib.loads(config_mod.read_config_text(Path(config_path), f"config file {config_path}")),
-                           ""))
+        given |= set(names(config_mod.read_toml(Path(config_path), f"config file {config_path}"), ""))
     return adopt_user_config(cfg, {config_mod.current_name(name) for name in given})
 
 

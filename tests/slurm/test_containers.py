@@ -151,8 +151,8 @@ def test_registry_images_and_environments_by_name_are_not_looked_for_here(tmp_pa
 
 def test_an_environment_file_that_is_not_toml_is_refused(tmp_path, monkeypatch):
     (tmp_path / "edf.toml").write_text("image = nvcr.io#nvidia/pytorch\n")
-    with pytest.raises(ConfigError, match=r"slurm.container_env_file .*edf.toml is not a TOML file srun --environment "
-                                          r"can read \(.*\); fix the file, or give another.$"):
+    with pytest.raises(ConfigError, match=r"slurm.container_env_file .*edf.toml is not valid TOML \(.*\), so srun "
+                                          r"--environment cannot read it; fix the file, or give another.$"):
         rendered({"container_env_file": "edf.toml"}, None, monkeypatch, workdir=tmp_path)
 
 

@@ -14,13 +14,12 @@ import logging
 import math
 import re
 import statistics
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
-from dptrain.config import read_config_text
+from dptrain.config import read_toml
 from dptrain.errors import ConfigError
 from dptrain import read_back
 from dptrain.files import written_whole
@@ -163,14 +162,11 @@ def run_nodes(run_dir: Path) -> int:
     column is a label of the run, and the run's own numbers still hold."""
     path = run_dir / CONFIG_NAME
     try:
-        # bounded in size and nesting: tomllib recurses once per bracket, and reads the whole file first
-        nodes = tomllib.loads(read_config_text(path, str(path)))["slurm"]["nodes"]
+        nodes = read_toml(path, str(path))["slurm"]["nodes"]
     except FileNotFoundError:
         return 1
     except ConfigError as exc:
-        problem = str(exc)
-    except tomllib.TOMLDecodeError as exc:
-        problem = f"{path} is not TOML ({exc})"
+        problem = str(exc).split("; ")[0]
     except (KeyError, TypeError):
         problem = f"{path} has no slurm.nodes"
     else:

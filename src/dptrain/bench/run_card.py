@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import tomllib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -199,13 +198,11 @@ def read_small_json(path: Path) -> tuple[dict[str, Any], str | None]:
 def read_run_config(path: Path) -> tuple[dict[str, Any], str | None]:
     """config.toml's options by dotted name, and why it could not be read, if it could not."""
     try:
-        tree = tomllib.loads(config_mod.read_config_text(path, "config.toml"))
+        tree = config_mod.read_toml(path, "config.toml")
     except FileNotFoundError:
         return {}, "config.toml is missing"
     except ConfigError as exc:
-        return {}, str(exc).split(";")[0]
-    except tomllib.TOMLDecodeError as exc:
-        return {}, f"config.toml is not TOML ({exc})"
+        return {}, str(exc).split("; ")[0]
     return flatten(tree), None
 
 

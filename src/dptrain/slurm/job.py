@@ -29,12 +29,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dptrain.config import RunConfig, SlurmConfig
+from dptrain.config import RunConfig, SlurmConfig, read_toml
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.run_folder import RunFolder
 from dptrain.slurm.env import SLURM_VARS, job_port_shell, slurm_value
@@ -161,11 +160,11 @@ def check_container(s: SlurmConfig, job: Job, workdir: Path) -> None:
             raise ConfigError(f"slurm.{name} = {value!r} names {what}; give the path of the {kind}, absolute or "
                               f"relative to {workdir}, or {other}.")
         if s.container == "edf":
-            try:
-                tomllib.loads(path.read_text())
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-                raise ConfigError(f"slurm.container_env_file {path} is not a TOML file srun --environment can read "
-                                  f"({exc}); fix the file, or give another.") from exc
+            try:  # bounded, as every TOML read: a planted file may be of any size
+                read_toml(path, f"slurm.container_env_file {path}")
+            except ConfigError as exc:
+                raise ConfigError(f"{str(exc).split('; ')[0]}, so srun --environment cannot read it; fix the file, or "
+                                  f"give another.") from None
     if s.container != "edf":  # an environment file names its own mounts
         for folder in container_mounts(job.run_dir, workdir, dptrain_source()):
             if any(c in ",:" for c in str(folder)):
