@@ -88,7 +88,7 @@ def test_option_reference_in_the_docs_is_the_configs():
     script = _option_reference_script()
     page = script.CONFIGURATION_PAGE.read_text(encoding="utf-8")
     assert script.current_block(page) == script.reference(), (
-        "docs/configuration.md's option reference differs from the options in src/dptrain/config.py; "
+        "docs/configuration.md's option reference differs from the options in src/dptrain/config/; "
         "run `.venv/bin/python scripts/option-reference --write` and commit docs/configuration.md.")
 
 
@@ -141,6 +141,15 @@ def test_the_readmes_layers_and_code_map_are_pyprojects_and_the_trees():
     block = readme.split("\n__main__\n", 1)[1].split("```", 1)[0]
     shown = ["__main__", *(re.split(r"\s{2,}", line.strip())[0] for line in block.strip().splitlines())]
     assert shown == layers, "the README's layer list differs from [tool.importlinter] in pyproject.toml"
-    modules = {p.relative_to(root / "src" / "dptrain").as_posix() for p in (root / "src" / "dptrain").glob("*.py")}
+    src = root / "src" / "dptrain"
+    modules = {p.name for p in src.glob("*.py")} - {"__init__.py"}
     mapped = set(re.findall(r"^([a-z_]+\.py)\s", readme, flags=re.MULTILINE))
-    assert modules - {"__init__.py"} <= mapped, f"modules missing from the README's map: {sorted(modules - mapped - {'__init__.py'})}"
+    assert modules == mapped, f"the README's map and src/dptrain/ differ: {sorted(modules ^ mapped)}"
+    # each package, and each module in it, one indented line under it
+    for package in sorted(p.parent for p in src.glob("*/__init__.py")):
+        lines = readme.split(f"\n{package.name}/", 1)
+        assert len(lines) == 2, f"package {package.name}/ missing from the README's map"
+        block = re.split(r"\n(?! )", lines[1].split("\n", 1)[1], maxsplit=1)[0]
+        listed = set(re.findall(r"^  ([a-z_]+\.py)\s", block, flags=re.MULTILINE))
+        inside = {p.name for p in package.glob("*.py")} - {"__init__.py"}
+        assert listed == inside, f"{package.name}/ in the README's map and in src differ: {sorted(listed ^ inside)}"

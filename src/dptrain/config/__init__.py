@@ -1,0 +1,35 @@
+"""RunConfig: one typed tree of dataclasses, loaded from TOML and dotted CLI overrides.
+
+One job a module: `fields` (what the sections share), `sections` (RunConfig and its sections, whose field docstrings
+are the reference of each option), `slurm` ([slurm] and the GPU lines of sbatch), `reading` (a config file read
+within bounds; read_toml, the one way dptrain reads TOML), `codec` (trees and --section.option strings to a RunConfig
+and back, each value coerced to its field's type in one place) and `help` (the options as --help lists them). Checks
+of one value against its declared type (a `Literal`'s members, a float's finiteness) live in the codec; checks of a
+value's range, or of several options together, in each section's `__post_init__`; checks that need the world size,
+the dataset size or the torch version live with the strategies (`dptrain.strategies.check_world()`), which the
+launcher calls before any worker starts.
+
+What the rest of dptrain uses is importable from `dptrain.config` itself, below.
+"""
+
+from __future__ import annotations
+
+from dptrain.config.codec import current_name, fixed_at_resume, from_dict, load, to_dict, to_toml, upgraded
+from dptrain.config.fields import is_import_path
+from dptrain.config.help import Option, field_docs, options, options_help
+from dptrain.config.reading import MAX_CONFIG_BYTES, read_config_text, read_toml
+from dptrain.config.sections import (DATASET_NAMES, FLOAT32_MAX, FLOAT32_TINY, LEGACY_STRATEGY_KEYS, MAX_TIMEOUT_S,
+                                     MODEL_NAMES, CheckpointConfig, DataConfig, DDPOptions, DeepSpeedOptions,
+                                     DPOptions, FSDPOptions, LaunchConfig, ModelConfig, OptimConfig, OutputConfig,
+                                     PSOptions, RunConfig, StrategyConfig, TrainConfig)
+from dptrain.config.slurm import SlurmConfig, sbatch_gpus
+from dptrain.errors import ConfigError
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DATASET_NAMES", "DDPOptions", "DPOptions", "DataConfig", "DeepSpeedOptions",
+    "FLOAT32_MAX", "FLOAT32_TINY", "FSDPOptions", "LEGACY_STRATEGY_KEYS", "LaunchConfig", "MAX_CONFIG_BYTES",
+    "MAX_TIMEOUT_S", "MODEL_NAMES", "ModelConfig", "OptimConfig", "Option", "OutputConfig", "PSOptions", "RunConfig",
+    "SlurmConfig", "StrategyConfig", "TrainConfig", "current_name", "field_docs", "fixed_at_resume", "from_dict",
+    "is_import_path", "load", "options", "options_help", "read_config_text", "read_toml", "sbatch_gpus", "to_dict",
+    "to_toml", "upgraded",
+]

@@ -1,0 +1,302 @@
+"""The config as data: a RunConfig built from a tree of TOML tables or dotted --section.option overrides (each value
+coerced to its field's type, in one place), and back to a tree or to TOML; the names an option had before the strategy
+tables; the options a resume must keep."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from dptrain.config.fields import choice, field_types, is_table, key_shown
+from dptrain.config.reading import read_toml
+from dptrain.config.sections import LEGACY_STRATEGY_KEYS, RunConfig
+from dptrain.errors import ConfigError
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check or convert a TOML value or CLI string to the field's declared type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        refusals = []
+        for member in inner:  # the first type that takes the value, in the order declared
+            try:
+                return _coerce(value, member, name)
+            except ConfigError as exc:
+                refusals.append(exc)
+        if len(inner) == 1:
+            raise refusals[0]
+        raise ConfigError(f"{name} expects {' or '.join(map(_type_words, inner))}, got {value!r}.")
+    if origin is Literal:
+        value = _coerce(value, type(args[0]), name)
+        choice(value, name, args)
+        return value
+    if origin is tuple:
+        items = value
+        if isinstance(value, str) and args[0] is str:  # a list of lines: a string on the command line is one line
+            items = [value] if value.strip() not in ("", "[]") else []
+        elif isinstance(value, str):
+            items = [v for v in value.strip("[]()").replace(",", " ").split() if v]
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name} expects a list like [1, 28, 28], got {value!r}.")
+        return tuple(_coerce(v, args[0], name) for v in items)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name} expects true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} expects an integer, got {value!r}.")
+        try:
+            return int(value) if isinstance(value, int) else int(str(value), 0)
+        except ValueError:
+            raise ConfigError(f"{name} expects an integer, got {value!r}.") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} expects a number, got {value!r}.")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} expects a number, got {value!r}.") from None
+        if not math.isfinite(number):  # nan passes every `<=` check; 1e400 reads as inf
+            reads_as = "" if str(value).strip().lower() == str(number) else f" (it reads as {number})"
+            raise ConfigError(f"{name} = {value}{reads_as} is not a finite number; give a finite value.")
+        return number
+    if tp is str:
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} for {name}")
+
+
+def _type_words(tp: Any) -> str:
+    """How an error message names a type: 'an integer', 'auto'."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(str, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(tp, str(tp))
+
+
+def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
+    types_ = field_types(cls)
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ConfigError(
+            f"unknown option {section}.{key_shown(unknown[0])}; valid options in [{section}] are: {', '.join(types_)}."
+        )
+    built = {}
+    for key, value in values.items():
+        if is_table(types_[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{section}.{key}] must be a table of options, got {value!r}.")
+            built[key] = _build_section(types_[key], value, f"{section}.{key}")
+        else:
+            built[key] = _coerce(value, types_[key], f"{section}.{key}")
+    return cls(**built)
+
+
+def _move_legacy_keys(tree: dict[str, Any]) -> list[str]:
+    """Move [strategy]'s flat keys of before its tables (comm_hook) to their tables (ddp.comm_hook), in place; the
+    keys moved, as `old -> new` for the note that names them."""
+    strategy = tree.get("strategy")
+    if not isinstance(strategy, dict):
+        return []
+    moved = []
+    for old in [key for key in strategy if key in LEGACY_STRATEGY_KEYS]:
+        table, option = LEGACY_STRATEGY_KEYS[old].split(".")
+        into = strategy.setdefault(table, {})
+        if not isinstance(into, dict):
+            raise ConfigError(f"[strategy.{table}] must be a table of options, got {into!r}.")
+        if option in into:
+            raise ConfigError(f"strategy.{old} and strategy.{table}.{option} are the same option, given twice; keep "
+                              f"strategy.{table}.{option} only.")
+        into[option] = strategy.pop(old)
+        moved.append(f"strategy.{old} -> strategy.{table}.{option}")
+    return moved
+
+
+def upgraded(tree: Any) -> Any:
+    """A copy of a config tree as today's code writes it, for records written before (a sweep's sweep.json):
+    [strategy]'s flat keys of before the tables moved to their tables (no note), and an option added since at its
+    default, which is what that record ran with. Anything but a table is returned as it is."""
+    if not isinstance(tree, dict):
+        return tree
+    copy = _deep_copy(tree)
+    try:
+        _move_legacy_keys(copy)
+    except ConfigError:  # a key given twice: left as it is, so that it compares unequal
+        return tree
+    for section, options in to_dict(RunConfig()).items():  # the sections it records (a record may leave some out)
+        if isinstance(copy.get(section), dict):
+            _fill_defaults(copy[section], options)
+    return copy
+
+
+def _fill_defaults(table: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """The options a table lacks, from defaults, its own tables too; what it has stays as it is."""
+    for key, value in defaults.items():
+        if key not in table:
+            table[key] = _deep_copy(value)
+        elif isinstance(value, dict) and isinstance(table[key], dict):
+            _fill_defaults(table[key], value)
+
+
+def _note_legacy_keys(moved: list[str]) -> None:
+    if moved:
+        logging.getLogger("dptrain").warning(
+            "each strategy's options now sit in its own table; read as the new keys, which to write instead (the old "
+            "ones are read for one release only): %s", ", ".join(moved))
+
+
+def from_dict(tree: dict[str, Any]) -> RunConfig:
+    """Build a validated RunConfig from nested plain data (a parsed TOML file, or to_dict() output)."""
+    sections = field_types(RunConfig)
+    unknown = sorted(set(tree) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config section [{key_shown(unknown[0])}]; valid sections are: {', '.join(sections)}.")
+    if any(key in LEGACY_STRATEGY_KEYS for key in tree.get("strategy") or ()):  # a config.toml of before the tables
+        tree = {**tree, "strategy": _deep_copy(tree["strategy"])}
+        _note_legacy_keys(_move_legacy_keys(tree))
+    built = {}
+    for name, cls in sections.items():
+        values = tree.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of options, got {values!r}.")
+        built[name] = _build_section(cls, values, name)
+    return RunConfig(**built)
+
+
+def _deep_copy(values: Any) -> Any:
+    return {k: _deep_copy(v) for k, v in values.items()} if isinstance(values, dict) else values
+
+
+def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Nested plain data; from_dict(to_dict(c)) == c."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in field_types(RunConfig)}
+
+
+def _flat_fields(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every option of a section as (dotted name, its field), tables' options included."""
+    for f in dataclasses.fields(cls):
+        tp = field_types(cls)[f.name]
+        if is_table(tp):
+            yield from _flat_fields(tp, f"{prefix}.{f.name}")
+        else:
+            yield f"{prefix}.{f.name}", f
+
+
+def fixed_at_resume(cfg: RunConfig) -> dict[str, Any]:
+    """Every option that a resume must keep (it changes the computation), by dotted name; the others' fields, or
+    their sections', say MAY_CHANGE_AT_RESUME."""
+    fixed = {}
+    for section in dataclasses.fields(RunConfig):
+        if section.metadata.get("may_change_at_resume"):
+            continue
+        for name, f in _flat_fields(field_types(RunConfig)[section.name], section.name):
+            if not f.metadata.get("may_change_at_resume"):
+                value: Any = cfg
+                for part in name.split("."):
+                    value = getattr(value, part)
+                fixed[name] = value
+    return fixed
+
+
+def current_name(name: str) -> str:
+    """An option's dotted name as a snapshot of before the strategy tables recorded it (strategy.comm_hook), now."""
+    section, _, rest = name.partition(".")
+    key, space, words = rest.partition(" ")  # "strategy.deepspeed_config (sha256 of its settings)"
+    if section == "strategy" and key in LEGACY_STRATEGY_KEYS:
+        return f"strategy.{LEGACY_STRATEGY_KEYS[key]}{space}{words}"
+    return name
+
+
+def parse_overrides(pairs: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """[("optim.lr", "3e-4"), ("strategy.ddp.comm_hook", "fp16")] -> {"optim": {"lr": "3e-4"}, "strategy": {"ddp":
+    {"comm_hook": "fp16"}}}; strings are typed later by from_dict. Old flat strategy keys are moved to their tables."""
+    return _parse_overrides(pairs)[0]
+
+
+def _parse_overrides(pairs: list[tuple[str, str]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    tree: dict[str, dict[str, Any]] = {}
+    sections = field_types(RunConfig)
+    for key, value in pairs:
+        section, *path = key.split(".")
+        if not path or not all(path) or len(path) > 2:
+            raise ConfigError(f"option --{key} is not of the form --section.option (for example --optim.lr 3e-4, "
+                              f"or --strategy.ddp.comm_hook fp16 for a strategy's own option).")
+        if section not in sections:
+            raise ConfigError(f"unknown option --{key}; valid sections are: {', '.join(sections)}.")
+        into = tree.setdefault(section, {})
+        if len(path) == 2:
+            table = into.setdefault(path[0], {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"option --{section}.{path[0]} is a table of options, not a value; give one of its "
+                                  f"options, as --{key} does.")
+            into = table
+        into[path[-1]] = value
+    return tree, _move_legacy_keys(tree)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], where: str) -> None:
+    """over's values into base, table by table (a CLI option replaces the file's value, and only it)."""
+    for key, value in over.items():
+        if isinstance(value, dict):
+            inner = base.setdefault(key, {})
+            if not isinstance(inner, dict):
+                raise ConfigError(f"[{key}] must be a table of options in {where}.")
+            _merge(inner, value, where)
+        else:
+            base[key] = value
+
+
+def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> RunConfig:
+    """TOML file (optional) with dotted overrides on top, validated."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            tree = read_toml(path, f"config file {path}")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
+    moved = _move_legacy_keys(tree)
+    over, moved_here = _parse_overrides(overrides or [])
+    _merge(tree, over, str(path))
+    _note_legacy_keys(moved + moved_here)
+    return from_dict(tree)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise AssertionError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML that load() reads back; None values are left out (None is the default)."""
+    lines: list[str] = []
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict))
+        lines.append("")
+        for key, inner in values.items():
+            if isinstance(inner, dict):
+                table(f"{name}.{key}", inner)
+
+    for section, values in to_dict(cfg).items():
+        table(section, values)
+    return "\n".join(lines)
