@@ -49,7 +49,7 @@ def main() -> None:
     progress = ProgressBar(enabled=False)
     for epoch in range(3):
         trainer.state.start_epoch(epoch, device)
-        result = trainer._run_epoch(epoch, progress)
+        result = trainer.run_epoch(epoch, progress)
         print(f"dptrain epoch {epoch + 1}: {result['epoch_time_s']:.3f} s, {result['samples_per_s']:.0f} images/s "
               f"({len(trainer.train_loader)} steps, {result['epoch_time_s'] / len(trainer.train_loader) * 1e3:.2f} ms/step)")
 
@@ -64,7 +64,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        trainer._run_epoch(3, progress)
+        trainer.run_epoch(3, progress)
         torch.cuda.synchronize()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"))

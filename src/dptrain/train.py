@@ -58,8 +58,16 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
     return optimizer_choice(cfg.optim, peak_lr(cfg), fused=True, capturable=capturable)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainer:
+    """One rank's training: build_trainer() makes it whole, fit() runs it.
+
+    fit() goes epoch by epoch from where `state` stands (a resume puts it mid-epoch): run_epoch() trains the epoch's
+    remaining batches, each a step with its counting, logging, snapshot and stop check; then the epoch's metrics are
+    reduced over the ranks exactly, the test split is evaluated when due, one epoch event is emitted and a snapshot
+    taken when due. Each boundary runs inside `phase`, so that a failure names the rank and where it stood.
+    """
+
     cfg: RunConfig
     env: DistEnv
     device: torch.device
@@ -94,22 +102,21 @@ class Trainer:
                                total_steps=self.total_steps, start_step=state.step)
         sampler = self.utilisation = UtilisationSampler(self.device)  # a daemon thread, closed below
         last: dict = {}
-        if state.step >= self.total_steps and (state.epoch_reported or state.epoch_sums is None):
+        if state.is_complete(self.total_steps):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
                      "or use another --output.name to start afresh", state.step)
         completed = False
         self.finite_through = state.step
         try:
             for epoch in range(state.epoch, epochs):
-                resumed = epoch == state.epoch and state.epoch_sums is not None
                 # A resumed epoch whose steps are all done may still owe its event (stopped before evaluation).
-                if state.step >= self.total_steps and (not resumed or state.epoch_reported):
+                if state.is_complete(self.total_steps):
                     break
-                if not resumed:
+                if not state.resumes_mid_epoch(epoch):
                     state.start_epoch(epoch, self.device)
                 remaining = min(len(self.train_loader) - state.batches_consumed, self.total_steps - state.step)
                 progress.start_epoch(epoch + 1, epochs, remaining)
-                train = self._run_epoch(epoch, progress)
+                train = self.run_epoch(epoch, progress)
                 evaluation = {}
                 if self._evaluation_due(epoch):
                     with self.phase(f"evaluation after epoch {epoch + 1}"):
@@ -152,8 +159,9 @@ class Trainer:
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
                                   f"there, then run the same command{rerun}") from exc
 
-    def _run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
-        """Train the rest of this epoch: one screen, in order: train, count, log, snapshot if due, stop if asked."""
+    def run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
+        """Train the rest of this epoch: one screen, in order: train, count, log, snapshot if due, stop if asked; then
+        the epoch's training metrics, reduced over the ranks. Public for profiling (bench/gpu_profile.py times it)."""
         self.model.train()
         state = self.state
         steps = 0  # in this process's part of the epoch
@@ -343,8 +351,9 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
     snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
-    trainer = Trainer(cfg, env, device, strategy, wrapped, optimizer, scheduler, train_loader, eval_loader, info, events, phase,
-              total_steps, snapshots, flops_per_sample=flops)
+    trainer = Trainer(cfg=cfg, env=env, device=device, strategy=strategy, model=wrapped, optimizer=optimizer,
+                      scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, info=info, events=events,
+                      phase=phase, total_steps=total_steps, snapshots=snapshots, flops_per_sample=flops)
     snapshots.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
     with phase("resume"):
         path = checkpoint.choose(cfg, env.is_main, env.world_size)

@@ -43,6 +43,18 @@ class TrainState:
         self.step += 1
         self.batches_consumed += 1
 
+    def resumes_mid_epoch(self, epoch: int) -> bool:
+        """Whether `epoch` was under way in the snapshot this run resumed from (its sums came with it)."""
+        return epoch == self.epoch and self.epoch_sums is not None
+
+    def owes_epoch_event(self) -> bool:
+        """An epoch under way whose event is not emitted yet (a run stopped after its last step, before evaluation)."""
+        return self.epoch_sums is not None and not self.epoch_reported
+
+    def is_complete(self, total_steps: int) -> bool:
+        """Every step trained and every epoch's event emitted: nothing left to do."""
+        return self.step >= total_steps and not self.owes_epoch_event()
+
     def epoch_done(self, steps_per_epoch: int) -> bool:
         return self.batches_consumed >= steps_per_epoch
 
