@@ -112,7 +112,10 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
-    cfg = resolve_batch(cfg, job.world_size)  # the job's config.toml holds the global batch it trains with
+    # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch` trains
+    # N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)
+    given = cfg
+    cfg = resolve_batch(cfg, job.world_size)
     preflight_job(cfg, job.world_size)
     script = slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
     if args.dry_run:
@@ -120,7 +123,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     slurm_job.check_nodes_fit(cfg.slurm)  # after the dry run, which prints the script on a machine with no cluster too
     RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
-    job.config.write_text(config_mod.to_toml(cfg))
+    job.config.write_text(config_mod.to_toml(given))
     job.script.write_text(script)
     job_id = slurm_job.submit(job.script)
     print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"

@@ -16,6 +16,7 @@ from typing import Any
 from dptrain import checkpoint, config as config_mod
 from dptrain.config import RunConfig, TrainConfig
 from dptrain.data import describe
+from dptrain.dist.env import DistEnv
 from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
 from dptrain.imports import import_object
@@ -124,7 +125,8 @@ def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
     if given != total and given != TrainConfig.global_batch_size:  # the default gives way; a value given does not
         raise ConfigError(f"train.batch_size_per_rank {per_rank} x {takers} ranks is a global batch of {total}, but "
                           f"train.global_batch_size is {given}; give one of the two.")
-    log.info("global batch %d = train.batch_size_per_rank %d x %d ranks", total, per_rank, takers)
+    if DistEnv.from_environ().is_main:  # every rank resolves it; one line says it (srun gathers the ranks' stderr)
+        log.info("global batch %d = train.batch_size_per_rank %d x %d ranks", total, per_rank, takers)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=total))
 
 
@@ -148,6 +150,19 @@ def check_backend(backend: str, on_cuda: bool) -> None:
                           "use --launch.backend gloo or auto.")
     if backend == "nccl" and not dist.is_nccl_available():
         raise ConfigError("launch.backend = nccl but this torch build has no nccl; use --launch.backend gloo or auto.")
+
+
+def check_gpus_for_workers(backend: str, workers: int, gpus: int) -> None:
+    """Where dptrain's agent starts `workers` workers on GPUs on this node, which shows `gpus`: nccl takes one GPU per
+    worker. With fewer (CUDA_VISIBLE_DEVICES=0 and 2 workers), the workers would all take cuda:0 and stop, once
+    started, at NCCL's duplicate-GPU error. gloo lets ranks share a GPU (backend: launch.backend; auto is nccl here)."""
+    if workers <= gpus or backend == "gloo":
+        return
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"{gpus} GPU{'' if gpus == 1 else 's'}" + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "")
+    raise ConfigError(f"{workers} workers on this node would share the {seen} it shows, and nccl needs a GPU of its own "
+                      f"for each; start at most {gpus} (--nproc-per-node {gpus}), make more GPUs visible, or use "
+                      f"--launch.backend gloo.")
 
 
 def check_output_dir(run_dir: Path) -> None:

@@ -42,6 +42,10 @@ JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     **{f"shared-{x}": ([*SHORT, "--ranks-per-node", "2", "--cpus-per-node", "2", "--sbatch", "nodelist=n1"], {})
        for x in "ab"},
     "unresolvable": ([*SHORT, *TWO_NODES, "--master-addr", "no-such-host.invalid"], {}),
+    # held (sbatch --hold): its script is resubmitted at another size, as the tutorials' users resize a job
+    "resized": (["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "32",
+                 "--train.epochs", "1", "--batch_size", "16", "--nodes", "1", "--cpus-per-node", "1",
+                 "--sbatch", "hold"], {}),
 }
 
 
@@ -183,3 +187,23 @@ def test_submit_refuses_a_job_that_would_pend_for_ever_before_writing_anything(s
     assert main(["submit", *SHORT, "--output.name", "too-wide", "--ranks-per-node", "64", "--train.global_batch_size", "128"]) == 2
     assert "would wait in the queue for ever" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_submitted_with_a_batch_per_rank_trains_that_batch_per_rank_when_resized(slurm_cluster, jobs):
+    """`dptrain submit --batch_size 16 --nodes 1`, then `sbatch --nodes=2 runs/NAME/job.sbatch`: 2 ranks of 16 each
+    (job.toml wrote both the per-rank batch and the global batch it made of it, so every rank of the resized job
+    refused its batch: '... give one of the two')."""
+    held, run_dir = jobs["resized"]
+    assert slurm_cluster.job(held)["JobState"] == "PENDING"
+    assert slurm_cluster.run("scancel", str(held)).returncode == 0
+    given = config.load(run_dir / slurm_job.CONFIG_NAME)
+    assert given.train.batch_size_per_rank == 16
+    assert given.train.global_batch_size == config.TrainConfig.global_batch_size  # the default, which gives way
+    job_id = slurm_cluster.sbatch(run_dir / slurm_job.SCRIPT_NAME, "--nodes=2")
+    assert slurm_cluster.run("scontrol", "release", str(job_id)).returncode == 0  # its #SBATCH --hold
+    job = slurm_cluster.wait(job_id, timeout=240)
+    assert job["JobState"] == "COMPLETED", (job, job_output(run_dir))
+    [start] = read_events(run_dir, "run_start")
+    assert (start["world_size"], start["global_batch_size"]) == (2, 32)
+    errors = (run_dir / "logs" / f"slurm-{job_id}.err").read_text()
+    assert errors.count("global batch 32 = train.batch_size_per_rank 16 x 2 ranks") == 1, errors  # said once
