@@ -146,11 +146,25 @@ def test_a_file_the_manifest_does_not_list_is_refused(snapshots, tmp_path):
 
 
 def test_the_manifests_step_must_agree_with_the_snapshots_state(snapshots, tmp_path):
+    """The folder is renamed along with the manifest, as one who moves a snapshot to another step would: only the loop
+    state inside still says the true step (a folder left under its old name is refused earlier, by its name)."""
     snapshot = copy_run(snapshots["single"], tmp_path)
     manifest = json.loads((snapshot / checkpoint.MANIFEST).read_text())
     (snapshot / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "step": manifest["step"] + 1}))
+    moved = snapshot.rename(snapshot.with_name(f"{checkpoint.PREFIX}{manifest['step'] + 1:08d}"))
     with pytest.raises(SnapshotError, match=f"says step {manifest['step'] + 1} in its manifest but holds the state of step {manifest['step']}"):
-        checkpoint.verify(snapshot)
+        checkpoint.verify(moved)
+
+
+def test_the_folders_name_must_agree_with_the_manifests_step(snapshots, tmp_path):
+    """Manifest and loop state agree; only the folder's name, by which resume picks the newest snapshot, is another
+    step."""
+    snapshot = copy_run(snapshots["single"], tmp_path)
+    step = json.loads((snapshot / checkpoint.MANIFEST).read_text())["step"]
+    checkpoint.verify(snapshot)  # whole under its own name
+    moved = snapshot.rename(snapshot.with_name(f"{checkpoint.PREFIX}{step + 1:08d}"))
+    with pytest.raises(SnapshotError, match=f"says step {step} in its manifest"):
+        checkpoint.verify(moved)
 
 
 def test_a_folder_others_may_write_to_is_refused(snapshots, tmp_path):
