@@ -1,6 +1,6 @@
 """`dptrain bench --slurm` with the other engines (tutorial, lightning, deepspeed): each point a job of one torchrun per
-node, meeting at the first node. Their scripts and files without a cluster; then one point of each engine, and a
-sweep over node counts, as real jobs on the private cluster (tests/slurm_cluster.py)."""
+node, meeting at the first node. Their scripts and files (one submitted held, as the scheduler reads it); then one
+point of each engine, and a sweep over node counts, as real jobs on the private cluster (tests/slurm_cluster.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dptrain.bench import jobs as jobs_mod
 from dptrain.bench.collect import run_nodes
 from dptrain.bench.sweep import plan, sweep_from_options
 from dptrain.errors import ConfigError
-from dptrain.slurm import job as slurm_job, queue as slurm_queue
+from dptrain.slurm import queue as slurm_queue
 from tests.bench.test_slurm_sweep import TINY, bench, read_rows
 
 IMAGE = "docker://nvcr.io/nvidia/pytorch:25.01-py3"
@@ -116,24 +116,35 @@ def test_gpus_per_task_for_a_peer_engine_is_one_sentence(tmp_path):
                                   "instead.")
 
 
-def test_a_submitted_peer_point_holds_the_config_its_engine_trains_and_its_nodes(tmp_path, monkeypatch):
+@pytest.mark.timeout(60)
+def test_a_submitted_peer_point_holds_the_config_its_engine_trains_and_its_nodes(slurm_cluster, tmp_path, monkeypatch):
+    """Submitted to the private cluster held (sbatch's SBATCH_HOLD), so that the scheduler's record of the job can be
+    read without training it, then cancelled."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(slurm_job, "submit", lambda script: "7")
+    for key, value in {**slurm_cluster.env, "SBATCH_HOLD": "1"}.items():
+        monkeypatch.setenv(key, value)
     pairs = [("data.name", "synthetic"), ("train.epochs", "2"), ("output.dir", "b")]
     sweep, _ = sweep_from_options(config_path=None, pairs=pairs, workers=None, strategies="fsdp", repeats=1,
                                   warmup_epochs=None, engines="tutorial", run_timeout_s=60.0, nodes="2",
                                   job_pairs=[("slurm.ranks_per_node", "2"), ("slurm.requeue", "true")])
     [point] = plan(sweep)
     job_id, job = jobs_mod.submit_point(sweep, point)
+    try:
+        record = slurm_cluster.job(int(job_id))
+    finally:
+        slurm_cluster.run("scancel", job_id)
     run_dir = sweep.run_dir(point)
-    assert (job_id, job.shape, point.workers) == ("7", "2 nodes x 2 ranks", 4)
+    assert (job.shape, point.workers) == ("2 nodes x 2 ranks", 4)
+    # what sbatch read: one task (torchrun) on each of 2 nodes (NumNodes: min-max while pending), the point's script
+    assert (record["JobState"], record["NumNodes"], record["NumTasks"]) == ("PENDING", "2-2", "2"), record
+    assert (record["Command"], record["JobName"]) == (str(run_dir.resolve() / "job.sbatch"), f"dptrain-{point.name}")
     trains = tomllib.loads((run_dir / "config.toml").read_text())
     assert (trains["strategy"]["name"], trains["launch"]["nproc_per_node"]) == ("fsdp", 2)
     assert Path(trains["output"]["dir"]) == run_dir.resolve()
     assert run_nodes(run_dir) == 2  # collect's nodes column, from job.toml
     script = (run_dir / "job.sbatch").read_text()
     assert "--requeue" not in script and "--signal" not in script  # the plain loops write no snapshot to resume
-    assert (run_dir / jobs_mod.JOB_ID_FILE).read_text() == "7\n"
+    assert (run_dir / jobs_mod.JOB_ID_FILE).read_text() == job_id + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- on the cluster

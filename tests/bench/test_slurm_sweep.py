@@ -1,5 +1,6 @@
 """`dptrain bench --slurm`: one SLURM job per point. The job's shape for a worker count and the refusals (no
-cluster), resuming against a faked scheduler, and a sweep end to end on the private cluster (tests/slurm_cluster.py).
+cluster); the queue, resuming with a job still in it, and a sweep end to end, on the private cluster
+(tests/slurm_cluster.py).
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ import csv
 import io
 import json
 import logging
-import os
-import stat
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,8 @@ from dptrain.bench.sweep import ERROR_FILE, job_shape, plan, runs_on_cpu, sweep_
 from dptrain import config
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
-from dptrain.slurm import job as slurm_job, queue as slurm_queue
+from dptrain.slurm import queue as slurm_queue
+from tests.distributed import free_port
 
 TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
         "--train.epochs", "2", "--train.global_batch_size", "32", "--train.progress_every_s", "0"]
@@ -207,84 +208,113 @@ def test_dry_run_of_node_counts_prints_a_job_per_node_count(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------------- resuming
 
-def fake_squeue(tmp_path: Path, lines: str, code: int = 0, stderr: str = "") -> dict[str, str]:
-    """A squeue on PATH that prints `lines` (its arguments go to args.txt); the environment that finds it."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    script = bin_dir / "squeue"
-    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args.txt'}\nprintf '{lines}'\nprintf '{stderr}' >&2\n"
-                      f"exit {code}\n")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+def stand_in_job(cluster, folder: Path, name: str, body: str, *sbatch_args: str) -> str:
+    """A real job on the private cluster whose script runs `body` (the job a point's first submission made, in its
+    stead: what it leaves is what the test is about, not a training); its id."""
+    folder.mkdir(exist_ok=True)
+    script = folder / f"{name}.sh"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    return str(cluster.sbatch(script, *sbatch_args))
 
 
-def test_job_states_asks_squeue_about_ended_jobs_too(tmp_path, monkeypatch):
-    for key, value in fake_squeue(tmp_path, "12|RUNNING\\n13|COMPLETED\\n").items():
+NEVER_GIVEN = "60000000"  # a job id far above any the session's cluster gives (it counts from 1)
+
+
+@pytest.mark.timeout(60)
+def test_job_states_asks_squeue_about_ended_jobs_too(slurm_cluster, tmp_path, monkeypatch):
+    """The private cluster's own squeue: a held job, one that completed and one that failed (kept MinJobAge, 300 s),
+    an id it never gave; then a cluster whose controller does not answer."""
+    for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
-    assert slurm_queue.job_states(["12", "13", "14"]) == {"12": "RUNNING", "13": "COMPLETED"}
-    assert (tmp_path / "args.txt").read_text().split() == ["--noheader", "--states=all", "--format=%i|%T",
-                                                           "--jobs=12,13,14"]
+    jobs = tmp_path / "jobs"
+    held = stand_in_job(slurm_cluster, jobs, "held", "true", "--hold")
+    try:
+        completed = stand_in_job(slurm_cluster, jobs, "completed", "true")
+        failed = stand_in_job(slurm_cluster, jobs, "failed", "exit 3")
+        for job_id in (completed, failed):
+            slurm_cluster.wait(int(job_id))
+        assert slurm_queue.job_states([held, completed, failed, NEVER_GIVEN]) == {
+            held: "PENDING", completed: "COMPLETED", failed: "FAILED"}
+        assert slurm_queue.job_states([NEVER_GIVEN]) == {}  # squeue's "Invalid job id": forgotten, so ended
+    finally:
+        slurm_cluster.run("scancel", held)
     assert [slurm_queue.has_ended(s) for s in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED", "TIMEOUT", None)] == [
         False, False, False, True, True, True]
-    for key, value in fake_squeue(tmp_path, "", 1, "slurm_load_jobs error: Invalid job id specified").items():
-        monkeypatch.setenv(key, value)
-    assert slurm_queue.job_states(["14"]) == {}  # forgotten by the scheduler: ended
-    for key, value in fake_squeue(tmp_path, "", 1, "slurm_load_jobs error: Unable to contact slurm controller").items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(LaunchError, match=r"^squeue failed \(slurm_load_jobs error: Unable to contact slurm "):
-        slurm_queue.job_states(["14"])
+    # The same cluster's configuration, its controller's port one where nothing listens; MessageTimeout=1 makes
+    # squeue give up after 1 s instead of 18 s of retries.
+    conf = re.sub(r"^(SlurmctldPort=\d+|MessageTimeout=.*)$\n?", "", slurm_cluster.conf_path.read_text(), flags=re.M)
+    silent = tmp_path / "silent.conf"
+    silent.write_text(f"{conf}SlurmctldPort={free_port()}\nMessageTimeout=1\n")
+    monkeypatch.setenv("SLURM_CONF", str(silent))
+    with pytest.raises(LaunchError, match=r"^squeue failed \(slurm_load_jobs error: Unable to contact slurm "
+                                          r"controller \(connect failure\)\); check that the SLURM controller answers"):
+        slurm_queue.job_states([completed])
 
 
-def finish(run_dir: Path) -> None:
-    (run_dir / "metrics.jsonl").write_text(json.dumps({"event": "run_start"}) + "\n" + json.dumps({"event": "run_end"}) + "\n")
+def finishing(run_dir: Path) -> str:
+    """A stand-in job's script line that leaves in run_dir what a finished point's run does (its run_end event)."""
+    events = "".join(json.dumps({"event": kind}) + "\n" for kind in ("run_start", "run_end"))
+    (run_dir.parent / f"{run_dir.name}.jsonl").write_text(events)
+    return f"cp {run_dir.parent / run_dir.name}.jsonl {run_dir / 'metrics.jsonl'}"
 
 
-def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(tmp_path, monkeypatch, caplog):
-    """w1-r1 done; w2-r1's job still runs (waited for, not submitted again); w2-r2's job failed earlier and
-    w1-r2 never started (both submitted, in plan order); one of them fails now and is recorded."""
+@pytest.mark.timeout(60)
+def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(slurm_cluster, tmp_path, monkeypatch, caplog):
+    """On the private cluster, as a first run of the sweep left it: w1-r1 done; w1-r2's job held in the queue (not
+    submitted again, waited for, released once the sweep waits); w1-r3's job failed and w1-r4 never started (both
+    submitted, in plan order, their real jobs failing in their set-up line, recorded with its output)."""
     monkeypatch.chdir(tmp_path)
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(slurm_queue, "POLL_S", 0.2)
     sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic"), ("output.dir", "b")],
-                                  workers="1,2", strategies="ddp", repeats=2, warmup_epochs=None, engines="dptrain",
-                                  run_timeout_s=60.0, job_pairs=[("slurm.nodes", "2")])
+                                  workers="1", strategies="ddp", repeats=4, warmup_epochs=None, engines="dptrain",
+                                  run_timeout_s=60.0, job_pairs=[("slurm.nodes", "1")],
+                                  job_lines={"setup": ("ls /no/such/dir",)})  # one node: no link to probe
     names = {p.name: p for p in plan(sweep)}
-    recorded = {"dptrain-ddp-w1-r1": "11", "dptrain-ddp-w2-r1": "12", "dptrain-ddp-w2-r2": "13"}
-    for name, job_id in recorded.items():
-        run_dir = sweep.run_dir(names[name])
+    run_dirs = {name: sweep.run_dir(point).resolve() for name, point in names.items()}
+    for run_dir in run_dirs.values():
         run_dir.mkdir(parents=True)
-        (run_dir / jobs_mod.JOB_ID_FILE).write_text(job_id + "\n")
-    finish(sweep.run_dir(names["dptrain-ddp-w1-r1"]))
-    (sweep.run_dir(names["dptrain-ddp-w2-r2"]) / "stale").write_text("from the failed job")
-    monkeypatch.setattr(slurm_queue, "job_states", lambda ids: {"12": "RUNNING", "13": "FAILED"})
-    submitted: list[Path] = []
-    monkeypatch.setattr(slurm_job, "submit", lambda script: submitted.append(script) or str(19 + len(submitted)))
+    jobs = tmp_path / "jobs"
+    done = stand_in_job(slurm_cluster, jobs, "done", finishing(run_dirs["dptrain-ddp-w1-r1"]))
+    failed = stand_in_job(slurm_cluster, jobs, "failed", "exit 3")
+    held = stand_in_job(slurm_cluster, jobs, "held", finishing(run_dirs["dptrain-ddp-w1-r2"]), "--hold")
+    try:
+        for job_id in (done, failed):
+            slurm_cluster.wait(int(job_id))
+        for name, job_id in (("dptrain-ddp-w1-r1", done), ("dptrain-ddp-w1-r2", held), ("dptrain-ddp-w1-r3", failed)):
+            (run_dirs[name] / jobs_mod.JOB_ID_FILE).write_text(job_id + "\n")
+        (run_dirs["dptrain-ddp-w1-r3"] / "stale").write_text("from the failed job")
+        real_wait_for, waited = slurm_queue.wait_for, []
 
-    def wait_for(job_ids, on_end):
-        assert list(job_ids) == ["12", "20", "21"]
-        finish(sweep.run_dir(names["dptrain-ddp-w2-r1"]))
-        on_end("12", "COMPLETED")
-        logs = sweep.run_dir(names["dptrain-ddp-w2-r2"]) / "logs"
-        (logs / "slurm-20.err").write_text("srun: error: n1: task 0: Exited with exit code 2\n"
-                                           "dptrain: error: boom in the job.\n")
-        on_end("20", "FAILED")
-        finish(sweep.run_dir(names["dptrain-ddp-w1-r2"]))
-        on_end("21", None)  # ended and already forgotten by the scheduler
+        def released_then_waited_for(job_ids, on_end):  # the scheduler's own waiting, once the hold is lifted
+            waited.append(list(job_ids))
+            slurm_cluster.run("scontrol", "release", held, check=True)
+            real_wait_for(job_ids, on_end)
 
-    monkeypatch.setattr(slurm_queue, "wait_for", wait_for)
-    monkeypatch.setattr(jobs_mod, "record_link_across_nodes", lambda sweep: None)  # its job: another test's
-    with caplog.at_level(logging.INFO, logger="dptrain"):
-        failures = jobs_mod.run_jobs(sweep)
-    assert [(p.name, e) for p, e in failures] == [("dptrain-ddp-w2-r2", "dptrain: error: boom in the job.")]
-    assert [s.parent.name for s in submitted] == ["dptrain-ddp-w2-r2", "dptrain-ddp-w1-r2"]
-    assert all(s.name == "job.sbatch" and (s.parent / "job.toml").is_file() for s in submitted)
-    failed = sweep.run_dir(names["dptrain-ddp-w2-r2"])
-    assert not (failed / "stale").exists() and (failed / jobs_mod.JOB_ID_FILE).read_text() == "20\n"
-    assert (failed / ERROR_FILE).read_text() == "dptrain: error: boom in the job.\n"
+        monkeypatch.setattr(slurm_queue, "wait_for", released_then_waited_for)
+        with caplog.at_level(logging.INFO, logger="dptrain"):
+            failures = jobs_mod.run_jobs(sweep)
+    finally:
+        slurm_cluster.run("scancel", held)
+    resubmitted = {name: (run_dirs[name] / jobs_mod.JOB_ID_FILE).read_text().strip()
+                   for name in ("dptrain-ddp-w1-r3", "dptrain-ddp-w1-r4")}
+    assert waited == [[held, *resubmitted.values()]]  # the held job and the two submitted, in plan order
+    assert slurm_cluster.job(int(held))["JobState"] == "COMPLETED"
+    assert [p.name for p, _ in failures] == list(resubmitted)
+    for (name, job_id), (_, error) in zip(resubmitted.items(), failures):
+        assert slurm_cluster.job(int(job_id))["Command"] == str(run_dirs[name] / "job.sbatch")
+        assert (run_dirs[name] / "job.toml").is_file()
+        assert error.startswith(f"job {job_id} ended FAILED; last output: ls: cannot access '/no/such/dir'"), error
+        assert (run_dirs[name] / ERROR_FILE).read_text() == error + "\n"
+    assert not (run_dirs["dptrain-ddp-w1-r3"] / "stale").exists()
     text = caplog.text
-    assert "4 points (1 engines x 1 strategies x workers 1,2 x 2 repeats) in b as SLURM jobs; 1 done already, " \
+    assert "4 points (1 engines x 1 strategies x workers 1 x 4 repeats) in b as SLURM jobs; 1 done already, " \
            "1 queued or running, 2 to submit" in text
-    assert "bench: dptrain-ddp-w1-r1: done already (job 11), not submitted" in text
-    assert "bench: dptrain-ddp-w2-r1: job 12 is RUNNING, not submitted again; waiting for it" in text
-    assert "bench: submitted job 20 for dptrain-ddp-w2-r2 (2 nodes x 1 rank)" in text
+    assert f"bench: dptrain-ddp-w1-r1: done already (job {done}), not submitted" in text
+    assert f"bench: dptrain-ddp-w1-r2: job {held} is PENDING, not submitted again; waiting for it" in text
+    assert re.search(rf"bench: \[[123]/3\] dptrain-ddp-w1-r2: job {held} COMPLETED after ", text), text
+    assert f"bench: submitted job {resubmitted['dptrain-ddp-w1-r3']} for dptrain-ddp-w1-r3 (1 node x 1 rank)" in text
 
 
 def test_a_failed_jobs_error_is_its_first_error_line_else_its_end(tmp_path):

@@ -1,17 +1,19 @@
 """Jobs whose ranks run in a container (slurm.container_image, slurm.container_env_file, slurm.container_engine): the
 scripts as text (golden files beside test_submit.py's), the srun lines, the refusals, and the requeue from outside
 the container. No container engine (pyxis/enroot, apptainer) is installed here: these check the lines the job
-runs, not a job in a container.
+runs, not a job in a container (the requeue runs as a real job on the private cluster, a stand-in for the engine).
 
-To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/slurm/test_containers.py, then
-read the diff.
+To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/slurm/test_containers.py (each
+golden test then fails, saying it rewrote its file and compared nothing), read the diff, then run it again without.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import dataclasses
+import os
+import re
+import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from dptrain.cli import main
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError
 from dptrain.slurm import job as slurm_job
+from tests.conftest import assert_matches_golden
+from tests.slurm_cluster import TERMINAL_STATES
 
 GOLDEN = Path(__file__).parents[1] / "launch" / "golden"
 WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as in test_submit.py's golden files
@@ -63,11 +67,7 @@ def srun_line(script: str) -> str:
 
 @pytest.mark.parametrize("name", CASES)
 def test_container_job_scripts_match_the_golden_files(name, monkeypatch):
-    script = rendered(*CASES[name], monkeypatch)
-    golden = GOLDEN / f"{name}.sbatch"
-    if os.environ.get("DPTRAIN_REGOLD") == "1":
-        golden.write_text(script)
-    assert script == golden.read_text()
+    assert_matches_golden(rendered(*CASES[name], monkeypatch), GOLDEN / f"{name}.sbatch")
 
 
 def test_pyxis_mounts_the_project_the_run_directory_outside_it_and_dptrains_checkout(monkeypatch):
@@ -141,12 +141,16 @@ def test_a_container_file_that_is_there_but_no_file_says_what_it_is(tmp_path, mo
     assert str(caught.value).startswith(f"slurm.{name} = {given!r} names {what.format(tmp_path)}; give the path of the ")
 
 
-def test_registry_images_and_environments_by_name_are_not_looked_for_here(tmp_path, monkeypatch):
-    # Found by the engine on the node (a registry, ~/.edf): nothing to check where the job is written.
-    for slurm in ({"container_image": NGC}, {"container_image": "ubuntu"},
-                  {"container_image": "library://ada/torch", "container_engine": "apptainer"},
-                  {"container_env_file": "pytorch"}):
-        rendered(slurm, None, monkeypatch, workdir=tmp_path)
+@pytest.mark.parametrize("slurm, word", [
+    ({"container_image": NGC}, f"--container-image={NGC}"),
+    ({"container_image": "ubuntu"}, "--container-image=ubuntu"),
+    ({"container_image": "library://ada/torch", "container_engine": "apptainer"}, "library://ada/torch"),
+    ({"container_env_file": "pytorch"}, "--environment=pytorch"),
+], ids=["pyxis-registry", "pyxis-docker-hub", "apptainer-library", "edf-by-name"])
+def test_registry_images_and_environments_by_name_are_not_looked_for_here(tmp_path, monkeypatch, slurm, word):
+    # Found by the engine on the node (a registry, ~/.edf): nothing to check where the job is written (no file of
+    # that name is here), and the srun line hands the name on as given, not as a path of the folder it was written in.
+    assert word in shlex.split(srun_line(rendered(slurm, None, monkeypatch, workdir=tmp_path)))
 
 
 def test_an_environment_file_that_is_not_toml_is_refused(tmp_path, monkeypatch):
@@ -238,24 +242,42 @@ def test_submit_and_bench_take_the_container_options_on_the_command_line(tmp_pat
     assert all(" apptainer exec --bind " in srun_line(script) for script in scripts)
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("rank_asks", [True, False])
-def test_the_script_requeues_the_job_when_rank_0_asked_even_as_srun_fails(tmp_path, monkeypatch, rank_asks):
-    # The script itself under bash, with an srun that stands for the ranks (they stop on the signal: exit 75) and an
-    # scontrol that records what it is asked: the lines the job runs outside the container, not a container.
+def test_the_script_requeues_the_job_when_rank_0_asked_even_as_srun_fails(slurm_cluster, tmp_path, monkeypatch,
+                                                                           rank_asks):
+    """The script as a real job on the private cluster, its own srun and scontrol (the head node's address, the
+    requeue): only the container engine, which is not installed here, is a stand-in on PATH; it plays the rank in
+    the container, which stops on the signal (exit 75) after writing the request, or not. apptainer, not pyxis,
+    whose --container-image this srun (without the plugin) would refuse; both engines' scripts requeue alike."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     asks = 'echo 7 > "$DPTRAIN_REQUEUE"' if rank_asks else ":"  # rank 0 after the signal's snapshot, or not
-    (bin_dir / "srun").write_text(f"#!/bin/sh\n{asks}\nexit 75\n")
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.txt\n'
-                                      'case "$2" in hostnames) echo node1;; node) echo "NodeAddr=10.0.0.1 x";; esac\n')
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-    script = rendered({"container_image": NGC, "requeue": "true"}, None, monkeypatch, workdir=tmp_path)
-    (tmp_path / "runs" / "run" / "logs").mkdir(parents=True)  # as dptrain submit makes it
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
-                               "SLURM_JOB_NODELIST": "node1"})
-    assert done.returncode == 75  # the ranks' code, whatever the script did after
-    calls = (tmp_path / "scontrol.txt").read_text().splitlines()
-    assert (calls[-1] == "requeue 42") == rank_asks
-    assert not (tmp_path / "runs" / "run" / "logs" / "requeue-42").exists()  # the rerun does not requeue again
+    (bin_dir / "apptainer").write_text(f"#!/bin/sh\necho \"$MASTER_ADDR\" >> {tmp_path}/ranks.txt\n{asks}\nexit 75\n")
+    (bin_dir / "apptainer").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # sbatch's --export=ALL takes it along
+    script = rendered({"container_image": "docker://pytorch/pytorch", "container_engine": "apptainer",
+                       "requeue": "true"}, None, monkeypatch, workdir=tmp_path)
+    run_dir = tmp_path / "runs" / "run"
+    (run_dir / "logs").mkdir(parents=True)  # as dptrain submit makes it
+    (run_dir / "job.sbatch").write_text(script)
+    job_id = slurm_cluster.sbatch(run_dir / "job.sbatch")
+    try:
+        record = requeued(slurm_cluster, job_id) if rank_asks else slurm_cluster.wait(job_id)
+    finally:
+        slurm_cluster.run("scancel", str(job_id))  # a requeued job would start again
+    assert (tmp_path / "ranks.txt").read_text() == "127.0.0.1\n"  # srun ran the engine once, after scontrol's lines
+    errors = (run_dir / "logs" / f"slurm-{job_id}.err").read_text()
+    assert re.search(r"srun: error: n[12]: task 0: Exited with exit code 75", errors), errors
+    assert record["Restarts"] == ("1" if rank_asks else "0"), record
+    if not rank_asks:  # a requeued job's record starts afresh (ExitCode 0:0) as it waits to run again
+        assert (record["JobState"], record["ExitCode"]) == ("FAILED", "75:0")  # the ranks' code, whatever came after
+    assert not (run_dir / "logs" / f"requeue-{job_id}").exists()  # the rerun does not requeue again
+
+
+def requeued(cluster, job_id: int) -> dict[str, str]:
+    """The job's record once it has been put back in the queue (Restarts=1); fails if it ends instead."""
+    while (record := cluster.job(job_id))["Restarts"] == "0":
+        assert record["JobState"] not in TERMINAL_STATES, record
+        time.sleep(0.1)
+    return record
