@@ -1,15 +1,18 @@
-"""The loop in one process (no agent): stopping rules, schedules, bf16 and clipping."""
+"""The loop in one process (no agent): stopping rules, resuming after a stop, schedules, bf16 and clipping."""
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from dptrain import config
 from dptrain.cli import main
+from dptrain.faults import SIGNAL_AT
+from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import read_events
 
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",
@@ -104,6 +107,42 @@ def test_gradient_clipping_clips_the_global_norm(tmp_path, monkeypatch):
     # rounded (u = 2^-24) relative to the weight, not to the step: |error| <= u |w| = 6e-8 x 8.9 (the initial
     # weights' norm) = 5.3e-7, at most 5.3e-4 of the 1e-3 step. Sum < 1e-3 (measured: 2.4e-5).
     assert step.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+RESUMED = [*SMALL, "--model.name", "tests.user_code:TinyNet", "--train.epochs", "2", "--checkpoint.every_steps", "0"]
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory) -> Path:
+    """RESUMED run through its 2 epochs of 4 steps without a stop: what every stopped and resumed run must equal."""
+    run_dir = tmp_path_factory.mktemp("never_stopped") / "run"
+    assert main(["train", *RESUMED, "--output.dir", str(run_dir)]) == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("stop_after", [2, 4, 8],
+                         ids=["mid-epoch", "after an epoch's last step", "after the run's last step"])
+def test_a_run_stopped_by_a_signal_resumes_where_it_stood(tmp_path, monkeypatch, never_stopped, stop_after):
+    """The position a snapshot keeps, in one process: stopped mid-epoch the resume trains only the epoch's remaining
+    batches (batches_consumed); stopped after an epoch's last step, before its event, the resume still owes that epoch
+    its event (epoch_reported), the run's last one too, and emits it once, with the numbers of a run never stopped."""
+    run_dir, expected = tmp_path / "run", read_events(never_stopped, "epoch")
+    monkeypatch.setenv(SIGNAL_AT, f"0:{stop_after}:SIGUSR1:self")
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *RESUMED, "--output.dir", str(run_dir)])
+    assert stopped.value.code == EXIT_STOPPED
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{stop_after:08d}"
+    before = [e["epoch"] for e in expected if e["step"] < stop_after]  # the events of the epochs done before the stop
+    assert [e["epoch"] for e in read_events(run_dir, "epoch")] == before
+    monkeypatch.delenv(SIGNAL_AT)
+    assert main(["train", *RESUMED, "--output.dir", str(run_dir)]) == 0
+    assert [e["step"] for e in read_events(run_dir, "run_start")] == [0, stop_after]  # resumed, not started afresh
+    got = read_events(run_dir, "epoch")
+    assert [(e["epoch"], e["step"]) for e in got] == [(1, 4), (2, 8)]
+    for key in ("train_loss", "train_acc", "train_samples", "eval_loss", "eval_count"):
+        assert [e[key] for e in got] == [e[key] for e in expected], key
+    resumed, whole = (torch.load(folder / "model.pt") for folder in (run_dir, never_stopped))
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
 @pytest.mark.slow  # the compiler takes about 10 s here
