@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptrain.bench.model import Plan, Workload, bytes_sent_per_rank
 from dptrain.config import DDPOptions, OptimConfig, PSOptions, RunConfig, StrategyConfig
 from dptrain.dist.env import DistEnv
 from dptrain.strategies import build_strategy
@@ -49,6 +50,16 @@ LOSSY = {hook: StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook=hook)) for ho
 # while backward goes on (comm_hooks.InOrder); interleaved on gloo, their chained all-reduces mismatched.
 LOSSY["powersgd-buckets"] = StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook="powersgd", bucket_mb=0.004))
 EXACT_STEPS = {"powersgd": 2, "powersgd-buckets": 2, "fp16": 0, "bf16": 0}
+# The scaling model (bench/model.py) counts a ring over gloo. ddp's and zero1's gradients and fsdp's collectives go
+# through shared memory between ranks of one host, as here, and count what a rank writes there instead; these twins
+# send through gloo, as ranks on hosts of their own do, for test_the_scaling_models_bytes_are_what_each_case_counts
+# (fsdp-gloo's ranks are told they are alone on their hosts: fsdp has no switch of its own). Once, float32 and SGD.
+GLOO = {  # name -> (strategy, whether each rank is told it is alone on its host)
+    "ddp-gloo": (StrategyConfig(name="ddp", ddp=DDPOptions(shared_memory=False)), False),
+    "zero1-gloo": (StrategyConfig(name="zero1", ddp=DDPOptions(shared_memory=False)), False),
+    "fsdp-gloo": (StrategyConfig(name="fsdp"), True),
+}
+THROUGH_SHARED_MEMORY = ("ddp", "zero1", "fsdp")
 
 # Final weights, max difference relative to each tensor's scale (max |w|). float64: 1e-10, where the
 # measured difference is 2e-16 (one rounding of the scale). float32: 1e-5, where the measured
@@ -91,7 +102,8 @@ def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(cfg: StrategyConfig, env: DistEnv, optim: str, dtype: torch.dtype, steps: int) -> dict[str, list]:
-    """On rank 0: the whole model after each step, and each step's gradients as the optimizer sees them (ddp).
+    """On rank 0: the whole model after each step, and each step's gradients as the optimizer sees them (ddp); on
+    every rank: the bytes the strategy counts as sent in each step (comm_bytes, the worker's comm_bytes_per_step).
 
     As train.build_trainer() and Trainer._train_step() do it: the seeded model, channels_last, wrapped by the
     strategy; the optimizer from optimizer_spec; this rank's share of each global batch; backward
@@ -102,7 +114,7 @@ def train(cfg: StrategyConfig, env: DistEnv, optim: str, dtype: torch.dtype, ste
     run_cfg = RunConfig(optim=OptimConfig(name=optim, lr=LR[optim]), strategy=cfg)  # type: ignore[arg-type]
     optimizer = strategy.build_optimizer(strategy.eval_module, optimizer_spec(run_cfg))
     index, share_count = strategy.data_share()
-    out: dict[str, list] = {"weights": [], "grads": []}
+    out: dict[str, list] = {"weights": [], "grads": [], "comm_bytes": []}
     for step in range(steps):
         images, labels = batch(step, dtype)
         share = slice(0, 0) if index is None else slice(index, None, share_count)  # a dedicated server takes none
@@ -112,6 +124,7 @@ def train(cfg: StrategyConfig, env: DistEnv, optim: str, dtype: torch.dtype, ste
         if cfg.name == "ddp":  # synchronised by now: what the hook produced
             out["grads"].append({n: p.grad.detach().clone() for n, p in strategy.eval_module.named_parameters()})
         optimizer.step()
+        out["comm_bytes"].append(strategy.comm_bytes(1))
         out["weights"].append({k: v.detach().clone() for k, v in strategy.full_state_dict().items()})
     return out
 
@@ -121,15 +134,21 @@ def _all_cases(rank: int, world: int) -> bytes:
     env = DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun")
     results = {(name, optim, dtype_name): train(cfg, env, optim, dtype, STEPS)
                for dtype_name, dtype in DTYPES.items() for optim in LR for name, cfg in {**EXACT, **LOSSY}.items()}
+    alone = DistEnv(rank, 0, world, 1, "127.0.0.1", 0, "torchrun")
+    for name, (cfg, on_own_host) in GLOO.items():
+        results[(name, "sgd", "float32")] = train(cfg, alone if on_own_host else env, "sgd", torch.float32, STEPS)
     buffer = io.BytesIO()  # bytes: a tensor put on the queue is a shared-memory handle, gone when this process exits
-    torch.save(results if rank == 0 else {}, buffer)
+    torch.save(results if rank == 0 else {key: result["comm_bytes"] for key, result in results.items()}, buffer)
     return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    """(case, optim, dtype) -> train() on 2 ranks, rank 0's view."""
-    return torch.load(io.BytesIO(run_on_ranks(_all_cases, WORLD, timeout=300)[0]))
+    """(case, optim, dtype) -> train() on 2 ranks, rank 0's view, but for comm_bytes: each step's, of every rank."""
+    rank0, rank1 = (torch.load(io.BytesIO(out)) for out in run_on_ranks(_all_cases, WORLD, timeout=300))
+    for key, result in rank0.items():
+        result["comm_bytes"] = list(zip(result["comm_bytes"], rank1[key]))
+    return rank0
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +244,39 @@ def test_powersgd_projects_the_mean_gradient(ranks, one_process, case, optim, dt
             diff = ((a - g).abs().max() / g.abs().max()).item()
             assert diff <= EXACT_BOUND[dtype_name], f"{name}: all-reduced, yet {diff:.2e} from the mean"
     assert compressed == ["features.2.weight", "head.0.weight"]
+
+
+def model_bytes(cfg: StrategyConfig, dtype: torch.dtype, compressed: bool) -> float:
+    """What the scaling model says the busiest rank sends in a step of this case: the CNN's parameters in `dtype`, its
+    weight matrices for PowerSGD (compressed: from its third step on; before, it all-reduces plainly)."""
+    params = list(initial_model(dtype).parameters())
+    element = params[0].element_size()  # the model's fp16 and bf16 rule halves it: 4 bytes in float32, 8 in float64
+    work = Workload(param_bytes=float(sum(p.numel() for p in params) * element), element_size=element,
+                    global_batch=GLOBAL_BATCH, compute_s_per_sample=0.0, fsdp_units=2,  # block: features, head
+                    matrices=tuple((p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() > 1))
+    hook = "allreduce" if cfg.ddp.comm_hook == "powersgd" and not compressed else cfg.ddp.comm_hook
+    plan = Plan(strategy=cfg.name, comm_hook=hook, powersgd_rank=cfg.ddp.powersgd_rank,
+                reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    return bytes_sent_per_rank(plan, work, WORLD)
+
+
+@pytest.mark.parametrize("name", [*(n for n in EXACT if n not in THROUGH_SHARED_MEMORY), *LOSSY, *GLOO])
+def test_the_scaling_models_bytes_are_what_each_case_counts(ranks, name):
+    """Every strategy and hook on 2 ranks, each step: the busiest rank's count is the model's bytes_sent_per_rank."""
+    cfg = GLOO[name][0] if name in GLOO else {**EXACT, **LOSSY}[name]
+    cases = [key for key in ranks if key[0] == name]
+    assert cases
+    for _, optim, dtype_name in cases:
+        counted = ranks[(name, optim, dtype_name)]["comm_bytes"]
+        plain = EXACT_STEPS["powersgd"]  # PowerSGD's steps before start_powerSGD_iter; the other hooks ignore the flag
+        expected = [model_bytes(cfg, DTYPES[dtype_name], compressed=step >= plain) for step in range(STEPS)]
+        assert [max(per_rank) for per_rank in counted] == expected, (optim, dtype_name, counted)
+        assert all(sent > 0 for per_rank in counted for sent in per_rank)  # every rank sends in every step
+
+
+def test_the_cases_through_shared_memory_count_what_they_write_there(ranks):
+    """Why ddp, zero1 and fsdp are compared with the model through their gloo twins: on one host they count another
+    transport's bytes (docs/strategies.md), here more than the ring's, which their twins count."""
+    for name in THROUGH_SHARED_MEMORY:
+        shared, gloo = (ranks[(case, "sgd", "float32")]["comm_bytes"] for case in (name, f"{name}-gloo"))
+        assert all(max(s) > max(g) for s, g in zip(shared, gloo)), (name, shared, gloo)
