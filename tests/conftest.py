@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,37 @@ import pytest
 from tests.distributed import free_port, run_cli_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# Tests that need root (a tmpfs mounted full or read-only, a file given to another user, the private clusters) skip
+# themselves without it, saying so in their reason. Counted apart, they show in the summary line ("4 skipped without
+# root") and in a section listing why, so that a run without root never looks as if it had run them.
+NEEDS_ROOT = re.compile(r"\bneeds? root\b")
+SKIPPED_WITHOUT_ROOT = "skipped without root"
+
+
+def skip_reason(report: pytest.TestReport) -> str | None:
+    """Why the test was skipped, as pytest.skip or a skipif mark gave it; None if it was not."""
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return None
+    return report.longrepr[2].removeprefix("Skipped: ")
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, tuple] | None:
+    reason = skip_reason(report)
+    if reason is not None and NEEDS_ROOT.search(reason):
+        return SKIPPED_WITHOUT_ROOT, "s", ("SKIPPED (needs root)", {"yellow": True})
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    skipped = terminalreporter.stats.get(SKIPPED_WITHOUT_ROOT, [])
+    if not skipped:
+        return
+    terminalreporter.section(f"{len(skipped)} skipped without root: run the suite as root to run them", sep="-",
+                             yellow=True)
+    for reason, count in collections.Counter(skip_reason(report) for report in skipped).most_common():
+        terminalreporter.write_line(f"{count} x {reason}")
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +94,19 @@ def slurm_link_probes(slurm_cluster, tmp_path_factory) -> Path:
     record = link.read_link(folder)
     assert done.returncode == 0 and record is not None and (2, 2) in record.probes, done.stderr[-2000:]
     return folder
+
+
+REGOLD = "DPTRAIN_REGOLD"
+
+
+def assert_matches_golden(text: str, golden: Path) -> None:
+    """`text` is the golden file's. Under DPTRAIN_REGOLD=1 the file is rewritten with it instead, and the test fails
+    saying so: compared with the file just written, it would pass whatever the text."""
+    if os.environ.get(REGOLD) == "1":
+        golden.write_text(text)
+        pytest.fail(f"{REGOLD}=1 rewrote {golden}, so nothing was compared; read its diff (git diff -- {golden}), then "
+                    f"run the test again without {REGOLD}.", pytrace=False)
+    assert text == golden.read_text()
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

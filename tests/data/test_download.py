@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -153,16 +155,23 @@ while not os.path.exists(go):
         sys.exit(3)
     time.sleep(0.002)
 start = time.time()
+print("fetching", flush=True)
 paths = download.fetch(Path(dest), [tuple(f) for f in files], [url])
 print(json.dumps({"start": start, "end": time.time(), "paths": [str(p) for p in paths]}), flush=True)
 """
 
 
 @pytest.mark.slow
-def test_two_processes_download_each_file_once(tmp_path, file_server):
+def test_two_processes_download_each_file_once(tmp_path, file_server, monkeypatch):
+    """The two calls overlap by construction, not by timing: the server answers no GET until both processes are in
+    fetch, so that one of them downloads while the other waits for it."""
     payloads = {"train-images.gz": os.urandom(200_000), "train-labels.gz": os.urandom(5_000)}
     files = [serve(file_server, name, data) for name, data in payloads.items()]
-    file_server.delay_s = 0.5  # each GET takes half a second: the second process arrives mid-download
+    both_in_fetch = threading.Event()
+    # The server's delay of each GET (tests/data/conftest.py: time.sleep(delay_s)) becomes a wait for that moment.
+    server_module = sys.modules[type(file_server).__module__]
+    monkeypatch.setattr(server_module, "time", types.SimpleNamespace(sleep=lambda _: both_in_fetch.wait(60)))
+    file_server.delay_s = 1.0  # any delay: each GET waits for that moment instead
     dest, go = tmp_path / "shared", tmp_path / "go"
     procs = [
         subprocess.Popen(
@@ -175,6 +184,9 @@ def test_two_processes_download_each_file_once(tmp_path, file_server):
         for p in procs:  # both imported dptrain and wait at the starting line
             assert p.stdout.readline().strip() == "ready", p.communicate(timeout=60)
         go.touch()
+        for p in procs:
+            assert p.stdout.readline().strip() == "fetching", p.communicate(timeout=60)
+        both_in_fetch.set()
         outs = [p.communicate(timeout=60) for p in procs]
     finally:
         for p in procs:
@@ -184,8 +196,9 @@ def test_two_processes_download_each_file_once(tmp_path, file_server):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    # The two calls really overlapped: each started before the other finished.
+    # The two calls overlapped (each started before the other finished), as the server's wait made them.
     assert max(r["start"] for r in results) < min(r["end"] for r in results)
+    assert file_server.total() == len(payloads)  # one process downloaded; the other found the files whole
     for r in results:
         assert r["paths"] == [str(dest / name) for name in payloads]
     for name, data in payloads.items():

@@ -1,8 +1,8 @@
 """`dptrain submit`: the job scripts as text (golden files for the seeds' GPU and CPU clusters), the options'
 checks, and the CLI around them. Jobs on a real scheduler are in test_slurm_jobs.py.
 
-To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/launch/test_submit.py, then
-read the diff.
+To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/launch/test_submit.py (each
+golden test then fails, saying it rewrote its file and compared nothing), read the diff, then run it again without.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dptrain.dist.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.runtime import set_cpu_threads
 from dptrain.slurm import job as slurm_job
+from tests.conftest import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden"
 WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as the script's --chdir
@@ -69,11 +70,7 @@ def rendered(options: list[str]) -> str:
 
 @pytest.mark.parametrize("name", CASES)
 def test_job_scripts_match_the_golden_files(name):
-    script = rendered(CASES[name])
-    golden = GOLDEN / f"{name}.sbatch"
-    if os.environ.get("DPTRAIN_REGOLD") == "1":
-        golden.write_text(script)
-    assert script == golden.read_text()
+    assert_matches_golden(rendered(CASES[name]), GOLDEN / f"{name}.sbatch")
 
 
 def test_the_cli_writes_what_its_dry_run_prints_and_the_dry_run_writes_nothing(submit, tmp_path, monkeypatch):
