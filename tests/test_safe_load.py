@@ -163,7 +163,8 @@ def test_the_folders_name_must_agree_with_the_manifests_step(snapshots, tmp_path
     step = json.loads((snapshot / checkpoint.MANIFEST).read_text())["step"]
     checkpoint.verify(snapshot)  # whole under its own name
     moved = snapshot.rename(snapshot.with_name(f"{checkpoint.PREFIX}{step + 1:08d}"))
-    with pytest.raises(SnapshotError, match=f"says step {step} in its manifest"):
+    with pytest.raises(SnapshotError, match=f"is named for step {step + 1} but its manifest says step {step}; it was "
+                                            f"renamed or is damaged"):
         checkpoint.verify(moved)
 
 

@@ -540,9 +540,13 @@ def _verify(path: Path) -> dict[str, Any]:
         check_plain_entries(path, metadata)
         named_step = path.name.removeprefix(PREFIX)
         loop_step = loaded[EXTRA]["loop"]["step"]
-        if (path.name.startswith(PREFIX) and named_step.isdigit() and int(named_step) != manifest["step"]) or loop_step != manifest["step"]:
+        if loop_step != manifest["step"]:
             raise SnapshotError(f"snapshot {path} says step {manifest['step']} in its manifest but holds the state of step "
                                 f"{loop_step}; it is damaged.")
+        if path.name.startswith(PREFIX) and named_step.isdigit() and int(named_step) != manifest["step"]:
+            # a resume picks the newest snapshot by its folder's name: a renamed one would be taken for another step
+            raise SnapshotError(f"snapshot {path} is named for step {int(named_step)} but its manifest says step "
+                                f"{manifest['step']}; it was renamed or is damaged: use another snapshot.")
     except UnsafeFileError as exc:
         raise SnapshotError(str(exc)) from None
     except (KeyError, TypeError) as exc:

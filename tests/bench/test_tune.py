@@ -261,3 +261,20 @@ def test_tune_for_real_on_tiny_data_writes_its_table_and_a_config_that_trains(tm
                      "--output.dir", str(tmp_path / "run")], tmp_path, timeout=200)
     assert train.returncode == 0, train.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["event"] == "run_end"
+
+
+def test_the_workload_counts_in_the_parameters_own_element_size():
+    """fp16, bf16 and PowerSGD's bytes are counted in elements of the parameters' size: a float64 model's are 8 bytes
+    (the workload said 4 whatever the model)."""
+    import torch
+
+    from dptrain.bench.tune import workload
+
+    cfg = config.load(None, [("data.name", "synthetic")])
+    assert workload(cfg, 1e-3).element_size == 4
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert workload(cfg, 1e-3).element_size == 8
+    finally:
+        torch.set_default_dtype(default)

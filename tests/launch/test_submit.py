@@ -290,9 +290,14 @@ def test_the_cpus_and_gpus_one_node_must_have_are_those_the_script_asks_for(opti
     assert slurm_job.per_node_request(config_mod.load(None, submit_overrides(args)).slurm) == request_
 
 
-def test_without_sinfo_the_partition_is_not_checked(monkeypatch):
-    monkeypatch.setenv("PATH", "/nonexistent")
-    slurm_job.check_nodes_fit(config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm)
+def test_without_sinfo_the_partition_is_not_checked(slurm_cluster, monkeypatch):
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    too_wide = config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm
+    with pytest.raises(ConfigError, match="would wait in the queue for ever"):  # the cluster's sinfo says so
+        slurm_job.check_nodes_fit(too_wide)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sinfo here (a login node without SLURM's clients): no check
+    slurm_job.check_nodes_fit(too_wide)
 
 
 def test_a_gres_line_makes_the_job_a_gpu_job(submit, tmp_path):

@@ -134,6 +134,7 @@ def workload(cfg: RunConfig, compute_s_per_sample: float) -> model.Workload:
     matrices = tuple((p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() >= 2)
     units = sum(1 for child in net.children() if any(True for _ in child.parameters()))
     return model.Workload(param_bytes=float(sum(p.numel() * p.element_size() for p in params)),
+                          element_size=params[0].element_size() if params else 4,  # what fp16/bf16/PowerSGD count in
                           global_batch=cfg.train.global_batch_size, compute_s_per_sample=compute_s_per_sample,
                           matrices=matrices, fsdp_units=max(1, units),
                           buffer_bytes=float(sum(b.numel() * b.element_size() for b in net.buffers())))
