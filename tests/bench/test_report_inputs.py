@@ -405,3 +405,18 @@ def test_the_models_plan_comes_from_the_sweeps_strategy_table():
     assert (fsdp.comm_hook, fsdp.reshard_after_forward, fsdp.param_dtype_size, fsdp.reduce_dtype_size) == (
         "allreduce", False, 2, None)
     assert _plan("ddp", {}).bucket_bytes == 25 * 2**20  # unset: DDP's own buckets
+
+
+def test_fitted_on_reads_another_sweep_without_writing_in_it(tmp_path, capsys):
+    """--fitted-on OTHER whose results.csv is gone: rebuilt from OTHER's runs to fit on, but never written there (it
+    was written into the other sweep's folder)."""
+    from dptrain.bench.model import Link
+
+    bench, other = tmp_path / "bench", tmp_path / "other"
+    write_lab_sweep(bench, Link("lab", 50e-6, 125e6, ""), 0.3, (1, 2))
+    write_lab_sweep(other, Link("lab", 50e-6, 125e6, ""), 0.3, (1, 2))
+    (other / "results.csv").unlink()
+    before = sorted(p.relative_to(other) for p in other.rglob("*"))
+    assert main(["report", str(bench), "--fitted-on", str(other)]) == 0, capsys.readouterr().err
+    assert sorted(p.relative_to(other) for p in other.rglob("*")) == before
+    assert "the fit on" in (bench / "report.md").read_text()

@@ -17,6 +17,7 @@ import pytest
 
 from dptrain.bench import jobs as jobs_mod
 from dptrain.bench.collect import RESULT_COLUMNS
+from dptrain.bench.folder import BenchFolder
 from dptrain.bench.sweep import ERROR_FILE, job_shape, plan, runs_on_cpu, sweep_from_options
 from dptrain import config
 from dptrain.config import SlurmConfig
@@ -385,7 +386,7 @@ def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slu
 
     record = read_link(bench_dir)
     assert record is not None and record.across_hosts is not None and record.across_hosts.bandwidth_bps > 0, logs2
-    assert "#SBATCH --nodes=2\n" in (bench_dir / jobs_mod.LINK_PROBE_DIR / "nodes-2" / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2\n" in (BenchFolder(bench_dir).link_probe(2) / "job.sbatch").read_text()
     assert sorted(record.probes) == [(2, 2)]  # the 1-node point needs no probe across nodes
 
 

@@ -170,10 +170,16 @@ def test_probes_from_an_earlier_sweep_are_copied_where_the_sweep_has_none_and_no
     assert adopt_probes(machine_probes, own) == [LINK_FILE] and (own / PEAK_FILE).read_text().startswith("the sweep's")
     planted = tmp_path / "planted"
     planted.mkdir()
-    (planted / PEAK_FILE).write_text('{"probes": "not probes"}')  # not a sweep's: neither file is read as one
-    with pytest.raises(ConfigError, match=f"^--probes-from {planted} holds no peak.json or link.json a sweep wrote; "
-                                          f"give the folder of an earlier sweep on this machine, or drop it"):
+    (planted / PEAK_FILE).write_text('{"probes": "not probes"}')  # not a sweep's: named, and nothing copied
+    with pytest.raises(ConfigError, match=f"^--probes-from {planted}: peak.json is not what dptrain writes there "
+                                          f"\\(probes is 'not probes', not an object of at most 1024 entries\\); give "
+                                          f"the folder of an earlier sweep on this machine, or drop --probes-from"):
         adopt_probes(planted, tmp_path / "other")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=f"^--probes-from {empty} holds no peak.json or link.json a sweep wrote; "
+                                          f"give the folder of an earlier sweep on this machine, or drop it"):
+        adopt_probes(empty, tmp_path / "other")
     assert not (tmp_path / "other").exists()
 
 

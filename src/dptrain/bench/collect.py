@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from dptrain.bench.folder import BenchFolder
 from dptrain.bench.peak import read_peaks
 from dptrain.bench.sweep import ERROR_FILE, POINT_NAME, default_warmup, read_warmup
 from dptrain.config import read_toml
@@ -196,7 +197,7 @@ def _read_json(path: Path) -> dict:
 def collect(bench_dir: Path) -> list[dict[str, Any]]:
     """Rows for every point folder under BENCH/runs, sorted by engine, strategy, workers, repeat."""
     warmup = read_warmup(bench_dir)
-    runs = bench_dir / "runs"
+    runs = BenchFolder(bench_dir).runs
     rows = [row for d in sorted(runs.iterdir()) if d.is_dir() and (row := run_row(d, warmup))] if runs.is_dir() else []
     add_efficiency(rows, {w: p.peak_tflops for w, p in read_peaks(bench_dir).items()})
     return sorted(rows, key=lambda r: (r["engine"], r["strategy"], r["workers"], r["repeat"]))
@@ -353,6 +354,7 @@ def write_results(bench_dir: Path, rows: list[dict[str, Any]] | None = None
     """Collect the runs (unless given their rows) into results.csv and summary.csv; (rows, summary)."""
     rows = collect(bench_dir) if rows is None else rows
     summary = summarize(rows)
-    write_csv(bench_dir / "results.csv", RESULT_COLUMNS, rows)
-    write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summary)
+    folder = BenchFolder(bench_dir)
+    write_csv(folder.results, RESULT_COLUMNS, rows)
+    write_csv(folder.summary, SUMMARY_COLUMNS, summary)
     return rows, summary

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dptrain import config as config_mod
 from dptrain import read_back
+from dptrain.bench.folder import JOB_ID_FILE, BenchFolder
 from dptrain.bench.sweep import (ERROR_FILE, OTHER_ENGINES, Point, Sweep, check_and_record, describe_plan, error_line,
                                  is_done, job_shape, last_line, plan)
 from dptrain.config import RunConfig, SlurmConfig
@@ -37,7 +38,6 @@ from dptrain.slurm.env import SLURM_VARS
 
 log = logging.getLogger(__name__)
 
-JOB_ID_FILE = "job_id.txt"  # the id of the job submitted for the point, so that a resumed sweep can ask about it
 
 
 def point_config(sweep: Sweep, point: Point) -> RunConfig:
@@ -153,7 +153,6 @@ def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, 
     ]) + "\n"
 
 
-LINK_PROBE_DIR = "link-probe"  # BENCH/link-probe/nodes-N/: the job script and output of the probe between N nodes
 
 
 def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
@@ -161,7 +160,7 @@ def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
     timings to BENCH/link.json: dptrain's own per-rank job script (its #SBATCH lines, set-up, master address and
     port), with the probe in place of `dptrain train` on its srun line."""
     assert sweep.job is not None, "a sweep of SLURM jobs"
-    run_dir = (sweep.bench_dir / LINK_PROBE_DIR / f"nodes-{nodes}").resolve()
+    run_dir = BenchFolder(sweep.bench_dir).link_probe(nodes).resolve()
     cfg = config_mod.load(sweep.config_path, [*sweep.train_pairs, ("output.dir", str(run_dir))])
     cfg = replace(cfg, slurm=replace(sweep.job, nodes=nodes, ranks_per_node=1, mode="per-rank", requeue=False))
     workdir = Path.cwd()

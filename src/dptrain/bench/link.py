@@ -46,13 +46,13 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from dptrain import read_back
+from dptrain.bench.folder import LINK_FILE
 from dptrain.bench.peak import MAX_PROCESSES, first_report, probe_in_fresh_python
 from dptrain.files import written_whole
 from dptrain.read_back import BadValue, UnreadableFile, field
 
 log = logging.getLogger(__name__)
 
-LINK_FILE = "link.json"
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 Device = Literal["cpu", "cuda"]
 # Buffer sizes in bytes: from where latency dominates to where bandwidth does (on loopback gloo the turn is near

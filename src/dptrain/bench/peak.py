@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dptrain import read_back
+from dptrain.bench.folder import PEAK_FILE
 from dptrain.files import written_whole
 from dptrain.read_back import BadValue, UnreadableFile, field
 
 log = logging.getLogger(__name__)
 
-PEAK_FILE = "peak.json"
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
 # CPU sizes: 2048 fp32 is ~0.2 s on one AVX-512 core, so a probe stays about a second a size; GPUs need bigger ones

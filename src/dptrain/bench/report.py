@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import html
-import json
 import logging
 import math
 import re
@@ -17,15 +16,16 @@ from typing import Any
 
 from dptrain.bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results, read_run_events,
                                    summarize, write_csv, write_results)
+from dptrain.bench.folder import SWEEP_FILE, BenchFolder
 from dptrain.bench.link import LINK_FILE, load_link, read_link
 from dptrain.bench.model import STRATEGIES as MODEL_STRATEGIES
 from dptrain.bench.model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
                                  Workload, calibrate, compute_seconds, curve, named_link, predicted,
                                  split_for_fit)
 from dptrain.bench.peak import MAX_PROCESSES, load_peaks, read_peaks
-from dptrain.bench.sweep import SWEEP_FILE
 from dptrain import read_back
 from dptrain.errors import ConfigError
+from dptrain.files import written_whole
 from dptrain.read_back import BadValue, UnreadableFile
 from dptrain.run_folder import RunFolder
 
@@ -56,12 +56,13 @@ HOW_TO_READ = (
 )
 
 
-def load_rows(bench_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """results.csv, or, when there is none, rebuilt from BENCH/runs (and written); and what was left out of it (rows
-    of results.csv, lines of the runs' metrics.jsonl), where and why."""
+def load_rows(bench_dir: Path, write: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """results.csv, or, when there is none, rebuilt from BENCH/runs (and written, unless `write` is False: another
+    sweep's folder, read for --fitted-on); and what was left out of it (rows of results.csv, lines of the runs'
+    metrics.jsonl), where and why."""
     if not bench_dir.is_dir():
         raise ConfigError(f"{bench_dir} does not exist; give the --output.dir of a `dptrain bench` sweep.")
-    results = bench_dir / "results.csv"
+    results = BenchFolder(bench_dir).results
     if results.is_file():
         rows, left_out = read_results(results)
         if left_out:
@@ -70,7 +71,7 @@ def load_rows(bench_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
                         f"`dptrain bench` writes ({left_out[0]}{'; ...' if several else ''}).")
         return rows, left_out
     rows = collect(bench_dir)  # collect warns of the lines it skipped itself
-    if rows:
+    if rows and write:
         write_results(bench_dir, rows)
     return rows, [note for r in rows if (note := r.get("skipped_events"))]
 
@@ -94,13 +95,14 @@ def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | Non
         raise ConfigError(f"{bench_dir} holds no finished runs (no results.csv, and no run under {bench_dir / 'runs'} "
                           f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
     lines, notes, links = scaling_lines(bench_dir, rows, link, fitted_on)  # a bad --link or --fitted-on: nothing written
-    write_csv(bench_dir / "summary.csv", SUMMARY_COLUMNS, summarize(rows))
+    folder = BenchFolder(bench_dir)
+    write_csv(folder.summary, SUMMARY_COLUMNS, summarize(rows))
     plot_all(summary, bench_dir)
     if lines:
         plot_scaling(lines, bench_dir)
-    path = bench_dir / "report.md"
-    path.write_text(markdown(rows, summary, left_out, scaling_markdown(lines, notes, links) if links or notes else []))
-    return path
+    with written_whole(folder.report) as tmp:
+        tmp.write_text(markdown(rows, summary, left_out, scaling_markdown(lines, notes, links) if links or notes else []))
+    return folder.report
 
 
 # What Markdown reads as markup wherever it stands (code, emphasis, links and images, table cells, strikethrough, the
@@ -537,7 +539,7 @@ def _fits_of(bench_dir: Path) -> dict[str, ScalingLine]:
     except UnreadableFile as exc:
         raise ConfigError(f"--fitted-on {bench_dir}: {exc.path.name} {exc.problem}; give a sweep's folder whose own "
                           f"report draws the scaling model.") from None
-    rows, _ = load_rows(bench_dir)
+    rows, _ = load_rows(bench_dir, write=False)
     lines, notes, _ = scaling_lines(bench_dir, rows)
     if not lines:
         why = notes[0] if notes else f"it has no {LINK_FILE}"

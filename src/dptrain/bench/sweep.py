@@ -30,6 +30,7 @@ from typing import Any
 from dptrain import config as config_mod
 from dptrain import read_back
 from dptrain.bench import deepspeed_engine, lightning_engine, peak, tutorial
+from dptrain.bench.folder import ERROR_FILE, LOG_FILE, SWEEP_FILE, BenchFolder
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError
 from dptrain.files import written_whole
@@ -45,9 +46,6 @@ OTHER_ENGINES: dict[str, ModuleType] = {"tutorial": tutorial, "lightning": light
 ENGINES = ("dptrain", *OTHER_ENGINES)
 DEFAULT_WORKERS = (1, 2, 4, 8)
 DEFAULT_RUN_TIMEOUT_S = 3600.0
-SWEEP_FILE = "sweep.json"  # the sweep's config, so that a resumed sweep runs the same runs and collect knows the warm-up
-LOG_FILE = "bench.log"
-ERROR_FILE = "bench_error.txt"
 POINT_NAME = re.compile(r"^(?P<engine>[a-z0-9_]+)-(?P<strategy>[a-z0-9_]+)-w(?P<workers>\d+)-r(?P<repeat>\d+)$")
 # Options the sweep sets per point: given to `dptrain bench`, they would silently make every point the same.
 OWNED = {"strategy.name": "--strategies", "launch.nproc_per_node": "--workers", "output.name": "--output.dir"}
@@ -93,7 +91,7 @@ class Sweep:
     dptrain's strategy refuses (sweep_from_options's notes say which and why)."""
 
     def run_dir(self, point: Point) -> Path:
-        return self.bench_dir / "runs" / point.name
+        return BenchFolder(self.bench_dir).point(point.name)
 
 
 def split_list(text: str, option: str) -> tuple[str, ...]:

@@ -39,8 +39,10 @@ from typing import Callable
 from dptrain import config as config_mod
 from dptrain import read_back
 from dptrain.bench import link as link_mod, model
+from dptrain.bench.folder import LOG_FILE, PROBE_CONFIG_FILE, BenchFolder
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError, LaunchError
+from dptrain.files import written_whole
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
@@ -58,7 +60,6 @@ fastest (were the two the same run, all 3 runs of one would beat all 3 of the ot
 CONTENDERS = 2
 """Candidates run again beside the default: those whose probe beat it, fastest first (each repeat is a probe run)."""
 BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
-TUNED_FILE = "tuned.toml"
 STRATEGIES = ("ddp", "zero1", "fsdp")
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -285,7 +286,7 @@ class Tuner:
         pairs = [*self.user_pairs, *candidate.pairs(), ("train.max_steps", str(steps)),
                  ("train.log_every", str(LOG_EVERY)), ("checkpoint.every_epochs", "0"),
                  ("checkpoint.every_steps", "0"), ("train.eval_every_epochs", "0"), ("train.resume", "never"),
-                 ("output.dir", str((self.tune_dir / "runs" / f"{label}-{candidate.name}").resolve()))]
+                 ("output.dir", str(BenchFolder(self.tune_dir).point(f"{label}-{candidate.name}").resolve()))]
         return self.config_of(candidate, pairs)
 
     def config_of(self, candidate: Candidate, pairs: list[tuple[str, str]]) -> RunConfig:
@@ -317,10 +318,10 @@ def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
 
 
 def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
-    probe_toml = run_dir / "probe.toml"
+    probe_toml = run_dir / PROBE_CONFIG_FILE
     probe_toml.write_text(config_mod.to_toml(cfg))
     command = [sys.executable, "-m", "dptrain", "train", "--config", str(probe_toml)]
-    with (run_dir / "bench.log").open("w") as out:
+    with (run_dir / LOG_FILE).open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
@@ -478,10 +479,11 @@ def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
     """The user's configuration with the chosen candidate's options: what `dptrain train --config` runs. kept: the
     choice is the user's own configuration, which the header says rather than presenting it as a finding."""
     cfg = tuner.config_of(chosen, [*tuner.user_pairs, *chosen.pairs()])
-    path = tuner.tune_dir / TUNED_FILE
+    path = BenchFolder(tuner.tune_dir).tuned
     header = (f"# dptrain bench --tune kept your configuration ({chosen.name}): see tune.md beside this file for why"
               if kept else f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file")
-    path.write_text(f"{header}\n" + config_mod.to_toml(cfg))
+    with written_whole(path) as tmp:
+        tmp.write_text(f"{header}\n" + config_mod.to_toml(cfg))
     return path
 
 
@@ -492,7 +494,8 @@ run's images/s in the order they ran ("failed" for one that failed), measured: t
 
 
 def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: model.Prediction) -> None:
-    with (tuner.tune_dir / "tune.csv").open("w", newline="") as f:
+    folder = BenchFolder(tuner.tune_dir)
+    with written_whole(folder.tune_table) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(tuner.rows)
@@ -516,7 +519,8 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
               "nothing, so its bucket cap and comm hook are never used; gradients under 1 MiB make one bucket whatever "
               "the cap), probed once as the first one named.", "",
               "Candidates without a run were ranked below the probed ones by the model and not run."]
-    (tuner.tune_dir / "tune.md").write_text("\n".join(lines) + "\n")
+    with written_whole(folder.tune_notes) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
 
 
 def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], slurm: bool,
