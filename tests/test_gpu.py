@@ -66,8 +66,10 @@ def test_a_task_bound_to_one_gpu_uses_it_whatever_its_local_rank(tmp_path):
     assert read_events(tmp_path / "bound", "run_start")[0]["device"] == "cuda:0"
 
 
-def test_auto_workers_are_one_per_visible_gpu():
-    from dptrain.config import LaunchConfig
+def test_auto_workers_are_one_per_visible_gpu_and_one_for_single_and_dp():
+    from dptrain.config import LaunchConfig, StrategyConfig
     from dptrain.launch.local import local_workers
 
-    assert local_workers(LaunchConfig()) == torch.cuda.device_count()
+    assert local_workers(LaunchConfig(), StrategyConfig()) == torch.cuda.device_count()
+    for name in ("single", "dp"):  # they drive every GPU from one process (and refuse more)
+        assert local_workers(LaunchConfig(), StrategyConfig(name=name)) == 1

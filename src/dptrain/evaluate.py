@@ -33,6 +33,7 @@ def evaluate(
     module.eval()
     device = next(module.parameters()).device
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples (this rank)
+    samples = 0  # counted on the host: a count made a tensor on the device each batch was a host-to-device copy
     sync(device)
     start = time.perf_counter()
     with torch.no_grad():
@@ -43,10 +44,11 @@ def evaluate(
                 logits = module(batch.images)
             predicted = logits.argmax(1)
             loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), batch.labels, reduction="sum")
-            sums += torch.stack([loss.double(), (predicted == batch.labels).sum().double(),
-                                 loss.new_tensor(len(batch.labels), dtype=torch.float64)])
+            sums[:2] += torch.stack([loss.double(), (predicted == batch.labels).sum().double()])
+            samples += len(batch.labels)
             if predictions is not None:
                 predictions.append(torch.stack([batch.indices, batch.labels, predicted], 1).cpu())
+    sums[2].fill_(samples)  # the number goes to the GPU as the fill kernel's argument: no copy, once
     all_reduce(sums)
     elapsed = time.perf_counter() - start
     module.train(was_training)

@@ -19,8 +19,8 @@ from dptrain import checkpoint, config as config_mod
 from dptrain.config import RunConfig
 from dptrain.dist.ending import agent_restarts_this_worker, exit_deadline
 from dptrain.dist.env import DistEnv
-from dptrain.dist.failures import Phase
-from dptrain.dist.world import barrier, destroy_process_group, host_name, init_process_group, placement
+from dptrain.dist.failures import PeerWatch, Phase, needs_peer_watch, own_client
+from dptrain.dist.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
 from dptrain.errors import DataError, OutputError
 from dptrain.files import written_whole
 from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,
@@ -117,6 +117,12 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
     if store is not None and env.world_size > 1:  # from now on a failed collective names the silent ranks
         # The survivors of a failure check in within moments of each other; a quarter of a short timeout is plenty.
         phase.world = (store, env, min(5.0, cfg.launch.timeout_s / 4))
+        if needs_peer_watch(pick_backend(cfg.launch.backend, device)):
+            # Half the timeout: a lost peer is named before NCCL's own watchdog aborts this process unnamed at the
+            # timeout; still far above any pause of a live rank's pulse thread.
+            silence_s = cfg.launch.timeout_s / 2
+            with phase("rendezvous"):
+                phase.watch = PeerWatch(own_client(env, silence_s), env, phase, silence_s).start()
     with phase("first collective"):
         barrier()
     return device, threads
@@ -142,8 +148,12 @@ def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, P
         log.error("%s", exc, exc_info=exc, extra={"file_only": True})
         if env.world_size > 1:  # the teardown below may wait on a peer that is gone
             exit_deadline(exc, rank_log(log_dir, env.global_rank) if log_dir is not None else None)
+        if phase.watch is not None:  # after the error file: this rank's own failure is the run's first
+            phase.watch.stop(finished=False)
         raise
     finally:
+        if phase.watch is not None:  # finished, or stopped by a signal with the others (after a failure: done above)
+            phase.watch.stop(finished=True)
         destroy_process_group()
 
 

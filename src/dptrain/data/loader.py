@@ -118,6 +118,16 @@ def _collate(image_shape: tuple[int, ...], items: list) -> tuple[torch.Tensor, t
     return torch.stack([torch.as_tensor(x) for x in images]), torch.as_tensor(labels, dtype=torch.long)
 
 
+def indices_on(indices: list[int], device: torch.device) -> torch.Tensor:
+    """A batch's sample indices as a long tensor on device, with no wait for the device: made in host memory, pinned
+    for a GPU, then copied asynchronously. (torch.tensor(indices, device=cuda) copies from pageable memory, which makes
+    the host wait for the GPU's queue to drain: every step.)"""
+    host = torch.tensor(indices, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class DatasetLoader:
     """A user's map-style Dataset through a DataLoader, sharded like DeviceLoader."""
 
@@ -158,7 +168,7 @@ class DatasetLoader:
         self.sampler.set_epoch(epoch, start_batch)
         # The sampler is deterministic: iterating it again beside the DataLoader gives the same indices.
         for (images, labels), indices, count in zip(self.loader, iter(self.sampler), self.sampler.global_counts()):
-            ids = torch.tensor(indices, dtype=torch.long, device=self.device)
+            ids = indices_on(indices, self.device)
             images = images.to(self.device, non_blocking=True)
             if self.augment != "none":  # on the images as the Dataset gives them (dptrain does not normalise them)
                 rows = torch.arange(len(ids), device=self.device)

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
-from dptrain.config import LaunchConfig, RunConfig
+from dptrain.config import LaunchConfig, RunConfig, StrategyConfig
 from dptrain.dist.ending import AGENT_PID, leave_now, record_for_launcher
 from dptrain.dist.env import DistEnv, Nodes
 from dptrain.dist.failures import cpp_log_level, cpp_warnings_off
@@ -263,16 +263,30 @@ def stop_with_the_agent(agent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def local_workers(launch: LaunchConfig) -> int:
-    """launch.nproc_per_node resolved: a number as given; auto: one per visible GPU where the run uses GPUs, else one
-    (on the CPU one worker uses every core: a second one would only split them, and add its gradient traffic)."""
-    if launch.nproc_per_node != "auto":
-        return int(launch.nproc_per_node)
+def local_workers(launch: LaunchConfig, strategy: StrategyConfig | None = None) -> int:
+    """launch.nproc_per_node resolved for this machine (workers_for); strategy None: one that runs a process a GPU."""
+    gpus = 0
     if wants_cuda(launch.device):
         import torch
 
-        return max(1, torch.cuda.device_count())
-    return 1
+        gpus = torch.cuda.device_count()
+    one_process = False
+    if strategy is not None:
+        from dptrain.strategies import STRATEGIES  # imports torch.distributed: only once a run is wanted
+
+        one_process = STRATEGIES[strategy.name].one_process
+    return workers_for(launch.nproc_per_node, gpus, one_process)
+
+
+def workers_for(nproc_per_node: int | str, gpus: int, one_process: bool) -> int:
+    """launch.nproc_per_node resolved: a number as given; auto: one per GPU the run uses (gpus: 0 on the CPU), one
+    where it uses none (one worker uses every core: a second would only split them, and add its gradient traffic) or
+    where the strategy drives every GPU from one process (single, dp: one process per GPU is what they refuse)."""
+    if nproc_per_node != "auto":
+        return int(nproc_per_node)
+    if one_process:
+        return 1
+    return max(1, gpus)
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "dptrain.launch")
@@ -335,14 +349,21 @@ def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world
         entrypoint(*args)
         return
     per_node = world_size // (nodes.count if nodes else 1)
+    on_cuda = wants_cuda(cfg.launch.device)
+    if on_cuda:  # before the agent starts anything: nccl's own refusal comes once every worker has started
+        import torch
+
+        from dptrain.prestart import check_gpus_for_workers
+
+        check_gpus_for_workers(cfg.launch.backend, per_node, torch.cuda.device_count())
     launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_file, nodes,
-                 on_cuda=wants_cuda(cfg.launch.device))
+                 on_cuda=on_cuda)
 
 
 def world_size_here(cfg: RunConfig, nodes: Nodes | None = None) -> tuple[int, bool]:
     """(the world size, whether a launcher outside dptrain started this process)."""
     if nodes is not None:  # dptrain's agent starts the ranks, even inside an srun task (one agent per node)
-        return nodes.count * local_workers(cfg.launch), False
+        return nodes.count * local_workers(cfg.launch, cfg.strategy), False
     env = DistEnv.from_environ()
     launched_outside = env.source != "none"
-    return (env.world_size if launched_outside else local_workers(cfg.launch)), launched_outside
+    return (env.world_size if launched_outside else local_workers(cfg.launch, cfg.strategy)), launched_outside

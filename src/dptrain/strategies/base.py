@@ -67,6 +67,15 @@ def refuse_more_than_one_process(name: str, world_size: int, why: str) -> None:
                           "start one process, or use --strategy.name ddp.")
 
 
+def refuse_gloo_send_recv_on_gpus(what: str, backend: str, world_size: int, on_cpu: bool, instead: str) -> None:
+    """For code that sends with torch.distributed's send/recv (the ring hook, the parameter server): gloo's take host
+    memory only, and are handed a CUDA tensor's device pointer where the ranks run on GPUs; nothing is sent at world
+    size 1. backend: launch.backend (auto is nccl on GPUs); instead: what the user may choose besides nccl."""
+    if world_size > 1 and not on_cpu and backend == "gloo":
+        raise ConfigError(f"{what} cannot run on GPUs with launch.backend gloo, whose send and recv take host memory "
+                          f"only; use --launch.backend nccl (or auto), or {instead}.")
+
+
 @dataclass(frozen=True)
 class CommTiming:
     """A step's gradient communication, from its first bucket's start to its last one's end, in milliseconds; exposed:
@@ -86,6 +95,9 @@ class Strategy:
     """
 
     name = "single"
+    one_process = False
+    """Whether it drives every device of a node from one process (single, dp): launch.nproc_per_node auto then starts
+    one worker, not one per GPU (which the strategy would refuse)."""
     resumes_on_another_world = True
     """Whether its snapshots resume on another number of processes (resharded on load): what a run whose node count
     may change (--nnodes MIN:MAX) needs to go on after losing a node."""
@@ -100,7 +112,8 @@ class Strategy:
     @classmethod
     def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
         """Raise ConfigError if this strategy cannot run with the run's other settings (its batch, optimizer,
-        precision); by default it runs with any. For a strategy that reads settings of its own (a DeepSpeed JSON)."""
+        precision, backend); by default it runs with any. For a strategy that reads settings of its own (a DeepSpeed
+        JSON), or sends with send/recv (refuse_gloo_send_recv_on_gpus)."""
 
     @classmethod
     def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:

@@ -126,10 +126,16 @@ def _install_powersgd(model: DistributedDataParallel, powersgd_rank: int, counte
         warm_start=True,
     )
     hook = _powersgd_counting(counter, state)
-    # On gloo, PowerSGD's chained all-reduces of two buckets would interleave differently on each rank (a collective
-    # mismatch, seen as a gloo size error): each bucket finishes before the next, on a thread, so backward goes on.
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    model.register_comm_hook(state, InOrder(hook, "dptrain-powersgd").hook if on_cpu else hook)
+    in_order = runs_buckets_out_of_order(dist.get_backend(model.process_group))
+    model.register_comm_hook(state, InOrder(hook, "dptrain-powersgd").hook if in_order else hook)
+
+
+def runs_buckets_out_of_order(backend: str) -> bool:
+    """Whether PowerSGD's chained all-reduces of two buckets may interleave differently on each rank of this backend
+    (a collective mismatch, seen as a gloo size error), so that each bucket must finish before the next (InOrder).
+    gloo's, on CPU tensors or CUDA ones (launch.backend gloo on GPUs, the documented fallback), run on its threads
+    as each comes; nccl runs a rank's collectives in the order they are queued on its stream."""
+    return backend != "nccl"
 
 
 def _install_ring(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:

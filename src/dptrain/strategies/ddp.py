@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dptrain.config import RunConfig
 from dptrain.strategies import comm_hooks, shared_memory, two_step
-from dptrain.strategies.base import CommTiming, Strategy
+from dptrain.strategies.base import CommTiming, Strategy, refuse_gloo_send_recv_on_gpus
+
+
+def comm_timing_from(timers: Mapping[str, Any], device_type: str) -> CommTiming | None:
+    """A sampled step's gradient communication from DDP's logging data (times in ns), None before its first sample.
+
+    On the CPU from the host clock's stamps of the reducer's events: gloo's buckets are done when DDP records the
+    end. On CUDA those stamps say only when the work was queued (an nccl all-reduce returns before it runs), so from
+    the durations DDP measures between the same events with CUDA events: the communication, and its overlap with
+    backward's compute (from the first bucket's start to the compute's end), whose rest is the exposed part.
+    """
+    if device_type == "cuda":
+        total, overlap = timers.get("backward_comm_time", 0), timers.get("backward_compute_comm_overlap_time", 0)
+        if not total:
+            return None  # no sampled step yet
+        return CommTiming(total_ms=total / 1e6, exposed_ms=max(0, total - overlap) / 1e6)
+    start, end = timers.get("backward_comm_time_start", 0), timers.get("backward_comm_time_end", 0)
+    compute_end = timers.get("backward_compute_time_end", 0)
+    if not (start and end and compute_end) or end < start:
+        return None  # no sampled step yet
+    return CommTiming(total_ms=(end - start) / 1e6, exposed_ms=max(0, end - compute_end) / 1e6)
 
 
 class DDP(Strategy):
@@ -21,6 +44,12 @@ class DDP(Strategy):
     """Over several hosts with several ranks on one: the sum within each host, then across them (two_step.py)."""
     ddp: DistributedDataParallel | None = None
     """The model as wrapped, on more than one rank."""
+
+    @classmethod
+    def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
+        if cfg.strategy.ddp.comm_hook == "ring":
+            refuse_gloo_send_recv_on_gpus(f"strategy {cls.name} with comm_hook ring", cfg.launch.backend, world_size,
+                                          on_cpu, "another --strategy.ddp.comm_hook")
 
     @property
     def step_is_local(self) -> bool:
@@ -76,11 +105,7 @@ class DDP(Strategy):
             timers = self.ddp._get_ddp_logging_data()  # a private API of DDP's: no timing rather than a failure
         except (AttributeError, RuntimeError):
             return None
-        start, end = timers.get("backward_comm_time_start", 0), timers.get("backward_comm_time_end", 0)
-        compute_end = timers.get("backward_compute_time_end", 0)
-        if not (start and end and compute_end) or end < start:
-            return None  # no sampled step yet
-        return CommTiming(total_ms=(end - start) / 1e6, exposed_ms=max(0, end - compute_end) / 1e6)
+        return comm_timing_from(timers, self.device.type)
 
     def comm_bytes(self, steps: int) -> int:
         if self.cfg.ddp.comm_hook != "allreduce":

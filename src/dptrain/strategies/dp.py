@@ -5,6 +5,7 @@ bottleneck)."""
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -32,8 +33,36 @@ def root_gpu(options: DPOptions, visible: int) -> int:
     return gpus[0] if gpus else 0
 
 
+def in_callers_autocast(replicas: Sequence[nn.Module], device_type: str) -> list[Callable[..., Any]]:
+    """Each replica's forward under the calling thread's autocast for device_type (its dtype, its cache), to be called
+    on another thread; the replicas as they are where autocast is off here. A thread starts with the device's default
+    autocast dtype (float16 on CUDA), and torch's parallel_apply passes each replica's thread the caller's on/off
+    only: under train.bf16 the replicas ran in float16, which without a loss scaler can overflow and underflow."""
+    if not torch.is_autocast_enabled(device_type):
+        return list(replicas)
+    dtype, cache = torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
+
+    def under_autocast(replica: nn.Module) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, dtype=dtype, cache_enabled=cache):
+                return replica(*args, **kwargs)
+
+        return forward
+
+    return [under_autocast(replica) for replica in replicas]
+
+
+class AutocastDataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas run under the caller's autocast, dtype included (see in_callers_autocast)."""
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        forwards = in_callers_autocast(replicas, self.src_device_obj.type)
+        return super().parallel_apply(forwards, inputs, kwargs)  # type: ignore[arg-type]  # called as the modules are
+
+
 class DataParallel(Strategy):
     name = "dp"
+    one_process = True
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
@@ -52,5 +81,5 @@ class DataParallel(Strategy):
             self.wrapped = self.module
         else:
             log.info("strategy dp: one process driving GPUs %s", ",".join(map(str, gpus)))
-            self.wrapped = nn.DataParallel(self.module, device_ids=gpus, output_device=self.device.index)
+            self.wrapped = AutocastDataParallel(self.module, device_ids=gpus, output_device=self.device.index)
         return self.wrapped

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import StrategyConfig
+from dptrain.config import RunConfig, StrategyConfig
 from dptrain.errors import ConfigError
-from dptrain.strategies.base import OptimizerSpec, Strategy, model_shards
+from dptrain.strategies.base import OptimizerSpec, Strategy, model_shards, refuse_gloo_send_recv_on_gpus
 from dptrain.strategies.state import WHOLE_OPTIMIZER, StatePart, WholeFile
 
 SERVER = 0
@@ -105,6 +105,11 @@ class ParameterServer(Strategy):
         if cfg.ps.dedicated_server and world_size < 2:
             raise ConfigError("strategy ps with dedicated_server needs at least 2 processes (a server and a worker); "
                               "start more workers.")
+
+    @classmethod
+    def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
+        refuse_gloo_send_recv_on_gpus(f"strategy {cls.name}", cfg.launch.backend, world_size, on_cpu,
+                                      "--launch.device cpu")
 
     @classmethod
     def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:

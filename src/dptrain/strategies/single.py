@@ -6,6 +6,7 @@ from dptrain.strategies.base import Strategy, refuse_more_than_one_process
 
 class SingleDevice(Strategy):
     name = "single"
+    one_process = True
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
