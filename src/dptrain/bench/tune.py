@@ -456,7 +456,7 @@ def _user_ranks(tuner: Tuner) -> int:
         return tuner.cfg.slurm.ranks_here
     from dptrain.launch.local import local_workers
 
-    return local_workers(tuner.cfg.launch)
+    return local_workers(tuner.cfg.launch, tuner.cfg.strategy)
 
 
 def _compute_from(user: Candidate, rate: float, tuner: Tuner, work: model.Workload, between: model.Timed,

@@ -344,7 +344,8 @@ LEGACY_STRATEGY_KEYS.pop("bucket_mb")  # nor strategy.bucket_mb: it came after t
 class LaunchConfig:
     nproc_per_node: int | Literal["auto"] = may_change_at_resume("auto")
     """Local workers started through torch's elastic agent (ignored under torchrun or srun); auto: one per visible
-    GPU (as the tutorials' world_size = torch.cuda.device_count()), one on a machine without (it uses every core)."""
+    GPU (as the tutorials' world_size = torch.cuda.device_count()), one for strategies single and dp (one process
+    drives every GPU), one on a machine without (it uses every core)."""
     device: Literal["auto", "cpu", "cuda"] = may_change_at_resume("auto")
     """auto: cuda:<local_rank> when CUDA is available, else cpu."""
     backend: Literal["auto", "nccl", "gloo"] = may_change_at_resume("auto")
