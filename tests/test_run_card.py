@@ -217,3 +217,20 @@ def test_dptrain_report_of_a_run_folder_writes_its_card(tmp_path):
     assert card.stdout.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
     refused = run_cli(["report", str(run), "--link", "1gbit"], tmp_path, timeout=60)
     assert refused.returncode == 2 and "drop --link" in refused.stderr
+
+
+def test_a_link_among_the_snapshots_is_named_and_never_followed(tmp_path):
+    """checkpoints/step-* that is a symbolic link: its target's manifest was read as the run's own snapshot."""
+    from dptrain.bench.run_card import read_snapshots
+
+    outside = tmp_path / "outside" / "step-00000009"
+    outside.mkdir(parents=True)
+    (outside / "manifest.json").write_text(json.dumps({"step": 9, "world_size": 2, "strategy": "ddp", "torch": "x"}))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "step-00000009").symlink_to(outside)
+    (checkpoints / "step-00000004").write_text("not a folder")
+    snapshots, _ = read_snapshots(checkpoints)
+    assert [(s.name, s.step, s.problem) for s in snapshots] == [
+        ("step-00000009", None, "a symbolic link, not a snapshot folder (a run refuses it)"),
+        ("step-00000004", None, "a file, not a snapshot folder (a run refuses it)")]

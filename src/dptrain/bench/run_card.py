@@ -249,7 +249,12 @@ def read_snapshots(checkpoints: Path) -> tuple[list[Snapshot], str | None]:
         except OSError:
             latest = None
     snapshots = []
-    for folder in sorted((p for p in checkpoints.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir()), reverse=True):
+    for folder in sorted(checkpoints.glob(f"{SNAPSHOT_PREFIX}*"), reverse=True):
+        if folder.is_symlink() or not folder.is_dir():  # never followed: a run refuses such an entry as it starts
+            what = "a symbolic link" if folder.is_symlink() else "a file"
+            snapshots.append(Snapshot(name=folder.name, step=None, world_size=None, strategy="", torch="",
+                                      problem=f"{what}, not a snapshot folder (a run refuses it)"))
+            continue
         manifest, problem = read_small_json(folder / SNAPSHOT_MANIFEST)
         snapshots.append(Snapshot(name=folder.name, step=_whole(manifest.get("step")),
                                   world_size=_whole(manifest.get("world_size")),
