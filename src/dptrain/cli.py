@@ -118,10 +118,12 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = resolve_batch(cfg, job.world_size)
     preflight_job(cfg, job.world_size)
     script = slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
+    # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
+    # nothing is checked, and the dry run prints the script all the same
+    slurm_job.check_nodes_fit(cfg.slurm)
     if args.dry_run:
         print(script, end="")
         return 0
-    slurm_job.check_nodes_fit(cfg.slurm)  # after the dry run, which prints the script on a machine with no cluster too
     RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
     job.config.write_text(config_mod.to_toml(given))
     job.script.write_text(script)

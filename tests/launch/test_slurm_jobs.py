@@ -184,9 +184,12 @@ def test_submit_refuses_a_job_that_would_pend_for_ever_before_writing_anything(s
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
-    assert main(["submit", *SHORT, "--output.name", "too-wide", "--ranks-per-node", "64", "--train.global_batch_size", "128"]) == 2
-    assert "would wait in the queue for ever" in capsys.readouterr().err
-    assert not (tmp_path / "runs").exists()
+    for dry_run in ([], ["--dry-run"]):  # the dry run makes the same check (it printed the script of such a job)
+        assert main(["submit", *SHORT, "--output.name", "too-wide", "--ranks-per-node", "64",
+                     "--train.global_batch_size", "128", *dry_run]) == 2
+        out, err = capsys.readouterr()
+        assert "would wait in the queue for ever" in err and "#SBATCH" not in out
+        assert not (tmp_path / "runs").exists()
 
 
 def test_a_job_submitted_with_a_batch_per_rank_trains_that_batch_per_rank_when_resized(slurm_cluster, jobs):
