@@ -104,6 +104,11 @@ def read_json(path: Path, take: Callable[[Any], T], limit: int = SMALL_BYTES, ad
         raise UnreadableFile(path, f"is not what dptrain writes there ({exc})", advice) from None
 
 
+def read_json_object(path: Path, limit: int = SMALL_BYTES) -> dict[str, Any]:
+    """A small JSON file that holds one object (env.json, a manifest); UnreadableFile where it is not one."""
+    return read_json(path, lambda value: mapping(value, "the file"), limit)
+
+
 def parse_json(text: str, path: Path, advice: str = ADVICE) -> Any:
     """JSON text of a file (path names it in the refusal)."""
     try:

@@ -12,7 +12,6 @@ the end-to-end ones (matplotlib draws each report, about a second) fewer.
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import math
 import tempfile
@@ -113,6 +112,18 @@ def assert_clean(code: int, err: str) -> None:
     assert len(errors) == (code == 2) and len(err.splitlines()) == len(errors), err
 
 
+def report_cleanly(args: list[str], watched: Path, capsys: pytest.CaptureFixture) -> tuple[int, set[str]]:
+    """`dptrain report ARGS`, its outcome clean (assert_clean), nothing that `watched` held changed: (its exit code,
+    the files it added to `watched`)."""
+    before = files_of(watched)
+    capsys.readouterr()
+    code = main(["report", *args])
+    assert_clean(code, capsys.readouterr().err)
+    after = files_of(watched)
+    assert {k: v for k, v in after.items() if k in before} == before
+    return code, after.keys() - before.keys()
+
+
 def assert_finite_numbers(text: str) -> None:
     """No nan, inf or absurd figure reached a report's tables (a value out of range shows as one of these; the lines
     that say what was left out may quote it)."""
@@ -205,14 +216,9 @@ def test_report_of_a_sweep_with_a_planted_file_is_clean(plant, capsys):
         bench = Path(folder) / "bench"
         write_sweep(bench)
         write_planted(bench, name, tree)
-        before = files_of(bench)
-        capsys.readouterr()
-        code = main(["report", str(bench)])
-        assert_clean(code, capsys.readouterr().err)
-        after = files_of(bench)
+        code, added = report_cleanly([str(bench)], bench, capsys)
         # only the report's own files are written, each inside the sweep's folder
-        assert {k: v for k, v in after.items() if k in before} == before
-        assert all(k == "report.md" or k == "summary.csv" or k.endswith(".png") for k in after.keys() - before.keys())
+        assert all(k == "report.md" or k == "summary.csv" or k.endswith(".png") for k in added)
         if code == 0:
             assert_finite_numbers((bench / "report.md").read_text())
 
@@ -226,11 +232,8 @@ def test_fitted_on_a_sweep_with_a_planted_file_is_clean_and_writes_nothing_there
         write_sweep(bench)
         write_sweep(other)
         write_planted(other, name, tree)
-        before = files_of(other)
-        capsys.readouterr()
-        code = main(["report", str(bench), "--fitted-on", str(other)])
-        assert_clean(code, capsys.readouterr().err)
-        assert files_of(other) == before
+        code, added = report_cleanly([str(bench), "--fitted-on", str(other)], other, capsys)
+        assert added == set()
         if code == 0:
             assert_finite_numbers((bench / "report.md").read_text())
 
@@ -258,13 +261,8 @@ def test_the_run_card_of_a_run_with_a_planted_file_is_clean(name, data, capsys):
         for kind, make in RUN_KINDS.items():
             write_planted(run_dir, kind, make())
         write_planted(run_dir, name, tree)
-        before = files_of(run_dir)
-        capsys.readouterr()
-        code = main(["report", str(run_dir)])
-        assert_clean(code, capsys.readouterr().err)
-        after = files_of(run_dir)
-        assert {k: v for k, v in after.items() if k in before} == before
-        assert all(k.startswith("report/") for k in after.keys() - before.keys())
+        code, added = report_cleanly([str(run_dir)], run_dir, capsys)
+        assert all(k.startswith("report/") for k in added)
         if code == 0 and name != "env.json":  # the card shows env.json's values as the file gives them
             assert_finite_numbers((run_dir / "report" / "report.md").read_text())
 

@@ -189,7 +189,7 @@ def _read_head(path: Path) -> str:
 def _read_json(path: Path) -> dict:
     """A small JSON object file (env.json); {} where it is missing or not one."""
     try:
-        return read_back.read_json(path, lambda value: read_back.mapping(value, "the file"), SMALL_FILE_BYTES)
+        return read_back.read_json_object(path, SMALL_FILE_BYTES)
     except (FileNotFoundError, UnreadableFile):
         return {}
 

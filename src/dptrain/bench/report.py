@@ -397,7 +397,7 @@ def _placement(bench_dir: Path, row: dict[str, Any]) -> dict[str, int]:
     cpu_threads_per_rank, those it holds as positive integers."""
     folder = _run_folder(bench_dir, row)
     try:
-        env = read_back.read_json(folder.env, lambda value: read_back.mapping(value, "the file")) if folder else {}
+        env = read_back.read_json_object(folder.env) if folder else {}
     except (FileNotFoundError, UnreadableFile):
         return {}
     return {key: value for key in ("machines", "machine_cores", "cpu_threads_per_rank")

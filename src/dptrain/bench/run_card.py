@@ -188,7 +188,7 @@ def _cut(text: str) -> str:
 def read_small_json(path: Path) -> tuple[dict[str, Any], str | None]:
     """A small JSON object file (env.json, a manifest) and why it could not be read, if it could not."""
     try:
-        return read_back.read_json(path, lambda value: read_back.mapping(value, "the file"), SMALL_FILE_BYTES), None
+        return read_back.read_json_object(path, SMALL_FILE_BYTES), None
     except FileNotFoundError:
         return {}, f"{path.name} is missing"
     except UnreadableFile as exc:
