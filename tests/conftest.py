@@ -71,7 +71,7 @@ def machine_probes(tmp_path_factory) -> Path:
     """A folder holding this machine's matmul probe (1 and 2 workers, float32) and link probe (2 processes), made
     once a session: the sweeps of tests that are not about the probes take them with `--probes-from` (the probes
     cost about 10 s a sweep)."""
-    from dptrain.bench import link, peak
+    from dptrain_bench import link, peak
 
     folder = tmp_path_factory.mktemp("probes")
     peak.record(folder, "cpu", "float32", (1, 2))
@@ -82,15 +82,15 @@ def machine_probes(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def slurm_link_probes(slurm_cluster, tmp_path_factory) -> Path:
     """A folder whose link.json holds a real probe of the link between the test cluster's 2 nodes (one task each,
-    `srun ... -m dptrain.bench.link --launched`), made once a session: the SLURM sweeps of tests that are not about
+    `srun ... -m dptrain_bench.link --launched`), made once a session: the SLURM sweeps of tests that are not about
     the probe take it with `--probes-from` instead of running a probe job each (about 5 s a sweep here)."""
-    from dptrain.bench import link
+    from dptrain_bench import link
 
     folder = tmp_path_factory.mktemp("slurm-link")
     # the test cluster's nodes are this machine: its loopback joins them
     done = slurm_cluster.run("srun", "-N", "2", "--ntasks-per-node", "1",
                              f"--export=ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={free_port()}", sys.executable, "-m",
-                             "dptrain.bench.link", "--launched", "--record", str(folder), timeout=120, cwd=REPO)
+                             "dptrain_bench.link", "--launched", "--record", str(folder), timeout=120, cwd=REPO)
     record = link.read_link(folder)
     assert done.returncode == 0 and record is not None and (2, 2) in record.probes, done.stderr[-2000:]
     return folder

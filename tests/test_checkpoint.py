@@ -295,7 +295,7 @@ def _snapshot_into_the_folder_of(rank: int, world_size: int, folders: list[str],
     then saves a snapshot of step 5: what each of the two said."""
     import os
 
-    from dptrain.dist.env import DistEnv
+    from dptrain.distributed.env import DistEnv
     from tests.test_snapshot_rules import save_at, snapshotter
 
     os.chdir(folders[rank])  # the pool puts it back after the job

@@ -142,12 +142,16 @@ def test_the_readmes_layers_and_code_map_are_pyprojects_and_the_trees():
     shown = ["__main__", *(re.split(r"\s{2,}", line.strip())[0] for line in block.strip().splitlines())]
     assert shown == layers, "the README's layer list differs from [tool.importlinter] in pyproject.toml"
     src = root / "src" / "dptrain"
+    library_map, lab_map = readme.split("\n`src/dptrain_bench/`", 1)
     modules = {p.name for p in src.glob("*.py")} - {"__init__.py"}
-    mapped = set(re.findall(r"^([a-z_]+\.py)\s", readme, flags=re.MULTILINE))
+    mapped = set(re.findall(r"^([a-z_]+\.py)\s", library_map, flags=re.MULTILINE))
     assert modules == mapped, f"the README's map and src/dptrain/ differ: {sorted(modules ^ mapped)}"
+    lab = {p.name for p in (root / "src" / "dptrain_bench").glob("*.py")} - {"__init__.py"}
+    mapped = set(re.findall(r"^([a-z_]+\.py)\s", lab_map.split("```", 2)[1], flags=re.MULTILINE))
+    assert lab == mapped, f"the README's map of the lab and src/dptrain_bench/ differ: {sorted(lab ^ mapped)}"
     # each package, and each module in it, one indented line under it
     for package in sorted(p.parent for p in src.glob("*/__init__.py")):
-        lines = readme.split(f"\n{package.name}/", 1)
+        lines = library_map.split(f"\n{package.name}/", 1)
         assert len(lines) == 2, f"package {package.name}/ missing from the README's map"
         block = re.split(r"\n(?! )", lines[1].split("\n", 1)[1], maxsplit=1)[0]
         listed = set(re.findall(r"^  ([a-z_]+\.py)\s", block, flags=re.MULTILINE))

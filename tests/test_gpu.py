@@ -68,7 +68,7 @@ def test_a_task_bound_to_one_gpu_uses_it_whatever_its_local_rank(tmp_path):
 
 def test_auto_workers_are_one_per_visible_gpu_and_one_for_single_and_dp():
     from dptrain.config import LaunchConfig, StrategyConfig
-    from dptrain.launch.local import local_workers
+    from dptrain.prestart import local_workers
 
     assert local_workers(LaunchConfig(), StrategyConfig()) == torch.cuda.device_count()
     for name in ("single", "dp"):  # they drive every GPU from one process (and refuse more)

@@ -1,6 +1,6 @@
 """What decides the GPU paths outside the strategies, on the CPU: the watch that names a lost peer on nccl, the host
 syncs of a user Dataset's indices and of evaluation, and the refusal of more nccl workers than visible GPUs (and of
-send/recv on gloo with CUDA tensors) before any worker starts. What only a GPU shows is in bench/gpu_check.py."""
+send/recv on gloo with CUDA tensors) before any worker starts. What only a GPU shows is in perf/gpu_check.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dptrain import cli, config
 from dptrain.data.loader import Batch, DatasetLoader, indices_on
-from dptrain.dist.env import DistEnv
-from dptrain.dist.failures import PULSE_DONE, PeerWatch, Phase, WorkerFailure, needs_peer_watch
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.failures import PULSE_DONE, PeerWatch, Phase, WorkerFailure, needs_peer_watch
 from dptrain.errors import ConfigError
 from dptrain.evaluate import evaluate
 from dptrain.launch import local
@@ -196,8 +196,8 @@ def test_a_rank_blocked_outside_python_is_ended_with_the_sentence_and_exit_code_
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     script = textwrap.dedent(f"""
         import time
-        from dptrain.dist.env import DistEnv
-        from dptrain.dist.failures import PeerWatch, Phase, own_client
+        from dptrain.distributed.env import DistEnv
+        from dptrain.distributed.failures import PeerWatch, Phase, own_client
         env = DistEnv(0, 0, 2, 2, "127.0.0.1", {server.port}, "torchrun")
         phase = Phase(0)
         with phase("step 3"):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench import run_card
+from dptrain.reporting import run_card
 from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
-from dptrain.bench.run_card import SECTIONS, is_run_dir, timeline, write_run_card
+from dptrain.reporting.run_card import SECTIONS, is_run_dir, timeline, write_run_card
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import log_tail, read_events, run_cli
 from tests.distributed import run_cli_on_ranks
@@ -221,7 +221,7 @@ def test_dptrain_report_of_a_run_folder_writes_its_card(tmp_path):
 
 def test_a_link_among_the_snapshots_is_named_and_never_followed(tmp_path):
     """checkpoints/step-* that is a symbolic link: its target's manifest was read as the run's own snapshot."""
-    from dptrain.bench.run_card import read_snapshots
+    from dptrain.reporting.run_card import read_snapshots
 
     outside = tmp_path / "outside" / "step-00000009"
     outside.mkdir(parents=True)

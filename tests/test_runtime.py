@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dptrain.dist.env import DistEnv
-from dptrain.dist.failures import Phase, WorkerFailure, roll_call
-from dptrain.dist.store import join_store
-from dptrain.dist.world import init_process_group
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.failures import Phase, WorkerFailure, roll_call
+from dptrain.distributed.store import join_store
+from dptrain.distributed.world import init_process_group
 from tests.distributed import free_port, run_on_ranks
 
 # The deadline tests bound a rank's wait by the mechanism, not by a guess of the machine's speed: it waits at least its

@@ -16,7 +16,7 @@ import torch
 
 from dptrain import checkpoint, config
 from dptrain.checkpoint import Snapshotter
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError, SnapshotError
 from dptrain.strategies.state import Shards
 from dptrain.train_state import TrainState

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dptrain import config as config_mod, faults
 from dptrain.config import RunConfig
 from dptrain.data import input_record
-from dptrain.dist.world import barrier
+from dptrain.distributed.world import barrier
 from dptrain.errors import ConfigError, SnapshotError, UnsafeFileError
 from dptrain.files import fsync_dir, written_whole
 from dptrain.run_folder import RunFolder

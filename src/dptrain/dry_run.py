@@ -16,8 +16,8 @@ from dptrain.config import RunConfig
 from dptrain.data import build_loaders, describe
 from dptrain.data.catalog import DATASETS, locate
 from dptrain.data.sharding import num_batches
-from dptrain.dist.env import Nodes
-from dptrain.dist.world import pick_backend
+from dptrain.distributed.env import Nodes
+from dptrain.distributed.world import pick_backend
 from dptrain.errors import ConfigError, DataError
 from dptrain.models import build_model
 from dptrain.runtime import wants_cuda

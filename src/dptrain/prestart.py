@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from dptrain import checkpoint, config as config_mod
-from dptrain.config import RunConfig, TrainConfig
+from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, TrainConfig
 from dptrain.data import describe
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
 from dptrain.imports import import_object
@@ -228,3 +228,29 @@ def check_predictions_path(path: Path) -> None:
     from dptrain.evaluate import PREDICTIONS_HEADER
 
     check_replaceable(path, "--predictions", lambda first: first == list(PREDICTIONS_HEADER), "a predictions file")
+
+
+def local_workers(launch: LaunchConfig, strategy: StrategyConfig | None = None) -> int:
+    """launch.nproc_per_node resolved for this machine (workers_for); strategy None: one that runs a process a GPU."""
+    gpus = 0
+    if wants_cuda(launch.device):
+        import torch
+
+        gpus = torch.cuda.device_count()
+    one_process = False
+    if strategy is not None:
+        from dptrain.strategies import STRATEGIES  # imports torch.distributed: only once a run is wanted
+
+        one_process = STRATEGIES[strategy.name].one_process
+    return workers_for(launch.nproc_per_node, gpus, one_process)
+
+
+def workers_for(nproc_per_node: int | str, gpus: int, one_process: bool) -> int:
+    """launch.nproc_per_node resolved: a number as given; auto: one per GPU the run uses (gpus: 0 on the CPU), one
+    where it uses none (one worker uses every core: a second would only split them, and add its gradient traffic) or
+    where the strategy drives every GPU from one process (single, dp: one process per GPU is what they refuse)."""
+    if nproc_per_node != "auto":
+        return int(nproc_per_node)
+    if one_process:
+        return 1
+    return max(1, gpus)

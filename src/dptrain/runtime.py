@@ -1,6 +1,6 @@
 """One process's runtime: its device, CPU threads and memory allocator, seeds, determinism and autocast.
 
-The distributed world (the process group, its store, failure naming, how a process ends) is dist/."""
+The distributed world (the process group, its store, failure naming, how a process ends) is distributed/."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.slurm.env import slurm_count
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from dptrain.checkpoint import Snapshotter
 from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
-from dptrain.dist.env import DistEnv
-from dptrain.dist.failures import Phase, WorkerFailure
-from dptrain.dist.world import barrier
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.failures import Phase, WorkerFailure
+from dptrain.distributed.world import barrier
 from dptrain.errors import OutputError
 from dptrain.evaluate import evaluate, sync
 from dptrain.files import written_whole
@@ -54,7 +54,7 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
     capturable: Adam's state and learning rate stay on the GPU, so that a CUDA graph can replay the step.
     """
     # fused: one kernel over all parameters instead of a dozen foreach passes. The tutorials' CNN's step on one CPU
-    # thread: 0.81 ms instead of 2.38 (`python bench/micro.py`, adam); on a GPU, `python bench/gpu_profile.py`.
+    # thread: 0.81 ms instead of 2.38 (`python perf/micro.py`, adam); on a GPU, `python perf/gpu_profile.py`.
     return optimizer_choice(cfg.optim, peak_lr(cfg), fused=True, capturable=capturable)
 
 
@@ -161,7 +161,7 @@ class Trainer:
 
     def run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
         """Train the rest of this epoch: one screen, in order: train, count, log, snapshot if due, stop if asked; then
-        the epoch's training metrics, reduced over the ranks. Public for profiling (bench/gpu_profile.py times it)."""
+        the epoch's training metrics, reduced over the ranks. Public for profiling (perf/gpu_profile.py times it)."""
         self.model.train()
         state = self.state
         steps = 0  # in this process's part of the epoch

@@ -17,10 +17,10 @@ import torch
 
 from dptrain import checkpoint, config as config_mod
 from dptrain.config import RunConfig
-from dptrain.dist.ending import agent_restarts_this_worker, exit_deadline
-from dptrain.dist.env import DistEnv
-from dptrain.dist.failures import PeerWatch, Phase, needs_peer_watch, own_client
-from dptrain.dist.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
+from dptrain.distributed.ending import agent_restarts_this_worker, exit_deadline
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.failures import PeerWatch, Phase, needs_peer_watch, own_client
+from dptrain.distributed.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
 from dptrain.errors import DataError, OutputError
 from dptrain.files import written_whole
 from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,

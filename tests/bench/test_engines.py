@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dptrain import config as config_mod
-from dptrain.bench import deepspeed_engine, engines, lightning_engine
-from dptrain.bench.sweep import first_error, sweep_from_options
+from dptrain_bench import deepspeed_engine, engines, lightning_engine
+from dptrain_bench.sweep import first_error, sweep_from_options
 from dptrain.errors import ConfigError
 from tests.bench.test_sweep import TINY, read_rows, run_bench
 
@@ -48,7 +48,7 @@ def test_what_a_peer_cannot_run_is_one_sentence(tmp_path, kw, words):
 
 
 def test_issue_12s_sweep_runs_every_engine_on_its_own_strategies(tmp_path):
-    from dptrain.bench.sweep import plan
+    from dptrain_bench.sweep import plan
 
     sweep, notes = sweep_from_options(config_path=None, pairs=[*SYNTH, ("output.dir", str(tmp_path / "b"))],
                                       workers="1,2", strategies="ddp,fsdp,zero1,ps", repeats=1, warmup_epochs=None,

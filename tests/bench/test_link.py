@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from dptrain.bench import link
-from dptrain.bench.link import (COLLECTIVES, LinkProbe, Timing, collective_seconds, fit, read_link, record,
+from dptrain_bench import link
+from dptrain_bench.link import (COLLECTIVES, LinkProbe, Timing, collective_seconds, fit, read_link, record,
                                 ring_terms)
 
 ALPHA, BANDWIDTH = 50e-6, 125e6  # 50 us a message, 1 Gbit/s
@@ -123,7 +123,7 @@ def test_read_link_of_a_missing_or_broken_file_is_none(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_real_two_process_gloo_probe_fits_and_round_trips(tmp_path):
     # a fresh Python, as measure() starts it, at tiny sizes and short rounds (about three seconds, most of it torch)
-    out = subprocess.run([sys.executable, "-m", "dptrain.bench.link", "--world", "2", "--sizes", "256,1048576",
+    out = subprocess.run([sys.executable, "-m", "dptrain_bench.link", "--world", "2", "--sizes", "256,1048576",
                           "--min-s", "0.01", "--record", str(tmp_path), "--json"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

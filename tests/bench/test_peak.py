@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from dptrain.bench import peak
-from dptrain.bench.collect import add_efficiency, summarize
-from dptrain.bench.peak import Probe, calls_to_fill, cpu_threads, matmul_flops, rate_tflops, read_peaks, record
-from dptrain.bench.report import table
+from dptrain_bench import peak
+from dptrain_bench.collect import add_efficiency, summarize
+from dptrain_bench.peak import Probe, calls_to_fill, cpu_threads, matmul_flops, rate_tflops, read_peaks, record
+from dptrain_bench.report import table
 
 
 def test_rates_count_two_operations_per_multiply_add_over_every_process():
@@ -97,7 +97,7 @@ def test_the_probe_runs_its_processes_at_once_on_the_cpu():
 def test_a_failed_probe_leaves_the_sweep_going(tmp_path, monkeypatch, caplog):
     import logging
 
-    from dptrain.bench import sweep as sweep_mod
+    from dptrain_bench import sweep as sweep_mod
 
     def broken(workers, device, dtype):
         raise RuntimeError("the matmul probe (1 processes, cpu, float32) failed: MemoryError: no")

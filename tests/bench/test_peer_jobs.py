@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench import jobs as jobs_mod
-from dptrain.bench.collect import run_nodes
-from dptrain.bench.sweep import plan, sweep_from_options
+from dptrain_bench import jobs as jobs_mod
+from dptrain_bench.collect import run_nodes
+from dptrain_bench.sweep import plan, sweep_from_options
 from dptrain.errors import ConfigError
 from dptrain.slurm import queue as slurm_queue
 from tests.bench.test_slurm_sweep import TINY, bench, read_rows
@@ -61,7 +61,7 @@ export OMP_NUM_THREADS=4
 # (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.
 # --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.
 srun --kill-on-bad-exit=1 python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
---rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" -m dptrain.bench.tutorial {run_dir}
+--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" -m dptrain_bench.tutorial {run_dir}
 """
     assert not (tmp_path / "out").exists()
 
@@ -76,7 +76,7 @@ def test_a_gpu_peer_job_gives_each_node_its_gpus_and_ranks(tmp_path, capsys):
     w8 = lightning["lightning-ddp-w8-r1"]
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=4\n" in w8
     assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d" in w8
-    assert "-m dptrain.bench.lightning_engine " in w8 and "--signal" not in w8
+    assert "-m dptrain_bench.lightning_engine " in w8 and "--signal" not in w8
     assert "OMP_NUM_THREADS" not in w8  # no --cpus-per-node: the threads are torchrun's and torch's choice
 
 
@@ -91,7 +91,7 @@ def test_a_peer_engines_job_in_a_container_starts_torchrun_in_it(tmp_path, capsy
     assert f" {IMAGE} " in srun
     assert srun.endswith(" python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d "
                          "--rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" --rdzv-id \"$SLURM_JOB_ID\" -m "
-                         f"dptrain.bench.deepspeed_engine {tmp_path / 'out' / 'runs' / 'deepspeed-ddp-w2-r1'}")
+                         f"dptrain_bench.deepspeed_engine {tmp_path / 'out' / 'runs' / 'deepspeed-ddp-w2-r1'}")
     # the container's comments are kept, dptrain's agents' are not
     assert any(line.startswith("# Each task starts in the image (apptainer)") for line in lines)
     assert not any(line.startswith("# Each node's agent") for line in lines)

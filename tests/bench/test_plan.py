@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench import sweep as sweep_mod
-from dptrain.bench.sweep import cap_workers, describe_plan, first_error, plan, run_sweep, sweep_from_options
+from dptrain_bench import sweep as sweep_mod
+from dptrain_bench.sweep import cap_workers, describe_plan, first_error, plan, run_sweep, sweep_from_options
 from dptrain.errors import ConfigError
 
 SYNTH = [("data.name", "synthetic"), ("train.epochs", "3")]

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dptrain.bench import link, peak
-from dptrain.bench.collect import read_results, summarize
-from dptrain.bench.sweep import adopt_probes
+from dptrain_bench import link, peak
+from dptrain_bench.collect import read_results, summarize
+from dptrain_bench.sweep import adopt_probes
 from dptrain.cli import main
 from dptrain.errors import ConfigError
 from dptrain.read_back import UnreadableFile
@@ -137,7 +137,7 @@ def assert_finite_numbers(text: str) -> None:
 @FAST
 @given(tree=planted(link_tree()))
 def test_a_planted_link_json_is_taken_checked_or_refused_in_one_sentence(tree):
-    from dptrain.bench.model import Plan, Workload, curve
+    from dptrain_bench.model import Plan, Workload, curve
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / link.LINK_FILE

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench.collect import RESULT_COLUMNS, collect, summarize
+from dptrain_bench.collect import RESULT_COLUMNS, collect, summarize
 from dptrain.cli import main
 from dptrain.errors import ConfigError
 
@@ -248,7 +248,7 @@ def test_runs_that_timed_no_epoch_are_named_as_such(tmp_path, capsys):
 
 def write_link(bench: Path, latency_s: float, bandwidth_bps: float, hosts: int = 2) -> None:
     """A link.json of one probe whose timings follow the ring formulas of that latency and bandwidth exactly."""
-    from dptrain.bench.link import COLLECTIVES, LinkProbe, Timing, collective_seconds
+    from dptrain_bench.link import COLLECTIVES, LinkProbe, Timing, collective_seconds
 
     timings = [Timing(c, 2, s, collective_seconds(c, 2, s, latency_s, bandwidth_bps))
                for c in COLLECTIVES for s in (1 << 10, 1 << 16, 1 << 22)]
@@ -257,8 +257,8 @@ def write_link(bench: Path, latency_s: float, bandwidth_bps: float, hosts: int =
 
 
 def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(tmp_path, capsys):
-    from dptrain.bench.model import Link, Plan, Workload, predict
-    from dptrain.bench.report import SCALING_PLOT, write_report
+    from dptrain_bench.model import Link, Plan, Workload, predict
+    from dptrain_bench.report import SCALING_PLOT, write_report
 
     # 1, 2 and 4 hosts of one rank each on a 1 Gbit/s link; the images/s of 1 and 2 hosts follow the model with an
     # overlap of 0.3, the 4-host point runs 10% slower than it predicts
@@ -298,7 +298,7 @@ def write_lab_sweep(bench: Path, link, overlap: float, hosts: tuple[int, ...], s
     runs' env.json say so, their images/s follow the model (times `slower` at a host count), link.json is `link`.
     With comm_cpu_s_per_byte, moving a byte between hosts costs a rank that much CPU, and results.csv has each
     point's CPU use (its compute's, a core's worth at 1 ms a sample, plus the bytes' over its step)."""
-    from dptrain.bench.model import Plan, Workload, bytes_sent_per_rank, predict
+    from dptrain_bench.model import Plan, Workload, bytes_sent_per_rank, predict
 
     work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1,
                     cores_busy_alone=1.0, comm_cpu_s_per_byte=comm_cpu_s_per_byte)
@@ -327,8 +327,8 @@ def errors_of(text: str) -> list[str]:
 
 
 def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit_predicts_another_link(tmp_path):
-    from dptrain.bench.model import Link
-    from dptrain.bench.report import write_report
+    from dptrain_bench.model import Link
+    from dptrain_bench.report import write_report
 
     # the 4-host point computes at half speed (4 ranks on 2 cores), which env.json's placement lets the model know
     lab = tmp_path / "1gbit"
@@ -358,8 +358,8 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
 
 
 def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carried_to_another_link(tmp_path):
-    from dptrain.bench.model import Link
-    from dptrain.bench.report import write_report
+    from dptrain_bench.model import Link
+    from dptrain_bench.report import write_report
 
     # 3 ns of a rank's CPU a byte sent: on 4 hosts of a 2-core machine, each rank with half a core, it costs twice the
     # wall time it does on 2; fitted on 1 and 2 hosts from results.csv's cpu_util_pct, the 4-host point is exact
@@ -382,7 +382,7 @@ def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carri
 
 
 def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):
-    from dptrain.bench.report import SCALING_PLOT, write_report
+    from dptrain_bench.report import SCALING_PLOT, write_report
 
     bench = tmp_path / "bench"
     write_results(bench, [result_row(1, 2.0), result_row(2, 1.0)])
@@ -396,7 +396,7 @@ def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys)
 
 
 def test_the_models_plan_comes_from_the_sweeps_strategy_table():
-    from dptrain.bench.report import _plan
+    from dptrain_bench.report import _plan
 
     table = {"ddp": {"comm_hook": "bf16", "bucket_mb": 2, "powersgd_rank": 8},
              "fsdp": {"reshard_after_forward": False, "param_dtype": "bfloat16", "reduce_dtype": "auto"}}
@@ -410,7 +410,7 @@ def test_the_models_plan_comes_from_the_sweeps_strategy_table():
 def test_fitted_on_reads_another_sweep_without_writing_in_it(tmp_path, capsys):
     """--fitted-on OTHER whose results.csv is gone: rebuilt from OTHER's runs to fit on, but never written there (it
     was written into the other sweep's folder)."""
-    from dptrain.bench.model import Link
+    from dptrain_bench.model import Link
 
     bench, other = tmp_path / "bench", tmp_path / "other"
     write_lab_sweep(bench, Link("lab", 50e-6, 125e6, ""), 0.3, (1, 2))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench import jobs as jobs_mod
-from dptrain.bench.collect import RESULT_COLUMNS
-from dptrain.bench.folder import BenchFolder
-from dptrain.bench.sweep import ERROR_FILE, job_shape, plan, runs_on_cpu, sweep_from_options
+from dptrain_bench import jobs as jobs_mod
+from dptrain_bench.collect import RESULT_COLUMNS
+from dptrain_bench.folder import BenchFolder
+from dptrain_bench.sweep import ERROR_FILE, job_shape, plan, runs_on_cpu, sweep_from_options
 from dptrain import config
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
@@ -382,7 +382,7 @@ def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slu
         assert (run_dir / "logs" / f"slurm-{job_id}.out").is_file()
     assert [s["workers"] for s in read_rows(bench_dir / "summary.csv")] == ["1", "2"]
     # the link between the 2 nodes, probed by one job once the points' had ended, for the report's scaling model
-    from dptrain.bench.link import read_link
+    from dptrain_bench.link import read_link
 
     record = read_link(bench_dir)
     assert record is not None and record.across_hosts is not None and record.across_hosts.bandwidth_bps > 0, logs2

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.bench.collect import RESULT_COLUMNS, SUMMARY_COLUMNS
-from dptrain.bench.peak import read_peaks
-from dptrain.bench.report import PLOTS
-from dptrain.bench.sweep import ERROR_FILE, LOG_FILE
+from dptrain_bench.collect import RESULT_COLUMNS, SUMMARY_COLUMNS
+from dptrain_bench.peak import read_peaks
+from dptrain_bench.report import PLOTS
+from dptrain_bench.sweep import ERROR_FILE, LOG_FILE
 from dptrain.cli import main
 from dptrain.errors import ConfigError
 
@@ -53,7 +53,7 @@ def test_sweep_writes_one_row_per_run_and_a_summary(sweep):
     assert tuple(rows[0]) == RESULT_COLUMNS
     peaks = read_peaks(bench)
     assert sorted(peaks) == [1, 2] and {(p.device, p.dtype) for p in peaks.values()} == {("cpu", "float32")}
-    from dptrain.bench.link import read_link  # the link between the 2 workers' processes, for the scaling model
+    from dptrain_bench.link import read_link  # the link between the 2 workers' processes, for the scaling model
 
     link = read_link(bench)
     assert link is not None and list(link.probes) == [(1, 2)] and link.within_host is not None
@@ -149,7 +149,7 @@ def test_tutorial_engine_writes_the_same_event_shape(tmp_path, machine_probes):
 
 
 def test_a_sweep_goes_under_runs_by_default_not_into_the_source_folder_bench():
-    from dptrain.bench.sweep import sweep_from_options
+    from dptrain_bench.sweep import sweep_from_options
 
     sweep, _ = sweep_from_options(config_path=None, pairs=[("data.name", "synthetic")], workers="1", strategies="ddp",
                                   repeats=1, warmup_epochs=0, engines="dptrain", run_timeout_s=60)
@@ -157,9 +157,9 @@ def test_a_sweep_goes_under_runs_by_default_not_into_the_source_folder_bench():
 
 
 def test_probes_from_an_earlier_sweep_are_copied_where_the_sweep_has_none_and_nothing_else(tmp_path, machine_probes):
-    from dptrain.bench.link import LINK_FILE, read_link
-    from dptrain.bench.peak import PEAK_FILE
-    from dptrain.bench.sweep import adopt_probes
+    from dptrain_bench.link import LINK_FILE, read_link
+    from dptrain_bench.peak import PEAK_FILE
+    from dptrain_bench.sweep import adopt_probes
 
     fresh = tmp_path / "fresh"
     assert adopt_probes(machine_probes, fresh) == [PEAK_FILE, LINK_FILE]

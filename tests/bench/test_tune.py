@@ -9,8 +9,8 @@ import json
 import pytest
 
 from dptrain import config
-from dptrain.bench import tune
-from dptrain.bench.tune import Candidate, Tuner
+from dptrain_bench import tune
+from dptrain_bench.tune import Candidate, Tuner
 from dptrain.cli import main
 from tests.conftest import run_cli
 
@@ -70,7 +70,7 @@ def test_a_candidates_options_make_its_configuration():
 
 def test_the_model_ranks_more_ranks_first_where_they_compute_faster_and_the_link_is_free():
     work = tune.workload(config.load(None, TINY), compute_s_per_sample=1e-3)
-    from dptrain.bench.model import Link
+    from dptrain_bench.model import Link
 
     free = Link("free", 0.0, 1e15, "no cost")
     ranked = tune.rank_by_model([Candidate("ddp", 1), Candidate("ddp", 2)], work.__class__(**{
@@ -268,7 +268,7 @@ def test_the_workload_counts_in_the_parameters_own_element_size():
     (the workload said 4 whatever the model)."""
     import torch
 
-    from dptrain.bench.tune import workload
+    from dptrain_bench.tune import workload
 
     cfg = config.load(None, [("data.name", "synthetic")])
     assert workload(cfg, 1e-3).element_size == 4

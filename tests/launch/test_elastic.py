@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dptrain.dist.env import Nodes, node_range
+from dptrain.distributed.env import Nodes, node_range
 from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
 from dptrain.launch.rendezvous import (KEEP_ALIVE_ENV, LAST_CALL_ENV, NodeInOrder, RefusalAware, nodes_lost,

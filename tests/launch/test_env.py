@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 
-from dptrain.dist.env import DistEnv, Nodes, check_master_resolves
+from dptrain.distributed.env import DistEnv, Nodes, check_master_resolves
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.slurm.env import expand_nodelist
 
@@ -89,8 +89,8 @@ def test_a_world_in_the_calling_process_gives_the_collective_interface_back(monk
     # process bound loopback. Set while the world lives (torch reads it for every group); a user's own is kept.
     import torch
 
-    from dptrain.dist.store import loopback_interface
-    from dptrain.dist.world import destroy_process_group, init_process_group
+    from dptrain.distributed.store import loopback_interface
+    from dptrain.distributed.world import destroy_process_group, init_process_group
 
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(key, raising=False)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dptrain.dist.ending import exit_deadline, lift_exit_deadline
+from dptrain.distributed.ending import exit_deadline, lift_exit_deadline
 from tests.conftest import REPO
 
 # Two local workers through dptrain's agent; each fails in "step 3", then its teardown (leaving the process group)
@@ -19,7 +19,7 @@ HANGING_TEARDOWN = """
 import functools, sys, time
 from pathlib import Path
 from dptrain import config, worker
-from dptrain.dist import ending
+from dptrain.distributed import ending
 from dptrain.errors import LaunchError
 from dptrain.launch.local import launch_local
 
@@ -87,7 +87,7 @@ def test_a_lifted_deadline_never_ends_the_process(tmp_path, monkeypatch, to_log_
 def test_a_worker_knows_whether_its_agent_restarts_it(monkeypatch, agent, restart_count, max_restarts, restarts):
     import os
 
-    from dptrain.dist.ending import AGENT_PID, agent_restarts_this_worker
+    from dptrain.distributed.ending import AGENT_PID, agent_restarts_this_worker
 
     if agent is None:
         monkeypatch.delenv(AGENT_PID, raising=False)

@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from dptrain.dist.failures import WorkerFailure
+from dptrain.distributed.failures import WorkerFailure
 from dptrain.launch.local import describe_failure
 
 

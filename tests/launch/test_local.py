@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.dist.store import listening_store
+from dptrain.distributed.store import listening_store
 from tests.conftest import start_cli
 
 
@@ -102,7 +102,7 @@ def test_a_taken_port_is_one_sentence():
 
 def test_auto_workers_are_one_per_gpu_or_one_on_the_cpu():
     from dptrain.config import LaunchConfig
-    from dptrain.launch.local import local_workers
+    from dptrain.prestart import local_workers
 
     assert local_workers(LaunchConfig(nproc_per_node="auto", device="cpu")) == 1
     assert local_workers(LaunchConfig(nproc_per_node=3, device="cpu")) == 3  # a number always wins
@@ -116,7 +116,7 @@ def test_backend_choice(capsys):
     import torch
 
     from dptrain.cli import main
-    from dptrain.dist.world import pick_backend
+    from dptrain.distributed.world import pick_backend
 
     assert pick_backend("auto", torch.device("cpu")) == "gloo"
     assert pick_backend("auto", torch.device("cuda", 0)) == "nccl"
@@ -187,7 +187,7 @@ def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp
 
 def _fail_counting_attempts(tally: str, refuse: bool) -> None:
     from dptrain.errors import SnapshotError
-    from dptrain.dist.failures import WorkerFailure
+    from dptrain.distributed.failures import WorkerFailure
 
     if os.environ["RANK"] == "0":
         with open(tally, "a") as f:
@@ -233,7 +233,7 @@ class _HostGone:
     def next_rendezvous(self):
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-        from dptrain.dist.failures import cpp_log_level
+        from dptrain.distributed.failures import cpp_log_level
 
         self.cpp_levels.append(cpp_log_level())
         try:
@@ -258,8 +258,8 @@ def test_a_rendezvous_host_that_is_gone_is_one_sentence_with_the_details_in_the_
     # Node 1, after node 0's agent was killed: 92-100 lines of C++ frames and a RendezvousConnectionError traceback.
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    from dptrain.dist.env import Nodes
-    from dptrain.dist.failures import cpp_log_level
+    from dptrain.distributed.env import Nodes
+    from dptrain.distributed.failures import cpp_log_level
     from dptrain.errors import LaunchError
     from dptrain.launch import local
     from dptrain.launch.rendezvous import RENDEZVOUS
@@ -287,8 +287,8 @@ def test_a_rendezvous_host_that_is_gone_is_one_sentence_with_the_details_in_the_
 def _what_a_worker_sees(out: str) -> None:
     import json
 
-    from dptrain.dist.ending import AGENT_PID
-    from dptrain.dist.failures import cpp_log_level
+    from dptrain.distributed.ending import AGENT_PID
+    from dptrain.distributed.failures import cpp_log_level
     from dptrain.launch.rendezvous import REFUSAL_FILE
 
     Path(out).write_text(json.dumps({"cpp_level": cpp_log_level(), "agent_pid": os.environ.get(AGENT_PID),
@@ -300,7 +300,7 @@ def _what_a_worker_sees(out: str) -> None:
 def test_a_launch_leaves_the_callers_environment_as_it_was_and_the_workers_their_cpp_warnings(tmp_path, monkeypatch):
     import json
 
-    from dptrain.dist.failures import cpp_log_level
+    from dptrain.distributed.failures import cpp_log_level
     from dptrain.launch.local import AGENT_ENV, launch_local
     from dptrain.launch.rendezvous import REFUSAL_FILE
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from dptrain.dist.env import Nodes
+from dptrain.distributed.env import Nodes
 from dptrain.errors import ConfigError
 from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, log_tail, plan_runs, read_events, run_cli
 from tests.netns_hosts import TwoHosts
@@ -281,7 +281,7 @@ def test_a_master_the_network_does_not_lead_to_fails_soon_naming_it(two_hosts):
     """No route to node1 (the link is down): not the whole timeout of a refused port, but half of it (30 s at most)."""
     two_hosts.cut_link()
     timeout_s = 6
-    code = ("import time; from dptrain.dist.store import reach_store; from dptrain.errors import LaunchError\n"
+    code = ("import time; from dptrain.distributed.store import reach_store; from dptrain.errors import LaunchError\n"
             "start = time.monotonic()\n"
             f"try:\n    reach_store('node1', 29500, {timeout_s}, 'the store of rank 0', 'rank 0')\n"
             "except LaunchError as exc:\n    print(time.monotonic() - start); print(exc)\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dptrain import config as config_mod
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.runtime import set_cpu_threads
 from dptrain.slurm import job as slurm_job

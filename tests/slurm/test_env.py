@@ -16,7 +16,7 @@ TABLE = SRC / "slurm" / "env.py"
 
 def test_no_module_but_slurm_env_spells_a_slurm_variable():
     # A string that is a variable's name is a lookup (os.environ.get("SLURM_JOB_ID")) or a second table of them:
-    # runtime, worker, launch/slurm.py and dist/env.py each had their own.
+    # runtime, worker, launch/slurm.py and distributed/env.py each had their own.
     spelled = []
     for path in sorted(SRC.rglob("*.py")):
         if path == TABLE:

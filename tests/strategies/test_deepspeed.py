@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from dptrain import checkpoint
 from dptrain.cli import main
 from dptrain.config import DeepSpeedOptions, OptimConfig, RunConfig, StrategyConfig, TrainConfig, load as load_config
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.schedule import build_scheduler
 from dptrain.strategies import build_strategy, check_world

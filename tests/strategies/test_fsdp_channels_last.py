@@ -33,7 +33,7 @@ def _layouts(rank: int, world: int) -> dict[bool, tuple[list[tuple[bool, bool]],
     import torch.nn.functional as F
 
     from dptrain.config import StrategyConfig
-    from dptrain.dist.env import DistEnv
+    from dptrain.distributed.env import DistEnv
     from dptrain.strategies.fsdp import FSDP
 
     found = {}

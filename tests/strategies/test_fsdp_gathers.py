@@ -20,7 +20,7 @@ CASES = [("whole", True), ("whole", False), ("block", True), ("block", False), (
 
 def _strategy(rank: int, world: int, wrap: str, reshard: bool, shared: bool, **options):
     from dptrain.config import StrategyConfig
-    from dptrain.dist.env import DistEnv
+    from dptrain.distributed.env import DistEnv
     from dptrain.strategies.fsdp import FSDP
 
     base = StrategyConfig(name="fsdp")

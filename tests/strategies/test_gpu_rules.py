@@ -1,6 +1,6 @@
 """What decides the strategies' GPU paths, on the CPU: the worker count auto gives single and dp, the DDP timers read
 on each device, the autocast dtype of nn.DataParallel's replica threads, the backend that puts PowerSGD's buckets in
-order, and the refusal of send/recv on gloo with CUDA tensors. What only a GPU shows is in bench/gpu_check.py."""
+order, and the refusal of send/recv on gloo with CUDA tensors. What only a GPU shows is in perf/gpu_check.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch import nn
 
 from dptrain import config
 from dptrain.config import LaunchConfig, StrategyConfig
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
-from dptrain.launch.local import local_workers, workers_for
+from dptrain.prestart import local_workers, workers_for
 from dptrain.strategies import STRATEGIES, build_strategy, check_world, comm_hooks
 from dptrain.strategies.comm_hooks import CommCounter, InOrder
 from dptrain.strategies.ddp import comm_timing_from

@@ -77,7 +77,7 @@ def test_dp_drives_the_listed_gpus_the_first_as_root():
 def _ddp_bucket_cap(rank: int, world: int, bucket_mb: str) -> int:
     import torch
 
-    from dptrain.dist.env import DistEnv
+    from dptrain.distributed.env import DistEnv
     from dptrain.strategies.ddp import DDP
 
     cfg = config.load(None, [("strategy.ddp.bucket_mb", bucket_mb), ("strategy.ddp.shared_memory", "false")]).strategy

@@ -91,7 +91,7 @@ def test_set_up_leaves_nothing_behind_and_every_rank_falls_back_together(tmp_pat
 
 
 def _one_rank_leaves(rank: int, world: int) -> str | None:
-    from dptrain.dist.failures import _is_peer_failure
+    from dptrain.distributed.failures import _is_peer_failure
     from dptrain.strategies.shared_memory import open_on_this_host
 
     transport = open_on_this_host(max_numel=1000, element_size=4, timeout_s=30)
@@ -111,7 +111,7 @@ def test_a_peer_that_dies_is_an_error_at_once():
 
 
 def _one_rank_is_late(rank: int, world: int) -> str | None:
-    from dptrain.dist.failures import _is_peer_failure
+    from dptrain.distributed.failures import _is_peer_failure
     from dptrain.strategies.shared_memory import open_on_this_host
 
     transport = open_on_this_host(max_numel=1000, element_size=4, timeout_s=1)
@@ -134,7 +134,7 @@ def test_a_silent_peer_is_an_error_after_the_timeout_naming_it():
 def _ddp_steps(rank: int, world: int, shared: bool) -> dict[str, torch.Tensor]:
     """Three SGD steps of DDP on the tutorials' CNN, gradients summed through shared memory or gloo."""
     from dptrain.config import DDPOptions, StrategyConfig
-    from dptrain.dist.env import DistEnv
+    from dptrain.distributed.env import DistEnv
     from dptrain.models.mnist_cnn import MnistCNN
     from dptrain.strategies.ddp import DDP
 

@@ -21,7 +21,7 @@ SIZES = [1, 7, 100_003]
 @contextlib.contextmanager
 def host_named(name: str):
     """Within: this rank process says it runs on host `name` (the pool's processes serve other tests after)."""
-    from dptrain.dist import world
+    from dptrain.distributed import world
 
     real = world.host_name
     world.host_name = lambda: name

@@ -161,7 +161,7 @@ class TrainConfig:
     """Compile the model's training forward and backward with torch.compile (inductor): fused kernels, fewer
     launches; the first steps wait for the compiler (tens of seconds). It pays on GPUs; on the CPU inductor's
     dropout and max-pool kernels made the tutorials' CNN slower than dptrain's eager path here (measure with
-    `python bench/speed.py`). Evaluation stays eager. Not with strategy dp or train.cuda_graph."""
+    `python perf/speed.py`). Evaluation stays eager. Not with strategy dp or train.cuda_graph."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value (None: no clipping)."""
     log_every: int = may_change_at_resume(50)

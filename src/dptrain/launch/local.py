@@ -14,14 +14,15 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
-from dptrain.config import LaunchConfig, RunConfig, StrategyConfig
-from dptrain.dist.ending import AGENT_PID, leave_now, record_for_launcher
-from dptrain.dist.env import DistEnv, Nodes
-from dptrain.dist.failures import cpp_log_level, cpp_warnings_off
-from dptrain.dist.store import address_towards
+from dptrain.config import RunConfig
+from dptrain.distributed.ending import AGENT_PID, leave_now, record_for_launcher
+from dptrain.distributed.env import DistEnv, Nodes
+from dptrain.distributed.failures import cpp_log_level, cpp_warnings_off
+from dptrain.distributed.store import address_towards
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError, UnsafeFileError
 from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
                                        rendezvous_host_gone, rendezvous_timeout, rendezvous_times)
+from dptrain.prestart import local_workers
 from dptrain.runtime import libc_function, wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -42,7 +43,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
 
     On the CPU (on_cuda False) the agent forks the workers, which then start with everything already imported
     (WORKER_IMPORTS): a 1-step run of 2 workers on 2 cores takes 1.6 s instead of 2.9 s with fresh interpreters
-    (`python bench/micro.py`, launch), and the pages of the imported code stay shared. CUDA cannot be used in a
+    (`python perf/micro.py`, launch), and the pages of the imported code stay shared. CUDA cannot be used in a
     forked child of a process that has touched it, so GPU workers are spawned.
 
     With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
@@ -192,7 +193,7 @@ def _state(pid: int) -> str:
 def run_then_leave(entrypoint: Callable[..., Any], agent_pid: int, cpp_level: int | None, *args: Any) -> Any:
     """A worker's life: entrypoint(*args), then the worker process skips Python's interpreter teardown.
 
-    After a success that saves 0.6 s of freeing torch's objects (`python bench/micro.py`, teardown), which the
+    After a success that saves 0.6 s of freeing torch's objects (`python perf/micro.py`, teardown), which the
     agent, and so the user, would wait for; the exit hook runs first of all (the last one registered), once the
     agent has read the result, which it waits for before the worker may exit. After a failure, see leave_after_failure.
     """
@@ -261,32 +262,6 @@ def stop_with_the_agent(agent_pid: int) -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != agent_pid:  # the agent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def local_workers(launch: LaunchConfig, strategy: StrategyConfig | None = None) -> int:
-    """launch.nproc_per_node resolved for this machine (workers_for); strategy None: one that runs a process a GPU."""
-    gpus = 0
-    if wants_cuda(launch.device):
-        import torch
-
-        gpus = torch.cuda.device_count()
-    one_process = False
-    if strategy is not None:
-        from dptrain.strategies import STRATEGIES  # imports torch.distributed: only once a run is wanted
-
-        one_process = STRATEGIES[strategy.name].one_process
-    return workers_for(launch.nproc_per_node, gpus, one_process)
-
-
-def workers_for(nproc_per_node: int | str, gpus: int, one_process: bool) -> int:
-    """launch.nproc_per_node resolved: a number as given; auto: one per GPU the run uses (gpus: 0 on the CPU), one
-    where it uses none (one worker uses every core: a second would only split them, and add its gradient traffic) or
-    where the strategy drives every GPU from one process (single, dp: one process per GPU is what they refuse)."""
-    if nproc_per_node != "auto":
-        return int(nproc_per_node)
-    if one_process:
-        return 1
-    return max(1, gpus)
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "dptrain.launch")

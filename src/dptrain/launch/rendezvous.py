@@ -18,8 +18,8 @@ from typing import Any, Iterator
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from dptrain.config import MAX_TIMEOUT_S
-from dptrain.dist.env import Nodes
-from dptrain.dist.store import listening_store, reach_store
+from dptrain.distributed.env import Nodes
+from dptrain.distributed.store import listening_store, reach_store
 from dptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
-from dptrain.dist.failures import WorkerFailure
+from dptrain.distributed.failures import WorkerFailure
 
 log = logging.getLogger("dptrain")
 

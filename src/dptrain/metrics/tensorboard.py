@@ -249,7 +249,7 @@ def serve(run_dirs: list[Path], port: int | None = None) -> int:
     if port:
         check_port_free(port)
     args = logdir_args(run_dirs)
-    from tensorboard import program  # lazy: 0.30 s with TensorBoard()'s plugins (bench/micro.py, tensorboard)
+    from tensorboard import program  # lazy: 0.30 s with TensorBoard()'s plugins (perf/micro.py, tensorboard)
 
     # At INFO its data server logs every reload (once a second); warnings and errors still show.
     logging.getLogger("tensorboard").setLevel(logging.WARNING)

@@ -44,7 +44,7 @@ class Dropout(nn.Dropout):
     bernoulli_ draws one double per element. Here one int64 draw gives 8 bytes (4 elements for 16-bit levels),
     and an element is dropped when its byte is below p * 256: exactly p where p * 256 is a whole number (the
     tutorials' 0.25 and 0.5), else p rounded to 1/65536 with 16-bit levels. The tutorials' CNN's two masks
-    (64 images, one thread): 0.44 ms instead of bernoulli_'s 2.16 (`python bench/micro.py`, dropout).
+    (64 images, one thread): 0.44 ms instead of bernoulli_'s 2.16 (`python perf/micro.py`, dropout).
     Another random stream than nn.Dropout's, just as seeded per rank. On other devices, in place, or in
     eval mode it is nn.Dropout.
     """
@@ -87,7 +87,7 @@ class Linear(nn.Linear):
     PyTorch computes a float32 linear layer on the CPU with MKL's sgemm, which takes its AVX2 path on AMD CPUs;
     oneDNN's inner product uses AVX-512 there. On an Intel Xeon, where MKL takes AVX-512 too, the gain is small:
     the tutorials' fc1 (9216 -> 128, 64 images, one thread) forward and backward took 3.72 ms instead of 4.25
-    (`python bench/micro.py`, linear; run it on an AMD machine to see that gap). The sums are
+    (`python perf/micro.py`, linear; run it on an AMD machine to see that gap). The sums are
     ordered differently, so results may differ from nn.Linear's in their last bits. Elsewhere (other devices and
     dtypes, autocast, torch.compile, inputs of other than 2 dimensions, empty batches, a torch without the op) it
     is nn.Linear.

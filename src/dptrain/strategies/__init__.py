@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dptrain.config import LaunchConfig, RunConfig, StrategyConfig
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.ddp import DDP

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.config import LaunchConfig, OptimConfig, RunConfig, StrategyConfig
-from dptrain.dist.env import DistEnv
+from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.strategies.comm_hooks import CommCounter
 from dptrain.strategies.state import Shards, StatePart

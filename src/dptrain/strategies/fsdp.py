@@ -79,7 +79,7 @@ class SharedMemoryCollectives:
 
     On gloo, 2 ranks, the tutorials' CNN (1.2 M parameters): the whole model's all-gather took 3.6 ms, its
     reduce-scatter 7.1 ms (gloo reduce-scatters as an all-reduce of the whole tensor), and each small unit's 0.6 to
-    1 ms; a step of block units runs 12 of them (`python bench/fsdp_profile.py`).
+    1 ms; a step of block units runs 12 of them (`python perf/fsdp_profile.py`).
 
     The buffer is used as two halves in turn, a slot per rank in each. A piece of a collective writes this rank's slot,
     waits at one barrier, then reads the other ranks' slots. One barrier a piece is enough: a rank writes into a half

@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dptrain.dist.env import DistEnv
-from dptrain.dist.failures import SHARED_MEMORY_PEER_LOST
+from dptrain.distributed.env import DistEnv
+from dptrain.distributed.failures import SHARED_MEMORY_PEER_LOST
 from dptrain.strategies import comm_hooks
 
 log = logging.getLogger(__name__)

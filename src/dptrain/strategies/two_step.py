@@ -20,7 +20,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from dptrain.dist.world import where_each_rank_runs
+from dptrain.distributed.world import where_each_rank_runs
 from dptrain.strategies import comm_hooks
 from dptrain.strategies.shared_memory import SharedMemoryAllReduce, open_on_this_host
 

@@ -1,0 +1,769 @@
+"""A run card: RUN_DIR/report/report.md and its PNGs for one run, from the run's own files, offline.
+
+    $ dptrain card runs/run
+
+It reads config.toml, env.json, metrics.jsonl (through events.read_run_events, which names the lines it
+cannot use) and the snapshots' manifest.json files, and writes the configuration, the environment, the loss and
+accuracy curves, throughput, fraction of peak (where a peak.json of the run's machine sits beside the run),
+communication share, utilisation and memory per rank, and the run's starts, stops and snapshots. Everything in those
+files is data: the card parses JSON and TOML only (no pickle, no torch), escapes every value it prints into Markdown
+(reporting.markdown.md_text), and leaves out, and names, an event whose fields are not what dptrain writes.
+Importing this module imports neither torch nor matplotlib; drawing imports matplotlib (Agg: files, no display).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from dptrain import config as config_mod
+from dptrain import read_back
+from dptrain.errors import ConfigError, OutputError
+from dptrain.events import read_run_events
+from dptrain.read_back import UnreadableFile
+from dptrain.reporting.markdown import md_text, save_figure
+from dptrain.reporting.sweep_files import POINT_NAME, Probe, read_peaks
+from dptrain.run_folder import RunFolder
+
+REPORT_FOLDER = "report"  # RUN_DIR/report/: a resume never writes there, so a card survives the run going on
+CARD = "report.md"
+LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT = ("loss_accuracy.png", "throughput.png", "communication.png",
+                                                    "utilisation.png")
+SECTIONS = ("Configuration", "Environment", "Loss and accuracy", "Throughput and fraction of peak", "Communication",
+            "Utilisation and memory per rank", "Starts, stops and snapshots")
+# checkpoint.py's names of a snapshot's folder, its manifest and the pointer to the newest: importing checkpoint would
+# import torch (about 4 s on a loaded 2-core machine) for three strings; tests/test_run_card.py checks they agree.
+SNAPSHOT_PREFIX, SNAPSHOT_MANIFEST, SNAPSHOT_LATEST = "step-", "manifest.json", "latest"
+SMALL_FILE_BYTES = 1 << 20  # env.json, a manifest, `latest`: a few KiB each; a larger file is refused, not read whole
+RANKS_LISTED = 32  # per-rank table rows up to this many ranks; beyond, the lowest, mean and highest over the ranks
+RANKS_DRAWN = 16  # one line per rank up to this many; beyond, the lowest, mean and highest over the ranks
+SNAPSHOTS_LISTED = 100
+VALUE_CHARS = 120  # a config or env value longer than this is cut in the card (the file itself holds it whole)
+HEADLINE_OPTIONS = ("data.name", "model.name", "strategy.name", "launch.nproc_per_node", "train.global_batch_size",
+                    "train.epochs", "train.max_steps", "optim.name", "optim.lr", "optim.schedule", "train.bf16",
+                    "train.seed")
+# Fields of an epoch event the card reads beyond what collect checks: numbers, or a list of one per rank
+EPOCH_NUMBERS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "samples_per_s", "achieved_tflops")
+RANK_FIELDS = ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "comm_bytes_per_step", "gpu_util_mean_pct",
+               "gpu_util_max_pct", "gpu_mem_used_max_mb", "gpu_power_mean_w", "gpu_power_max_w")
+MAX_RANKS = 1 << 16  # a per-rank list longer than any world dptrain runs is not one
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is one run's folder (what `dptrain train` writes: metrics.jsonl or env.json at its top), as
+    opposed to a `dptrain bench` sweep, whose runs sit under runs/."""
+    folder = RunFolder(Path(path))
+    return Path(path).is_dir() and (folder.metrics.is_file() or folder.env.is_file())
+
+
+def _number(value: Any) -> float | None:
+    """A finite int or float as a float, else None (True is an int to Python, not a number in a metrics file)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _whole(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number == int(number) and number >= 0 else None
+
+
+def _per_rank(value: Any) -> list[float | None]:
+    """A per-rank field as one value per rank (None where a rank has none); a single number is one rank's."""
+    return [_number(v) for v in value] if isinstance(value, list) else ([_number(value)] if value is not None else [])
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def card_problem(event: dict[str, Any]) -> str | None:
+    """Why the card cannot use an event that collect's reader kept, or None: the fields the card reads and collect
+    does not check (a step's loss, an epoch's step and curves, the per-rank byte counts, a start's step)."""
+    kind = event["event"]
+    if "time" in event and _number(event["time"]) is None:
+        return f"time is {_shown(event['time'])}, not a number"
+    counted = ("step", "epoch", "run_start", "run_end", "stopped")  # the events whose step the card reads
+    if kind in counted and "step" in event and _whole(event["step"]) is None:
+        return f"step is {_shown(event['step'])}, not a whole number"
+    if kind in ("step", "epoch") and "step" not in event:
+        return "it has no step"
+    if kind == "run_start" and "world_size" in event and not (_whole(event["world_size"]) or 0) >= 1:
+        return f"world_size is {_shown(event['world_size'])}, not a positive whole number"
+    if kind == "step" and event.get("loss") is not None and _number(event["loss"]) is None:
+        return f"loss is {_shown(event['loss'])}, not a number"
+    if kind == "epoch":
+        for key in EPOCH_NUMBERS:
+            if event.get(key) is not None and _number(event[key]) is None:
+                return f"{key} is {_shown(event[key])}, not a number"
+        for key in RANK_FIELDS:
+            value = event.get(key)
+            items = value if isinstance(value, list) else [value]
+            if len(items) > MAX_RANKS or not all(v is None or (_number(v) is not None and v >= 0) for v in items):
+                return f"{key} is {_shown(value)}, not a number of zero or more per rank"
+    return None
+
+
+NO_END = "no end recorded (still running, or killed)"
+
+
+@dataclass
+class Start:
+    """One process group's life in the run: a run_start event and how it ended."""
+
+    step: int
+    time: float | None
+    world_size: int | None
+    device: str
+    agent_restarts: int | None
+    slurm_restarts: int | None
+    ended: str = NO_END
+    end_time: float | None = None
+
+
+@dataclass
+class Timeline:
+    """The run as its last process sees it: what earlier processes logged past the snapshot a later one resumed
+    from was done again, and only the later copy counts (as TensorBoard's curves do)."""
+
+    starts: list[Start] = field(default_factory=list)
+    epochs: dict[int, tuple[dict[str, Any], Start | None]] = field(default_factory=dict)  # number -> (event, its start)
+    steps: dict[int, float] = field(default_factory=dict)  # global step -> logged loss
+    global_batch_size: int | None = None
+    total_steps: int | None = None
+    left_out: list[str] = field(default_factory=list)
+
+
+def timeline(events: list[dict[str, Any]]) -> Timeline:
+    line = Timeline()
+    for event in events:
+        kind = event["event"]
+        problem = card_problem(event)
+        if problem:
+            where = f"epoch {event.get('epoch')}'s event" if kind == "epoch" else f"a {kind} event"
+            line.left_out.append(f"metrics.jsonl, {_cut(where)}: {problem}")
+            continue
+        step = _whole(event.get("step"))
+        if kind == "run_start":
+            start_step = step or 0
+            line.epochs = {n: e for n, e in line.epochs.items() if e[0]["step"] <= start_step}
+            line.steps = {s: loss for s, loss in line.steps.items() if s <= start_step}
+            line.starts.append(Start(step=start_step, time=_number(event.get("time")),
+                                     world_size=_whole(event.get("world_size")), device=str(event.get("device", "")),
+                                     agent_restarts=_whole(event.get("agent_restarts")),
+                                     slurm_restarts=_whole(event.get("slurm_restarts"))))
+            line.global_batch_size = _whole(event.get("global_batch_size")) or line.global_batch_size
+            line.total_steps = _whole(event.get("total_steps")) or line.total_steps
+        elif kind == "epoch":
+            line.epochs[int(event["epoch"])] = (event, line.starts[-1] if line.starts else None)
+        elif kind == "step" and _number(event.get("loss")) is not None:
+            line.steps[step] = float(event["loss"])
+        elif kind in ("run_end", "stopped", "requeue", "requeue_failed") and line.starts:
+            last = line.starts[-1]
+            at = f" at step {step}" if step is not None else ""
+            ending = {"run_end": f"finished{at}",
+                      "stopped": f"stopped{at}: {str(event.get('message', ''))[:200]}",
+                      "requeue": f"requeued (SLURM job {str(event.get('job_id', '?'))[:40]})",
+                      "requeue_failed": f"requeue refused: {str(event.get('reason', ''))[:200]}"}[kind]
+            # a stop under SLURM is followed by its requeue (or the refusal of one): the card keeps both
+            last.ended = f"{last.ended}; {ending}" if kind.startswith("requeue") and last.ended != NO_END else ending
+            last.end_time = _number(event.get("time"))
+    return line
+
+
+def _cut(text: str) -> str:
+    """Text built from a value of a run's file, cut short; md_text escapes it where it is printed."""
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---- the run's other files ------------------------------------------------------------------------------------------
+
+def read_small_json(path: Path) -> tuple[dict[str, Any], str | None]:
+    """A small JSON object file (env.json, a manifest) and why it could not be read, if it could not."""
+    try:
+        return read_back.read_json_object(path, SMALL_FILE_BYTES), None
+    except FileNotFoundError:
+        return {}, f"{path.name} is missing"
+    except UnreadableFile as exc:
+        return {}, f"{path.name} {exc.problem}"
+
+
+def read_run_config(path: Path) -> tuple[dict[str, Any], str | None]:
+    """config.toml's options by dotted name, and why it could not be read, if it could not."""
+    try:
+        tree = config_mod.read_toml(path, "config.toml")
+    except FileNotFoundError:
+        return {}, "config.toml is missing"
+    except ConfigError as exc:
+        return {}, str(exc).split("; ")[0]
+    return flatten(tree), None
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{name}.")
+        else:
+            flat[name] = value
+    return flat
+
+
+def shown_value(value: Any) -> str:
+    """A config or env value as TOML would spell it (strings quoted), cut to VALUE_CHARS; md_text escapes it."""
+    if value is None:  # an option left unset (TOML has no null; config.toml leaves it out), or JSON's null
+        return "none"
+    text = json.dumps(value, default=str) if not isinstance(value, bool) else str(value).lower()
+    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    name: str
+    step: int | None
+    world_size: int | None
+    strategy: str
+    torch: str
+    problem: str | None
+
+
+def read_snapshots(checkpoints: Path) -> tuple[list[Snapshot], str | None]:
+    """Every snapshot folder, newest first, from its manifest alone (`dptrain checkpoint verify` checks the files:
+    that reads every byte, and loads tensors, which a card does not), and the name `latest` points to."""
+    if not checkpoints.is_dir():
+        return [], None
+    latest = None
+    pointer = checkpoints / SNAPSHOT_LATEST
+    if pointer.is_file():
+        try:
+            with pointer.open("rb") as file:
+                latest = file.read(256).decode("utf-8", errors="replace").strip()
+        except OSError:
+            latest = None
+    snapshots = []
+    for folder in sorted(checkpoints.glob(f"{SNAPSHOT_PREFIX}*"), reverse=True):
+        if folder.is_symlink() or not folder.is_dir():  # never followed: a run refuses such an entry as it starts
+            what = "a symbolic link" if folder.is_symlink() else "a file"
+            snapshots.append(Snapshot(name=folder.name, step=None, world_size=None, strategy="", torch="",
+                                      problem=f"{what}, not a snapshot folder (a run refuses it)"))
+            continue
+        manifest, problem = read_small_json(folder / SNAPSHOT_MANIFEST)
+        snapshots.append(Snapshot(name=folder.name, step=_whole(manifest.get("step")),
+                                  world_size=_whole(manifest.get("world_size")),
+                                  strategy=str(manifest.get("strategy", "")), torch=str(manifest.get("torch", "")),
+                                  problem=problem))
+    return snapshots, latest
+
+
+def read_probes(run_dir: Path) -> tuple[dict[int, Probe], Path | None]:
+    """The matmul probes of a peak.json in the run folder, or, for a point of a `dptrain bench` sweep
+    (BENCH/runs/<point>), in the sweep's folder; and the file they came from."""
+    places = [run_dir]
+    if POINT_NAME.match(run_dir.name) and run_dir.parent.name == "runs":
+        places.append(run_dir.parent.parent)
+    for place in places:
+        probes = read_peaks(place)
+        if probes:
+            return probes, place / "peak.json"
+    return {}, None
+
+
+# ---- numbers --------------------------------------------------------------------------------------------------------
+
+def steps_in(event: dict[str, Any], global_batch_size: int | None) -> int | None:
+    """An epoch's optimizer steps: its samples over the global batch, the last batch a partial one."""
+    return math.ceil(event["train_samples"] / global_batch_size) if global_batch_size else None
+
+
+def step_ms(event: dict[str, Any], global_batch_size: int | None) -> float | None:
+    steps = steps_in(event, global_batch_size)
+    return event["epoch_time_s"] * 1e3 / steps if steps else None
+
+
+def comm_shares(event: dict[str, Any], global_batch_size: int | None) -> list[float | None]:
+    """Per rank: the communication a step waited for (not hidden behind backward) over the step's time."""
+    per_step = step_ms(event, global_batch_size)
+    exposed = _per_rank(event.get("comm_exposed_ms_per_step"))
+    return [None if e is None or not per_step else e / per_step for e in exposed]
+
+
+def achieved_tflops(event: dict[str, Any]) -> float | None:
+    rate = _number(event.get("achieved_tflops"))
+    if rate is None and (flops := _number(event.get("model_flops_per_sample"))) is not None:
+        rate = flops * event["train_samples"] / event["epoch_time_s"] / 1e12
+    return rate
+
+
+def peak_for(probes: dict[int, Probe], start: Start | None) -> Probe | None:
+    """The probe of the epoch's world size on the epoch's kind of device (cpu, cuda), if peak.json holds one."""
+    if start is None or start.world_size is None:
+        return None
+    probe = probes.get(start.world_size)
+    return probe if probe is not None and start.device.split(":")[0] == probe.device else None
+
+
+def utc(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    try:
+        return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def mib(value: float | None) -> str:
+    return fmt(None if value is None else value / 2**20, ".1f")
+
+
+def rank_columns(rows: list[list[float | None]]) -> list[list[float]]:
+    """Per rank, its values over the rows (epochs), Nones left out."""
+    ranks = max((len(r) for r in rows), default=0)
+    return [[r[i] for r in rows if i < len(r) and r[i] is not None] for i in range(ranks)]
+
+
+# ---- the card -------------------------------------------------------------------------------------------------------
+
+def write_run_card(run_dir: Path) -> Path:
+    """RUN_DIR/report/report.md and its PNGs; the path of report.md. ConfigError in one sentence where RUN_DIR is no
+    run, OutputError where the card cannot be written."""
+    run_dir = Path(run_dir)
+    folder = RunFolder(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} does not exist; give the --output.dir of a `dptrain train` run.")
+    if not folder.metrics.is_file():
+        raise ConfigError(f"{run_dir} has no metrics.jsonl, so there is nothing to report; give the folder of a run "
+                          f"that started training (its --output.dir).")
+    events, skipped = read_run_events(folder.metrics)
+    line = timeline(events)
+    line.left_out[:0] = [f"metrics.jsonl {note}" for note in skipped]
+    if not line.starts and not line.epochs:
+        raise ConfigError(f"{folder.metrics} holds no run_start or epoch event dptrain can read"
+                          f"{f' ({len(skipped)} lines left out, the first as {skipped[0]})' if skipped else ''}; "
+                          f"give the folder of a run that started training.")
+    options, config_problem = read_run_config(folder.config)
+    env, env_problem = read_small_json(folder.env)
+    snapshots, latest = read_snapshots(folder.checkpoints)
+    probes, peak_file = read_probes(run_dir)
+    out = run_dir / REPORT_FOLDER
+    try:
+        out.mkdir(exist_ok=True)
+        drawn = draw(line, probes, out)
+        for name in {LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT} - drawn:  # an earlier card's, no longer true
+            (out / name).unlink(missing_ok=True)
+        text = card_markdown(run_dir, line, options, config_problem, env, env_problem, snapshots, latest, probes,
+                             peak_file, drawn)
+        path = out / CARD
+        path.write_text(text)
+    except OSError as exc:
+        raise OutputError(f"could not write the run card in {out} ({exc.strerror or exc}); free space or fix "
+                          f"permissions there, then run the same command.") from None
+    return path
+
+
+def card_markdown(run_dir: Path, line: Timeline, options: dict[str, Any], config_problem: str | None,
+                  env: dict[str, Any], env_problem: str | None, snapshots: list[Snapshot], latest: str | None,
+                  probes: dict[int, Probe], peak_file: Path | None, drawn: set[str]) -> str:
+    parts = [f"# Run card: {md_text(run_dir.resolve().name)}", "", summary_sentence(line), ""]
+    parts += configuration_section(options, config_problem)
+    parts += environment_section(env, env_problem)
+    parts += loss_section(line, drawn)
+    parts += throughput_section(line, probes, peak_file, drawn)
+    parts += communication_section(line, drawn)
+    parts += utilisation_section(line, drawn)
+    parts += starts_section(line, snapshots, latest)
+    if line.left_out:  # config.toml's and env.json's own problems are said in their sections
+        parts += ["## Left out of this card", "", "Not what dptrain writes, so not counted above:", ""]
+        parts += [f"- {md_text(note)}" for note in line.left_out] + [""]
+    return "\n".join(parts)
+
+
+def epochs_in_order(line: Timeline) -> list[tuple[int, dict[str, Any], Start | None]]:
+    return [(n, e, s) for n, (e, s) in sorted(line.epochs.items())]
+
+
+def summary_sentence(line: Timeline) -> str:
+    last = line.starts[-1] if line.starts else None
+    state = last.ended if last else "no run_start event"
+    epochs = epochs_in_order(line)
+    step = max([s.step for s in line.starts] + [int(e["step"]) for _, e, _ in epochs] + list(line.steps), default=0)
+    of = f" of {line.total_steps}" if line.total_steps else ""
+    evaluated = [e for _, e, _ in epochs if _number(e.get("eval_acc")) is not None]
+    last = evaluated[-1] if evaluated else {}
+    last_eval = (f"; last evaluation (epoch {last['epoch']}): loss {fmt(_number(last.get('eval_loss')), '.4f')}, "
+                 f"accuracy {fmt(_number(last.get('eval_acc')), '.4f')}" if evaluated else "")
+    starts, resumes = len(line.starts), max(len(line.starts) - 1, 0)
+    return (f"State: {md_text(state)}. Step {step}{of}, {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
+            f"logged, {starts} start{'s' if starts != 1 else ''} ({resumes} resume{'s' if resumes != 1 else ''})"
+            f"{last_eval}. Written from the run's own files by `dptrain report`; the PNGs sit beside this file.")
+
+
+def configuration_section(options: dict[str, Any], problem: str | None) -> list[str]:
+    parts = [f"## {SECTIONS[0]}", ""]
+    if problem:
+        return parts + [f"Not shown: {md_text(problem)}.", ""]
+    # as TOML reads them back: lists where the dataclasses hold tuples, so that [1, 28, 28] equals (1, 28, 28)
+    defaults = flatten(json.loads(json.dumps(config_mod.to_dict(config_mod.RunConfig()))))
+    parts += ["The resolved configuration is [config.toml](../config.toml). The main options:", "",
+              "| option | value |", "| --- | --- |"]
+    parts += [f"| {name} | {md_text(shown_value(options.get(name, defaults.get(name))))} |"
+              for name in HEADLINE_OPTIONS]
+    changed = [n for n in sorted(options) if n not in HEADLINE_OPTIONS and options[n] != defaults.get(n, object())]
+    if changed:
+        parts += ["", "The other options set differently from the defaults:", "", "| option | value | default |",
+                  "| --- | --- | --- |"]
+        parts += [f"| {md_text(n)} | {md_text(shown_value(options[n]))} | "
+                  f"{md_text(shown_value(defaults[n])) if n in defaults else 'not an option of this dptrain'} |"
+                  for n in changed]
+    return parts + [""]
+
+
+def environment_section(env: dict[str, Any], problem: str | None) -> list[str]:
+    parts = [f"## {SECTIONS[1]}", ""]
+    if problem:
+        return parts + [f"Not shown: {md_text(problem)}.", ""]
+    parts += ["From [env.json](../env.json), written by the run's latest start:", "", "| field | value |",
+              "| --- | --- |"]
+    parts += [f"| {md_text(_cut(str(k)))} | {md_text(shown_value(v))} |" for k, v in list(env.items())[:50]]
+    return parts + [""]
+
+
+def loss_section(line: Timeline, drawn: set[str]) -> list[str]:
+    parts = [f"## {SECTIONS[2]}", ""]
+    if LOSS_PLOT in drawn:
+        parts += [f"![Loss and accuracy]({LOSS_PLOT})", "",
+                  "Left: the loss of every logged step (train.log_every) and each epoch's mean training loss and "
+                  "evaluation loss; right: each epoch's training and evaluation accuracy. Dotted lines: where a "
+                  "later start resumed.", ""]
+    epochs = epochs_in_order(line)
+    if not epochs:
+        return parts + ["No epoch finished: no per-epoch numbers yet.", ""]
+    parts += ["| epoch | step | train loss | train acc | eval loss | eval acc | epoch time (s) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    parts += [f"| {n} | {int(e['step'])} | {fmt(_number(e.get('train_loss')), '.4f')} | "
+              f"{fmt(_number(e.get('train_acc')), '.4f')} | {fmt(_number(e.get('eval_loss')), '.4f')} | "
+              f"{fmt(_number(e.get('eval_acc')), '.4f')} | {e['epoch_time_s']:.2f} |" for n, e, _ in epochs]
+    return parts + [""]
+
+
+def throughput_section(line: Timeline, probes: dict[int, Probe], peak_file: Path | None, drawn: set[str]) -> list[str]:
+    parts = [f"## {SECTIONS[3]}", ""]
+    epochs = epochs_in_order(line)
+    if not epochs:
+        return parts + ["No epoch finished: no throughput yet.", ""]
+    if THROUGHPUT_PLOT in drawn:
+        parts += [f"![Throughput]({THROUGHPUT_PLOT})", ""]
+    samples, seconds = sum(e["train_samples"] for _, e, _ in epochs), sum(e["epoch_time_s"] for _, e, _ in epochs)
+    later = epochs[1:]
+    sentence = f"{samples / seconds:.0f} images/s over all {len(epochs)} epochs (training steps only)"
+    if later:
+        rate = sum(e["train_samples"] for _, e, _ in later) / sum(e["epoch_time_s"] for _, e, _ in later)
+        sentence += f", {rate:.0f} after the first (which pays for warm-up)"
+    parts += [sentence + ".", ""]
+    fractions = {n: (rate / probe.peak_tflops, probe) for n, e, s in epochs
+                 if (rate := achieved_tflops(e)) is not None and (probe := peak_for(probes, s)) is not None}
+    parts += ["| epoch | world size | images/s | step time (ms) | TFLOPS | of peak |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    parts += [f"| {n} | {fmt(s.world_size if s else None, 'd')} | {e['train_samples'] / e['epoch_time_s']:.0f} | "
+              f"{fmt(step_ms(e, line.global_batch_size), '.1f')} | {fmt(achieved_tflops(e), '.3g')} | "
+              f"{fmt(fractions[n][0] if n in fractions else None, '.1%')} |" for n, e, s in epochs]
+    parts.append("")
+    if fractions:
+        used = sorted({(p.workers, p.device, p.dtype, p.peak_tflops) for _, p in fractions.values()})
+        parts += ["TFLOPS is the model's own arithmetic (model_flops_per_sample) at the epoch's images/s, over all "
+                  "ranks; \"of peak\" divides it by what the same number of processes got together from square "
+                  f"matmuls on this machine ({md_text(str(peak_file))}: "
+                  + ", ".join(f"{t:.3g} TFLOPS with {w} {d} process{'es' if w > 1 else ''} in {d_type}"
+                              for w, d, d_type, t in used) + ").", ""]
+    else:
+        parts += ["TFLOPS is the model's own arithmetic (model_flops_per_sample) at the epoch's images/s, over all "
+                  "ranks. Fraction of peak: not measured. It needs a matmul probe of the run's own machine, with the "
+                  "run's number of processes (a `peak.json` as `dptrain bench` writes, in the run folder); the card "
+                  "does not probe the machine it is written on, which need not be the run's and would cost seconds.",
+                  ""]
+    return parts
+
+
+def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
+    parts = [f"## {SECTIONS[4]}", ""]
+    epochs = epochs_in_order(line)
+    timed = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get("comm_exposed_ms_per_step")))]
+    sent = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get("comm_bytes_per_step")))]
+    if sent:
+        n, e = sent[-1]
+        per_rank = [v for v in _per_rank(e.get("comm_bytes_per_step")) if v is not None]
+        parts += [f"Each rank sends {mib(max(per_rank))} MiB of gradients or parameters a step (epoch {n}, the "
+                  f"largest rank).", ""]
+    if not timed:
+        return parts + ["Communication time: not measured. Only ddp and zero1 time their gradients' communication "
+                        "(comm_ms_per_step, comm_exposed_ms_per_step); this run's epochs carry none.", ""]
+    if COMM_PLOT in drawn:
+        parts += [f"![Communication]({COMM_PLOT})", ""]
+    parts += ["Communication share: the time a step waited for communication (comm_exposed_ms_per_step, what backward "
+              "did not hide) over the step's time (the epoch's training time over its steps). Per epoch, the mean and "
+              "the largest over ranks:", "",
+              "| epoch | step time (ms) | comm / step (ms) | exposed / step (ms) | share, mean | share, largest |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for n, e in timed:
+        shares = [s for s in comm_shares(e, line.global_batch_size) if s is not None]
+        comm = [v for v in _per_rank(e.get("comm_ms_per_step")) if v is not None]
+        exposed = [v for v in _per_rank(e.get("comm_exposed_ms_per_step")) if v is not None]
+        parts.append(f"| {n} | {fmt(step_ms(e, line.global_batch_size), '.1f')} | "
+                     f"{fmt(statistics.fmean(comm) if comm else None, '.2f')} | {statistics.fmean(exposed):.2f} | "
+                     f"{fmt(statistics.fmean(shares) if shares else None, '.2%')} | "
+                     f"{fmt(max(shares) if shares else None, '.2%')} |")
+    return parts + [""]
+
+
+RANK_TABLE = (  # (column, epoch field, how the epochs combine, format)
+    ("CPU util (% of a core)", "cpu_util_pct", "mean", ".1f"),
+    ("RSS max (MiB)", "rss_max_mb", "max", ".1f"),
+    ("params (MiB)", "mem_params_bytes", "last", "bytes"),
+    ("grads (MiB)", "mem_grads_bytes", "last", "bytes"),
+    ("optimizer (MiB)", "mem_optim_bytes", "last", "bytes"),
+    ("comm exposed / step (ms)", "comm_exposed_ms_per_step", "mean", ".2f"),
+    ("GPU util (%)", "gpu_util_mean_pct", "mean", ".1f"),
+    ("GPU memory max (MiB)", "gpu_mem_used_max_mb", "max", ".0f"),
+    ("GPU power (W)", "gpu_power_mean_w", "mean", ".0f"),
+)
+
+
+def rank_values(epochs: list[dict[str, Any]], key: str, how: str) -> list[float | None]:
+    columns = rank_columns([_per_rank(e.get(key)) for e in epochs])
+    combine = {"mean": statistics.fmean, "max": max, "last": lambda values: values[-1]}[how]
+    return [combine(values) if values else None for values in columns]
+
+
+def utilisation_section(line: Timeline, drawn: set[str]) -> list[str]:
+    parts = [f"## {SECTIONS[5]}", ""]
+    epochs = [e for _, e, _ in epochs_in_order(line)]
+    if not epochs:
+        return parts + ["No epoch finished: no per-rank numbers yet.", ""]
+    if UTIL_PLOT in drawn:
+        parts += [f"![Utilisation and memory per rank]({UTIL_PLOT})", ""]
+    every = [(title, rank_values(epochs, key, how), spec) for title, key, how, spec in RANK_TABLE]
+    columns = [(title, values, spec) for title, values, spec in every if any(v is not None for v in values)]
+    peaks = [v for e in epochs if (v := _number(e.get("peak_mem_mb"))) is not None]
+    if peaks:
+        parts += [f"Peak memory of the largest rank: {max(peaks):.0f} MiB (allocated CUDA memory on a GPU, resident "
+                  f"memory on the CPU).", ""]
+    if not columns:
+        return parts + ["The epochs carry no per-rank numbers.", ""]
+    ranks = max(len(values) for _, values, _ in columns)
+    parts += ["Over the epochs: CPU and GPU utilisation and exposed communication are means, RSS and GPU memory the "
+              "largest, the bytes of parameters, gradients and optimizer state the last epoch's.", ""]
+
+    def cell(value: float | None, spec: str) -> str:
+        return mib(value) if spec == "bytes" else fmt(value, spec)
+
+    parts += ["| rank | " + " | ".join(title for title, _, _ in columns) + " |", "| --- " * (len(columns) + 1) + "|"]
+    if ranks <= RANKS_LISTED:
+        for rank in range(ranks):
+            parts.append(f"| {rank} | " + " | ".join(cell(values[rank] if rank < len(values) else None, spec)
+                                                    for _, values, spec in columns) + " |")
+    else:
+        for label, combine in (("lowest", min), ("mean", statistics.fmean), ("highest", max)):
+            parts.append(f"| {label} of {ranks} | " + " | ".join(
+                cell(combine(known) if (known := [v for v in values if v is not None]) else None, spec)
+                for _, values, spec in columns) + " |")
+    return parts + [""]
+
+
+def starts_section(line: Timeline, snapshots: list[Snapshot], latest: str | None) -> list[str]:
+    parts = [f"## {SECTIONS[6]}", ""]
+    if line.starts:
+        parts += ["Each start of the run's processes (the first, then each resume or restart from the newest "
+                  "snapshot):", "",
+                  "| start | at (UTC) | from step | world size | device | agent restarts | SLURM restarts | ended | "
+                  "wall time (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for i, s in enumerate(line.starts, start=1):
+            wall = s.end_time - s.time if s.end_time is not None and s.time is not None else None
+            parts.append(f"| {i} | {utc(s.time)} | {s.step} | {fmt(s.world_size, 'd')} | "
+                         f"{md_text(s.device[:40]) or '-'} | {fmt(s.agent_restarts, 'd')} | "
+                         f"{fmt(s.slurm_restarts, 'd')} | {md_text(s.ended)} | {fmt(wall, '.1f')} |")
+        parts.append("")
+    if not snapshots:
+        return parts + ["No snapshot in checkpoints/.", ""]
+    parts += ["Snapshots in checkpoints/, newest first, as their manifests say (`dptrain checkpoint list` verifies "
+              "their files):", "", "| snapshot | step | world size | strategy | torch | |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for snap in snapshots[:SNAPSHOTS_LISTED]:
+        note = "latest" if snap.name == latest else ""
+        if snap.problem:
+            note = f"{note}{'; ' if note else ''}{snap.problem}"
+        parts.append(f"| {md_text(snap.name)} | {fmt(snap.step, 'd')} | {fmt(snap.world_size, 'd')} | "
+                     f"{md_text(snap.strategy[:40]) or '-'} | {md_text(snap.torch[:40]) or '-'} | {md_text(note)} |")
+    if len(snapshots) > SNAPSHOTS_LISTED:
+        parts.append(f"| and {len(snapshots) - SNAPSHOTS_LISTED} older | | | | | |")
+    return parts + [""]
+
+
+# ---- the PNGs -------------------------------------------------------------------------------------------------------
+
+def draw(line: Timeline, probes: dict[int, Probe], out: Path) -> set[str]:
+    """The card's PNGs in `out`, each only when there is something to draw in it; the names of those drawn. No text
+    from the run reaches a plot (matplotlib reads `$...$` in a label as mathematics)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display: set before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    drawn = set()
+    epochs = epochs_in_order(line)
+    resumes = [s.step for s in line.starts[1:]]
+    if epochs or line.steps:
+        _loss_plot(plt, line, epochs, resumes, out / LOSS_PLOT)
+        drawn.add(LOSS_PLOT)
+    if epochs:
+        _throughput_plot(plt, line, epochs, probes, out / THROUGHPUT_PLOT)
+        drawn.add(THROUGHPUT_PLOT)
+    if any(any(v is not None for v in _per_rank(e.get("comm_exposed_ms_per_step"))) for _, e, _ in epochs):
+        _comm_plot(plt, line, epochs, out / COMM_PLOT)
+        drawn.add(COMM_PLOT)
+    if any(_per_rank(e.get("cpu_util_pct")) or _per_rank(e.get("rss_max_mb")) for _, e, _ in epochs):
+        _util_plot(plt, epochs, out / UTIL_PLOT)
+        drawn.add(UTIL_PLOT)
+    return drawn
+
+
+def _from_zero(ax: Any) -> None:
+    """The y axis from 0, with room above the highest point (set_ylim(bottom=0) alone puts it on the top edge)."""
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08 or 1.0)
+
+
+def _epoch_axis(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers: no tick at 1.2
+    ax.grid(True, alpha=0.3)
+
+
+def _mark_resumes(ax: Any, resumes: list[int]) -> None:
+    for i, step in enumerate(resumes):
+        ax.axvline(step, linestyle=":", color="grey", label="resumed here" if i == 0 else None)
+
+
+def _loss_plot(plt: Any, line: Timeline, epochs: list, resumes: list[int], path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    if line.steps:
+        steps = sorted(line.steps)
+        left.plot(steps, [line.steps[s] for s in steps], ".-", color="tab:blue", alpha=0.5, linewidth=1,
+                  label="step loss (logged steps)")
+    for key, colour, label in (("train_loss", "tab:blue", "epoch train loss"),
+                               ("eval_loss", "tab:orange", "eval loss")):
+        points = [(int(e["step"]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
+        if points:
+            left.plot(*zip(*points), marker="o", color=colour, label=label)
+    for key, colour, label in (("train_acc", "tab:blue", "train accuracy"),
+                               ("eval_acc", "tab:orange", "eval accuracy")):
+        points = [(int(e["step"]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
+        if points:
+            right.plot(*zip(*points), marker="o", color=colour, label=label)
+    for ax, ylabel, title in ((left, "loss", "Loss"), (right, "accuracy", "Accuracy")):
+        _mark_resumes(ax, resumes)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    save_figure(fig, path, plt)
+
+
+def _throughput_plot(plt: Any, line: Timeline, epochs: list, probes: dict[int, Probe], path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    numbers = [n for n, _, _ in epochs]
+    left.plot(numbers, [e["train_samples"] / e["epoch_time_s"] for _, e, _ in epochs], marker="o")
+    left.set_ylabel("images/s (all ranks, training steps)")
+    left.set_title("Throughput per epoch")
+    _from_zero(left)
+    rates = [(n, rate, peak_for(probes, s)) for n, e, s in epochs if (rate := achieved_tflops(e)) is not None]
+    if rates:
+        right.plot([n for n, _, _ in rates], [r for _, r, _ in rates], marker="o", label="achieved TFLOPS")
+        with_peak = [(n, r / p.peak_tflops) for n, r, p in rates if p is not None]
+        if with_peak:
+            twin = right.twinx()
+            twin.plot(*zip(*with_peak), marker="s", color="tab:red", label="fraction of peak")
+            twin.set_ylabel("fraction of the matmul peak")
+            _from_zero(twin)
+            # one legend for both axes: with the peak steady the two lines lie on top of each other
+            handles = [h for ax in (right, twin) for h in ax.get_legend_handles_labels()[0]]
+            right.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="lower right")
+        _from_zero(right)
+    right.set_ylabel("achieved TFLOPS (model arithmetic)")
+    right.set_title("Model TFLOPS per epoch" + (" and fraction of peak" if any(p for _, _, p in rates) else ""))
+    for ax in (left, right):
+        _epoch_axis(ax)
+    save_figure(fig, path, plt)
+
+
+def _per_rank_lines(ax: Any, epochs: list, values_of: Any) -> None:
+    """One line per rank (up to RANKS_DRAWN), else the lowest, mean and highest over the ranks, per epoch."""
+    numbers = [n for n, _, _ in epochs]
+    rows = [values_of(e) for _, e, _ in epochs]
+    ranks = max((len(r) for r in rows), default=0)
+    if ranks <= RANKS_DRAWN:
+        for rank in range(ranks):
+            points = [(n, r[rank]) for n, r in zip(numbers, rows) if rank < len(r) and r[rank] is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"rank {rank}")
+    else:
+        known = [(n, [v for v in r if v is not None]) for n, r in zip(numbers, rows)]
+        known = [(n, v) for n, v in known if v]
+        xs = [n for n, _ in known]
+        ax.fill_between(xs, [min(v) for _, v in known], [max(v) for _, v in known], alpha=0.3,
+                        label=f"lowest to highest of {ranks} ranks")
+        ax.plot(xs, [statistics.fmean(v) for _, v in known], marker="o", label="mean over ranks")
+    _epoch_axis(ax)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _comm_plot(plt: Any, line: Timeline, epochs: list, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    numbers = [n for n, _, _ in epochs]
+    left.plot(numbers, [step_ms(e, line.global_batch_size) for _, e, _ in epochs], marker="o", label="step time")
+    for key, label in (("comm_ms_per_step", "communication (mean over ranks)"),
+                       ("comm_exposed_ms_per_step", "exposed communication (mean over ranks)")):
+        points = [(n, statistics.fmean(known)) for n, e, _ in epochs
+                  if (known := [v for v in _per_rank(e.get(key)) if v is not None])]
+        if points:
+            left.plot(*zip(*points), marker="o", label=label)
+    _epoch_axis(left)
+    left.set_ylabel("ms per step")
+    left.set_title("Step time and its communication")
+    _from_zero(left)
+    left.legend(fontsize="small")
+    _per_rank_lines(right, epochs, lambda e: [None if s is None else 100 * s for s in
+                                              comm_shares(e, line.global_batch_size)])
+    right.set_ylabel("exposed communication / step time (%)")
+    right.set_title("Communication share per rank")
+    _from_zero(right)
+    save_figure(fig, path, plt)
+
+
+def _util_plot(plt: Any, epochs: list, path: Path) -> None:
+    gpu = any(_per_rank(e.get("gpu_util_mean_pct")) for _, e, _ in epochs)
+    fig, axes = plt.subplots(2 if gpu else 1, 2, figsize=(12, 8.4 if gpu else 4.2), squeeze=False)
+    panels = [("cpu_util_pct", "CPU utilisation (% of one core)", "CPU utilisation per rank"),
+              ("rss_max_mb", "largest resident set (MiB)", "Resident memory per rank")]
+    if gpu:
+        panels += [("gpu_util_mean_pct", "GPU utilisation, mean (%)", "GPU utilisation per rank"),
+                   ("gpu_mem_used_max_mb", "GPU memory used, max (MiB)", "GPU memory per rank")]
+    for ax, (key, ylabel, title) in zip(axes.flat, panels):
+        _per_rank_lines(ax, epochs, lambda e, key=key: _per_rank(e.get(key)))
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        _from_zero(ax)
+    save_figure(fig, path, plt)

@@ -1,0 +1,564 @@
+"""`dptrain bench --tune`: how to run the user's configuration fastest here, or on the SLURM nodes it is given,
+from a short probe of the candidates the scaling model ranks first.
+
+    $ dptrain bench --tune --config run.toml                      # this machine's cores
+    $ dptrain bench --tune --slurm --nodes 2 --config run.toml    # jobs on 2 nodes
+    $ dptrain train --config runs/tune/fashion-mnist/tuned.toml   # the choice
+
+What may change is how the run is spread, never what it computes: the strategy (ddp, zero1, fsdp), the ranks per
+node (each node's cores are split among them as threads), and DDP's bucket size; the global batch, the model and the
+optimizer stay the user's, so the math does too (dptrain's same-math promise over strategies and world sizes). With
+--tune-lossy the compressing comm hooks (fp16, bf16, powersgd) are candidates too: they round every gradient.
+Candidates that make the same run on the chosen shape (same_run: at one rank DDP's bucket cap and comm hook are never
+used) are one candidate, probed once.
+
+How: (1) one rank alone probes the compute per sample; (2) the scaling model (dptrain_bench/model.py) predicts every
+candidate over the link (--link NAME, else link.json of the tune folder, else one measured now); (3) the KEEP best
+predicted and the user's own configuration (the default) are probed for STEPS steps each, one after another; (4) the
+default and the CONTENDERS candidates whose probe beat it run again, in turns, up to REPEATS runs each; a candidate is
+chosen only if each of its runs was faster than each of the default's (it beat the default by more than the spread
+the runs measured), else the default is kept with the reason. Written into the tune folder: tuned.toml (the user's
+configuration with the choice), tune.csv and tune.md (each candidate's predicted images/s and each of its runs).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from dptrain import config as config_mod
+from dptrain import read_back
+from dptrain_bench import link as link_mod, model
+from dptrain_bench.folder import LOG_FILE, PROBE_CONFIG_FILE, BenchFolder
+from dptrain.config import RunConfig
+from dptrain.errors import ConfigError, LaunchError
+from dptrain.files import written_whole
+from dptrain.read_back import UnreadableFile
+from dptrain.run_folder import RunFolder
+
+log = logging.getLogger(__name__)
+
+STEPS = 30
+"""Steps of each probe run; the first WARM_STEPS are left out of its timing (start-up, first allocations)."""
+WARM_STEPS = 10
+LOG_EVERY = 5  # a step event (its time) every 5 steps: the timing's ticks, at one small loss reduction each
+KEEP = 3
+"""Candidates probed besides the default: those the model predicts fastest."""
+REPEATS = 3
+"""Runs a winner and the default each need: a candidate is chosen only if its slowest was faster than the default's
+fastest (were the two the same run, all 3 runs of one would beat all 3 of the other 1 time in 20)."""
+CONTENDERS = 2
+"""Candidates run again beside the default: those whose probe beat it, fastest first (each repeat is a probe run)."""
+BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
+STRATEGIES = ("ddp", "zero1", "fsdp")
+LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
+DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to spread the run: a strategy, ranks on each node, DDP's comm hook and bucket cap (None: dptrain's)."""
+
+    strategy: str
+    ranks_per_node: int
+    comm_hook: str = "allreduce"
+    bucket_mb: float | None = None
+
+    @property
+    def name(self) -> str:
+        parts = [self.strategy]
+        if self.comm_hook != "allreduce":
+            parts.append(self.comm_hook)
+        if self.bucket_mb is not None:
+            parts.append(f"bucket{self.bucket_mb:g}mb")
+        return "-".join([*parts, f"r{self.ranks_per_node}"])
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The options that make a configuration this candidate."""
+        pairs = [("strategy.name", self.strategy), ("launch.nproc_per_node", str(self.ranks_per_node))]
+        if self.strategy in ("ddp", "zero1"):
+            pairs.append(("strategy.ddp.comm_hook", self.comm_hook))
+            pairs.append(("strategy.ddp.bucket_mb", "none" if self.bucket_mb is None else f"{self.bucket_mb:g}"))
+        return pairs
+
+    def plan(self, shared_memory: bool) -> model.Plan:
+        """The model's view of it. shared_memory: ddp's sum on one host goes through /dev/shm in one bucket."""
+        bucket = (self.bucket_mb * 2**20 if self.bucket_mb is not None
+                  else float("inf") if shared_memory else model.DDP_BUCKET_BYTES)
+        return model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket)
+
+
+def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
+    """The user's own configuration, as a candidate."""
+    ddp_like = cfg.strategy.name in ("ddp", "zero1")
+    return Candidate(cfg.strategy.name, ranks_per_node, cfg.strategy.ddp.comm_hook if ddp_like else "allreduce",
+                     cfg.strategy.ddp.bucket_mb if ddp_like else None)
+
+
+def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool) -> list[Candidate]:
+    """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
+    4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
+    lossy hook where allowed)."""
+    ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
+    found = [default]
+    for strategy in STRATEGIES:
+        for r in ranks:
+            if global_batch % (nodes * r):
+                continue
+            if strategy == "fsdp":
+                found.append(Candidate(strategy, r))
+                continue
+            found += [Candidate(strategy, r, bucket_mb=b) for b in (None, *BUCKETS_MB)]
+            if lossy:
+                found += [Candidate(strategy, r, comm_hook=h) for h in LOSSY_HOOKS]
+    return list(dict.fromkeys(found))
+
+
+def workload(cfg: RunConfig, compute_s_per_sample: float) -> model.Workload:
+    """What a step of cfg's model computes and sends, for the model: its parameters and their matrices."""
+    from dptrain.data import describe
+    from dptrain.models import build_model
+
+    info = describe(cfg.data)
+    net = build_model(cfg.model, info.image_shape, info.num_classes)
+    params = [p for p in net.parameters() if p.requires_grad]
+    matrices = tuple((p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() >= 2)
+    units = sum(1 for child in net.children() if any(True for _ in child.parameters()))
+    return model.Workload(param_bytes=float(sum(p.numel() * p.element_size() for p in params)),
+                          element_size=params[0].element_size() if params else 4,  # what fp16/bf16/PowerSGD count in
+                          global_batch=cfg.train.global_batch_size, compute_s_per_sample=compute_s_per_sample,
+                          matrices=matrices, fsdp_units=max(1, units),
+                          buffer_bytes=float(sum(b.numel() * b.element_size() for b in net.buffers())))
+
+
+def rank_by_model(found: list[Candidate], work: model.Workload, link: model.Timed, nodes: int,
+                  local_link: model.Timed | None, overlap: float) -> list[tuple[Candidate, model.Prediction]]:
+    """Each candidate with its prediction, fastest first (the order of `found` among equals)."""
+    predicted = [(c, model.predict(c.plan(shared_memory=nodes == 1), work, link, nodes, c.ranks_per_node, overlap,
+                                   local_link)) for c in found]
+    return sorted(predicted, key=lambda cp: -cp[1].images_per_s)
+
+
+def same_run(candidate: Candidate, nodes: int, gradient_bytes: float) -> Candidate:
+    """The run the candidate makes on `nodes` nodes: candidates with the same one compute the same thing the same way,
+    so probing each would only measure the machine's noise as a difference between them.
+
+    - At world size 1 (one node, one rank) DDP.wrap returns the bare model before it builds a bucket or installs a
+      comm hook: ddp's and zero1's bucket cap and hook are never used, and ddp is then the single strategy (the bare
+      model, the plain optimizer, no collective). zero1 stays its own run (its ZeroRedundancyOptimizer still wraps the
+      optimizer), and so does fsdp (its parameters are sharded over a mesh of one).
+    - Only ddp and zero1 read a comm hook or a bucket cap; the other strategies ignore both.
+    - A bucket cap only groups the gradients: where they all fit within the first bucket of every cap in question
+      (DDP's own 1 MiB, the cap where smaller), each cap makes one bucket, the same run at any world size.
+    """
+    world = nodes * candidate.ranks_per_node
+    strategy = "ddp" if world == 1 and candidate.strategy == "single" else candidate.strategy
+    if world == 1 or strategy not in ("ddp", "zero1"):
+        return Candidate(strategy, candidate.ranks_per_node)
+    cap = float("inf") if candidate.bucket_mb is None else candidate.bucket_mb * 2**20
+    one_bucket = gradient_bytes < min(DDP_FIRST_BUCKET_BYTES, cap)
+    return replace(candidate, bucket_mb=None if one_bucket else candidate.bucket_mb)
+
+
+def distinct(found: list[Candidate], nodes: int, gradient_bytes: float) -> dict[Candidate, list[Candidate]]:
+    """Each run among `found` once (same_run), as the first candidate that makes it (the default, first in `found`,
+    stands for its own run), with the other candidates that make the same run."""
+    by_run: dict[Candidate, list[Candidate]] = {}
+    for candidate in found:
+        by_run.setdefault(same_run(candidate, nodes, gradient_bytes), []).append(candidate)
+    return {same[0]: same[1:] for same in by_run.values()}
+
+
+Runs = dict[Candidate, list[float | None]]
+"""Each probed candidate's runs in images/s, in the order they ran (None: a run that failed)."""
+
+
+def rates(runs: list[float | None]) -> list[float]:
+    """The runs that gave a rate."""
+    return [r for r in runs if r is not None]
+
+
+def ahead_of(theirs: list[float | None], default: list[float | None]) -> bool:
+    """Whether each of a candidate's runs was faster than each of the default's (none failed, one at least each). More
+    runs can only undo this, never restore it: a candidate no longer ahead is not run again."""
+    if not theirs or not default or None in theirs or None in default:
+        return False
+    return min(rates(theirs)) > max(rates(default))
+
+
+def contenders(default: Candidate, runs: Runs) -> list[Candidate]:
+    """The candidates worth running again beside the default: the CONTENDERS fastest of those ahead of it (ahead_of)."""
+    ahead = [c for c in runs if c != default and ahead_of(runs[c], runs[default])]
+    return sorted(ahead, key=lambda c: -statistics.fmean(rates(runs[c])))[:CONTENDERS]
+
+
+def choose(default: Candidate, runs: Runs) -> tuple[Candidate, str]:
+    """The candidate to run and why: of those with REPEATS runs each faster than each of the default's REPEATS or more
+    (ahead_of), the fastest on average; else the default, the reason naming the closest candidate and both spreads."""
+    ours = runs[default]
+    winners = [c for c in runs if c != default and len(runs[c]) >= REPEATS and ahead_of(runs[c], ours)]
+    if len(ours) >= REPEATS and winners:
+        best = max(winners, key=lambda c: statistics.fmean(rates(runs[c])))
+        ratio = statistics.fmean(rates(runs[best])) / statistics.fmean(rates(ours))
+        return best, (f"{best.name} ran {ratio:.2f}x your configuration, each of its {len(runs[best])} runs faster "
+                      f"than each of yours ({spread(runs[best])}, against {spread(ours)})")
+    if None in ours:
+        return default, (f"a run of your configuration failed ({spread(ours)}), so no candidate can be shown faster "
+                         f"than it, and your configuration is kept")
+    ran = {c: rs for c, rs in runs.items() if c != default and rates(rs)}
+    if not ran:
+        return default, "no other candidate's probe gave a rate, so your configuration is kept"
+    repeated = [c for c in ran if len(ran[c]) > 1]
+    if not repeated:
+        closest = max(ran, key=lambda c: max(rates(ran[c])))
+        return default, (f"no candidate's probe was faster than your configuration (the fastest, {closest.name}: "
+                         f"{spread(ran[closest])}, against your {spread(ours)}), so your configuration is kept")
+    closest = max(repeated, key=lambda c: statistics.fmean(rates(ran[c])))
+    return default, (f"no candidate beat your configuration by more than the spread of their runs (the closest, "
+                     f"{closest.name}: {spread(ran[closest])}, against your {spread(ours)}), so your configuration "
+                     f"is kept")
+
+
+def spread(runs: list[float | None]) -> str:
+    """A candidate's runs as a reader compares them: its one rate, or its slowest to its fastest; any that failed."""
+    measured = rates(runs)
+    failed = len(runs) - len(measured)
+    if not measured:
+        return f"no rate ({failed} failed)"
+    if len(measured) == 1:
+        return f"{measured[0]:,.0f} images/s" + (f" over 1 run, {failed} failed" if failed else "")
+    return (f"{min(measured):,.0f}-{max(measured):,.0f} images/s over {len(measured)} runs"
+            + (f", {failed} failed" if failed else ""))
+
+
+def images_per_s(run_dir: Path, global_batch: int) -> float | None:
+    """A probe run's rate from its step events: the global batches between its first step event after WARM_STEPS and
+    its last, over the time between them; None where it has fewer than two such events."""
+    ticks = []
+    try:
+        events, _ = read_back.read_json_lines(RunFolder(run_dir).metrics)
+    except UnreadableFile:
+        return None
+    for event in events:
+        step, time_s = event.get("step"), event.get("time")
+        if event.get("event") == "step" and isinstance(step, int) and not isinstance(step, bool) \
+                and step >= WARM_STEPS and read_back.is_number(time_s):
+            ticks.append((step, float(time_s)))
+    if len(ticks) < 2 or ticks[-1][1] <= ticks[0][1]:
+        return None
+    (first_step, first_time), (last_step, last_time) = ticks[0], ticks[-1]
+    return (last_step - first_step) * global_batch / (last_time - first_time)
+
+
+@dataclass
+class Tuner:
+    """One tuning: the user's configuration, where it runs, and what was measured."""
+
+    cfg: RunConfig
+    config_path: str | None
+    user_pairs: list[tuple[str, str]]
+    tune_dir: Path
+    nodes: int
+    max_ranks: int
+    slurm: bool
+    lossy: bool = False
+    link_name: str | None = None
+    run_timeout_s: float = 300.0
+    keep: int = KEEP
+    run: Callable[["Tuner", Candidate, str], float | None] | None = None
+    """How a probe runs (None: run_probe): the tests swap in runs whose speed they control."""
+    shares: dict[int, float] | None = None
+    """R ranks on a node -> each one's rate over one rank's alone (None: rank_shares measures them)."""
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+    def probe_config(self, candidate: Candidate, label: str, steps: int = STEPS) -> RunConfig:
+        """cfg as the candidate, for a probe of `steps` steps in its own folder, saving nothing."""
+        pairs = [*self.user_pairs, *candidate.pairs(), ("train.max_steps", str(steps)),
+                 ("train.log_every", str(LOG_EVERY)), ("checkpoint.every_epochs", "0"),
+                 ("checkpoint.every_steps", "0"), ("train.eval_every_epochs", "0"), ("train.resume", "never"),
+                 ("output.dir", str(BenchFolder(self.tune_dir).point(f"{label}-{candidate.name}").resolve()))]
+        return self.config_of(candidate, pairs)
+
+    def config_of(self, candidate: Candidate, pairs: list[tuple[str, str]]) -> RunConfig:
+        """The user's configuration with `pairs` (the candidate's among them), on SLURM in the candidate's job shape."""
+        cfg = config_mod.load(self.config_path, pairs)
+        if self.slurm:
+            cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=self.nodes, ranks_per_node=candidate.ranks_per_node))
+        return cfg
+
+    def measure(self, candidate: Candidate, label: str) -> float | None:
+        rate = (self.run or run_probe)(self, candidate, label)
+        log.info(f"tune: {label} {candidate.name}: "
+                 + (f"{rate:,.0f} images/s" if rate is not None else "failed (see its bench.log)"))
+        return rate
+
+
+def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
+    """Run the candidate's probe (here, or as a SLURM job) in a fresh folder; its images/s, None where it failed."""
+    cfg = tuner.probe_config(candidate, label)
+    run_dir = cfg.output.run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    RunFolder(run_dir).logs.mkdir(parents=True)
+    if tuner.slurm:
+        ok = _run_job(cfg)
+    else:
+        ok = _run_here(cfg, run_dir, tuner.run_timeout_s)
+    return images_per_s(run_dir, cfg.train.global_batch_size) if ok else None
+
+
+def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
+    probe_toml = run_dir / PROBE_CONFIG_FILE
+    probe_toml.write_text(config_mod.to_toml(cfg))
+    command = [sys.executable, "-m", "dptrain", "train", "--config", str(probe_toml)]
+    with (run_dir / LOG_FILE).open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            return proc.wait(timeout=timeout_s) == 0
+        except subprocess.TimeoutExpired:
+            from dptrain_bench.sweep import stop_run
+
+            stop_run(proc)
+            return False
+
+
+def _run_job(cfg: RunConfig) -> bool:
+    """The probe as a job, waited for (its --time, if any, bounds it, as a --slurm sweep's jobs)."""
+    from dptrain_bench.jobs import run_to_its_end
+    from dptrain.slurm import job as slurm_job
+
+    workdir = Path.cwd()
+    job = slurm_job.job_for(cfg, workdir)
+    job.config.write_text(config_mod.to_toml(cfg))
+    _, state = run_to_its_end(job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm)))
+    return state == "COMPLETED"
+
+
+def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
+    """(the link between nodes, the one within a node or None, where they came from)."""
+    if tuner.link_name is not None:
+        named = model.named_link(tuner.link_name)
+        return named, None, f"the named link {named.name} ({named.assumption})"
+    record = link_mod.read_link(tuner.tune_dir)
+    if record is None or (tuner.nodes > 1 and record.across_hosts is None):
+        if tuner.nodes > 1:
+            raise ConfigError(f"--tune over {tuner.nodes} nodes needs the link between them: give --link NAME "
+                              f"({', '.join(model.NAMED_LINKS)}), or measure it first into {tuner.tune_dir}/link.json "
+                              f"(srun -N {tuner.nodes} python -m dptrain_bench.link --launched --record "
+                              f"{tuner.tune_dir}).")
+        record, _ = link_mod.record(tuner.tune_dir, "cpu", worlds=(2,))
+    between = record.for_nodes(tuner.nodes)
+    assert between is not None, "a record holds a probe"
+    return between, record.within_host, f"{tuner.tune_dir / link_mod.LINK_FILE}"
+
+
+def tune(tuner: Tuner) -> Path:
+    """Probe, run the contenders again, choose; write tuned.toml, tune.csv and tune.md into the tune folder; the path of
+    tuned.toml."""
+    base = workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed probe
+    tuner.tune_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    user = default_candidate(tuner.cfg, min(tuner.max_ranks, _user_ranks(tuner)))
+    alone = Candidate(user.strategy if user.strategy != "fsdp" else "ddp", 1)
+    first = alone if tuner.nodes == 1 else user  # over nodes, the compute probe is the user's own configuration
+    one_rank_rate = tuner.measure(first, "compute")
+    if one_rank_rate is None:
+        raise LaunchError(f"the first probe run failed, so nothing can be tuned; see "
+                          f"{tuner.tune_dir / 'runs'}/compute-*/bench.log.")
+    between, within, link_source = find_link(tuner)
+    if tuner.nodes == 1:  # one rank alone: its time per sample is the compute of every candidate
+        compute_s = 1 / one_rank_rate
+    else:  # the user's run over the nodes: its compute per sample as if communication were free (overlap 0)
+        compute_s = _compute_from(user, one_rank_rate, tuner, base, between, within)
+    work = replace(base, compute_s_per_sample=compute_s,
+                   rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares)
+    same = distinct(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size, tuner.lossy),
+                    tuner.nodes, base.param_bytes)
+    ranked = rank_by_model(list(same), work, between, tuner.nodes, within, overlap=0.5)
+    predicted = dict(ranked)
+    runs: Runs = {c: [] for c in same}
+    first_run = same_run(first, tuner.nodes, base.param_bytes)
+    for candidate in same:  # the compute probe is a run of the candidate that makes the same run, if one does
+        if same_run(candidate, tuner.nodes, base.param_bytes) == first_run:
+            runs[candidate].append(one_rank_rate)
+    for candidate in [user, *[c for c, _ in ranked if c != user][:tuner.keep]]:
+        if not runs[candidate]:
+            runs[candidate].append(tuner.measure(candidate, "probe"))
+    if not rates(runs[user]):
+        raise LaunchError(f"the probe of your own configuration ({user.name}) failed, so nothing can be compared; see "
+                          f"{tuner.tune_dir / 'runs'}/probe-{user.name}/bench.log.")
+    run_again(tuner, user, runs)
+    final, reason = choose(user, runs)
+    for candidate, prediction in ranked:
+        measured = rates(runs[candidate])
+        tuner.rows.append({"candidate": candidate.name, "strategy": candidate.strategy,
+                           "ranks_per_node": candidate.ranks_per_node, "comm_hook": candidate.comm_hook,
+                           "bucket_mb": "" if candidate.bucket_mb is None else candidate.bucket_mb,
+                           "same_run": " ".join(c.name for c in same[candidate]),
+                           "predicted_images_per_s": round(prediction.images_per_s, 1),
+                           "runs": " ".join("failed" if r is None else f"{r:.1f}" for r in runs[candidate]),
+                           "measured_images_per_s": _cell(statistics.fmean(measured) if measured else None),
+                           "min_images_per_s": _cell(min(measured, default=None)),
+                           "max_images_per_s": _cell(max(measured, default=None)),
+                           "default": candidate == user, "chosen": candidate == final})
+    tuned = _write_tuned(tuner, final, kept=final == user)
+    _write_tables(tuner, reason, link_source, time.monotonic() - started, predicted[user])
+    log.info(f"tune: {reason}; {tuned} (dptrain {'submit' if tuner.slurm else 'train'} --config {tuned})")
+    return tuned
+
+
+def run_again(tuner: Tuner, default: Candidate, runs: Runs) -> None:
+    """Run the default and its contenders (contenders()) again, in turns, until each has REPEATS runs; a contender no
+    longer ahead of the default (ahead_of) runs no more, and a failed run of the default ends the repeats."""
+    ahead = contenders(default, runs)
+    while ahead and None not in runs[default]:
+        behind = [c for c in [default, *ahead] if len(runs[c]) < REPEATS]
+        if not behind:
+            return
+        for candidate in behind:
+            runs[candidate].append(tuner.measure(candidate, f"repeat{len(runs[candidate]) + 1}"))
+        ahead = [c for c in ahead if ahead_of(runs[c], runs[default])]
+
+
+def rank_shares(tuner: Tuner) -> dict[int, float]:
+    """R ranks on a node -> each one's compute rate over one rank's alone, from the matmul probe of 1 to max_ranks
+    processes (peak.json of the tune folder, measured on this machine: on SLURM, the nodes are taken to be like it).
+    Ranks on one CPU split its cores but each thread does not scale as well as a process: this is what makes more
+    ranks per node worth their communication, or not. Empty where the probe fails (the model then splits evenly)."""
+    from dptrain_bench import peak
+    from dptrain.runtime import wants_cuda
+
+    device: peak.Device = "cuda" if wants_cuda(tuner.cfg.launch.device) else "cpu"
+    try:
+        probes, _ = peak.record(tuner.tune_dir, device, "bfloat16" if tuner.cfg.train.bf16 else "float32",
+                                tuple(range(1, tuner.max_ranks + 1)))
+    except RuntimeError as e:
+        log.info(f"tune: no matmul probe ({e}); the model takes R ranks on a node to split it evenly")
+        return {}
+    if 1 not in probes:
+        return {}
+    return {r: p.peak_tflops / (r * probes[1].peak_tflops) for r, p in probes.items()}
+
+
+def _user_ranks(tuner: Tuner) -> int:
+    if tuner.slurm:
+        return tuner.cfg.slurm.ranks_here
+    from dptrain.prestart import local_workers
+
+    return local_workers(tuner.cfg.launch, tuner.cfg.strategy)
+
+
+def _compute_from(user: Candidate, rate: float, tuner: Tuner, work: model.Workload, between: model.Timed,
+                  within: model.Timed | None) -> float:
+    """The compute per sample that makes the model predict the user's measured rate over the nodes with no overlap:
+    the measured step less its modelled communication, per sample of one rank."""
+    nothing = model.predict(user.plan(shared_memory=False), replace(work, compute_s_per_sample=0.0), between,
+                            tuner.nodes, user.ranks_per_node, 0.0, within)
+    step_s = tuner.cfg.train.global_batch_size / rate
+    compute_step = max(step_s - nothing.comm_s, step_s * 0.05)  # never below a twentieth: a link fit off by a lot
+    world = tuner.nodes * user.ranks_per_node
+    return compute_step * world * work.share(user.ranks_per_node) / tuner.cfg.train.global_batch_size
+
+
+def _cell(value: float | None) -> str | float:
+    return "" if value is None else round(value, 1)
+
+
+def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
+    """The user's configuration with the chosen candidate's options: what `dptrain train --config` runs. kept: the
+    choice is the user's own configuration, which the header says rather than presenting it as a finding."""
+    cfg = tuner.config_of(chosen, [*tuner.user_pairs, *chosen.pairs()])
+    path = BenchFolder(tuner.tune_dir).tuned
+    header = (f"# dptrain bench --tune kept your configuration ({chosen.name}): see tune.md beside this file for why"
+              if kept else f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file")
+    with written_whole(path) as tmp:
+        tmp.write_text(f"{header}\n" + config_mod.to_toml(cfg))
+    return path
+
+
+COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "same_run", "predicted_images_per_s",
+           "runs", "measured_images_per_s", "min_images_per_s", "max_images_per_s", "default", "chosen")
+"""tune.csv: one row per distinct run (same_run: the other candidates that make it, not probed apart); runs: each
+run's images/s in the order they ran ("failed" for one that failed), measured: their mean, min and max."""
+
+
+def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: model.Prediction) -> None:
+    folder = BenchFolder(tuner.tune_dir)
+    with written_whole(folder.tune_table) as tmp, tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(tuner.rows)
+    where = f"{tuner.nodes} SLURM nodes" if tuner.slurm else "this machine"
+    lines = [f"# dptrain bench --tune on {where}", "",
+             f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each probe: {STEPS} steps, timed from step "
+             f"{WARM_STEPS}; the global batch ({tuner.cfg.train.global_batch_size}) is the same in every candidate.", "",
+             "| candidate | predicted images/s | each run, images/s | slowest-fastest | |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in tuner.rows:
+        marks = ", ".join(m for m, on in (("default", row["default"]), ("chosen", row["chosen"])) if on)
+        name = row["candidate"] + (f" (the same run: {row['same_run'].replace(' ', ', ')})" if row["same_run"] else "")
+        each = "; ".join(r if r == "failed" else f"{float(r):,.0f}" for r in row["runs"].split())
+        rated = sum(1 for r in row["runs"].split() if r != "failed")
+        slowest_fastest = f"{row['min_images_per_s']:,.0f}-{row['max_images_per_s']:,.0f}" if rated > 1 else ""
+        lines.append(f"| {name} | {row['predicted_images_per_s']:,.0f} | {each} | {slowest_fastest} | {marks} |")
+    lines += ["", f"A candidate is chosen only if each of its {REPEATS} runs was faster than each of your "
+              f"configuration's {REPEATS}: your configuration and the {CONTENDERS} fastest candidates whose probe beat "
+              f"it ran again, in turns, a candidate stopping at its first run no faster than one of yours.", "",
+              "The same run: candidates that compute the same thing the same way on this shape (at one rank DDP wraps "
+              "nothing, so its bucket cap and comm hook are never used; gradients under 1 MiB make one bucket whatever "
+              "the cap), probed once as the first one named.", "",
+              "Candidates without a run were ranked below the probed ones by the model and not run."]
+    with written_whole(folder.tune_notes) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+
+
+def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], slurm: bool,
+                       job_pairs: list[tuple[str, str]], nodes: str | None, lossy: bool, link_name: str | None,
+                       run_timeout_s: float, keep: int = KEEP) -> Tuner:
+    """Check what `dptrain bench --tune` was given, once, before any probe; the Tuner."""
+    tune_dir: Path | None = None
+    user_pairs = []
+    for key, value in pairs:
+        if key == "output.dir":  # the tune folder; tuned.toml keeps the configuration's own output.dir
+            tune_dir = Path(value)
+        else:  # the user's strategy and ranks are the default candidate; the probes set their steps and saving
+            user_pairs.append((key, value))
+    if keep < 1:
+        raise ConfigError(f"--tune-candidates {keep} probes nothing but your own configuration; give 1 or more.")
+    if link_name is not None:
+        model.named_link(link_name)  # one sentence for a name the model does not know
+    node_count = 1
+    if slurm:
+        if nodes is not None and ("," in nodes or not nodes.strip().isdigit() or int(nodes) < 1):
+            raise ConfigError(f"--tune --nodes {nodes!r} is the one node count to tune for (e.g. 2), not a list.")
+        node_count = int(nodes) if nodes else 1
+    elif nodes is not None:
+        raise ConfigError("--nodes with --tune is the SLURM nodes to tune for; add --slurm, or drop --nodes.")
+    cfg = config_mod.load(config_path, [*user_pairs, *(job_pairs if slurm else [])])
+    if slurm:
+        user_pairs += [pair for pair in job_pairs if pair[0] != "slurm.nodes"]
+        max_ranks = max(cfg.slurm.ranks_here, cfg.slurm.cpus_per_node or 1)
+    else:
+        from dptrain_bench.peak import usable_cores
+        from dptrain.runtime import wants_cuda
+
+        if wants_cuda(cfg.launch.device):
+            import torch
+
+            max_ranks = max(1, torch.cuda.device_count())
+        else:
+            max_ranks = usable_cores()
+    return Tuner(cfg=cfg, config_path=config_path, user_pairs=user_pairs,
+                 tune_dir=tune_dir or Path("runs") / "tune" / cfg.data.name, nodes=node_count, max_ranks=max_ranks,
+                 slurm=slurm, lossy=lossy, link_name=link_name, run_timeout_s=run_timeout_s, keep=keep)
