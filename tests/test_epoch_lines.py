@@ -9,6 +9,8 @@ import threading
 import pytest
 import torch
 
+from dptrain.run_folder import RunFolder
+
 from dptrain.metrics import EpochLineSink, RankEpochSink, epoch_line, gpu_log, metric_line, rank_epoch_line, run_epochs
 from dptrain.metrics.gpu_log import COLUMNS, GpuLog, GpuReading, reading_line
 from dptrain.train_state import TrainState
@@ -110,7 +112,7 @@ def test_the_gpu_log_samples_on_its_thread_and_a_failing_sample_stops_it_with_on
 
 def test_without_a_gpu_there_is_no_gpu_log_and_nothing_is_said(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    with gpu_log(tmp_path / "logs", 0, torch.device("cpu")) as writer:
+    with gpu_log(RunFolder(tmp_path), 0, torch.device("cpu")) as writer:
         assert writer is None
     with gpu_log(None, 0, torch.device("cuda", 0)) as writer:  # no run folder: nowhere to write
         assert writer is None

@@ -4,10 +4,14 @@
       config.toml     the resolved configuration (eval and predict rebuild the model from it)
       env.json        versions, host, device, git revision
       metrics.jsonl   one event a line: run_start, step, epoch, eval, run_end
-      logs/           rank<R>.log for every rank, launcher.log (the elastic agent), slurm-<job>.out/.err
+      logs/           rank<R>.log for every rank, launcher.log (the elastic agent), slurm-<job>.out/.err,
+                      gpu_rank<R>.log (NVML samples on a GPU rank)
       checkpoints/    step-<N>/ snapshots and `latest`
       model.pt        the final weights, whole, for plain torch.load
       tb/             TensorBoard's event files
+      job.sbatch      the job script `dptrain submit` wrote (a submitted run only)
+      job.toml        the configuration as given to `dptrain submit`, which the job trains from
+      report/         the run's card, report.md and its plots (`dptrain card`)
 """
 
 from __future__ import annotations
@@ -49,11 +53,27 @@ class RunFolder:
         return self.root / "tb"
 
     @property
+    def job_script(self) -> Path:
+        return self.root / "job.sbatch"
+
+    @property
+    def job_config(self) -> Path:
+        return self.root / "job.toml"
+
+    @property
+    def report(self) -> Path:
+        """The run card's folder: a resume never writes there, so a card survives the run going on."""
+        return self.root / "report"
+
+    @property
     def launcher_log(self) -> Path:
         return self.logs / "launcher.log"
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.log"
+
+    def gpu_log(self, rank: int) -> Path:
+        return self.logs / f"gpu_rank{rank}.log"
 
     def job_output(self, job_id: str, stream: str) -> Path:
         """SLURM's file for the job's stdout (stream "out") or stderr ("err")."""

@@ -166,9 +166,9 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     events = EventLog([])
     step = 0
     try:
-        logs_dir = RunFolder(run_dir).logs if run_dir is not None else None
+        run = RunFolder(run_dir) if run_dir is not None else None
         # logs/gpu_rank<R>.log on a GPU with NVML, for the rank's whole life; nothing elsewhere
-        with rank_life(cfg, run_dir) as (env, phase, device, threads), gpu_log(logs_dir, env.global_rank, device):
+        with rank_life(cfg, run_dir) as (env, phase, device, threads), gpu_log(run, env.global_rank, device):
             if env.is_main:
                 events = EventLog([JsonlSink(cfg.output.folder.metrics), MetricLineSink()])
                 log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dptrain.metrics.utilisation import MIB, nvml_handle, nvml_release
+from dptrain.run_folder import RunFolder
 
 log = logging.getLogger("dptrain")
 
@@ -121,15 +122,15 @@ def nvml_reader(handle: Any) -> Callable[[], GpuReading]:
 
 
 @contextlib.contextmanager
-def gpu_log(logs_dir: Path | None, global_rank: int, device: torch.device) -> Iterator[GpuLog | None]:
+def gpu_log(run: RunFolder | None, global_rank: int, device: torch.device) -> Iterator[GpuLog | None]:
     """logs/gpu_rank<R>.log while the block runs, on a CUDA rank with NVML and a run folder; else nothing, silently."""
-    handle = nvml_handle(device)[0] if logs_dir is not None and device.type == "cuda" else None
+    handle = nvml_handle(device)[0] if run is not None and device.type == "cuda" else None
     if handle is None:
         yield None
         return
-    assert logs_dir is not None
+    assert run is not None
     title = f"dptrain GPU log: rank {global_rank}, {device} ({torch.cuda.get_device_name(device)})"
-    writer = GpuLog(logs_dir / f"gpu_rank{global_rank}.log", nvml_reader(handle), title)
+    writer = GpuLog(run.gpu_log(global_rank), nvml_reader(handle), title)
     try:
         try:
             writer.start()

@@ -30,7 +30,6 @@ from dptrain.reporting.markdown import md_text, save_figure
 from dptrain.reporting.sweep_files import POINT_NAME, Probe, read_peaks
 from dptrain.run_folder import RunFolder
 
-REPORT_FOLDER = "report"  # RUN_DIR/report/: a resume never writes there, so a card survives the run going on
 CARD = "report.md"
 LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT = ("loss_accuracy.png", "throughput.png", "communication.png",
                                                     "utilisation.png")
@@ -355,7 +354,7 @@ def write_run_card(run_dir: Path) -> Path:
     env, env_problem = read_small_json(folder.env)
     snapshots, latest = read_snapshots(folder.checkpoints)
     probes, peak_file = read_probes(run_dir)
-    out = run_dir / REPORT_FOLDER
+    out = RunFolder(run_dir).report
     try:
         out.mkdir(exist_ok=True)
         drawn = draw(line, probes, out)

@@ -87,8 +87,8 @@ PYXIS_IMAGE_FILES = (".sqsh", ".squashfs")
 IMAGE_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 CONTAINER_SHOWN = {"pyxis": "in a pyxis container", "edf": "in the container of an environment file",
                    "apptainer": "in an apptainer container"}
-SCRIPT_NAME = "job.sbatch"
-CONFIG_NAME = "job.toml"
+SCRIPT_NAME = RunFolder(Path(".")).job_script.name
+CONFIG_NAME = RunFolder(Path(".")).job_config.name
 
 log = logging.getLogger(__name__)
 
