@@ -1,4 +1,5 @@
-"""Utilisation per rank, progress lines in job logs, and [METRIC] lines that stay one line in a terminal."""
+"""An epoch's account (its clock, its per-rank tables, its event's training fields), utilisation per rank, progress
+lines in job logs, and [METRIC] lines that stay one line in a terminal."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -19,8 +21,11 @@ from rich.console import Console
 from dptrain import checkpoint, config
 from dptrain.cli import main
 from dptrain.errors import ConfigError
+from dptrain.events import EPOCH_EVENT
 from dptrain.metrics import MetricLineSink, ProgressBar, UtilisationSampler, metric_line, per_rank, progress_line
+from dptrain.metrics.epoch_account import EpochAccount, EpochTotals, train_fields
 from dptrain.metrics.utilisation import GPU_FIELDS
+from dptrain.train_state import TrainState
 from tests.conftest import read_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +92,61 @@ def test_per_rank_lists_hold_each_ranks_values_and_drop_a_field_some_rank_lacks(
     total = tables[0] + tables[1]
     assert per_rank(mine[0], 2, 0, lambda t: total, torch.device("cpu")) == {"cpu_util_pct": [90.5, 10.0],
                                                                               "rss_max_mb": [400.0, 300.0]}
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_account_counts_each_step_into_the_state_and_a_resumed_epochs_clock_goes_on():
+    state, clock = TrainState(), Clock(100.0)
+    state.start_epoch(0, torch.device("cpu"))
+    state.epoch_elapsed = 7.5  # the snapshot's time of an epoch resumed mid-way
+    account = EpochAccount(state, world_size=2, global_rank=1, clock=clock)
+    for loss, correct in ((6.0, 10), (4.5, 12)):
+        clock.now += 2.0
+        account.count(torch.tensor(loss, dtype=torch.float64), torch.tensor(correct), 16, 32)
+    assert account.steps == 2 and state.step == 2 and state.epoch_seen == 64
+    assert state.epoch_sums.tolist() == [10.5, 22.0, 32.0]
+    assert state.epoch_elapsed == 11.5  # what a snapshot after step 2 records: 7.5 before the resume, 4 since
+    clock.now += 0.25  # the sums' reduction, waiting for the slowest rank
+    assert account.stop_clock() == 11.75 == state.epoch_elapsed
+
+
+def test_each_ranks_own_row_summed_over_the_ranks_is_every_ranks_values_exactly():
+    values = {0: [4799528, 0, 2**52 + 1, 3.0], 1: [4799528, 17, 1, 5.0], 2: [1, 2, 3, 4]}
+    rows = [EpochAccount(TrainState(), 3, rank).own_row(values[rank], torch.device("cpu")) for rank in values]
+    assert all(row.dtype == torch.float64 for row in rows)
+    assert rows[1][0].tolist() == rows[1][2].tolist() == [0.0] * 4  # the other ranks' rows: zeros
+    assert sum(rows).tolist() == [values[0], values[1], values[2]]  # float64 holds 2**52 + 1 exactly
+
+
+TOTALS = EpochTotals(loss_sum=3.0, correct=75.0, samples=100.0, seen=100, elapsed_s=0.5, peak_mem_mb=512.0, lr=0.001,
+                     footprint=[[10.0, 10.0], [20.0, 20.0], [30.0, 15.0], [400.0, 400.0]], utilisation={},
+                     comm_timing=[[1.23456, 2.0], [0.5, 0.25]], flops_per_sample=2_000_000)
+
+
+def test_the_epochs_training_fields_are_the_reduced_numbers_in_the_schemas_order():
+    fields = train_fields(TOTALS)
+    assert fields == {"train_loss": 0.03, "train_acc": 0.75, "train_samples": 100, "epoch_time_s": 0.5,
+                      "samples_per_s": 200.0, "model_flops_per_sample": 2_000_000, "achieved_tflops": 4e-4,
+                      "peak_mem_mb": 512.0, "lr": 0.001, "mem_params_bytes": [10, 10], "mem_grads_bytes": [20, 20],
+                      "mem_optim_bytes": [30, 15], "comm_bytes_per_step": [400, 400],
+                      "comm_ms_per_step": [1.235, 2.0], "comm_exposed_ms_per_step": [0.5, 0.25]}
+    assert list(fields) == [f for f in EPOCH_EVENT.fields if f in fields]
+    assert all(type(v) is int for v in fields["mem_optim_bytes"])  # byte counts, as the event has always had them
+
+
+def test_without_a_flop_count_or_a_sampled_step_on_every_rank_those_fields_are_left_out():
+    fields = train_fields(replace(TOTALS, flops_per_sample=None, comm_timing=[[-1.0, 2.0], [-1.0, 0.5]],
+                                  utilisation={"cpu_util_pct": [97.5, 90.0]}))
+    assert not {"model_flops_per_sample", "achieved_tflops", "comm_ms_per_step"} & set(fields)
+    assert list(fields)[-1] == "cpu_util_pct" and fields["cpu_util_pct"] == [97.5, 90.0]
+    assert "comm_ms_per_step" not in train_fields(replace(TOTALS, comm_timing=None))
 
 
 def test_an_epoch_event_carries_the_utilisation_lists(tmp_path, monkeypatch):

@@ -11,8 +11,12 @@ import torch
 
 from dptrain import config
 from dptrain.cli import main
+from dptrain.events import EPOCH_EVENT
 from dptrain.faults import SIGNAL_AT
+from dptrain.metrics import EventLog
 from dptrain.stopping import EXIT_STOPPED
+from dptrain.train import build_trainer
+from dptrain.worker import rank_life
 from tests.conftest import read_events
 
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",
@@ -107,6 +111,21 @@ def test_gradient_clipping_clips_the_global_norm(tmp_path, monkeypatch):
     # rounded (u = 2^-24) relative to the weight, not to the step: |error| <= u |w| = 6e-8 x 8.9 (the initial
     # weights' norm) = 5.3e-7, at most 5.3e-4 of the 1e-3 step. Sum < 1e-3 (measured: 2.4e-5).
     assert step.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_run_epoch_is_public_and_on_step_sees_each_step_once_it_is_counted(tmp_path):
+    """perf/gpu_profile.py's way in: run_epoch() trains one epoch on its own (entering it as the TrainState says) and
+    returns its training fields; on_step is called once per step, the step counted."""
+    pairs = [(key.removeprefix("--"), value) for key, value in zip(SMALL[::2], SMALL[1::2])]
+    cfg = config.load(None, [*pairs, ("output.dir", str(tmp_path / "run"))])
+    seen = []
+    with rank_life(cfg, None) as (env, phase, device, _):
+        trainer = build_trainer(cfg, env, device, EventLog([]), phase)
+        trainer.on_step = lambda state: seen.append((state.step, state.batches_consumed, state.epoch_seen))
+        fields = trainer.run_epoch(0)
+        trainer.snapshots.wait()
+    assert seen == [(1, 1, 32), (2, 2, 64), (3, 3, 96), (4, 4, 100)]  # 100 samples in global batches of 32
+    assert fields["train_samples"] == 100 and list(fields) == [f for f in EPOCH_EVENT.fields if f in fields]
 
 
 RESUMED = [*SMALL, "--model.name", "tests.user_code:TinyNet", "--train.epochs", "2", "--checkpoint.every_steps", "0"]

@@ -42,3 +42,20 @@ def test_after_an_epoch_is_reported_the_next_one_starts_afresh():
     assert not state.resumes_mid_epoch(1)  # epoch 1 starts: start_epoch resets the sums
     state.start_epoch(1, CPU)
     assert state.resumes_mid_epoch(1) and state.owes_epoch_event() and state.batches_consumed == 0
+
+
+def test_entering_an_epoch_starts_it_unless_a_resume_stands_mid_way_in_it():
+    resumed = state_at(step=6, epoch=1, started=True, reported=False)
+    resumed.batches_consumed, resumed.epoch_seen = 2, 64
+    resumed.epoch_sums += 1.0
+    resumed.enter_epoch(1, CPU)  # the snapshot's epoch: its position and sums go on
+    assert (resumed.batches_consumed, resumed.epoch_seen, resumed.epoch_sums.tolist()) == (2, 64, [1.0, 1.0, 1.0])
+    resumed.enter_epoch(2, CPU)  # the next one starts afresh
+    assert (resumed.epoch, resumed.batches_consumed, resumed.epoch_seen, resumed.epoch_sums.tolist()) == (2, 0, 0, [0.0] * 3)
+
+
+def test_the_steps_left_in_an_epoch_are_its_unconsumed_batches_or_fewer_at_max_steps():
+    state = state_at(step=6, epoch=1, started=True, reported=False)
+    state.batches_consumed = 2  # of 4 per epoch
+    assert state.steps_left_in_epoch(4, total_steps=8) == 2
+    assert state.steps_left_in_epoch(4, total_steps=7) == 1  # train.max_steps ends the run inside it

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import math
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,10 @@ from dptrain.distributed.failures import Phase, WorkerFailure
 from dptrain.distributed.world import barrier
 from dptrain.errors import OutputError
 from dptrain.evaluate import evaluate, sync
+from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, STEP, STEP_EVENT
 from dptrain.files import written_whole
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
+from dptrain.metrics.epoch_account import EpochAccount, EpochTotals, train_fields
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -60,12 +62,17 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
 
 @dataclass(kw_only=True)
 class Trainer:
-    """One rank's training: build_trainer() makes it whole, fit() runs it.
+    """One rank's training: build_trainer() makes it whole, fit() runs it. Its shape, each boundary in its own
+    `phase`, so that a failure names the rank and where it stood:
 
-    fit() goes epoch by epoch from where `state` stands (a resume puts it mid-epoch): run_epoch() trains the epoch's
-    remaining batches, each a step with its counting, logging, snapshot and stop check; then the epoch's metrics are
-    reduced over the ranks exactly, the test split is evaluated when due, one epoch event is emitted and a snapshot
-    taken when due. Each boundary runs inside `phase`, so that a failure names the rank and where it stood.
+        fit()          for each epoch from where `state` stands (TrainState answers where a resume puts it):
+          run_epoch()    enter the epoch (afresh, or mid-way after a resume); for each remaining batch:
+                           step (_run_batch -> _train_step), counted in the EpochAccount;
+                           _after_step(): the step's loss reduced and logged when due, a snapshot when due, the
+                           stop signals exchanged, then the on_step hook;
+                         the epoch's metrics reduction (_reduce_epoch: float64, exact) -> the event's training fields
+          evaluation when due, the epoch event (events.EPOCH_EVENT), a snapshot when due
+        then _finish(): the final weights and the final snapshot.
     """
 
     cfg: RunConfig
@@ -94,42 +101,27 @@ class Trainer:
     """The model's floating-point operations per training sample, forward and backward (counted on rank 0 only)."""
     finite_through: int = 0
     """The last step up to which every training loss was checked finite (fit() starts it at the resumed step)."""
+    on_step: Callable[[TrainState], None] | None = None
+    """Called on this rank after each step's boundary (logged, snapshot taken if due, stop checked), with the state:
+    a profiler's hook (perf/gpu_profile.py steps torch.profiler with it). It runs outside any phase."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
-        state, epochs = self.state, self.cfg.train.epochs
+        state, last, completed = self.state, {}, False
         progress = ProgressBar(enabled=self.env.is_main, every_s=self.cfg.train.progress_every_s,
                                total_steps=self.total_steps, start_step=state.step)
         sampler = self.utilisation = UtilisationSampler(self.device)  # a daemon thread, closed below
-        last: dict = {}
+        self.finite_through = state.step
         if state.is_complete(self.total_steps):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
                      "or use another --output.name to start afresh", state.step)
-        completed = False
-        self.finite_through = state.step
         try:
-            for epoch in range(state.epoch, epochs):
-                # A resumed epoch whose steps are all done may still owe its event (stopped before evaluation).
-                if state.is_complete(self.total_steps):
+            for epoch in range(state.epoch, self.cfg.train.epochs):
+                if state.is_complete(self.total_steps):  # a resumed epoch with every step done may still owe its event
                     break
-                if not state.resumes_mid_epoch(epoch):
-                    state.start_epoch(epoch, self.device)
-                remaining = min(len(self.train_loader) - state.batches_consumed, self.total_steps - state.step)
-                progress.start_epoch(epoch + 1, epochs, remaining)
-                train = self.run_epoch(epoch, progress)
-                evaluation = {}
-                if self._evaluation_due(epoch):
-                    with self.phase(f"evaluation after epoch {epoch + 1}"):
-                        evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
-                last = self.events.emit("epoch", epoch=epoch + 1, step=state.step, **train, **evaluation)
-                state.epoch_reported = True
-                with self.phase(f"snapshot after epoch {epoch + 1}"):
-                    self.snapshots.save_if_due(state, after_evaluation=True)
+                last = self._end_epoch(epoch, self.run_epoch(epoch, progress))
             progress.stop()
-            with self.phase("saving the final weights"):
-                self._save_weights(self.cfg.output.folder.model)
-            with self.phase(f"snapshot at step {state.step}"):
-                self.snapshots.save(state, wait=True)
+            self._finish()
             completed = True
         finally:
             progress.stop()
@@ -138,120 +130,25 @@ class Trainer:
                 self.stop.close(wait=completed)
         return last
 
-    def _evaluation_due(self, epoch: int) -> bool:
-        """train.eval_every_epochs; the run's last epoch (or the partial epoch a max_steps stop ends in) always."""
-        every = self.cfg.train.eval_every_epochs
-        last = epoch + 1 == self.cfg.train.epochs or self.state.step >= self.total_steps
-        return last or bool(every and (epoch + 1) % every == 0)
-
-    def _save_weights(self, path: Path) -> None:
-        """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
-        state = self.strategy.full_state_dict()
-        if self.env.is_main:
-            try:
-                with written_whole(path) as tmp:
-                    torch.save(state, tmp)
-            except Exception as exc:
-                reason = checkpoint.write_failure(exc)
-                if reason is None:
-                    raise
-                rerun = checkpoint.rerun_ending(self.snapshots.root, ": it resumes from the last snapshot.")
-                raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
-                                  f"there, then run the same command{rerun}") from exc
-
-    def run_epoch(self, epoch: int, progress: ProgressBar) -> dict:
-        """Train the rest of this epoch: one screen, in order: train, count, log, snapshot if due, stop if asked; then
-        the epoch's training metrics, reduced over the ranks. Public for profiling (perf/gpu_profile.py times it)."""
-        self.model.train()
-        state = self.state
-        steps = 0  # in this process's part of the epoch
-        sync(self.device)
-        start = time.perf_counter() - state.epoch_elapsed  # a resumed epoch's clock goes on from the snapshot
-        if self.utilisation is not None:
-            self.utilisation.restart()
+    def run_epoch(self, epoch: int, progress: ProgressBar | None = None) -> dict:
+        """Train the rest of this epoch, then return its training fields, reduced over the ranks. Public for
+        profiling: perf/gpu_profile.py times it (with on_step for a per-step hook)."""
+        state, progress = self.state, progress or ProgressBar(enabled=False)
+        state.enter_epoch(epoch, self.device)
+        progress.start_epoch(epoch + 1, self.cfg.train.epochs, state.steps_left_in_epoch(len(self.train_loader),
+                                                                                         self.total_steps))
+        account = self._start_account()
         for batch in self.train_loader.epoch_batches(epoch, state.batches_consumed):
             with self.phase(f"step {state.step + 1}"):
                 loss_sum, correct = self._run_batch(batch)
-            state.count_step(loss_sum, correct, len(batch.labels), batch.global_count)
-            steps += 1
-            state.epoch_elapsed = time.perf_counter() - start  # host clock, no sync: what a snapshot records
-            step_loss = None
-            if state.step % self.cfg.train.log_every == 0:  # a collective: a failure in it names the rank and the step
-                with self.phase(f"loss reduction of step {state.step}"):
-                    step_loss = self._log_step(epoch, loss_sum, batch.global_count)
-            progress.advance(step_loss, state.step, batch.global_count)
-            faults.signal_if_due(self.env.global_rank, state.step)
-            with self.phase(f"snapshot after step {state.step}"):
-                if self.snapshots.due(state, after_evaluation=False):  # never a snapshot of a diverged state
-                    self._check_loss()
-                self.snapshots.save_if_due(state)
-            self._stop_if_asked()
+            account.count(loss_sum, correct, len(batch.labels), batch.global_count)
+            self._after_step(epoch, loss_sum, batch.global_count, progress)
             if state.step >= self.total_steps:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
-            assert state.epoch_sums is not None
-            totals = self.strategy.all_reduce(state.epoch_sums.clone())  # also waits for every rank: the time covers the slowest
-            elapsed = state.epoch_elapsed = time.perf_counter() - start
-            peak = self.strategy.all_reduce(torch.tensor([peak_memory_mb(self.device)], device=self.device), op="max")
-            accounting = self._accounting(steps)
-            utilisation = self._utilisation()
-        loss, correct, count = totals.tolist()
-        self._check_loss(loss)  # before the epoch's evaluation, snapshot and the final weights
-        return {
-            "train_loss": loss / count, "train_acc": correct / count, "train_samples": int(count),
-            "epoch_time_s": elapsed, "samples_per_s": state.epoch_seen / elapsed,
-            **self._efficiency(state.epoch_seen / elapsed),
-            "peak_mem_mb": peak.item(), "lr": self._lr(), **accounting, **utilisation,
-        }
-
-    def _efficiency(self, samples_per_s: float) -> dict[str, float]:
-        """model_flops_per_sample, and achieved_tflops: those operations at the epoch's rate, over every rank
-        (the model's own arithmetic; a strategy's extra work, such as recomputation, is not counted)."""
-        if self.flops_per_sample is None:
-            return {}
-        return {"model_flops_per_sample": self.flops_per_sample,
-                "achieved_tflops": self.flops_per_sample * samples_per_s / 1e12}
-
-    def _stop_if_asked(self) -> None:
-        """Once every rank has agreed on a stop signal: a whole snapshot of this step, then Stopped."""
-        with self.phase(f"signal exchange after step {self.state.step}"):
-            signal_name = self.stop.agreed() if self.stop is not None else None
-        if signal_name:
-            with self.phase(f"snapshot at step {self.state.step}"):
-                self._check_loss()
-                self.snapshots.save(self.state, wait=True)
-            raise Stopped.after_step(signal_name, self.state.step)
-
-    def _accounting(self, steps: int) -> dict[str, list[int]]:
-        """Per rank: bytes of parameters, gradients and optimizer state held, and bytes sent per step."""
-        held = self.strategy.memory_bytes(self.optimizer)
-        sent = self.strategy.comm_bytes(steps) // max(steps, 1)
-        table = torch.zeros(self.env.world_size, 4, dtype=torch.float64, device=self.device)
-        table[self.env.global_rank] = torch.tensor([held["params"], held["grads"], held["optim"], sent], dtype=torch.float64)
-        columns = self.strategy.all_reduce(table).long().t().tolist()
-        names = ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "comm_bytes_per_step")
-        return {**dict(zip(names, columns)), **self._comm_timing()}
-
-    def _comm_timing(self) -> dict[str, list[float]]:
-        """Per rank, where the strategy times it (ddp, zero1: a sampled step of DDP's): milliseconds of gradient
-        communication in a step, and of those, the ones backward did not hide (the step waited for them)."""
-        if self.env.world_size == 1 or type(self.strategy).comm_timing is Strategy.comm_timing:
-            return {}  # the same answer on every rank: they all run the same strategy
-        timing = self.strategy.comm_timing()
-        table = torch.zeros(self.env.world_size, 2, dtype=torch.float64, device=self.device)
-        table[self.env.global_rank] = torch.tensor([-1.0, -1.0] if timing is None else [timing.total_ms, timing.exposed_ms],
-                                                   dtype=torch.float64)
-        total, exposed = self.strategy.all_reduce(table).t().tolist()
-        if min(total) < 0:  # a rank without a sampled step yet (DDP samples its 10th step first)
-            return {}
-        return {"comm_ms_per_step": [round(v, 3) for v in total], "comm_exposed_ms_per_step": [round(v, 3) for v in exposed]}
-
-    def _utilisation(self) -> dict[str, list[float]]:
-        """Per rank: CPU use and resident memory over this epoch's training, and its GPU's use where NVML is there."""
-        if self.utilisation is None:
-            return {}
-        return per_rank(self.utilisation.take(), self.env.world_size, self.env.global_rank, self.strategy.all_reduce,
-                        self.device)
+            totals = self._reduce_epoch(account)
+        self._check_loss(totals.loss_sum)  # before the epoch's evaluation, snapshot and the final weights
+        return train_fields(totals)
 
     def _run_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (sum of this rank's losses, its correct predictions), on the device."""
@@ -276,6 +173,106 @@ class Trainer:
         self.optimizer.step()
         return loss_sum.detach(), (logits.argmax(1) == labels).sum()
 
+    # ---- the boundaries: between two steps, at an epoch's end ------------------------------------------------------
+
+    def _start_account(self) -> EpochAccount:
+        """The epoch's account, its clock started once the device has finished earlier work; utilisation's window too."""
+        self.model.train()
+        sync(self.device)
+        account = EpochAccount(self.state, self.env.world_size, self.env.global_rank)
+        if self.utilisation is not None:
+            self.utilisation.restart()
+        return account
+
+    def _after_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int, progress: ProgressBar) -> None:
+        """After a step, in order: its loss logged when due, progress, a snapshot when due, a stop when asked, on_step."""
+        state, step_loss = self.state, None
+        if state.step % self.cfg.train.log_every == 0:  # a collective: a failure in it names the rank and the step
+            with self.phase(f"loss reduction of step {state.step}"):
+                step_loss = self._log_step(epoch, loss_sum, global_count)
+        progress.advance(step_loss, state.step, global_count)
+        faults.signal_if_due(self.env.global_rank, state.step)
+        with self.phase(f"snapshot after step {state.step}"):
+            if self.snapshots.due(state, after_evaluation=False):  # never a snapshot of a diverged state
+                self._check_loss()
+            self.snapshots.save_if_due(state)
+        self._stop_if_asked()
+        if self.on_step is not None:
+            self.on_step(state)
+
+    def _end_epoch(self, epoch: int, train: dict[str, Any]) -> dict[str, Any]:
+        """The epoch's evaluation when due, its event, and its snapshot when due; returns the event."""
+        evaluation = {}
+        if self._evaluation_due(epoch):
+            with self.phase(f"evaluation after epoch {epoch + 1}"):
+                evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
+        event = self.events.emit(EPOCH_EVENT.name, **{EPOCH: epoch + 1, STEP: self.state.step}, **train, **evaluation)
+        self.state.epoch_reported = True
+        with self.phase(f"snapshot after epoch {epoch + 1}"):
+            self.snapshots.save_if_due(self.state, after_evaluation=True)
+        return event
+
+    def _evaluation_due(self, epoch: int) -> bool:
+        """train.eval_every_epochs; the run's last epoch (or the partial epoch a max_steps stop ends in) always."""
+        every = self.cfg.train.eval_every_epochs
+        last = epoch + 1 == self.cfg.train.epochs or self.state.step >= self.total_steps
+        return last or bool(every and (epoch + 1) % every == 0)
+
+    def _reduce_epoch(self, account: EpochAccount) -> EpochTotals:
+        """The epoch's numbers over every rank, in this order of collectives (each rank the same): the float64 sums,
+        the peak memory, the footprint table, the communication times' table, the utilisation table."""
+        state, reduce, device = self.state, self.strategy.all_reduce, self.device
+        assert state.epoch_sums is not None
+        totals = reduce(state.epoch_sums.clone())  # also waits for every rank: the time covers the slowest
+        elapsed = account.stop_clock()
+        peak = reduce(torch.tensor([peak_memory_mb(device)], device=device), op="max")
+        held = self.strategy.memory_bytes(self.optimizer)
+        sent = self.strategy.comm_bytes(account.steps) // max(account.steps, 1)
+        footprint = reduce(account.own_row([held["params"], held["grads"], held["optim"], sent], device)).t().tolist()
+        timing = None  # the same answer on every rank (they all run the same strategy): the same collectives
+        if self.env.world_size > 1 and type(self.strategy).comm_timing is not Strategy.comm_timing:
+            sampled = self.strategy.comm_timing()  # ddp, zero1: a sampled step of DDP's
+            row = [-1.0, -1.0] if sampled is None else [sampled.total_ms, sampled.exposed_ms]
+            timing = reduce(account.own_row(row, device)).t().tolist()
+        utilisation = {} if self.utilisation is None else per_rank(
+            self.utilisation.take(), self.env.world_size, self.env.global_rank, reduce, device)
+        loss_sum, correct, samples = totals.tolist()
+        return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=state.epoch_seen, elapsed_s=elapsed,
+                           peak_mem_mb=peak.item(), lr=self._lr(), footprint=footprint, comm_timing=timing,
+                           utilisation=utilisation, flops_per_sample=self.flops_per_sample)
+
+    def _finish(self) -> None:
+        """The final weights, then the final snapshot, whole on disk before fit() returns."""
+        with self.phase("saving the final weights"):
+            self._save_weights(self.cfg.output.folder.model)
+        with self.phase(f"snapshot at step {self.state.step}"):
+            self.snapshots.save(self.state, wait=True)
+
+    def _save_weights(self, path: Path) -> None:
+        """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
+        state = self.strategy.full_state_dict()
+        if self.env.is_main:
+            try:
+                with written_whole(path) as tmp:
+                    torch.save(state, tmp)
+            except Exception as exc:
+                reason = checkpoint.write_failure(exc)
+                if reason is None:
+                    raise
+                rerun = checkpoint.rerun_ending(self.snapshots.root, ": it resumes from the last snapshot.")
+                raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
+                                  f"there, then run the same command{rerun}") from exc
+
+    def _stop_if_asked(self) -> None:
+        """Once every rank has agreed on a stop signal: a whole snapshot of this step, then Stopped."""
+        with self.phase(f"signal exchange after step {self.state.step}"):
+            signal_name = self.stop.agreed() if self.stop is not None else None
+        if signal_name:
+            with self.phase(f"snapshot at step {self.state.step}"):
+                self._check_loss()
+                self.snapshots.save(self.state, wait=True)
+            raise Stopped.after_step(signal_name, self.state.step)
+
     def _lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
@@ -288,7 +285,7 @@ class Trainer:
         step_total, epoch_total = self.strategy.all_reduce(torch.stack([loss_sum.double(), self.state.epoch_sums[0]])).tolist()
         self._check_loss(epoch_total)
         loss = step_total / global_count
-        self.events.emit("step", epoch=epoch + 1, step=self.state.step, loss=loss, lr=self._lr())
+        self.events.emit(STEP_EVENT.name, **{EPOCH: epoch + 1, STEP: self.state.step, LOSS: loss, LR: self._lr()})
         return loss
 
     def _check_loss(self, epoch_total: float | None = None) -> None:

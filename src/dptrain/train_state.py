@@ -28,6 +28,7 @@ class TrainState:
     """Whether this epoch's event (training metrics and evaluation) has been emitted."""
 
     def start_epoch(self, epoch: int, device: torch.device) -> None:
+        """A fresh epoch: nothing of it trained, counted or reported yet."""
         self.epoch, self.batches_consumed, self.epoch_elapsed, self.epoch_seen, self.epoch_reported = epoch, 0, 0.0, 0, False
         self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=device)
 
@@ -42,6 +43,15 @@ class TrainState:
         self.epoch_seen += global_count
         self.step += 1
         self.batches_consumed += 1
+
+    def enter_epoch(self, epoch: int, device: torch.device) -> None:
+        """Where the loop begins `epoch`: a fresh start, or, where a resume put it mid-way, on from the snapshot."""
+        if not self.resumes_mid_epoch(epoch):
+            self.start_epoch(epoch, device)
+
+    def steps_left_in_epoch(self, steps_per_epoch: int, total_steps: int) -> int:
+        """The steps this epoch still trains: its batches not yet consumed, fewer where train.max_steps ends the run."""
+        return min(steps_per_epoch - self.batches_consumed, total_steps - self.step)
 
     def resumes_mid_epoch(self, epoch: int) -> bool:
         """Whether `epoch` was under way in the snapshot this run resumed from (its sums came with it)."""

@@ -1,6 +1,7 @@
 """Metrics: one event stream -> sinks (metrics.jsonl, `[METRIC]` lines, TensorBoard), progress, utilisation.
 
     sinks.py        EventLog, JsonlSink, MetricLineSink, metric_line: what rank 0 writes
+    epoch_account.py  EpochAccount: one epoch's count on a rank (steps, clock); its event's training fields
     tensorboard.py  TensorBoardSink (runs/<name>/tb/), `dptrain tensorboard` (imports tensorboard lazily)
     epoch_lines.py  EpochLineSink (`Epoch 01/05 | train loss ...` on rank 0), RankEpochSink (each rank's own, in its log)
     gpu_log.py      gpu_log(): logs/gpu_rank<R>.log, NVML samples every few seconds as `nvidia-smi dmon` writes them

@@ -14,7 +14,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from dptrain.events import EPOCH, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVENT, SAMPLES_PER_S, TRAIN_ACC, TRAIN_LOSS
 from dptrain.metrics.utilisation import peak_memory_mb
+
 
 class EpochSoFar(Protocol):
     """What a rank's own epoch line reads of the loop's TrainState (metrics sits below train_state: no import)."""
@@ -36,13 +38,13 @@ def epoch_line(event: dict[str, Any], num_epochs: int) -> str:
     """`Epoch 01/05 | train loss 0.4942 | acc 82.5% | eval acc 87.8% | 31.3 s | 1,919 img/s`: the epoch zero-padded to
     the width of the total; eval acc only for an epoch that evaluated; a diverged (null) loss reads `nan`."""
     width = len(str(num_epochs))
-    loss = event.get("train_loss")
-    parts = [f"Epoch {event['epoch']:0{width}d}/{num_epochs}",
+    loss = event.get(TRAIN_LOSS)
+    parts = [f"Epoch {event[EPOCH]:0{width}d}/{num_epochs}",
              f"train loss {loss if loss is not None else math.nan:.4f}",
-             f"acc {100 * event['train_acc']:.1f}%"]
-    if event.get("eval_acc") is not None:
-        parts.append(f"eval acc {100 * event['eval_acc']:.1f}%")
-    parts += [f"{event['epoch_time_s']:.1f} s", f"{event['samples_per_s']:,.0f} img/s"]
+             f"acc {100 * event[TRAIN_ACC]:.1f}%"]
+    if event.get(EVAL_ACC) is not None:
+        parts.append(f"eval acc {100 * event[EVAL_ACC]:.1f}%")
+    parts += [f"{event[EPOCH_TIME_S]:.1f} s", f"{event[SAMPLES_PER_S]:,.0f} img/s"]
     return " | ".join(parts)
 
 
@@ -53,7 +55,7 @@ class EpochLineSink:
         self.num_epochs = num_epochs
 
     def write(self, event: dict[str, Any]) -> None:
-        if event["event"] == "epoch":
+        if event[EVENT] == EPOCH_EVENT.name:
             log.info(epoch_line(event, self.num_epochs))
 
     def close(self) -> None:
@@ -80,14 +82,14 @@ class RankEpochSink:
         self.global_rank, self.state, self.device = global_rank, state, device
 
     def write(self, event: dict[str, Any]) -> None:
-        if event["event"] != "epoch":
+        if event[EVENT] != EPOCH_EVENT.name:
             return
         state = self.state()
         if state.epoch_sums is None:  # no epoch under way: nothing of this rank's own to say
             return
         loss_sum, _, samples = state.epoch_sums.tolist()
         loss = loss_sum / samples if samples and math.isfinite(loss_sum) else None
-        line = rank_epoch_line(self.global_rank, event["epoch"], state.batches_consumed, int(samples),
+        line = rank_epoch_line(self.global_rank, event[EPOCH], state.batches_consumed, int(samples),
                                state.epoch_elapsed, loss, peak_memory_mb(self.device))
         log.info(line, extra={"file_only": True})
 

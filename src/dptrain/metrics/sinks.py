@@ -1,7 +1,7 @@
 """One event stream -> sinks: metrics.jsonl and `[METRIC] key=value` lines (TensorBoard: tensorboard.py).
 
-An event is one flat dict with stable keys (`event`, `epoch`, `step`, `train_loss`, ...). Only the
-global rank 0 gets sinks; the numbers it writes are already reduced over every rank.
+An event is one flat dict with stable keys (`event`, `time`, `epoch`, `step`, `train_loss`, ...), each event's named in
+dptrain.events' schema. Only the global rank 0 gets sinks; the numbers it writes are already reduced over every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from dptrain.distributed.failures import WorkerFailure
+from dptrain.events import EPOCH_EVENT, EVENT, TIME
 
 log = logging.getLogger("dptrain")
 
@@ -72,7 +73,7 @@ def metric_line(event: dict[str, Any]) -> str:
     """`[METRIC] epoch=1 train_loss=0.5123 ...`, the form the tutorials' collect scripts parse."""
     parts = []
     for key, value in event.items():
-        if key in ("event", "time"):
+        if key in (EVENT, TIME):
             continue
         if isinstance(value, float):
             value = f"{value:.6g}"
@@ -89,7 +90,7 @@ class MetricLineSink:
         self.console = console or CONSOLE
 
     def write(self, event: dict[str, Any]) -> None:
-        if event["event"] != "epoch":
+        if event[EVENT] != EPOCH_EVENT.name:
             return
         line = metric_line(event)
         if not self.console.is_terminal:  # files and pipes: the plain log handler writes it as it is
@@ -105,11 +106,13 @@ class MetricLineSink:
 
 
 class EventLog:
+    """What rank 0 writes: emit(name, **fields) stamps the event's name and time and hands it to every sink."""
+
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = sinks
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": event, "time": round(time.time(), 3), **fields}
+        record = {EVENT: event, TIME: round(time.time(), 3), **fields}
         for sink in self.sinks:
             sink.write(record)
         return record

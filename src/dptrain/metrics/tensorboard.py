@@ -26,17 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.errors import ConfigError
-from dptrain.metrics.utilisation import FIELDS as UTILISATION_FIELDS
+from dptrain.events import (ACHIEVED_TFLOPS, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, EVAL_TIME_S, EVENT, LOSS,
+                            LR, PEAK_MEM_MB, RUN_END_EVENT, SAMPLES_PER_S, STEP, STEP_EVENT, STOPPED_EVENT, TRAIN_ACC,
+                            TRAIN_LOSS, UTILISATION)
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger("dptrain")
 
-STEP_SCALARS = ("loss", "lr")
+STEP_SCALARS = (LOSS, LR)
 """A step event's scalars, as train/<key>."""
-EPOCH_SCALARS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "lr", "samples_per_s", "epoch_time_s",
-                 "eval_time_s", "peak_mem_mb", "achieved_tflops")
+EPOCH_SCALARS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, LR, SAMPLES_PER_S, EPOCH_TIME_S, EVAL_TIME_S, PEAK_MEM_MB,
+                 ACHIEVED_TFLOPS)
 """An epoch event's scalars, as epoch/<key>; its per-rank utilisation lists go to util/<key>/rank<R>."""
-FINAL_METRICS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "samples_per_s")
+FINAL_METRICS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, SAMPLES_PER_S)
 """The last epoch's values shown next to the run's hyperparameters (HPARAMS tab), as hparams/<key>."""
 
 
@@ -116,31 +118,31 @@ class TensorBoardSink:
     def write(self, event: dict[str, Any]) -> None:
         if self.writer is None:  # stopped by a failed write, said then
             return
-        step = self.step = event.get("step", self.step)
+        step = self.step = event.get(STEP, self.step)
         try:
-            self._write(event["event"], step, event)
+            self._write(event[EVENT], step, event)
         except OSError as exc:
             log.warning("%s", cannot_write(self.log_dir, exc, step))
             self._stop_writer()
 
     def _write(self, kind: str, step: int, event: dict[str, Any]) -> None:
-        if kind == "step":
+        if kind == STEP_EVENT.name:
             for key in STEP_SCALARS:
                 if event.get(key) is not None:  # a diverged loss is null
                     self.writer.add_scalar(f"train/{key}", event[key], step)
-        elif kind == "epoch":
+        elif kind == EPOCH_EVENT.name:
             self.last_epoch = event
             for key in EPOCH_SCALARS:
                 if event.get(key) is not None:
                     self.writer.add_scalar(f"epoch/{key}", event[key], step)
-            for key in UTILISATION_FIELDS:
+            for key in UTILISATION:
                 for rank, value in enumerate(event.get(key, ())):
                     self.writer.add_scalar(f"util/{key}/rank{rank}", value, step)
             self.writer.flush()
-        elif kind == "run_end":
+        elif kind == RUN_END_EVENT.name:
             self._write_hparams(step)
             self.writer.flush()
-        elif kind == "stopped":
+        elif kind == STOPPED_EVENT.name:
             self.writer.flush()
 
     def _write_hparams(self, step: int) -> None:

@@ -26,12 +26,13 @@ from typing import Any, Callable
 
 import torch
 
+from dptrain.events import (CPU_UTIL_PCT, CPU_UTILISATION, GPU_MEM_USED_MAX_MB, GPU_POWER_MAX_W, GPU_POWER_MEAN_W,
+                            GPU_UTIL_MAX_PCT, GPU_UTIL_MEAN_PCT, GPU_UTILISATION, RSS_MAX_MB, UTILISATION)
+
 log = logging.getLogger("dptrain")
 
-CPU_FIELDS = ("cpu_util_pct", "rss_max_mb")
-GPU_FIELDS = ("gpu_util_mean_pct", "gpu_util_max_pct", "gpu_mem_used_max_mb", "gpu_power_mean_w", "gpu_power_max_w")
-FIELDS = CPU_FIELDS + GPU_FIELDS
-"""Every utilisation field an epoch event may hold, each a list with one value per rank."""
+CPU_FIELDS, GPU_FIELDS, FIELDS = CPU_UTILISATION, GPU_UTILISATION, UTILISATION
+"""Every utilisation field an epoch event may hold (events.UTILISATION), each a list with one value per rank."""
 
 MIB = 2**20
 
@@ -103,14 +104,14 @@ class UtilisationSampler:
         with self._lock:
             wall = time.perf_counter() - self._wall0
             cpu = time.process_time() - self._cpu0  # every thread of this process, user + system
-            values = {"cpu_util_pct": round(100 * cpu / wall, 1) if wall > 0 else 0.0,
-                      "rss_max_mb": round(self._rss_max / MIB, 1)}
+            values = {CPU_UTIL_PCT: round(100 * cpu / wall, 1) if wall > 0 else 0.0,
+                      RSS_MAX_MB: round(self._rss_max / MIB, 1)}
             if self._gpu is not None and self._samples:
-                values |= {"gpu_util_mean_pct": round(self._util_sum / self._samples, 1),
-                           "gpu_util_max_pct": self._util_max, "gpu_mem_used_max_mb": round(self._mem_max / MIB, 1)}
+                values |= {GPU_UTIL_MEAN_PCT: round(self._util_sum / self._samples, 1),
+                           GPU_UTIL_MAX_PCT: self._util_max, GPU_MEM_USED_MAX_MB: round(self._mem_max / MIB, 1)}
                 if self._power:
-                    values |= {"gpu_power_mean_w": round(self._power_sum / self._samples, 1),
-                               "gpu_power_max_w": self._power_max}
+                    values |= {GPU_POWER_MEAN_W: round(self._power_sum / self._samples, 1),
+                               GPU_POWER_MAX_W: self._power_max}
         self.restart()
         return values
 

@@ -24,7 +24,14 @@ from typing import Any
 from dptrain import config as config_mod
 from dptrain import read_back
 from dptrain.errors import ConfigError, OutputError
-from dptrain.events import read_run_events
+from dptrain.events import (ACHIEVED_TFLOPS, AGENT_RESTARTS, COMM_BYTES_PER_STEP, COMM_EXPOSED_MS_PER_STEP,
+                            COMM_MS_PER_STEP, CPU_UTIL_PCT, DEVICE, ENDINGS, EPOCH, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC,
+                            EVAL_LOSS, EVENT, FOOTPRINT, GLOBAL_BATCH_SIZE, GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W,
+                            GPU_UTIL_MEAN_PCT, GPU_UTILISATION, JOB_ID, LOSS, MEM_GRADS_BYTES, MEM_OPTIM_BYTES,
+                            MEM_PARAMS_BYTES, MESSAGE, MODEL_FLOPS_PER_SAMPLE, PEAK_MEM_MB, REASON, REQUEUE_EVENT,
+                            REQUEUE_FAILED_EVENT, RSS_MAX_MB, RUN_END_EVENT, RUN_START_EVENT, SAMPLES_PER_S,
+                            SLURM_RESTARTS, STEP, STEP_EVENT, STOPPED_EVENT, TIME, TOTAL_STEPS, TRAIN_ACC, TRAIN_LOSS,
+                            TRAIN_SAMPLES, WORLD_SIZE, read_run_events)
 from dptrain.read_back import UnreadableFile
 from dptrain.reporting.markdown import md_text, save_figure
 from dptrain.reporting.sweep_files import POINT_NAME, Probe, read_peaks
@@ -47,9 +54,8 @@ HEADLINE_OPTIONS = ("data.name", "model.name", "strategy.name", "launch.nproc_pe
                     "train.epochs", "train.max_steps", "optim.name", "optim.lr", "optim.schedule", "train.bf16",
                     "train.seed")
 # Fields of an epoch event the card reads beyond what collect checks: numbers, or a list of one per rank
-EPOCH_NUMBERS = ("train_loss", "train_acc", "eval_loss", "eval_acc", "samples_per_s", "achieved_tflops")
-RANK_FIELDS = ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "comm_bytes_per_step", "gpu_util_mean_pct",
-               "gpu_util_max_pct", "gpu_mem_used_max_mb", "gpu_power_mean_w", "gpu_power_max_w")
+EPOCH_NUMBERS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, SAMPLES_PER_S, ACHIEVED_TFLOPS)
+RANK_FIELDS = (*FOOTPRINT, *GPU_UTILISATION)
 MAX_RANKS = 1 << 16  # a per-rank list longer than any world dptrain runs is not one
 
 
@@ -85,19 +91,20 @@ def _shown(value: Any) -> str:
 def card_problem(event: dict[str, Any]) -> str | None:
     """Why the card cannot use an event that collect's reader kept, or None: the fields the card reads and collect
     does not check (a step's loss, an epoch's step and curves, the per-rank byte counts, a start's step)."""
-    kind = event["event"]
-    if "time" in event and _number(event["time"]) is None:
-        return f"time is {_shown(event['time'])}, not a number"
-    counted = ("step", "epoch", "run_start", "run_end", "stopped")  # the events whose step the card reads
-    if kind in counted and "step" in event and _whole(event["step"]) is None:
-        return f"step is {_shown(event['step'])}, not a whole number"
-    if kind in ("step", "epoch") and "step" not in event:
-        return "it has no step"
-    if kind == "run_start" and "world_size" in event and not (_whole(event["world_size"]) or 0) >= 1:
-        return f"world_size is {_shown(event['world_size'])}, not a positive whole number"
-    if kind == "step" and event.get("loss") is not None and _number(event["loss"]) is None:
-        return f"loss is {_shown(event['loss'])}, not a number"
-    if kind == "epoch":
+    kind = event[EVENT]
+    if TIME in event and _number(event[TIME]) is None:
+        return f"{TIME} is {_shown(event[TIME])}, not a number"
+    # the events whose step the card reads
+    counted = (STEP_EVENT.name, EPOCH_EVENT.name, RUN_START_EVENT.name, RUN_END_EVENT.name, STOPPED_EVENT.name)
+    if kind in counted and STEP in event and _whole(event[STEP]) is None:
+        return f"{STEP} is {_shown(event[STEP])}, not a whole number"
+    if kind in (STEP_EVENT.name, EPOCH_EVENT.name) and STEP not in event:
+        return f"it has no {STEP}"
+    if kind == RUN_START_EVENT.name and WORLD_SIZE in event and not (_whole(event[WORLD_SIZE]) or 0) >= 1:
+        return f"{WORLD_SIZE} is {_shown(event[WORLD_SIZE])}, not a positive whole number"
+    if kind == STEP_EVENT.name and event.get(LOSS) is not None and _number(event[LOSS]) is None:
+        return f"{LOSS} is {_shown(event[LOSS])}, not a number"
+    if kind == EPOCH_EVENT.name:
         for key in EPOCH_NUMBERS:
             if event.get(key) is not None and _number(event[key]) is None:
                 return f"{key} is {_shown(event[key])}, not a number"
@@ -142,37 +149,38 @@ class Timeline:
 def timeline(events: list[dict[str, Any]]) -> Timeline:
     line = Timeline()
     for event in events:
-        kind = event["event"]
+        kind = event[EVENT]
         problem = card_problem(event)
         if problem:
-            where = f"epoch {event.get('epoch')}'s event" if kind == "epoch" else f"a {kind} event"
+            where = f"epoch {event.get(EPOCH)}'s event" if kind == EPOCH_EVENT.name else f"a {kind} event"
             line.left_out.append(f"metrics.jsonl, {_cut(where)}: {problem}")
             continue
-        step = _whole(event.get("step"))
-        if kind == "run_start":
+        step = _whole(event.get(STEP))
+        if kind == RUN_START_EVENT.name:
             start_step = step or 0
-            line.epochs = {n: e for n, e in line.epochs.items() if e[0]["step"] <= start_step}
+            line.epochs = {n: e for n, e in line.epochs.items() if e[0][STEP] <= start_step}
             line.steps = {s: loss for s, loss in line.steps.items() if s <= start_step}
-            line.starts.append(Start(step=start_step, time=_number(event.get("time")),
-                                     world_size=_whole(event.get("world_size")), device=str(event.get("device", "")),
-                                     agent_restarts=_whole(event.get("agent_restarts")),
-                                     slurm_restarts=_whole(event.get("slurm_restarts"))))
-            line.global_batch_size = _whole(event.get("global_batch_size")) or line.global_batch_size
-            line.total_steps = _whole(event.get("total_steps")) or line.total_steps
-        elif kind == "epoch":
-            line.epochs[int(event["epoch"])] = (event, line.starts[-1] if line.starts else None)
-        elif kind == "step" and _number(event.get("loss")) is not None:
-            line.steps[step] = float(event["loss"])
-        elif kind in ("run_end", "stopped", "requeue", "requeue_failed") and line.starts:
+            line.starts.append(Start(step=start_step, time=_number(event.get(TIME)),
+                                     world_size=_whole(event.get(WORLD_SIZE)), device=str(event.get(DEVICE, "")),
+                                     agent_restarts=_whole(event.get(AGENT_RESTARTS)),
+                                     slurm_restarts=_whole(event.get(SLURM_RESTARTS))))
+            line.global_batch_size = _whole(event.get(GLOBAL_BATCH_SIZE)) or line.global_batch_size
+            line.total_steps = _whole(event.get(TOTAL_STEPS)) or line.total_steps
+        elif kind == EPOCH_EVENT.name:
+            line.epochs[int(event[EPOCH])] = (event, line.starts[-1] if line.starts else None)
+        elif kind == STEP_EVENT.name and _number(event.get(LOSS)) is not None:
+            line.steps[step] = float(event[LOSS])
+        elif kind in ENDINGS and line.starts:
             last = line.starts[-1]
             at = f" at step {step}" if step is not None else ""
-            ending = {"run_end": f"finished{at}",
-                      "stopped": f"stopped{at}: {str(event.get('message', ''))[:200]}",
-                      "requeue": f"requeued (SLURM job {str(event.get('job_id', '?'))[:40]})",
-                      "requeue_failed": f"requeue refused: {str(event.get('reason', ''))[:200]}"}[kind]
+            ending = {RUN_END_EVENT.name: f"finished{at}",
+                      STOPPED_EVENT.name: f"stopped{at}: {str(event.get(MESSAGE, ''))[:200]}",
+                      REQUEUE_EVENT.name: f"requeued (SLURM job {str(event.get(JOB_ID, '?'))[:40]})",
+                      REQUEUE_FAILED_EVENT.name: f"requeue refused: {str(event.get(REASON, ''))[:200]}"}[kind]
             # a stop under SLURM is followed by its requeue (or the refusal of one): the card keeps both
-            last.ended = f"{last.ended}; {ending}" if kind.startswith("requeue") and last.ended != NO_END else ending
-            last.end_time = _number(event.get("time"))
+            requeue = kind in (REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name)
+            last.ended = f"{last.ended}; {ending}" if requeue and last.ended != NO_END else ending
+            last.end_time = _number(event.get(TIME))
     return line
 
 
@@ -278,25 +286,25 @@ def read_probes(run_dir: Path) -> tuple[dict[int, Probe], Path | None]:
 
 def steps_in(event: dict[str, Any], global_batch_size: int | None) -> int | None:
     """An epoch's optimizer steps: its samples over the global batch, the last batch a partial one."""
-    return math.ceil(event["train_samples"] / global_batch_size) if global_batch_size else None
+    return math.ceil(event[TRAIN_SAMPLES] / global_batch_size) if global_batch_size else None
 
 
 def step_ms(event: dict[str, Any], global_batch_size: int | None) -> float | None:
     steps = steps_in(event, global_batch_size)
-    return event["epoch_time_s"] * 1e3 / steps if steps else None
+    return event[EPOCH_TIME_S] * 1e3 / steps if steps else None
 
 
 def comm_shares(event: dict[str, Any], global_batch_size: int | None) -> list[float | None]:
     """Per rank: the communication a step waited for (not hidden behind backward) over the step's time."""
     per_step = step_ms(event, global_batch_size)
-    exposed = _per_rank(event.get("comm_exposed_ms_per_step"))
+    exposed = _per_rank(event.get(COMM_EXPOSED_MS_PER_STEP))
     return [None if e is None or not per_step else e / per_step for e in exposed]
 
 
 def achieved_tflops(event: dict[str, Any]) -> float | None:
-    rate = _number(event.get("achieved_tflops"))
-    if rate is None and (flops := _number(event.get("model_flops_per_sample"))) is not None:
-        rate = flops * event["train_samples"] / event["epoch_time_s"] / 1e12
+    rate = _number(event.get(ACHIEVED_TFLOPS))
+    if rate is None and (flops := _number(event.get(MODEL_FLOPS_PER_SAMPLE))) is not None:
+        rate = flops * event[TRAIN_SAMPLES] / event[EPOCH_TIME_S] / 1e12
     return rate
 
 
@@ -395,12 +403,12 @@ def summary_sentence(line: Timeline) -> str:
     last = line.starts[-1] if line.starts else None
     state = last.ended if last else "no run_start event"
     epochs = epochs_in_order(line)
-    step = max([s.step for s in line.starts] + [int(e["step"]) for _, e, _ in epochs] + list(line.steps), default=0)
+    step = max([s.step for s in line.starts] + [int(e[STEP]) for _, e, _ in epochs] + list(line.steps), default=0)
     of = f" of {line.total_steps}" if line.total_steps else ""
-    evaluated = [e for _, e, _ in epochs if _number(e.get("eval_acc")) is not None]
+    evaluated = [e for _, e, _ in epochs if _number(e.get(EVAL_ACC)) is not None]
     last = evaluated[-1] if evaluated else {}
-    last_eval = (f"; last evaluation (epoch {last['epoch']}): loss {fmt(_number(last.get('eval_loss')), '.4f')}, "
-                 f"accuracy {fmt(_number(last.get('eval_acc')), '.4f')}" if evaluated else "")
+    last_eval = (f"; last evaluation (epoch {last[EPOCH]}): loss {fmt(_number(last.get(EVAL_LOSS)), '.4f')}, "
+                 f"accuracy {fmt(_number(last.get(EVAL_ACC)), '.4f')}" if evaluated else "")
     starts, resumes = len(line.starts), max(len(line.starts) - 1, 0)
     return (f"State: {md_text(state)}. Step {step}{of}, {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
             f"logged, {starts} start{'s' if starts != 1 else ''} ({resumes} resume{'s' if resumes != 1 else ''})"
@@ -449,9 +457,9 @@ def loss_section(line: Timeline, drawn: set[str]) -> list[str]:
         return parts + ["No epoch finished: no per-epoch numbers yet.", ""]
     parts += ["| epoch | step | train loss | train acc | eval loss | eval acc | epoch time (s) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
-    parts += [f"| {n} | {int(e['step'])} | {fmt(_number(e.get('train_loss')), '.4f')} | "
-              f"{fmt(_number(e.get('train_acc')), '.4f')} | {fmt(_number(e.get('eval_loss')), '.4f')} | "
-              f"{fmt(_number(e.get('eval_acc')), '.4f')} | {e['epoch_time_s']:.2f} |" for n, e, _ in epochs]
+    parts += [f"| {n} | {int(e[STEP])} | {fmt(_number(e.get(TRAIN_LOSS)), '.4f')} | "
+              f"{fmt(_number(e.get(TRAIN_ACC)), '.4f')} | {fmt(_number(e.get(EVAL_LOSS)), '.4f')} | "
+              f"{fmt(_number(e.get(EVAL_ACC)), '.4f')} | {e[EPOCH_TIME_S]:.2f} |" for n, e, _ in epochs]
     return parts + [""]
 
 
@@ -462,18 +470,18 @@ def throughput_section(line: Timeline, probes: dict[int, Probe], peak_file: Path
         return parts + ["No epoch finished: no throughput yet.", ""]
     if THROUGHPUT_PLOT in drawn:
         parts += [f"![Throughput]({THROUGHPUT_PLOT})", ""]
-    samples, seconds = sum(e["train_samples"] for _, e, _ in epochs), sum(e["epoch_time_s"] for _, e, _ in epochs)
+    samples, seconds = sum(e[TRAIN_SAMPLES] for _, e, _ in epochs), sum(e[EPOCH_TIME_S] for _, e, _ in epochs)
     later = epochs[1:]
     sentence = f"{samples / seconds:.0f} images/s over all {len(epochs)} epochs (training steps only)"
     if later:
-        rate = sum(e["train_samples"] for _, e, _ in later) / sum(e["epoch_time_s"] for _, e, _ in later)
+        rate = sum(e[TRAIN_SAMPLES] for _, e, _ in later) / sum(e[EPOCH_TIME_S] for _, e, _ in later)
         sentence += f", {rate:.0f} after the first (which pays for warm-up)"
     parts += [sentence + ".", ""]
     fractions = {n: (rate / probe.peak_tflops, probe) for n, e, s in epochs
                  if (rate := achieved_tflops(e)) is not None and (probe := peak_for(probes, s)) is not None}
     parts += ["| epoch | world size | images/s | step time (ms) | TFLOPS | of peak |",
               "| --- | --- | --- | --- | --- | --- |"]
-    parts += [f"| {n} | {fmt(s.world_size if s else None, 'd')} | {e['train_samples'] / e['epoch_time_s']:.0f} | "
+    parts += [f"| {n} | {fmt(s.world_size if s else None, 'd')} | {e[TRAIN_SAMPLES] / e[EPOCH_TIME_S]:.0f} | "
               f"{fmt(step_ms(e, line.global_batch_size), '.1f')} | {fmt(achieved_tflops(e), '.3g')} | "
               f"{fmt(fractions[n][0] if n in fractions else None, '.1%')} |" for n, e, s in epochs]
     parts.append("")
@@ -496,11 +504,11 @@ def throughput_section(line: Timeline, probes: dict[int, Probe], peak_file: Path
 def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
     parts = [f"## {SECTIONS[4]}", ""]
     epochs = epochs_in_order(line)
-    timed = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get("comm_exposed_ms_per_step")))]
-    sent = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get("comm_bytes_per_step")))]
+    timed = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get(COMM_EXPOSED_MS_PER_STEP)))]
+    sent = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get(COMM_BYTES_PER_STEP)))]
     if sent:
         n, e = sent[-1]
-        per_rank = [v for v in _per_rank(e.get("comm_bytes_per_step")) if v is not None]
+        per_rank = [v for v in _per_rank(e.get(COMM_BYTES_PER_STEP)) if v is not None]
         parts += [f"Each rank sends {mib(max(per_rank))} MiB of gradients or parameters a step (epoch {n}, the "
                   f"largest rank).", ""]
     if not timed:
@@ -515,8 +523,8 @@ def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
               "| --- | --- | --- | --- | --- | --- |"]
     for n, e in timed:
         shares = [s for s in comm_shares(e, line.global_batch_size) if s is not None]
-        comm = [v for v in _per_rank(e.get("comm_ms_per_step")) if v is not None]
-        exposed = [v for v in _per_rank(e.get("comm_exposed_ms_per_step")) if v is not None]
+        comm = [v for v in _per_rank(e.get(COMM_MS_PER_STEP)) if v is not None]
+        exposed = [v for v in _per_rank(e.get(COMM_EXPOSED_MS_PER_STEP)) if v is not None]
         parts.append(f"| {n} | {fmt(step_ms(e, line.global_batch_size), '.1f')} | "
                      f"{fmt(statistics.fmean(comm) if comm else None, '.2f')} | {statistics.fmean(exposed):.2f} | "
                      f"{fmt(statistics.fmean(shares) if shares else None, '.2%')} | "
@@ -525,15 +533,15 @@ def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
 
 
 RANK_TABLE = (  # (column, epoch field, how the epochs combine, format)
-    ("CPU util (% of a core)", "cpu_util_pct", "mean", ".1f"),
-    ("RSS max (MiB)", "rss_max_mb", "max", ".1f"),
-    ("params (MiB)", "mem_params_bytes", "last", "bytes"),
-    ("grads (MiB)", "mem_grads_bytes", "last", "bytes"),
-    ("optimizer (MiB)", "mem_optim_bytes", "last", "bytes"),
-    ("comm exposed / step (ms)", "comm_exposed_ms_per_step", "mean", ".2f"),
-    ("GPU util (%)", "gpu_util_mean_pct", "mean", ".1f"),
-    ("GPU memory max (MiB)", "gpu_mem_used_max_mb", "max", ".0f"),
-    ("GPU power (W)", "gpu_power_mean_w", "mean", ".0f"),
+    ("CPU util (% of a core)", CPU_UTIL_PCT, "mean", ".1f"),
+    ("RSS max (MiB)", RSS_MAX_MB, "max", ".1f"),
+    ("params (MiB)", MEM_PARAMS_BYTES, "last", "bytes"),
+    ("grads (MiB)", MEM_GRADS_BYTES, "last", "bytes"),
+    ("optimizer (MiB)", MEM_OPTIM_BYTES, "last", "bytes"),
+    ("comm exposed / step (ms)", COMM_EXPOSED_MS_PER_STEP, "mean", ".2f"),
+    ("GPU util (%)", GPU_UTIL_MEAN_PCT, "mean", ".1f"),
+    ("GPU memory max (MiB)", GPU_MEM_USED_MAX_MB, "max", ".0f"),
+    ("GPU power (W)", GPU_POWER_MEAN_W, "mean", ".0f"),
 )
 
 
@@ -552,7 +560,7 @@ def utilisation_section(line: Timeline, drawn: set[str]) -> list[str]:
         parts += [f"![Utilisation and memory per rank]({UTIL_PLOT})", ""]
     every = [(title, rank_values(epochs, key, how), spec) for title, key, how, spec in RANK_TABLE]
     columns = [(title, values, spec) for title, values, spec in every if any(v is not None for v in values)]
-    peaks = [v for e in epochs if (v := _number(e.get("peak_mem_mb"))) is not None]
+    peaks = [v for e in epochs if (v := _number(e.get(PEAK_MEM_MB))) is not None]
     if peaks:
         parts += [f"Peak memory of the largest rank: {max(peaks):.0f} MiB (allocated CUDA memory on a GPU, resident "
                   f"memory on the CPU).", ""]
@@ -626,10 +634,10 @@ def draw(line: Timeline, probes: dict[int, Probe], out: Path) -> set[str]:
     if epochs:
         _throughput_plot(plt, line, epochs, probes, out / THROUGHPUT_PLOT)
         drawn.add(THROUGHPUT_PLOT)
-    if any(any(v is not None for v in _per_rank(e.get("comm_exposed_ms_per_step"))) for _, e, _ in epochs):
+    if any(any(v is not None for v in _per_rank(e.get(COMM_EXPOSED_MS_PER_STEP))) for _, e, _ in epochs):
         _comm_plot(plt, line, epochs, out / COMM_PLOT)
         drawn.add(COMM_PLOT)
-    if any(_per_rank(e.get("cpu_util_pct")) or _per_rank(e.get("rss_max_mb")) for _, e, _ in epochs):
+    if any(_per_rank(e.get(CPU_UTIL_PCT)) or _per_rank(e.get(RSS_MAX_MB)) for _, e, _ in epochs):
         _util_plot(plt, epochs, out / UTIL_PLOT)
         drawn.add(UTIL_PLOT)
     return drawn
@@ -659,14 +667,14 @@ def _loss_plot(plt: Any, line: Timeline, epochs: list, resumes: list[int], path:
         steps = sorted(line.steps)
         left.plot(steps, [line.steps[s] for s in steps], ".-", color="tab:blue", alpha=0.5, linewidth=1,
                   label="step loss (logged steps)")
-    for key, colour, label in (("train_loss", "tab:blue", "epoch train loss"),
-                               ("eval_loss", "tab:orange", "eval loss")):
-        points = [(int(e["step"]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
+    for key, colour, label in ((TRAIN_LOSS, "tab:blue", "epoch train loss"),
+                               (EVAL_LOSS, "tab:orange", "eval loss")):
+        points = [(int(e[STEP]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
         if points:
             left.plot(*zip(*points), marker="o", color=colour, label=label)
-    for key, colour, label in (("train_acc", "tab:blue", "train accuracy"),
-                               ("eval_acc", "tab:orange", "eval accuracy")):
-        points = [(int(e["step"]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
+    for key, colour, label in ((TRAIN_ACC, "tab:blue", "train accuracy"),
+                               (EVAL_ACC, "tab:orange", "eval accuracy")):
+        points = [(int(e[STEP]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
         if points:
             right.plot(*zip(*points), marker="o", color=colour, label=label)
     for ax, ylabel, title in ((left, "loss", "Loss"), (right, "accuracy", "Accuracy")):
@@ -683,7 +691,7 @@ def _loss_plot(plt: Any, line: Timeline, epochs: list, resumes: list[int], path:
 def _throughput_plot(plt: Any, line: Timeline, epochs: list, probes: dict[int, Probe], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     numbers = [n for n, _, _ in epochs]
-    left.plot(numbers, [e["train_samples"] / e["epoch_time_s"] for _, e, _ in epochs], marker="o")
+    left.plot(numbers, [e[TRAIN_SAMPLES] / e[EPOCH_TIME_S] for _, e, _ in epochs], marker="o")
     left.set_ylabel("images/s (all ranks, training steps)")
     left.set_title("Throughput per epoch")
     _from_zero(left)
@@ -733,8 +741,8 @@ def _comm_plot(plt: Any, line: Timeline, epochs: list, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     numbers = [n for n, _, _ in epochs]
     left.plot(numbers, [step_ms(e, line.global_batch_size) for _, e, _ in epochs], marker="o", label="step time")
-    for key, label in (("comm_ms_per_step", "communication (mean over ranks)"),
-                       ("comm_exposed_ms_per_step", "exposed communication (mean over ranks)")):
+    for key, label in ((COMM_MS_PER_STEP, "communication (mean over ranks)"),
+                       (COMM_EXPOSED_MS_PER_STEP, "exposed communication (mean over ranks)")):
         points = [(n, statistics.fmean(known)) for n, e, _ in epochs
                   if (known := [v for v in _per_rank(e.get(key)) if v is not None])]
         if points:
@@ -753,13 +761,13 @@ def _comm_plot(plt: Any, line: Timeline, epochs: list, path: Path) -> None:
 
 
 def _util_plot(plt: Any, epochs: list, path: Path) -> None:
-    gpu = any(_per_rank(e.get("gpu_util_mean_pct")) for _, e, _ in epochs)
+    gpu = any(_per_rank(e.get(GPU_UTIL_MEAN_PCT)) for _, e, _ in epochs)
     fig, axes = plt.subplots(2 if gpu else 1, 2, figsize=(12, 8.4 if gpu else 4.2), squeeze=False)
-    panels = [("cpu_util_pct", "CPU utilisation (% of one core)", "CPU utilisation per rank"),
-              ("rss_max_mb", "largest resident set (MiB)", "Resident memory per rank")]
+    panels = [(CPU_UTIL_PCT, "CPU utilisation (% of one core)", "CPU utilisation per rank"),
+              (RSS_MAX_MB, "largest resident set (MiB)", "Resident memory per rank")]
     if gpu:
-        panels += [("gpu_util_mean_pct", "GPU utilisation, mean (%)", "GPU utilisation per rank"),
-                   ("gpu_mem_used_max_mb", "GPU memory used, max (MiB)", "GPU memory per rank")]
+        panels += [(GPU_UTIL_MEAN_PCT, "GPU utilisation, mean (%)", "GPU utilisation per rank"),
+                   (GPU_MEM_USED_MAX_MB, "GPU memory used, max (MiB)", "GPU memory per rank")]
     for ax, (key, ylabel, title) in zip(axes.flat, panels):
         _per_rank_lines(ax, epochs, lambda e, key=key: _per_rank(e.get(key)))
         ax.set_ylabel(ylabel)

@@ -1,0 +1,102 @@
+"""One epoch's accounting on one rank: the loop hands it each step's numbers, then the epoch's numbers reduced over
+the ranks, and takes the epoch event's training fields from it (loss, accuracy, samples, time, rates, memory,
+communication, utilisation), named and ordered as events.EPOCH_EVENT has them.
+
+Arithmetic and a clock only: the collectives that reduce the epoch stay in the loop (train.Trainer._reduce_epoch),
+written out there in their order, with float64 sums so that the totals are exact.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LR, MODEL_FLOPS_PER_SAMPLE,
+                            PEAK_MEM_MB, SAMPLES_PER_S, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+
+
+class StepCount(Protocol):
+    """What the account keeps up to date in the loop's TrainState (metrics sits beside train_state: no import)."""
+
+    epoch_elapsed: float
+
+    def count_step(self, loss_sum: torch.Tensor, correct: torch.Tensor, rank_count: int, global_count: int) -> None: ...
+
+
+class EpochAccount:
+    """This rank's count of the epoch under way: its steps in this process and its clock, which goes on from the
+    snapshot's time in a resumed epoch. The sums themselves live in the TrainState (a snapshot keeps them)."""
+
+    def __init__(self, state: StepCount, world_size: int, global_rank: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.state, self.world_size, self.global_rank, self.clock = state, world_size, global_rank, clock
+        self.steps = 0
+        """Steps in this process's part of the epoch (the bytes sent per step divide by them)."""
+        self.started = clock() - state.epoch_elapsed
+
+    def count(self, loss_sum: torch.Tensor, correct: torch.Tensor, rank_count: int, global_count: int) -> None:
+        """One step done: its sums into the state (on the device, in place: no host sync) and the time so far."""
+        self.state.count_step(loss_sum, correct, rank_count, global_count)
+        self.steps += 1
+        self.state.epoch_elapsed = self.clock() - self.started  # host clock, no sync: what a snapshot records
+
+    def stop_clock(self) -> float:
+        """The epoch's time: read once the sums' reduction has waited for every rank, so that it covers the slowest."""
+        self.state.epoch_elapsed = self.clock() - self.started
+        return self.state.epoch_elapsed
+
+    def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:
+        """A world_size x len(values) float64 table, this rank's values in its row and zeros in the others': summed
+        over the ranks (one all-reduce for all of them), it holds every rank's values, exactly."""
+        table = torch.zeros(self.world_size, len(values), dtype=torch.float64, device=device)
+        table[self.global_rank] = torch.tensor(list(values), dtype=torch.float64)
+        return table
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochTotals:
+    """An epoch's numbers over every rank, as the loop reduced them."""
+
+    loss_sum: float
+    """The training losses summed over every sample of the epoch, on every rank (float64)."""
+    correct: float
+    samples: float
+    """Samples trained in the epoch over the ranks, each counted once (the sums' third column)."""
+    seen: int
+    """Samples of the global batches trained in the epoch (TrainState.epoch_seen): the rate's numerator."""
+    elapsed_s: float
+    peak_mem_mb: float
+    """The largest rank's peak memory (events.PEAK_MEM_MB)."""
+    lr: float
+    footprint: Sequence[Sequence[float]]
+    """events.FOOTPRINT's columns, each one value per rank."""
+    comm_timing: Sequence[Sequence[float]] | None = None
+    """events.COMM_TIMING's columns, -1 for a rank without a sampled step yet; None: the strategy does not time it."""
+    utilisation: dict[str, list[float]]
+    """events.UTILISATION's lists (metrics.per_rank); the fields some rank lacks are left out."""
+    flops_per_sample: int | None = None
+    """The model's operations per training sample (None: not counted, no rate fields)."""
+
+
+def train_fields(totals: EpochTotals) -> dict[str, Any]:
+    """The epoch event's training fields, in events.EPOCH_EVENT's order."""
+    rate = totals.seen / totals.elapsed_s
+    fields: dict[str, Any] = {TRAIN_LOSS: totals.loss_sum / totals.samples, TRAIN_ACC: totals.correct / totals.samples,
+                              TRAIN_SAMPLES: int(totals.samples), EPOCH_TIME_S: totals.elapsed_s, SAMPLES_PER_S: rate}
+    if totals.flops_per_sample is not None:  # the model's own arithmetic: a strategy's extra work is not counted
+        fields |= {MODEL_FLOPS_PER_SAMPLE: totals.flops_per_sample,
+                   ACHIEVED_TFLOPS: totals.flops_per_sample * rate / 1e12}
+    fields |= {PEAK_MEM_MB: totals.peak_mem_mb, LR: totals.lr}
+    fields |= {name: [int(v) for v in column] for name, column in zip(FOOTPRINT, totals.footprint, strict=True)}
+    return fields | comm_timing_fields(totals.comm_timing) | totals.utilisation
+
+
+def comm_timing_fields(columns: Sequence[Sequence[float]] | None) -> dict[str, list[float]]:
+    """Milliseconds per step, to the microsecond, per rank; none while some rank has no sampled step yet (DDP samples
+    its 10th step first)."""
+    if columns is None or min(columns[0]) < 0:
+        return {}
+    return {name: [round(v, 3) for v in column] for name, column in zip(COMM_TIMING, columns, strict=True)}
