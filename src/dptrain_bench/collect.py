@@ -17,9 +17,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dptrain_bench.folder import BenchFolder
+from dptrain_bench.folder import ERROR_FILE, RUNS_DIR, BenchFolder
 from dptrain_bench.peak import read_peaks
-from dptrain_bench.sweep import ERROR_FILE, default_warmup, read_warmup
+from dptrain_bench.sweep import default_warmup, read_warmup
 from dptrain.config import read_toml
 from dptrain.reporting.sweep_files import POINT_NAME
 from dptrain.events import flat_numbers, in_range, range_words, read_run_events
@@ -28,7 +28,6 @@ from dptrain import read_back
 from dptrain.files import written_whole
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
-from dptrain.slurm.job import CONFIG_NAME
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         return None
     row: dict[str, Any] = {"engine": match["engine"], "strategy": match["strategy"], "nodes": run_nodes(run_dir),
                            "workers": int(match["workers"]), "repeat": int(match["repeat"]),
-                           "run_dir": f"runs/{run_dir.name}"}  # relative to the bench folder, which may move
+                           "run_dir": f"{RUNS_DIR}/{run_dir.name}"}  # relative to the bench folder, which may move
     events, skipped = read_run_events(RunFolder(run_dir).metrics)
     if skipped:
         several = len(skipped) > 1
@@ -103,7 +102,7 @@ def run_nodes(run_dir: Path) -> int:
     """The nodes a point ran on: its SLURM job's (job.toml, the config the job trained from), else 1 (this machine).
     A job.toml that cannot be read is said in a warning and counts as 1 node, as a point without one does: the nodes
     column is a label of the run, and the run's own numbers still hold."""
-    path = run_dir / CONFIG_NAME
+    path = RunFolder(run_dir).job_config
     try:
         nodes = read_toml(path, str(path))["slurm"]["nodes"]
     except FileNotFoundError:

@@ -2,9 +2,12 @@
 a bandwidth (the alpha-beta model), the link half of the scaling model (dptrain_bench/model.py) as peak.json is its compute
 half.
 
-    $ python -m dptrain_bench.link --world 2,4                 # processes of this machine, gloo on the CPU
-    $ python -m dptrain_bench.link --world 2 --device cuda     # nccl, one GPU each
-    $ srun -N 2 python -m dptrain_bench.link --launched        # across hosts: one process per task (torchrun too)
+    $ dptrain bench probe link --world 2,4                     # processes of this machine, gloo on the CPU
+    $ dptrain bench probe link --world 2 --device cuda         # nccl, one GPU each
+    $ srun -N 2 dptrain bench probe link --launched            # across hosts: one process per task (torchrun too)
+
+`python -m dptrain_bench.link` is the probe's internal entry: measure() runs it (--json) in a fresh Python, and a
+--slurm sweep's link job runs it (--launched --record) on every node.
 
 Collectives, each at a few buffer sizes: all_reduce (ddp, zero1, the hooks), reduce_scatter and all_gather (fsdp,
 zero1's parameters), broadcast (DDP's buffers and first parameters). Each collective and size: a warm-up call, one
@@ -365,10 +368,13 @@ def probe_launched(sizes: tuple[int, ...] | None = None, min_s: float = MIN_S) -
                      timings=timings) if env.is_main else None
 
 
-def measure(worlds: tuple[int, ...], device: Device = "cpu", timeout_s: float = 2 * WAIT_S) -> dict[int, LinkProbe]:
+def measure(worlds: tuple[int, ...], device: Device = "cpu", timeout_s: float = 2 * WAIT_S,
+            sizes: tuple[int, ...] | None = None, min_s: float = MIN_S) -> dict[int, LinkProbe]:
     """One probe per world size, in a fresh Python (`python -m dptrain_bench.link --json`), as peak.measure."""
-    probes = probe_in_fresh_python(__name__, ["--world", ",".join(map(str, worlds)), "--device", device, "--json"],
-                                   "the link probe", timeout_s)
+    args = ["--world", ",".join(map(str, worlds)), "--device", device, "--min-s", repr(min_s), "--json"]
+    if sizes is not None:
+        args += ["--sizes", ",".join(map(str, sizes))]
+    probes = probe_in_fresh_python(__name__, args, "the link probe", timeout_s)
     return {int(w): LinkProbe.from_dict(p) for w, p in probes.items()}
 
 
@@ -490,16 +496,39 @@ def table(probes: Iterable[LinkProbe]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", default="2", help="comma-separated process counts, one probe each (default 2)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The probe's options: `dptrain bench probe link`'s, and those of its internal entry (main)."""
+    parser.add_argument("--world", default="2", help="comma-separated process counts of this machine, one probe each "
+                        "(default 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default: gloo), or cuda (nccl, "
+                        "one GPU per process)")
     parser.add_argument("--sizes", help="comma-separated buffer sizes in bytes (default: the device's)")
     parser.add_argument("--min-s", type=float, default=MIN_S, help=f"seconds of calls per round (default {MIN_S})")
     parser.add_argument("--launched", action="store_true",
-                        help="be one rank of the world torchrun or srun started, instead of forking --world processes")
-    parser.add_argument("--record", metavar="BENCH", help="also add the probes to BENCH/link.json")
+                        help="be one rank of the world torchrun or srun started (one per host: the link between "
+                             "hosts), instead of starting --world processes here")
+    parser.add_argument("--record", metavar="BENCH", help="also add the probes to BENCH/link.json (a sweep's or a tune "
+                        "folder), replacing those of the same hosts and world")
     parser.add_argument("--json", action="store_true", help="print the probes as one JSON line instead of a table")
+
+
+def record_probes(bench_dir: Path, probes: list[LinkProbe]) -> None:
+    """--record: each probe into BENCH/link.json, replacing the one of its hosts and world."""
+    for p in probes:
+        record(bench_dir, p.device, worlds=(), launched=p)
+
+
+def show(probes: list[LinkProbe], as_json: bool) -> str:
+    return json.dumps({str(p.world): p.to_dict() for p in probes}) if as_json else table(probes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The internal entry that measure() runs in a fresh Python and a --slurm sweep's link job runs on every node
+    (the command is `dptrain bench probe link`)."""
+    parser = argparse.ArgumentParser(prog="python -m dptrain_bench.link", description="The link probe's internal "
+                                     "entry, run by measure() in a fresh Python and by a --slurm sweep's link job; the "
+                                     "command is dptrain bench probe link.")
+    add_options(parser)
     args = parser.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip()) if args.sizes else None
     try:
@@ -513,12 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     if not probes:  # a rank other than 0 of a launched world
         return
     if args.record:
-        for p in probes:
-            record(Path(args.record), p.device, worlds=(), launched=p)
-    if args.json:
-        print(json.dumps({str(p.world): p.to_dict() for p in probes}))
-    else:
-        print(table(probes))
+        record_probes(Path(args.record), probes)
+    print(show(probes, args.json))
 
 
 if __name__ == "__main__":

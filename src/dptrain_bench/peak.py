@@ -2,7 +2,9 @@
 fraction_of_peak (achieved_tflops / peak_tflops). On the CPU each size is multiplied both by torch.matmul and by
 oneDNN's inner product (models.layers.Linear's), and the faster counts.
 
-    $ python -m dptrain_bench.peak --workers 1,2 --dtype bfloat16
+    $ dptrain bench probe matmul --workers 1,2 --dtype bfloat16
+
+`python -m dptrain_bench.peak --json` is the probe's internal entry, which measure() runs in a fresh Python.
 
 W processes at once, as a point's W ranks run: each with the threads a dptrain rank gets here (cores // W on the CPU,
 as runtime.set_cpu_threads splits them) or its own GPU. Each multiplies square matrices of a few sizes: a warm-up
@@ -174,11 +176,12 @@ def probe(workers: int, device: Device = "cpu", dtype: Dtype = "float32", sizes:
 
 
 def measure(workers: tuple[int, ...], device: Device = "cpu", dtype: Dtype = "float32",
-            timeout_s: float = 2 * WAIT_S) -> dict[int, Probe]:
-    """One probe per worker count, one after the other, in a fresh Python (`python -m dptrain_bench.peak`): torch is
-    imported once for all of them, and nothing this process ran reaches the probe's processes."""
-    probes = probe_in_fresh_python(__name__, ["--workers", ",".join(map(str, workers)), "--device", device,
-                                              "--dtype", dtype], "the matmul probe", timeout_s)
+            timeout_s: float = 2 * WAIT_S, threads: int | None = None) -> dict[int, Probe]:
+    """One probe per worker count, one after the other, in a fresh Python (`python -m dptrain_bench.peak --json`):
+    torch is imported once for all of them, and nothing this process ran reaches the probe's processes."""
+    args = ["--workers", ",".join(map(str, workers)), "--device", device, "--dtype", dtype, "--json"]
+    probes = probe_in_fresh_python(__name__, args + (["--threads", str(threads)] if threads is not None else []),
+                                   "the matmul probe", timeout_s)
     return {int(w): Probe.from_dict(p) for w, p in probes.items()}
 
 
@@ -215,19 +218,43 @@ def record(bench_dir: Path, device: Device, dtype: Dtype, workers: tuple[int, ..
     return probes, missing
 
 
+def describe(probes: dict[int, Probe]) -> str:
+    """The probes as text, one line per worker count: the peak and each size's TFLOPS."""
+    lines = []
+    for w, p in sorted(probes.items()):
+        each = f"{p.threads} thread{'s' if p.threads != 1 else ''} each" if p.device == "cpu" else "one GPU each"
+        sizes = ", ".join(f"{n}: {t:.3g}" for n, t in sorted(p.tflops_by_size.items()))
+        lines.append(f"{w} process{'es' if w > 1 else ''} ({p.device}, {p.dtype}, {each}): peak {p.peak_tflops:.3g} "
+                     f"TFLOPS together; by size: {sizes}")
+    return "\n".join(lines)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The probe's options: `dptrain bench probe matmul`'s, and those of its internal entry (main)."""
+    parser.add_argument("--workers", default="1", help="comma-separated process counts, one probe each, run at once "
+                        "as a point's ranks run (default 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default), or cuda: one GPU "
+                        "per process")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the matrices' type (default float32; bfloat16 as a run with --train.bf16 true)")
+    parser.add_argument("--threads", type=int, help="threads per process on the CPU (default cores // workers, as a "
+                        "dptrain rank gets)")
+    parser.add_argument("--json", action="store_true", help="print the probes as one JSON line instead of a line each")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", default="1", help="comma-separated process counts, one probe each (default 1)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--threads", type=int, help="threads per process on the CPU (default cores // workers)")
+    """The internal entry that measure() runs in a fresh Python (the command is `dptrain bench probe matmul`)."""
+    parser = argparse.ArgumentParser(prog="python -m dptrain_bench.peak", description="The matmul probe's internal "
+                                     "entry, run by measure() in a fresh Python; the command is dptrain bench probe "
+                                     "matmul.")
+    add_options(parser)
     args = parser.parse_args(argv)
     counts = [int(w) for w in args.workers.split(",") if w.strip()]
     try:
         probes = {w: probe(w, args.device, args.dtype, threads=args.threads) for w in counts}
     except RuntimeError as e:
         sys.exit(str(e))
-    print(json.dumps({str(w): p.to_dict() for w, p in probes.items()}))
+    print(json.dumps({str(w): p.to_dict() for w, p in probes.items()}) if args.json else describe(probes))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The sweep: one real `dptrain train` per (engine, strategy, workers, repeat), one at a time, each in its own folder.
 
-    $ dptrain bench --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir runs/bench/fmnist --train.epochs 3
+    $ dptrain bench sweep --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir runs/bench/fmnist --train.epochs 3
 
 Every point runs the same config in a subprocess under BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ (its output in
 bench.log there). With several engines, each runs the strategies it supports and skips the others; a worker count
@@ -30,7 +30,7 @@ from typing import Any
 from dptrain import config as config_mod
 from dptrain import read_back
 from dptrain_bench import deepspeed_engine, lightning_engine, peak, tutorial
-from dptrain_bench.folder import ERROR_FILE, LOG_FILE, SWEEP_FILE, BenchFolder
+from dptrain_bench.folder import ERROR_FILE, LOG_FILE, SWEEP_FILE, SWEEPS_DIR, BenchFolder
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError
 from dptrain.files import written_whole
@@ -336,7 +336,7 @@ def sweep_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
     train_args: list[str] = ["--config", str(Path(config_path).resolve())] if config_path else []
     for key, value in train_pairs:
         train_args += [f"--{key}", value]
-    sweep = Sweep(bench_dir=bench_dir or Path("runs") / "bench" / cfg.data.name, engines=engine_names,
+    sweep = Sweep(bench_dir=bench_dir or SWEEPS_DIR / cfg.data.name, engines=engine_names,
                   strategies=strategy_names, workers=counts, repeats=repeats, warmup_epochs=warmup,
                   run_timeout_s=run_timeout_s, train_args=tuple(train_args), config=cfg, config_path=config_path,
                   train_pairs=tuple(train_pairs), job=cfg.slurm if job_pairs is not None else None,
@@ -433,7 +433,8 @@ def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
         cfg = sweep.config
         cfg = replace(cfg, strategy=replace(cfg.strategy, name=point.strategy),
                       launch=replace(cfg.launch, nproc_per_node=point.workers), output=replace(cfg.output, dir=str(run_dir)))
-        RunFolder(run_dir).config.write_text(config_mod.to_toml(cfg))
+        with written_whole(RunFolder(run_dir).config) as tmp:
+            tmp.write_text(config_mod.to_toml(cfg))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(point.workers),
                 "-m", OTHER_ENGINES[point.engine].__name__, str(run_dir)]
     # no epoch snapshots: saving is not what is measured (the user's --checkpoint.every_epochs, given later, wins)
@@ -495,6 +496,7 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
         shutil.rmtree(run_dir)  # half done: a fresh start, never a resume from a partial run
     run_dir.mkdir(parents=True)
     command = train_command(sweep, point, run_dir)
+    # the command's output as it runs (tail -f), so not written whole; the folder was made afresh just above
     with (run_dir / LOG_FILE).open("w") as out:
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
@@ -512,7 +514,8 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
     if error == "pending":
         error = first_error((run_dir / LOG_FILE).read_text(errors="replace"), returncode)
     if error:
-        (run_dir / ERROR_FILE).write_text(error + "\n")
+        with written_whole(run_dir / ERROR_FILE) as tmp:
+            tmp.write_text(error + "\n")
     return error
 
 
@@ -533,7 +536,7 @@ def record_peaks(sweep: Sweep) -> None:
     if measured:
         log.info(f"bench: matmul peak ({device}, {dtype}) in {time.perf_counter() - start:.1f} s: "
                  + ", ".join(f"{probes[w].peak_tflops:.3g} TFLOPS with {w} worker{'s' if w > 1 else ''}" for w in measured)
-                 + f" ({sweep.bench_dir / peak.PEAK_FILE})")
+                 + f" ({BenchFolder(sweep.bench_dir).peak})")
 
 
 def adopt_probes(source: Path, bench_dir: Path) -> list[str]:

@@ -1,6 +1,6 @@
-"""`dptrain bench` and `dptrain report` end to end: real runs (gloo on CPU, tiny synthetic data), resumed and failed.
+"""`dptrain bench sweep` and `dptrain report` end to end: real runs (gloo on CPU, tiny synthetic data), resumed and failed.
 
-`dptrain bench` runs in this process (its points are subprocesses of their own either way): a process of its own
+`dptrain bench sweep` runs in this process (its points are subprocesses of their own either way): a process of its own
 would only add a start of Python and torch to each sweep.
 """
 
@@ -32,10 +32,10 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 
 def run_bench(cwd: Path, *args: str) -> int:
-    """`dptrain bench ARGS` run in this process from the folder cwd; its exit code."""
+    """`dptrain bench sweep ARGS` run in this process from the folder cwd; its exit code."""
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        return main(["bench", *args])
+        return main(["bench", "sweep", *args])
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_resumed_sweep_runs_only_the_missing_point(sweep, caplog):
     metrics = cut / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if '"run_end"' not in line))
     (cut / "stale").write_text("from the interrupted run")
-    caplog.set_level(logging.INFO, logger="dptrain")
+    caplog.set_level(logging.INFO, logger="dptrain_bench")  # the sweep's lines: dptrain_bench.sweep's logger
     assert run_bench(cwd, "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY) == 0
     assert "1 done already, 1 to run" in caplog.text and "matmul peak" not in caplog.text  # probed once per sweep
     assert (done / LOG_FILE).stat().st_mtime_ns == kept
@@ -183,7 +183,11 @@ def test_probes_from_an_earlier_sweep_are_copied_where_the_sweep_has_none_and_no
     assert not (tmp_path / "other").exists()
 
 
-def test_probes_from_is_refused_with_tune_in_one_sentence(tmp_path, capsys):
-    assert run_bench(tmp_path, "--tune", "--probes-from", str(tmp_path), "--output.dir", "t") == 2
-    err = capsys.readouterr().err
-    assert "--probes-from is an option of a sweep, not of --tune" in err and err.count("\n") == 1
+def test_probes_from_is_refused_by_tune_in_one_sentence(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for tune in (["tune"], ["--tune"]):  # the subcommand, and its spelling of before the subcommands
+        assert main(["bench", *tune, "--probes-from", str(tmp_path), "--output.dir", "t"]) == 2
+        err = capsys.readouterr().err
+        assert ("--probes-from is an option of `dptrain bench sweep`, not of `dptrain bench tune`" in err
+                and err.count("\n") == 1)
+    assert not (tmp_path / "t").exists()
