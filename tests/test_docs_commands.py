@@ -1,4 +1,4 @@
-"""The docs' commands still parse: every `dptrain train | config | submit | bench` in README.md and docs/*.md.
+"""The docs' commands still parse: every `dptrain train | config | submit | bench | doctor` in README.md and docs/*.md.
 
 Each command goes through the CLI's own parser (`build_parser`) and, for its --section.option overrides and the
 TOML file a page writes for it, through `config.load`, as the command itself would; nothing is started. A renamed
@@ -27,7 +27,8 @@ from dptrain.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CHECKED = ("train", "config", "submit", "bench")
-# `dptrain report BENCH_DIR`, `--nproc-per-node N`: a placeholder stands for a value the reader picks.
+# `dptrain report BENCH_DIR`, `--nproc-per-node N`: a placeholder stands for a value the reader picks (a job
+# script's `$SLURM_NNODES` for one the job fills in).
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*(\.\.\.)?$")
 INLINE_CODE = re.compile(r"`([^`]+)`")
 HEREDOC = re.compile(r"^cat > (\S+) <<'?(\w+)'?$")
@@ -61,6 +62,10 @@ def dptrain_argv(text: str) -> list[str] | None:
             command = command[1:]
         if command and command[0] in ("dptrain", ".venv/bin/dptrain"):
             return command[1:]
+        # `python -m dptrain ...`, also behind a launcher (`srun [its options] .venv/bin/python -m dptrain train ...`)
+        for i in range(len(command) - 2):
+            if re.search(r"(^|/)python3?$", command[i]) and command[i + 1:i + 3] == ["-m", "dptrain"]:
+                return command[i + 3:]
     return None
 
 
@@ -131,7 +136,8 @@ def read_page(page: Path) -> tuple[list[Command], dict[str, str]]:
     commands = []
     for number, text in found:
         argv = dptrain_argv(text)
-        if not argv or argv[0] not in CHECKED or "--help" in argv or any(PLACEHOLDER.match(w) for w in argv):
+        if (not argv or argv[0] not in CHECKED or "--help" in argv
+                or any(PLACEHOLDER.match(w) or "$" in w for w in argv)):
             continue
         files_before = {name: body for line, name, body in defined if line < number}
         commands.append(Command(f"{where_of}:{number}", argv, files_before))
@@ -147,17 +153,26 @@ def check_command(command: Command, tmp_path: Path) -> None:
         args, extra = build_parser().parse_known_args(spellings.translate(command.argv))
     except SystemExit:  # argparse has printed its error (an unknown flag, a bad value) to stderr
         pytest.fail(f"{command.where}: `dptrain {' '.join(command.argv)}` is refused by the command line parser")
-    pairs = split_overrides(extra)
+    if args.func.__name__ == "cmd_bench":  # the lab's subcommands parse the words after `bench` themselves
+        from dptrain_bench.cli import parse_bench
+
+        try:
+            args, pairs = parse_bench(extra)
+        except (SystemExit, ConfigError) as exc:
+            pytest.fail(f"{command.where}: `dptrain {' '.join(command.argv)}` is refused by `dptrain bench` ({exc})")
+    else:
+        pairs = split_overrides(extra)
     stale = [key for key, _ in pairs if config_mod.current_name(key) != key]
     assert not stale, f"{command.where}: --{stale[0]} is an old key; write --{config_mod.current_name(stale[0])}"
-    if args.func.__name__ == "cmd_submit":
+    if getattr(args, "func", None) is not None and args.func.__name__ == "cmd_submit":
         pairs += submit_overrides(args)
     elif getattr(args, "nproc_per_node", None) is not None:
         pairs.append(("launch.nproc_per_node", str(args.nproc_per_node)))
     path = None
-    if args.config is not None and args.config in command.files:
-        path = tmp_path / Path(args.config).name
-        path.write_text(command.files[args.config])
+    config = getattr(args, "config", None)  # the probes take no --config
+    if config is not None and config in command.files:
+        path = tmp_path / Path(config).name
+        path.write_text(command.files[config])
     # a --config the page does not write (a job's job.toml) is the run's own: its options are checked where written
     config_mod.load(path, pairs)
 
@@ -186,12 +201,23 @@ def test_doc_toml_files_use_current_keys(page, tmp_path):
 
 
 def test_an_old_flat_key_in_a_doc_command_fails(tmp_path):
-    """The check above catches the drift this file exists for: the old key still loads, but is named as stale."""
+    """The check above catches the drift this file exists for: the old key is refused, with its new spelling."""
     old = Command("example.md:1", ["train", "--strategy.comm_hook", "fp16"], {})
     with pytest.raises(AssertionError, match="strategy.comm_hook is an old key; write --strategy.ddp.comm_hook"):
         check_command(old, tmp_path)
+    with pytest.raises(ConfigError, match="--strategy.comm_hook is no option: each strategy's options sit in its own "
+                                          "table; write --strategy.ddp.comm_hook instead"):
+        config_mod.load(None, split_overrides(old.argv[1:]))
 
 
 def test_an_unknown_option_in_a_doc_command_fails(tmp_path):
     with pytest.raises(ConfigError, match="unknown option --optim.lrr; did you mean --optim.lr"):
         check_command(Command("example.md:1", ["config", "--optim.lrr", "0.1"], {}), tmp_path)
+
+
+def test_python_m_dptrain_lines_are_checked_too_behind_a_launcher():
+    assert dptrain_argv("srun --kill-on-bad-exit=1 /home/a/.venv/bin/python -m dptrain train --config r.toml") == [
+        "train", "--config", "r.toml"]
+    assert dptrain_argv("PYTHONPATH=src python3 -m dptrain config --optim.lr 0.1 > run.toml") == [
+        "config", "--optim.lr", "0.1"]
+    assert dptrain_argv("python -m dptrain_bench.link --world 2") is None  # the lab's internal entry, not the CLI

@@ -1,5 +1,5 @@
-"""Each strategy's options sit in its own table ([strategy.ddp], ...); the flat keys of before are read for one
-release, with one note; a snapshot written before the tables still resumes.
+"""Each strategy's options sit in its own table ([strategy.ddp], ...); the flat keys of before (never released) are
+refused, each with its new spelling; a snapshot written before the tables still resumes.
 
 tests/fixtures/before-strategy-tables/ was written by the code of commit f97908d (before the tables), as
   PYTHONPATH=<that commit's src>:. python -m dptrain train --nproc-per-node 1 --strategy.name zero1
@@ -12,7 +12,6 @@ the optimizer in optimizer.pt, no "parts" record).
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 
@@ -26,10 +25,6 @@ from tests.conftest import log_tail
 
 BEFORE = Path(__file__).parent / "fixtures" / "before-strategy-tables"
 NEW_KEYS = [("strategy.name", "zero1"), ("strategy.ddp.comm_hook", "fp16"), ("strategy.ddp.powersgd_rank", "2")]
-
-
-def notes(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "its own table" in r.getMessage()]
 
 
 def test_a_strategys_options_are_set_in_its_table_in_toml_and_on_the_command_line(tmp_path):
@@ -52,32 +47,28 @@ def test_a_strategys_options_are_set_in_its_table_in_toml_and_on_the_command_lin
                                    "comm_hook, shared_memory, powersgd_rank"),
     ([("strategy.ddp", "fp16")], "\\[strategy.ddp\\] must be a table of options"),
     ([("strategy.ddp.comm_hook.x", "1")], "is not of the form --section.option"),
-    ([("strategy.comm_hook", "fp16"), ("strategy.ddp.comm_hook", "bf16")], "strategy.comm_hook and "
-                                                                           "strategy.ddp.comm_hook are the same option"),
 ])
 def test_a_wrong_table_option_is_one_sentence(pairs, refusal):
     with pytest.raises(ConfigError, match=refusal):
         config.load(None, pairs)
 
 
-def test_the_old_flat_keys_are_read_as_their_tables_with_one_note(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="dptrain")
-    old = config.load(None, [("strategy.name", "zero1"), ("strategy.comm_hook", "fp16"), ("strategy.powersgd_rank", "2")])
-    assert old == config.load(None, NEW_KEYS)
-    assert notes(caplog) == ["each strategy's options now sit in its own table; read as the new keys, which to write "
-                             "instead (the old ones are read for one release only): strategy.comm_hook -> "
-                             "strategy.ddp.comm_hook, strategy.powersgd_rank -> strategy.ddp.powersgd_rank"]
-    caplog.clear()
-    from_file = config.load(BEFORE / "config.toml", [("strategy.deepspeed_config", "none")])
-    assert from_file.strategy.ddp.comm_hook == "fp16" and from_file.strategy.name == "zero1"
-    assert len(notes(caplog)) == 1 and "strategy.zero_stage -> strategy.deepspeed.zero_stage" in notes(caplog)[0]
-    assert "strategy.deepspeed_config -> strategy.deepspeed.config" in notes(caplog)[0]
-    caplog.clear()
-    assert config.from_dict({"strategy": {"name": "ps", "dedicated_server": True}}).strategy.ps.dedicated_server
-    assert len(notes(caplog)) == 1
-    caplog.clear()
-    config.load(None, NEW_KEYS)
-    assert notes(caplog) == []  # the new keys: no note
+def test_the_old_flat_keys_are_refused_with_their_new_spelling(tmp_path):
+    """No release ever read them: one sentence names the table's key to write instead, on the command line, in a
+    file and in a tree alike."""
+    with pytest.raises(ConfigError) as refused:
+        config.load(None, [("strategy.name", "zero1"), ("strategy.comm_hook", "fp16")])
+    assert str(refused.value) == ("--strategy.comm_hook is no option: each strategy's options sit in its own table; "
+                                  "write --strategy.ddp.comm_hook instead.")
+    with pytest.raises(ConfigError) as refused:
+        config.load(BEFORE / "config.toml")
+    assert str(refused.value) == ("strategy.comm_hook is no option: each strategy's options sit in its own table; write "
+                                  "strategy.ddp.comm_hook instead.")
+    with pytest.raises(ConfigError, match="write --strategy.deepspeed.config instead"):
+        config.load(None, [("strategy.deepspeed_config", "none")])
+    with pytest.raises(ConfigError, match="write strategy.ps.dedicated_server instead"):
+        config.from_dict({"strategy": {"name": "ps", "dedicated_server": True}})
+    assert config.load(None, NEW_KEYS).strategy.ddp.comm_hook == "fp16"  # the new keys are read
 
 
 def test_the_resume_rule_of_an_option_sits_on_its_field():
@@ -91,12 +82,18 @@ def test_the_resume_rule_of_an_option_sits_on_its_field():
     assert config.current_name("optim.lr") == "optim.lr"
 
 
-def test_every_builtin_dataset_and_model_is_a_configs_choice():
+def test_the_builtin_datasets_and_models_are_config_choices_tables():
+    """config.choices is the one list of them: data and models build their tables from it, in its order; each entry
+    names the spec or class it is (a dataset's spec says its own name)."""
+    from dptrain.config import choices
     from dptrain.data.catalog import DATASETS
-    from dptrain.models import MODELS
+    from dptrain.models import INPUTS, MODELS
+    from dptrain.models.mnist_cnn import MnistCNN
 
-    assert set(config.DATASET_NAMES) == {*DATASETS, "synthetic"}  # synthetic is generated, not read (data.synthetic)
-    assert set(config.MODEL_NAMES) == set(MODELS)
+    assert config.DATASET_NAMES == (*choices.DATASETS, choices.SYNTHETIC)  # synthetic is generated, not read
+    assert list(DATASETS) == list(choices.DATASETS) and all(spec.name == name for name, spec in DATASETS.items())
+    assert config.MODEL_NAMES == tuple(MODELS) == tuple(choices.MODELS)
+    assert INPUTS["mnist-cnn"] == (1, (28, 28)) and isinstance(MODELS["mnist-cnn"]((1, 28, 28), 10), MnistCNN)
 
 
 def copy_of_the_old_run(tmp_path: Path) -> Path:
@@ -109,14 +106,9 @@ def copy_of_the_old_run(tmp_path: Path) -> Path:
 def test_a_snapshot_written_before_the_strategy_tables_resumes(tmp_path, capsys):
     from dptrain.cli import main
 
-    run_dir = copy_of_the_old_run(tmp_path)
-    args = ["--nproc-per-node", "1", "--output.dir", str(run_dir), "--train.max_steps", "4"]
-    assert main(["train", "--config", str(BEFORE / "config.toml"), *args]) == 0, capsys.readouterr().err
-    assert "resumed from" in log_tail(run_dir) and "at step 2" in log_tail(run_dir), log_tail(run_dir)
-    assert (run_dir / "checkpoints" / "step-00000004").is_dir()
-
-    # The same snapshot, the run given with the new keys; and refused where an option it records changed.
-    again = copy_of_the_old_run(tmp_path / "again")
+    # The snapshot, the run given with the new keys (its config.toml's flat keys are refused: test above); and
+    # refused where an option it records changed.
+    again = copy_of_the_old_run(tmp_path)
     new = ["--strategy.name", "zero1", "--strategy.ddp.comm_hook", "fp16", "--data.name", "synthetic",
            "--data.synthetic_train_size", "64", "--data.synthetic_test_size", "16", "--model.name",
            "tests.user_code:TinyNet", "--optim.name", "sgd", "--optim.momentum", "0", "--train.global_batch_size", "32",

@@ -36,6 +36,7 @@ from dptrain.files import fsync_dir, written_whole
 from dptrain.run_folder import RunFolder
 from dptrain.safe_load import (check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private,
                                read_metadata)
+from dptrain.strategies import STRATEGIES
 from dptrain.train_state import TrainState
 
 log = logging.getLogger("dptrain")
@@ -54,11 +55,7 @@ MANIFEST_MAX_BYTES = 1 << 20
 def computation_options(cfg: RunConfig) -> dict[str, Any]:
     """Every option that changes the computation, as dotted names: what a resume must keep (config.fixed_at_resume;
     each other option's field says it may change)."""
-    options = config_mod.fixed_at_resume(cfg)
-    if cfg.strategy.deepspeed.config is not None:  # the file may move; what it says is part of the computation
-        from dptrain.strategies.deepspeed import config_digest
-
-        options["strategy.deepspeed.config (sha256 of its settings)"] = config_digest(cfg.strategy.deepspeed.config)
+    options = {**config_mod.fixed_at_resume(cfg), **STRATEGIES[cfg.strategy.name].computation_options(cfg)}
     return json.loads(json.dumps(options, default=str))  # as the manifest holds them: tuples become lists
 
 

@@ -86,20 +86,21 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
         raise ConfigError(f"train.batch_size_per_rank would change the global batch (and so the math) each time a node "
                           f"leaves a {spelled} run; give train.global_batch_size instead.")
     if not STRATEGIES[cfg.strategy.name].resumes_on_another_world:
+        elastic = [name for name, cls in STRATEGIES.items() if cls.resumes_on_another_world and not cls.one_process]
         raise ConfigError(f"strategy {cfg.strategy.name}'s snapshots resume on as many processes only, so a {spelled} "
-                          f"run could not go on after losing a node; use ddp, zero1 or fsdp, or a fixed --nnodes.")
+                          f"run could not go on after losing a node; use {', '.join(elastic[:-1])} or {elastic[-1]}, "
+                          f"or a fixed --nnodes.")
     info = describe(cfg.data)
     for nodes in range(fewest_nodes, most_nodes + 1):
         check_world(cfg, nodes * per_node, info.train_size, on_cpu=not wants_cuda(cfg.launch.device),
                     torch_version=str(torch.__version__))
 
 
-def adopt_ds_config(cfg: RunConfig, config_path: str | None, pairs: list[tuple[str, str]]) -> RunConfig:
-    """cfg with a DeepSpeed config file's settings (the tutorials' train_batch_size, Adam params, clipping, WarmupLR)
-    taken into the options that neither the --config file nor the command line sets; cfg itself without one."""
-    if cfg.strategy.name != "deepspeed" or cfg.strategy.deepspeed.config is None:
-        return cfg
-    from dptrain.strategies.deepspeed import adopt_user_config
+def adopt_strategy_settings(cfg: RunConfig, config_path: str | None, pairs: list[tuple[str, str]]) -> RunConfig:
+    """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
+    tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
+    nor the command line sets; cfg itself where the strategy has none."""
+    from dptrain.strategies import STRATEGIES  # imports torch: only once a run is wanted
 
     given = {key for key, _ in pairs}
     if config_path is not None:  # load() has read and checked it already
@@ -108,7 +109,10 @@ def adopt_ds_config(cfg: RunConfig, config_path: str | None, pairs: list[tuple[s
                     for n in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
         given |= set(names(config_mod.read_toml(Path(config_path), f"config file {config_path}"), ""))
-    return adopt_user_config(cfg, {config_mod.current_name(name) for name in given})
+    return STRATEGIES[cfg.strategy.name].adopt_settings(cfg, given)
+
+
+adopt_ds_config = adopt_strategy_settings  # cli.py's name for it, until cli.py says adopt_strategy_settings
 
 
 def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:

@@ -27,11 +27,11 @@ from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, Metric
                              run_epochs, tensorboard)
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
-                             use_deterministic_kernels, wants_cuda)
+                             use_deterministic_kernels)
 from dptrain.slurm.env import slurm_count, slurm_value
 from dptrain.slurm.job import requeue_after_stop
 from dptrain.stopping import EXIT_STOPPED, Stopped
-from dptrain.strategies.dp import root_gpu
+from dptrain.strategies import STRATEGIES
 
 log = logging.getLogger("dptrain")
 
@@ -97,10 +97,9 @@ def environment_record(env: DistEnv, device: torch.device, threads: int, where: 
 
 
 def gpu_index(cfg: RunConfig, env: DistEnv) -> int:
-    """The GPU this rank takes where it runs on GPUs: its local rank, or for dp (one process) the first GPU it drives."""
-    if cfg.strategy.name == "dp" and cfg.strategy.dp.devices and wants_cuda(cfg.launch.device):
-        return root_gpu(cfg.strategy.dp, torch.cuda.device_count())
-    return env.local_rank
+    """The GPU this rank takes where it runs on GPUs, as its strategy says (Strategy.gpu_index: its local rank, or the
+    first GPU of those one process drives)."""
+    return STRATEGIES[cfg.strategy.name].gpu_index(cfg, env.local_rank)
 
 
 def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device, int]:

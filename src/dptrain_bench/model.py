@@ -12,28 +12,32 @@ comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP
 copies and sums), time its compute waits for; a rank of less than a core (more ranks than cores on a machine) waits
 longer. It is fitted on the multi-node runs' own CPU time (calibrate, comm_cpu_per_byte).
 
-The collectives of a step (collectives()): ddp and zero1 all-reduce the gradients in buckets during backward (fp16
-and bf16 hooks halve the bytes, PowerSGD sends r (rows + cols) per matrix in two all-reduces and the vectors in a
-third), zero1 then all-gathers the parameters, DDP broadcasts the module's buffers each forward; fsdp all-gathers
-each unit's parameters in forward (again in backward when it reshards) and reduce-scatters the gradients in
-backward; the parameter server receives N-1 gradients and sends N-1 parameter copies over its one link. The link
-times each with the ring formulas of dptrain_bench/link.py (ring_terms), a point-to-point send as alpha + bytes / B.
+The collectives of a step (collectives()) are each strategy's own Traffic (dptrain.config.strategy_specs: SPECS),
+read here without a strategy's name: ddp and zero1 all-reduce the gradients in buckets during backward (fp16 and bf16
+hooks halve the bytes, PowerSGD sends r (rows + cols) per matrix in two all-reduces and the vectors in a third), zero1
+then all-gathers the parameters, DDP broadcasts the module's buffers each forward; fsdp all-gathers each unit's
+parameters in forward (again in backward when it reshards) and reduce-scatters the gradients in backward; the
+parameter server receives N-1 gradients and sends N-1 parameter copies over its one link. The link times each with
+the ring formulas of dptrain_bench/link.py (ring_terms), a point-to-point send as alpha + bytes / B.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Protocol
 
 from dptrain_bench.link import collective_seconds
+from dptrain.config import SPECS, CommHook, Exchange, Traffic
 from dptrain.errors import ConfigError
 
 MAX_NODES = 256
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 POWERSGD_MIN_COMPRESSION = 2  # PowerSGD compresses a matrix only where it sends at most half its elements
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "ps")
-HOOKS = ("allreduce", "ring", "fp16", "bf16", "powersgd")
+STRATEGIES = tuple(name for name, spec in SPECS.items() if spec.traffic is not None)
+"""The strategies whose traffic their spec states: those the model has formulas for (a Plan checks SPECS itself)."""
+HOOKS: tuple[str, ...] = typing.get_args(CommHook)
 
 
 class Timed(Protocol):
@@ -152,8 +156,19 @@ class Plan:
     reduce_dtype_size: int | None = None
     """fsdp mixed precision: bytes of a reduce-scattered gradient element (None: the parameters' own)."""
 
+    @property
+    def traffic(self) -> Traffic:
+        """The strategy's collectives and memory per step, as its spec states them."""
+        traffic = SPECS[self.strategy].traffic
+        assert traffic is not None, "checked in __post_init__"
+        return traffic
+
+    def dtype_size(self, option: str | None) -> int | None:
+        """Bytes of an element in the dtype a mixed-precision option names (None: the parameters' own)."""
+        return {"param_dtype": self.param_dtype_size, "reduce_dtype": self.reduce_dtype_size}[option] if option else None
+
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in SPECS or SPECS[self.strategy].traffic is None:
             raise ConfigError(f"the scaling model has no formulas for strategy {self.strategy!r}; it knows "
                               f"{', '.join(STRATEGIES)}.")
         if self.comm_hook not in HOOKS:
@@ -206,43 +221,47 @@ def gradient_bytes_sent(plan: Plan, work: Workload) -> tuple[float, int]:
     return work.param_bytes, 1
 
 
-def collectives(plan: Plan, work: Workload, world: int) -> list[Collective]:
-    """The collectives one step of `plan` runs between `world` ranks (none for one rank)."""
-    if world <= 1 or plan.strategy == "single":
-        return []
-    steps: list[Collective] = []
-    if plan.strategy in ("ddp", "zero1"):
+def _runs(exchange: Exchange, plan: Plan, work: Workload) -> bool:
+    """Whether the exchange runs in this plan: its option true where it names one, a buffer broadcast only of buffers."""
+    if exchange.when is not None and not getattr(plan, exchange.when):
+        return False
+    return exchange.carries != "buffers" or bool(work.buffer_bytes)
+
+
+def _collective(exchange: Exchange, plan: Plan, work: Workload, world: int) -> Collective:
+    """One exchange of a strategy's traffic as the calls and bytes it makes in this plan and workload."""
+    if exchange.calls == "buckets":  # the gradients after the hook's compression, in DDP's buckets
         sent, per_bucket = gradient_bytes_sent(plan, work)
         buckets = max(1, math.ceil(work.param_bytes / plan.bucket_bytes))
-        steps.append(Collective("all_reduce", sent / (buckets * per_bucket), buckets * per_bucket, "backward"))
-        if work.buffer_bytes:
-            steps.append(Collective("broadcast", work.buffer_bytes, 1, "forward"))
-        if plan.strategy == "zero1":  # each rank's updated partition, to every rank, after the optimizer step
-            steps.append(Collective("all_gather", work.param_bytes, 1, "after"))
-    elif plan.strategy == "fsdp":
-        elements = work.param_bytes / work.element_size
-        gathered = elements * (plan.param_dtype_size or work.element_size)
-        reduced = elements * (plan.reduce_dtype_size or work.element_size)
+        return Collective(exchange.kind, sent / (buckets * per_bucket), buckets * per_bucket, exchange.phase)
+    if exchange.carries == "buffers":
+        nbytes = work.buffer_bytes
+    elif exchange.dtype is not None:  # mixed precision: the elements, in that dtype (the parameters' own for auto)
+        nbytes = work.param_bytes / work.element_size * (plan.dtype_size(exchange.dtype) or work.element_size)
+    else:
+        nbytes = work.param_bytes
+    if exchange.calls == "units":
         units = max(1, work.fsdp_units)
-        steps.append(Collective("all_gather", gathered / units, units, "forward"))
-        if plan.reshard_after_forward:
-            steps.append(Collective("all_gather", gathered / units, units, "backward"))
-        steps.append(Collective("reduce_scatter", reduced / units, units, "backward"))
-    elif plan.strategy == "ps":  # over the server's link, one worker after the other: nothing hides it
-        steps.append(Collective("send", work.param_bytes, world - 1, "after"))  # push: N-1 gradients in
-        steps.append(Collective("send", work.param_bytes, world - 1, "after"))  # pull: N-1 parameter copies out
-    return steps
+        return Collective(exchange.kind, nbytes / units, units, exchange.phase)
+    return Collective(exchange.kind, nbytes, world - 1 if exchange.calls == "peers" else 1, exchange.phase)
+
+
+def collectives(plan: Plan, work: Workload, world: int) -> list[Collective]:
+    """The collectives one step of `plan` runs between `world` ranks (none for one rank): its spec's traffic."""
+    if world <= 1:
+        return []
+    return [_collective(e, plan, work, world) for e in plan.traffic.exchanges if _runs(e, plan, work)]
 
 
 def bytes_sent_per_rank(plan: Plan, work: Workload, world: int) -> float:
     """What the busiest rank sends per step, as the strategies count it (comm_bytes_per_step of metrics.jsonl):
     (N-1)/N of each all-gather's and reduce-scatter's buffer, 2 (N-1)/N of each all-reduce's, a broadcast's buffer
-    once (rank 0), and the parameter server's N-1 copies of the parameters."""
-    if plan.strategy == "ps" and world > 1:
-        return (world - 1) * work.param_bytes  # the server's pull: a worker sends one gradient only
+    once (rank 0), and each point-to-point send it makes whole (the parameter server's N-1 copies of the parameters;
+    a worker sends one gradient only)."""
+    sent_by_busiest = [e for e in plan.traffic.exchanges if e.sent_by_busiest and _runs(e, plan, work)]
     total = 0.0
-    for c in collectives(plan, work, world):
-        if c.kind == "broadcast":
+    for c in (_collective(e, plan, work, world) for e in sent_by_busiest) if world > 1 else ():
+        if c.kind in ("broadcast", "send"):
             total += c.calls * c.nbytes
         else:
             total += c.calls * c.nbytes * (world - 1) / world * (2 if c.kind == "all_reduce" else 1)
@@ -251,19 +270,21 @@ def bytes_sent_per_rank(plan: Plan, work: Workload, world: int) -> float:
 
 def memory_per_rank(plan: Plan, work: Workload, world: int) -> float:
     """Bytes of parameters, gradients and optimizer state on the fullest rank (activations left out: they depend on
-    the batch per rank and the model, not on the strategy)."""
+    the batch per rank and the model, not on the strategy): what the strategy's traffic shards, 1/N of it; the rest
+    whole (the parameter server's server holds all of it)."""
     params = grads = work.param_bytes
     optim = 2 * work.param_bytes if work.optimizer_bytes is None else work.optimizer_bytes
     if world <= 1:
         return params + grads + optim
-    if plan.strategy == "zero1":
-        return params + grads + optim / world
-    if plan.strategy == "fsdp":
-        if not plan.reshard_after_forward:  # the gathered parameters stay from forward until backward
-            return params + (grads + optim) / world
-        return (params + grads + optim) / world + params / max(1, work.fsdp_units)  # one unit gathered at a time
-    return params + grads + optim  # single, ddp, and the parameter server's server
-
+    traffic = plan.traffic
+    sharded = set(traffic.sharded)
+    if traffic.gathers_params and not plan.reshard_after_forward:  # gathered from forward until backward: all held
+        sharded.discard("params")
+    parts = {"params": params, "grads": grads, "optim": optim}
+    whole = sum(size for part, size in parts.items() if part not in sharded)
+    shards = sum(size for part, size in parts.items() if part in sharded)
+    gathered = params / max(1, work.fsdp_units) if traffic.gathers_params and "params" in sharded else 0.0
+    return whole + shards / world + gathered  # one unit gathered at a time, where it reshards
 
 @dataclass(frozen=True, kw_only=True)
 class Prediction:

@@ -21,6 +21,7 @@ from dptrain_bench.model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration
                                  split_for_fit)
 from dptrain_bench.peak import MAX_PROCESSES, load_peaks, read_peaks
 from dptrain import read_back
+from dptrain.config import SPECS
 from dptrain.errors import ConfigError
 from dptrain.events import read_run_events
 from dptrain.files import written_whole
@@ -328,15 +329,16 @@ def _one_of(value: Any, name: str, choices: tuple[Any, ...]) -> Any:
 
 
 def _plan(strategy: str, table: dict[str, Any]) -> Plan:
-    """The model's plan of a strategy, from [strategy] as _sweep_strategy checked it."""
-    ddp, fsdp = table.get("ddp") or {}, table.get("fsdp") or {}
-    bucket_mb = ddp.get("bucket_mb")  # strategy.ddp.bucket_mb; unset, DDP's own 25 MiB
+    """The model's plan of a strategy, from its own table of [strategy] (SPECS[strategy].table) as _sweep_strategy
+    checked it: another strategy's options are not its own, and leave its plan at their defaults."""
+    own_table = SPECS[strategy].table
+    own = (table.get(own_table) or {}) if own_table is not None else {}
+    bucket_mb = own.get("bucket_mb")  # strategy.ddp.bucket_mb; unset, DDP's own 25 MiB
     return Plan(strategy=strategy, bucket_bytes=bucket_mb * 2**20 if bucket_mb else DDP_BUCKET_BYTES,
-                comm_hook=ddp.get("comm_hook", "allreduce") if strategy in ("ddp", "zero1") else "allreduce",
-                powersgd_rank=int(ddp.get("powersgd_rank", 4)),
-                reshard_after_forward=fsdp.get("reshard_after_forward", True),
-                param_dtype_size=DTYPE_BYTES.get(fsdp.get("param_dtype", "auto")),
-                reduce_dtype_size=DTYPE_BYTES.get(fsdp.get("reduce_dtype", "auto")))
+                comm_hook=own.get("comm_hook", "allreduce"), powersgd_rank=int(own.get("powersgd_rank", 4)),
+                reshard_after_forward=own.get("reshard_after_forward", True),
+                param_dtype_size=DTYPE_BYTES.get(own.get("param_dtype", "auto")),
+                reduce_dtype_size=DTYPE_BYTES.get(own.get("reduce_dtype", "auto")))
 
 
 def _run_folder(bench_dir: Path, row: dict[str, Any]) -> RunFolder | None:
@@ -370,10 +372,16 @@ def _placement(bench_dir: Path, row: dict[str, Any]) -> dict[str, int]:
 
 
 def _ranks_total(values: Any, sharded: bool) -> float | None:
-    """A per-rank byte count of metrics.jsonl as the whole model's: summed over ranks where the strategy shards it,
-    else the largest rank's."""
+    """A per-rank byte count of metrics.jsonl as the whole model's: summed over ranks where the strategy shards it
+    (its spec's Traffic.sharded), else the largest rank's."""
     numbers = [float(v) for v in (values if isinstance(values, list) else [values]) if as_number(v) is not None]
     return (sum(numbers) if sharded else max(numbers)) if numbers else None
+
+
+def _sharded(strategy: str) -> tuple[str, ...]:
+    """What each rank of the strategy holds 1/N of between steps (its spec's traffic), none where it states none."""
+    traffic = SPECS[strategy].traffic if strategy in SPECS else None
+    return traffic.sharded if traffic is not None else ()
 
 
 def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | None, dict[str, float], str]:
@@ -386,8 +394,9 @@ def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | N
         if not epoch:
             continue
         strategy, world = row["strategy"], int(row["workers"])
-        params = params or _ranks_total(epoch.get("mem_params_bytes"), strategy == "fsdp")
-        optim = optim or _ranks_total(epoch.get("mem_optim_bytes"), strategy in ("fsdp", "zero1"))
+        sharded = _sharded(strategy)
+        params = params or _ranks_total(epoch.get("mem_params_bytes"), "params" in sharded)
+        optim = optim or _ranks_total(epoch.get("mem_optim_bytes"), "optim" in sharded)
         flops = flops or as_number(epoch.get("model_flops_per_sample"))
         sent = _ranks_total(epoch.get("comm_bytes_per_step"), False)
         if sent and world > 1 and strategy not in powersgd:

@@ -60,9 +60,22 @@ fastest (were the two the same run, all 3 runs of one would beat all 3 of the ot
 CONTENDERS = 2
 """Candidates run again beside the default: those whose probe beat it, fastest first (each repeat is a probe run)."""
 BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
-STRATEGIES = ("ddp", "zero1", "fsdp")
+STRATEGIES = ("ddp", "zero1", "fsdp")  # those tried: the parameter server's one link and one process's never win
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def _bucketed(strategy: str) -> bool:
+    """Whether the strategy sends its gradients in DDP's buckets (its traffic says so), which a comm hook and a bucket
+    cap shape; the other strategies ignore both."""
+    traffic = config_mod.SPECS[strategy].traffic
+    return traffic is not None and traffic.bucketed
+
+
+def _gathers_params(strategy: str) -> bool:
+    """Whether the strategy gathers sharded parameters to compute (its traffic says so), even on one rank."""
+    traffic = config_mod.SPECS[strategy].traffic
+    return traffic is not None and traffic.gathers_params
 
 
 @dataclass(frozen=True)
@@ -86,9 +99,10 @@ class Candidate:
     def pairs(self) -> list[tuple[str, str]]:
         """The options that make a configuration this candidate."""
         pairs = [("strategy.name", self.strategy), ("launch.nproc_per_node", str(self.ranks_per_node))]
-        if self.strategy in ("ddp", "zero1"):
-            pairs.append(("strategy.ddp.comm_hook", self.comm_hook))
-            pairs.append(("strategy.ddp.bucket_mb", "none" if self.bucket_mb is None else f"{self.bucket_mb:g}"))
+        if _bucketed(self.strategy):  # its table's (strategy.ddp.*, which zero1 reads too)
+            table = config_mod.SPECS[self.strategy].table
+            pairs.append((f"strategy.{table}.comm_hook", self.comm_hook))
+            pairs.append((f"strategy.{table}.bucket_mb", "none" if self.bucket_mb is None else f"{self.bucket_mb:g}"))
         return pairs
 
     def plan(self, shared_memory: bool) -> model.Plan:
@@ -100,7 +114,7 @@ class Candidate:
 
 def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
     """The user's own configuration, as a candidate."""
-    ddp_like = cfg.strategy.name in ("ddp", "zero1")
+    ddp_like = _bucketed(cfg.strategy.name)
     return Candidate(cfg.strategy.name, ranks_per_node, cfg.strategy.ddp.comm_hook if ddp_like else "allreduce",
                      cfg.strategy.ddp.bucket_mb if ddp_like else None)
 
@@ -115,7 +129,7 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
         for r in ranks:
             if global_batch % (nodes * r):
                 continue
-            if strategy == "fsdp":
+            if not _bucketed(strategy):
                 found.append(Candidate(strategy, r))
                 continue
             found += [Candidate(strategy, r, bucket_mb=b) for b in (None, *BUCKETS_MB)]
@@ -163,7 +177,7 @@ def same_run(candidate: Candidate, nodes: int, gradient_bytes: float) -> Candida
     """
     world = nodes * candidate.ranks_per_node
     strategy = "ddp" if world == 1 and candidate.strategy == "single" else candidate.strategy
-    if world == 1 or strategy not in ("ddp", "zero1"):
+    if world == 1 or not _bucketed(strategy):
         return Candidate(strategy, candidate.ranks_per_node)
     cap = float("inf") if candidate.bucket_mb is None else candidate.bucket_mb * 2**20
     one_bucket = gradient_bytes < min(DDP_FIRST_BUCKET_BYTES, cap)
@@ -370,7 +384,8 @@ def tune(tuner: Tuner) -> Path:
     tuner.tune_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     user = default_candidate(tuner.cfg, min(tuner.max_ranks, _user_ranks(tuner)))
-    alone = Candidate(user.strategy if user.strategy != "fsdp" else "ddp", 1)
+    # one rank's compute: the user's strategy, unless it gathers its parameters even alone (fsdp), then ddp's bare model
+    alone = Candidate(user.strategy if not _gathers_params(user.strategy) else "ddp", 1)
     first = alone if tuner.nodes == 1 else user  # over nodes, the compute probe is the user's own configuration
     one_rank_rate = tuner.measure(first, "compute")
     if one_rank_rate is None:

@@ -234,3 +234,17 @@ def test_a_fixed_global_batch_ends_the_curve_where_ranks_would_get_no_sample():
     far = curve(Plan(strategy="ddp"), weak, LINK)
     assert far[-1].nodes == 256 and far[-1].compute_s == pytest.approx(8e-3)
     assert far[-1].images_per_s == pytest.approx(256 * 8 / far[-1].step_s)
+
+
+def test_the_model_reads_a_strategys_traffic_from_its_spec(monkeypatch):
+    """No strategy name in the formulas: a spec added to SPECS with its traffic is timed, counted and sized from it."""
+    from dptrain.config import SPECS, Exchange, StrategySpec, Traffic
+
+    local_sgd = StrategySpec(name="local-sgd", runs="tests.nowhere:LocalSGD", traffic=Traffic(
+        exchanges=(Exchange("all_reduce", "parameters", "after", "one"),), sharded=("optim",)))
+    monkeypatch.setitem(SPECS, "local-sgd", local_sgd)
+    [average] = collectives(Plan(strategy="local-sgd"), WORK, 4)
+    assert (average.kind, average.nbytes, average.calls, average.phase) == ("all_reduce", 4e6, 1, "after")
+    assert bytes_sent_per_rank(Plan(strategy="local-sgd"), WORK, 4) == 2 * 3 / 4 * 4e6
+    assert memory_per_rank(Plan(strategy="local-sgd"), WORK, 4) == 4e6 + 4e6 + 8e6 / 4
+    assert predict(Plan(strategy="local-sgd"), WORK, LINK, nodes=4, overlap=1.0).exposed_s == average.seconds(LINK, 4)

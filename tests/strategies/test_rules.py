@@ -2,36 +2,57 @@
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import pytest
 
 from dptrain import config
-from dptrain.config import DDPOptions, FSDPOptions, PSOptions, StrategyConfig
+from dptrain.config import SPECS, PSOptions, StrategyConfig
+from dptrain.config.strategy_specs import readers_of
 from dptrain.errors import ConfigError
 from dptrain.strategies import STRATEGIES, check_world, data_world_size
-from dptrain.strategies.comm_hooks import COMM_HOOKS
-from dptrain.strategies.fsdp import DTYPES
 
 
-def test_the_tables_cover_the_configs_choices():
-    hints = typing.get_type_hints(StrategyConfig)
-    assert set(typing.get_args(hints["name"])) == set(STRATEGIES)
-    assert set(typing.get_args(typing.get_type_hints(DDPOptions)["comm_hook"])) == set(COMM_HOOKS)
-    for dtype in ("param_dtype", "reduce_dtype"):
-        assert set(typing.get_args(typing.get_type_hints(FSDPOptions)[dtype])) == set(DTYPES)
+def test_the_strategies_are_the_specs_classes():
+    """config.SPECS is the one registry of names: strategy.name's choices, and STRATEGIES, in its order; each class
+    is the one its spec names, and names that spec (its name, its table) back."""
+    assert typing.get_args(typing.get_type_hints(StrategyConfig)["name"]) == tuple(SPECS) == tuple(STRATEGIES)
+    for name, cls in STRATEGIES.items():
+        assert cls.spec is SPECS[name] and cls.name == name
+        assert SPECS[name].runs == f"{cls.__module__}:{cls.__qualname__}"
 
 
-def test_the_optimizer_table_covers_the_configs_choice():
-    from dptrain.config import OptimConfig
+def test_the_choices_tables_are_built_from_the_configs_lists():
+    """The torch tables of comm hooks, FSDP dtypes and optimizers are keyed by config's lists of the choices."""
+    import torch
+
     from dptrain.strategies.base import OPTIMIZERS
+    from dptrain.strategies.comm_hooks import COMM_HOOKS, _install_powersgd
+    from dptrain.strategies.fsdp import DTYPES
 
-    assert set(typing.get_args(typing.get_type_hints(OptimConfig)["name"])) == set(OPTIMIZERS)
+    assert tuple(COMM_HOOKS) == typing.get_args(config.CommHook) and COMM_HOOKS["powersgd"] is _install_powersgd
+    assert DTYPES == {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    assert OPTIMIZERS == {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    assert typing.get_args(typing.get_type_hints(config.OptimConfig)["name"]) == tuple(config.OPTIMIZER_CLASSES)
 
 
-def test_every_table_applies_to_strategies_that_exist():
-    for options in StrategyConfig().tables().values():
-        assert set(options.applies_to) <= set(STRATEGIES)
+def test_every_table_is_read_by_a_strategy_and_every_strategy_reads_a_table_or_none():
+    tables = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
+    assert all(readers_of(table) for table in tables)
+    assert {spec.table for spec in SPECS.values()} - {None} == tables
+    assert readers_of("ddp") == ("ddp", "zero1")  # zero1 is DDP with a sharded optimizer: ddp's options are its own
+
+
+def test_a_strategys_own_rules_come_from_its_spec():
+    """train.compile's refusal is dp's spec's sentence; the other strategies compile."""
+    with pytest.raises(ConfigError) as refused:
+        config.load(None, [("strategy.name", "dp"), ("train.compile", "true")])
+    assert str(refused.value) == SPECS["dp"].compile_refusal
+    assert "nn.DataParallel's per-step replication" in str(refused.value)
+    for name in SPECS:
+        if name != "dp":
+            assert config.load(None, [("strategy.name", name), ("train.compile", "true")]).train.compile
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -93,3 +114,41 @@ def test_ddp_takes_the_bucket_cap_it_is_given():
     with pytest.raises(ConfigError, match="strategy.ddp.bucket_mb = 0.0 must be greater than 0"):
         config.load(None, [("strategy.ddp.bucket_mb", "0")])
     assert "bucket_mb" not in config.LEGACY_STRATEGY_KEYS  # a key of its table only, never a flat strategy.bucket_mb
+
+
+def test_what_the_run_asks_a_strategy_outside_its_loop_is_a_hook_of_its_class(tmp_path, monkeypatch):
+    """prestart, checkpoint and worker ask the chosen class, never a strategy's name: the GPU a rank takes (dp: the
+    first it drives), the options a resume keeps beyond the config's (deepspeed: its file's settings), the settings of
+    a file of its own taken into the run (deepspeed); the others give the one-process answer."""
+    import torch
+
+    from dptrain import checkpoint
+    from dptrain.distributed.env import DistEnv
+    from dptrain.worker import gpu_index
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    on_gpus = [("launch.device", "cuda")]
+    dp = config.load(None, [("strategy.name", "dp"), ("strategy.dp.devices", "2,0"), *on_gpus])
+    env = DistEnv(1, 1, 2, 2, "127.0.0.1", 0, "torchrun")
+    assert gpu_index(dp, env) == 2 and gpu_index(config.load(None, on_gpus), env) == 1
+
+    ds_file = tmp_path / "ds_config.json"
+    ds_file.write_text('{"train_batch_size": 64}')
+    ds = config.load(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(ds_file))])
+    digest = "strategy.deepspeed.config (sha256 of its settings)"
+    assert STRATEGIES["deepspeed"].computation_options(ds)[digest] is not None
+    assert checkpoint.computation_options(ds)[digest] == STRATEGIES["deepspeed"].computation_options(ds)[digest]
+    assert STRATEGIES["ddp"].computation_options(dp) == {} and digest not in checkpoint.computation_options(dp)
+    assert STRATEGIES["deepspeed"].adopt_settings(ds, set()).train.global_batch_size == 64
+    assert STRATEGIES["ddp"].adopt_settings(dp, set()) is dp
+
+
+def test_the_strategies_torch_free_half_imports_no_torch():
+    """config checks a strategy's name, options and rules, and the lab reads its traffic, before torch is imported."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from dptrain.config import SPECS, choices; "
+             "assert SPECS['fsdp'].traffic.sharded and choices.MODELS; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr

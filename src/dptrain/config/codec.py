@@ -1,11 +1,10 @@
 """The config as data: a RunConfig built from a tree of TOML tables or dotted --section.option overrides (each value
 coerced to its field's type, in one place), and back to a tree or to TOML; the names an option had before the strategy
-tables; the options a resume must keep."""
+tables (refused in a config, read in an old snapshot's record); the options a resume must keep."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import types
 import typing
@@ -103,13 +102,12 @@ def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
     return cls(**built)
 
 
-def _move_legacy_keys(tree: dict[str, Any]) -> list[str]:
-    """Move [strategy]'s flat keys of before its tables (comm_hook) to their tables (ddp.comm_hook), in place; the
-    keys moved, as `old -> new` for the note that names them."""
+def _move_legacy_keys(tree: dict[str, Any]) -> None:
+    """Move [strategy]'s flat keys of before its tables (comm_hook) to their tables (ddp.comm_hook), in place, for
+    upgraded's records (a config is refused them)."""
     strategy = tree.get("strategy")
     if not isinstance(strategy, dict):
-        return []
-    moved = []
+        return
     for old in [key for key in strategy if key in LEGACY_STRATEGY_KEYS]:
         table, option = LEGACY_STRATEGY_KEYS[old].split(".")
         into = strategy.setdefault(table, {})
@@ -119,8 +117,6 @@ def _move_legacy_keys(tree: dict[str, Any]) -> list[str]:
             raise ConfigError(f"strategy.{old} and strategy.{table}.{option} are the same option, given twice; keep "
                               f"strategy.{table}.{option} only.")
         into[option] = strategy.pop(old)
-        moved.append(f"strategy.{old} -> strategy.{table}.{option}")
-    return moved
 
 
 def upgraded(tree: Any) -> Any:
@@ -149,11 +145,14 @@ def _fill_defaults(table: dict[str, Any], defaults: dict[str, Any]) -> None:
             _fill_defaults(table[key], value)
 
 
-def _note_legacy_keys(moved: list[str]) -> None:
-    if moved:
-        logging.getLogger("dptrain").warning(
-            "each strategy's options now sit in its own table; read as the new keys, which to write instead (the old "
-            "ones are read for one release only): %s", ", ".join(moved))
+def _refuse_flat_keys(tree: dict[str, Any], spelled: str = "") -> None:
+    """Refuse [strategy]'s flat keys of before its tables (strategy.comm_hook), naming each one's table key; spelled:
+    "--" where the key came from the command line. No release ever read them."""
+    strategy = tree.get("strategy")
+    for old in strategy if isinstance(strategy, dict) else ():
+        if old in LEGACY_STRATEGY_KEYS:
+            raise ConfigError(f"{spelled}strategy.{old} is no option: each strategy's options sit in its own table; "
+                              f"write {spelled}strategy.{LEGACY_STRATEGY_KEYS[old]} instead.")
 
 
 def from_dict(tree: dict[str, Any]) -> RunConfig:
@@ -162,9 +161,7 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     unknown = sorted(set(tree) - set(sections))
     if unknown:
         raise ConfigError(f"unknown config section [{key_shown(unknown[0])}]; valid sections are: {', '.join(sections)}.")
-    if any(key in LEGACY_STRATEGY_KEYS for key in tree.get("strategy") or ()):  # a config.toml of before the tables
-        tree = {**tree, "strategy": _deep_copy(tree["strategy"])}
-        _note_legacy_keys(_move_legacy_keys(tree))
+    _refuse_flat_keys(tree)
     built = {}
     for name, cls in sections.items():
         values = tree.get(name, {})
@@ -220,11 +217,7 @@ def current_name(name: str) -> str:
 
 def parse_overrides(pairs: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
     """[("optim.lr", "3e-4"), ("strategy.ddp.comm_hook", "fp16")] -> {"optim": {"lr": "3e-4"}, "strategy": {"ddp":
-    {"comm_hook": "fp16"}}}; strings are typed later by from_dict. Old flat strategy keys are moved to their tables."""
-    return _parse_overrides(pairs)[0]
-
-
-def _parse_overrides(pairs: list[tuple[str, str]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    {"comm_hook": "fp16"}}}; strings are typed later by from_dict. An old flat strategy key is refused."""
     tree: dict[str, dict[str, Any]] = {}
     sections = field_types(RunConfig)
     for key, value in pairs:
@@ -242,7 +235,8 @@ def _parse_overrides(pairs: list[tuple[str, str]]) -> tuple[dict[str, dict[str, 
                                   f"options, as --{key} does.")
             into = table
         into[path[-1]] = value
-    return tree, _move_legacy_keys(tree)
+    _refuse_flat_keys(tree, "--")
+    return tree
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any], where: str) -> None:
@@ -266,10 +260,8 @@ def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None
             tree = read_toml(path, f"config file {path}")
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
-    moved = _move_legacy_keys(tree)
-    over, moved_here = _parse_overrides(overrides or [])
-    _merge(tree, over, str(path))
-    _note_legacy_keys(moved + moved_here)
+    _refuse_flat_keys(tree)
+    _merge(tree, parse_overrides(overrides or []), str(path))
     return from_dict(tree)
 
 

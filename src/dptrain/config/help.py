@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dptrain.config import sections, slurm
+from dptrain.config import sections, slurm, strategy_specs
 from dptrain.config.codec import to_dict
 from dptrain.config.fields import field_types, is_table
 from dptrain.config.sections import RunConfig
@@ -65,7 +65,7 @@ def _docs_by_class() -> dict[str, dict[str, str]]:
     keeps nowhere at run time; the sections' modules' source is parsed once (getsource per class would parse it per
     class)."""
     docs: dict[str, dict[str, str]] = {}
-    for module in (sections, slurm):
+    for module in (sections, slurm, strategy_specs):
         try:
             tree = ast.parse(inspect.getsource(module))
         except (OSError, TypeError):  # no source shipped (a frozen app): --help lists the options without their docs
@@ -83,7 +83,7 @@ def _docs_by_class() -> dict[str, dict[str, str]]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field -> docstring of a section dataclass (config.sections, config.slurm)."""
+    """Field -> docstring of a section dataclass (config.sections, config.slurm, config.strategy_specs)."""
     return _docs_by_class().get(cls.__name__, {})
 
 

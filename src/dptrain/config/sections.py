@@ -11,17 +11,17 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal
+from typing import Any, Iterator, Literal
 
-from dptrain.config.fields import (MAY_CHANGE_AT_RESUME, REFUSED_ELSEWHERE, field_types, is_table, may_change_at_resume,
+from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
+from dptrain.config.fields import (MAY_CHANGE_AT_RESUME, field_types, is_table, may_change_at_resume,
                                    name_or_import_path, not_negative, positive, shown)
 from dptrain.config.slurm import SlurmConfig
+from dptrain.config.strategy_specs import StrategyConfig
 from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
 
 
-DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic")
-MODEL_NAMES = ("mnist-cnn", "cifar-cnn", "resnet18")
 MIN_TIMEOUT_S = 1.0  # starting the workers and the first collective take seconds: a shorter bound fails healthy runs
 # A week bounds any wait a healthy run has; in milliseconds it fits even a 32-bit int. 1e10 s overflowed c10d's
 # deadline (a 64-bit count of nanoseconds) and failed every multi-process run.
@@ -32,6 +32,10 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # 1e-320 became 0. The options in seconds or MiB have bounds of their own, checked first, far inside it.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
+
+
+Augment = Literal["none", "crop-flip"]
+"""data.augment's choices: the augmentations of dptrain.data.augment."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +59,7 @@ class DataConfig:
     """Classes of the synthetic dataset."""
     num_workers: int = may_change_at_resume(0)
     """DataLoader workers per rank; used only for a user's Dataset (built-in data lives on the device)."""
-    augment: Literal["none", "crop-flip"] = "none"
+    augment: Augment = "none"
     """Training augmentation on the device: none, or crop-flip (random crop of the 4-pixel zero-padded image,
     then a horizontal flip half the time; each draw a function of train.seed, epoch and sample index, so
     the same whatever the world size and after a resume). Evaluation never augments."""
@@ -82,9 +86,14 @@ class ModelConfig:
         name_or_import_path(self.name, "model.name", MODEL_NAMES)
 
 
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+"""optim.name -> its class in torch.optim (strategies.base.OPTIMIZERS imports them): the one list of the choice."""
+OptimizerName = Literal[tuple(OPTIMIZER_CLASSES)]  # type: ignore[valid-type]  # OPTIMIZER_CLASSES' names
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    name: Literal["sgd", "adam", "adamw"] = "adam"
+    name: OptimizerName = "adam"
     """Optimizer."""
     lr: float = 1e-3
     """Peak learning rate, for the global batch (not scaled by world size; see scale_lr_with)."""
@@ -197,139 +206,8 @@ class TrainConfig:
             positive(self.grad_clip, "train.grad_clip")
 
 
-StrategyName = Literal["ddp", "fsdp", "zero1", "ps", "dp", "single", "deepspeed"]
-"""strategies.STRATEGIES' names (a test pins the two together: that table imports torch, this module must not)."""
-CommHook = Literal["allreduce", "fp16", "bf16", "powersgd", "ring"]
-"""strategies.comm_hooks' hooks, and allreduce (none: DDP's own); pinned to them by a test."""
-FloatDtype = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DDPOptions:
-    """[strategy.ddp]: how ddp and zero1 (DDP with a sharded optimizer) send their gradients."""
-
-    applies_to: ClassVar[tuple[str, ...]] = ("ddp", "zero1")
-    comm_hook: CommHook = field(default="allreduce", metadata=REFUSED_ELSEWHERE)
-    """Gradient communication: allreduce, fp16 or bf16 compression, powersgd, or ring (hand-written)."""
-    shared_memory: bool = True
-    """With comm_hook allreduce, on CPU ranks that all run on one host: sum the gradients through a buffer in /dev/shm
-    instead of gloo's TCP loopback (the same sum; a tenth of the time for the tutorials' CNN). Where it cannot be set
-    up, gloo's all-reduce, with one log line saying why. On several hosts with several ranks a host: within each host
-    through it, then across hosts by one rank a host (less traffic on each host's link)."""
-    powersgd_rank: int = 4
-    """Rank of PowerSGD's low-rank approximation (higher: closer to exact, more traffic)."""
-    bucket_mb: float | None = may_change_at_resume(None)
-    """The most MiB of gradients DDP sends in one message; backward's later layers wait less with smaller buckets, a
-    slow link more with many small ones. None: one bucket for the shared-memory sum on one host (it overlaps
-    nothing), else DDP's own (25 MiB, its first 1 MiB). `dptrain bench --tune` tries a few."""
-
-    def __post_init__(self) -> None:
-        positive(self.powersgd_rank, "strategy.ddp.powersgd_rank")
-        if self.bucket_mb is not None:
-            positive(self.bucket_mb, "strategy.ddp.bucket_mb")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FSDPOptions:
-    """[strategy.fsdp]: FSDP2's resharding and mixed precision."""
-
-    applies_to: ClassVar[tuple[str, ...]] = ("fsdp",)
-    reshard_after_forward: bool = True
-    """true frees gathered parameters after forward (ZeRO-3 / FULL_SHARD), false keeps them (ZeRO-2)."""
-    param_dtype: FloatDtype = "auto"
-    """Mixed precision: dtype of the gathered parameters used in forward and backward (auto: the parameters' own)."""
-    reduce_dtype: FloatDtype = "auto"
-    """Mixed precision: dtype of the gradient reduce-scatter (auto: the parameters' own)."""
-    wrap: Literal["block", "size", "whole"] = may_change_at_resume("block")
-    """How the model is cut into units that gather and free their parameters together: block (each child of the root
-    that holds parameters, a ResNet stage's blocks one by one), size (the innermost modules holding wrap_min_params
-    parameters or more, as torch's size-based policy), whole (one unit: the fewest collectives, the least memory
-    saved). The sums are the same: a snapshot resumes under another wrap."""
-    wrap_min_params: int = may_change_at_resume(100_000)
-    """With wrap size: the parameters a unit holds at least (those of its submodules not wrapped already)."""
-
-    def __post_init__(self) -> None:
-        positive(self.wrap_min_params, "strategy.fsdp.wrap_min_params")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DPOptions:
-    """[strategy.dp]: the GPUs nn.DataParallel drives."""
-
-    applies_to: ClassVar[tuple[str, ...]] = ("dp",)
-    devices: tuple[int, ...] = field(default=(), metadata={**MAY_CHANGE_AT_RESUME, **REFUSED_ELSEWHERE})
-    """GPU indices as torch numbers the visible ones (after CUDA_VISIBLE_DEVICES), e.g. 0,1; the first holds the model,
-    the optimizer and the gathered outputs. Empty: every visible GPU. The sums are the same on any set."""
-
-    def __post_init__(self) -> None:
-        if any(index < 0 for index in self.devices):
-            raise ConfigError(f"strategy.dp.devices = {list(self.devices)} holds a negative index; GPUs are numbered "
-                              f"from 0, e.g. --strategy.dp.devices 0,1.")
-        if len(set(self.devices)) != len(self.devices):
-            raise ConfigError(f"strategy.dp.devices = {list(self.devices)} names a GPU twice; name each once.")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PSOptions:
-    """[strategy.ps]: the parameter server's roles."""
-
-    applies_to: ClassVar[tuple[str, ...]] = ("ps",)
-    dedicated_server: bool = False
-    """Rank 0 only serves (the data is split across ranks 1..N-1) instead of also training."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeepSpeedOptions:
-    """[strategy.deepspeed]: DeepSpeed's ZeRO stage and its own settings."""
-
-    applies_to: ClassVar[tuple[str, ...]] = ("deepspeed",)
-    zero_stage: int = field(default=2, metadata=REFUSED_ELSEWHERE)
-    """ZeRO stage, 1, 2 or 3; 1 shards the optimizer state over the ranks, 2 the gradients too, 3 the parameters too."""
-    config: str | None = field(default=None, metadata={**MAY_CHANGE_AT_RESUME, **REFUSED_ELSEWHERE})
-    """A DeepSpeed JSON file (ds_config.json) for the engine's own settings, such as ZeRO's buckets and communication
-    (None: DeepSpeed's defaults). The batch, optimizer, schedule, clipping, precision and ZeRO stage stay dptrain's
-    options: the file may repeat them, and a run that it contradicts is refused. A resume may name another file that
-    says the same: what it says is part of the snapshot's configuration."""
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (1, 2, 3):
-            raise ConfigError(f"strategy.deepspeed.zero_stage = {self.zero_stage} is not a ZeRO stage that strategy "
-                              f"deepspeed runs; pick 1, 2 or 3.")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StrategyConfig:
-    name: StrategyName = "ddp"
-    """ddp, fsdp (FSDP2), zero1 (DDP + sharded optimizer state), ps (parameter server),
-    dp (nn.DataParallel, one process), single (one process, one device), deepspeed (DeepSpeed's ZeRO engine;
-    pip install 'dptrain[deepspeed]')."""
-    ddp: DDPOptions = field(default_factory=DDPOptions)
-    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
-    dp: DPOptions = field(default_factory=DPOptions)
-    ps: PSOptions = field(default_factory=PSOptions)
-    deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
-
-    def __post_init__(self) -> None:
-        # A table's options belong to the strategies it applies to; set for another strategy, those marked
-        # REFUSED_ELSEWHERE are refused (the others are left unread, so that one config serves a sweep of strategies).
-        for table, options in self.tables().items():
-            if self.name in options.applies_to:
-                continue
-            for f in dataclasses.fields(options):
-                value = getattr(options, f.name)
-                if f.metadata.get("refused_elsewhere") and value != f.default:
-                    who = " and ".join(options.applies_to)
-                    who = f"strategy {who}" if len(options.applies_to) == 1 else who
-                    raise ConfigError(f"strategy.{table}.{f.name} {value} applies to {who} only, not {self.name}; "
-                                      f"drop it or use --strategy.name {options.applies_to[0]}.")
-
-    def tables(self) -> dict[str, Any]:
-        """Table name -> its options, for every strategy that has options of its own."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
-
-
-# The flat keys of [strategy] before each strategy had its table (strategy.comm_hook, ...): read for one release, each
-# moved to its table's key with one log line.
+# The flat keys of [strategy] before each strategy had its table (strategy.comm_hook, ...), each with its table's key:
+# no release ever read them, so a config that gives one is refused with the new spelling (codec.refuse_flat_keys).
 LEGACY_STRATEGY_KEYS = {
     **{f.name: f"{table.name}.{f.name}" for table in dataclasses.fields(StrategyConfig) if table.name != "name"
        for f in dataclasses.fields(table.default_factory)},  # type: ignore[arg-type]  # every table has a factory
@@ -442,9 +320,8 @@ class RunConfig:
         if self.train.compile and self.train.cuda_graph:
             raise ConfigError("train.compile and train.cuda_graph are two ways to cut kernel launches and do not "
                               "combine; keep one of them.")
-        if self.train.compile and self.strategy.name == "dp":
-            raise ConfigError("train.compile cannot compile through nn.DataParallel's per-step replication; use "
-                              "--strategy.name ddp (one process per GPU), or drop train.compile.")
+        if self.train.compile and self.strategy.spec.compile_refusal:
+            raise ConfigError(self.strategy.spec.compile_refusal)
         if self.train.cuda_graph and self.optim.schedule == "onecycle":
             raise ConfigError("train.cuda_graph cannot follow optim.schedule onecycle, which changes Adam's betas every "
                               "step; use cosine, or drop train.cuda_graph.")

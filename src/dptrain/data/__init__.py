@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dptrain.config import DataConfig, is_import_path
+from dptrain.config.choices import SYNTHETIC
 from dptrain.data.catalog import DATASETS, DatasetSpec, idx_file, load, locate
 from dptrain.data.formats import read_idx
 from dptrain.data.loader import DatasetLoader, DeviceLoader, Loader
@@ -94,8 +95,8 @@ def describe(cfg: DataConfig) -> DataInfo:
     """Cheap facts for the checks made before workers start: no full read of a built-in dataset."""
     if is_import_path(cfg.name):
         return _user_info(cfg, *build_user_datasets(cfg))
-    if cfg.name == "synthetic":
-        return DataInfo("synthetic", tuple(cfg.synthetic_shape), cfg.synthetic_num_classes, cfg.synthetic_train_size, cfg.synthetic_test_size)
+    if cfg.name == SYNTHETIC:
+        return DataInfo(SYNTHETIC, tuple(cfg.synthetic_shape), cfg.synthetic_num_classes, cfg.synthetic_train_size, cfg.synthetic_test_size)
     spec: DatasetSpec = DATASETS[cfg.name]
     try:
         folder = locate(spec, Path(cfg.root))
@@ -117,7 +118,7 @@ def input_record(cfg: DataConfig) -> dict[str, Any] | None:
     Dataset: dptrain neither normalises its images nor knows their shape without reading them."""
     if is_import_path(cfg.name):
         return None
-    spec = synthetic_spec(cfg) if cfg.name == "synthetic" else DATASETS[cfg.name]
+    spec = synthetic_spec(cfg) if cfg.name == SYNTHETIC else DATASETS[cfg.name]
     return {"shape": list(spec.shape), "mean": list(spec.mean), "std": list(spec.std), "num_classes": spec.num_classes,
             "dataset": spec.name}
 

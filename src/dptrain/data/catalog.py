@@ -8,11 +8,13 @@ from pathlib import Path
 import torch
 
 from dptrain.config import DataConfig
+from dptrain.config.choices import DATASETS as DATASET_SPECS, SYNTHETIC
 from dptrain.data import download
 from dptrain.data.formats import read_cifar_batch, read_idx
 from dptrain.data.spec import DatasetSpec, Split
 from dptrain.data.synthetic import synthetic_dataset
 from dptrain.errors import DataError
+from dptrain.imports import import_object
 
 
 # ---------------------------------------------------------------- IDX datasets (MNIST, FashionMNIST)
@@ -51,49 +53,51 @@ def _read_cifar_dataset(folder: Path) -> tuple[Split, Split]:
     return train, Split(*read_cifar_batch(folder / "test_batch"))
 
 
-DATASETS: dict[str, DatasetSpec] = {
-    "mnist": DatasetSpec(
-        name="mnist", shape=(1, 28, 28), num_classes=10, mean=(0.1307,), std=(0.3081,),
-        train_size=60000,
-        subdirs=("MNIST/raw", "mnist"), system_dirs=("/usr/share/datasets/mnist",),
-        required=IDX_FILES,
-        downloads=(
-            ("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
-            ("train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432"),
-            ("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3"),
-            ("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c"),
-        ),
-        mirrors=("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
-        howto="use --data.download true, or copy the four IDX files there",
-        read=_read_idx_dataset,
+MNIST = DatasetSpec(
+    name="mnist", shape=(1, 28, 28), num_classes=10, mean=(0.1307,), std=(0.3081,),
+    train_size=60000,
+    subdirs=("MNIST/raw", "mnist"), system_dirs=("/usr/share/datasets/mnist",),
+    required=IDX_FILES,
+    downloads=(
+        ("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
+        ("train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432"),
+        ("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3"),
+        ("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c"),
     ),
-    "fashion-mnist": DatasetSpec(
-        name="fashion-mnist", shape=(1, 28, 28), num_classes=10, mean=(0.2860,), std=(0.3530,),
-        train_size=60000,
-        subdirs=("FashionMNIST/raw", "fashion-mnist"), system_dirs=("/usr/share/datasets/fashion-mnist",),
-        required=IDX_FILES,
-        downloads=(
-            ("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
-            ("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
-            ("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
-            ("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310"),
-        ),
-        mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
-        howto="on Debian/Ubuntu run `apt-get install dataset-fashion-mnist`, or use --data.download true",
-        read=_read_idx_dataset,
+    mirrors=("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
+    howto="use --data.download true, or copy the four IDX files there",
+    read=_read_idx_dataset,
+)
+FASHION_MNIST = DatasetSpec(
+    name="fashion-mnist", shape=(1, 28, 28), num_classes=10, mean=(0.2860,), std=(0.3530,),
+    train_size=60000,
+    subdirs=("FashionMNIST/raw", "fashion-mnist"), system_dirs=("/usr/share/datasets/fashion-mnist",),
+    required=IDX_FILES,
+    downloads=(
+        ("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+        ("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
+        ("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
+        ("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310"),
     ),
-    "cifar10": DatasetSpec(
-        name="cifar10", shape=(3, 32, 32), num_classes=10,
-        mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
-        train_size=50000,
-        subdirs=(CIFAR_DIR,), system_dirs=(),
-        required=(*CIFAR_TRAIN, "test_batch"),
-        downloads=(CIFAR_ARCHIVE,),
-        mirrors=("https://www.cs.toronto.edu/~kriz/",),
-        howto="use --data.download true, or unpack cifar-10-python.tar.gz there",
-        read=_read_cifar_dataset,
-    ),
-}
+    mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
+    howto="on Debian/Ubuntu run `apt-get install dataset-fashion-mnist`, or use --data.download true",
+    read=_read_idx_dataset,
+)
+CIFAR10 = DatasetSpec(
+    name="cifar10", shape=(3, 32, 32), num_classes=10,
+    mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
+    train_size=50000,
+    subdirs=(CIFAR_DIR,), system_dirs=(),
+    required=(*CIFAR_TRAIN, "test_batch"),
+    downloads=(CIFAR_ARCHIVE,),
+    mirrors=("https://www.cs.toronto.edu/~kriz/",),
+    howto="use --data.download true, or unpack cifar-10-python.tar.gz there",
+    read=_read_cifar_dataset,
+)
+
+# Keyed and ordered by config's list of the built-in datasets (config.choices.DATASETS, the one list of them), each
+# entry naming one of the specs above: this module is importing itself there, from sys.modules, its specs defined.
+DATASETS: dict[str, DatasetSpec] = {name: import_object(where, "data.name") for name, where in DATASET_SPECS.items()}
 
 
 def _has_files(folder: Path, required: tuple[str, ...]) -> bool:
@@ -145,7 +149,7 @@ def _extract(archive: Path, root: Path) -> None:
 
 def load(cfg: DataConfig) -> tuple[DatasetSpec, Split, Split]:
     """(spec, train, test) for a built-in or synthetic dataset, read and checked against its spec."""
-    if cfg.name == "synthetic":
+    if cfg.name == SYNTHETIC:
         return synthetic_dataset(cfg)
     spec = DATASETS[cfg.name]
     root = Path(cfg.root)

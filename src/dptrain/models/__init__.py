@@ -1,4 +1,5 @@
-"""MODELS: name -> builder; `build_model` also takes a user's `package.module:ClassName`."""
+"""MODELS: name -> builder, from config.choices.MODELS (the one list of the built-in models, each naming its class and
+the images it takes); `build_model` also takes a user's `package.module:ClassName`."""
 
 from __future__ import annotations
 
@@ -7,25 +8,30 @@ from typing import Callable
 from torch import nn
 
 from dptrain.config import ModelConfig, is_import_path
+from dptrain.config.choices import MODELS as MODEL_CHOICES, ModelChoice
 from dptrain.errors import ConfigError
 from dptrain.imports import import_object
-from dptrain.models.cifar_cnn import CifarCNN
-from dptrain.models.mnist_cnn import MnistCNN
-from dptrain.models.resnet import ResNet18
 
-# Each builder takes (image shape C x H x W, number of classes or None when unknown).
-MODELS: dict[str, Callable[[tuple[int, ...], int | None], nn.Module]] = {
-    "mnist-cnn": lambda shape, classes: MnistCNN(classes or 10),
-    "cifar-cnn": lambda shape, classes: CifarCNN(shape[0], classes or 10),
-    "resnet18": lambda shape, classes: ResNet18(shape[0], classes or 10),
-}
+Builder = Callable[[tuple[int, ...], int | None], nn.Module]
+"""Builds a model for (image shape C x H x W, number of classes or None when unknown)."""
+
+
+def _builder(choice: ModelChoice) -> Builder:
+    """Its class, built for the number of classes (10 when unknown) and, where it takes any, the images' channels."""
+    cls = import_object(choice.builds, "model.name")
+
+    def build(shape: tuple[int, ...], classes: int | None) -> nn.Module:
+        channels = {} if choice.channels is not None else {"in_channels": shape[0]}
+        return cls(num_classes=classes or 10, **channels)
+
+    return build
+
+
+MODELS: dict[str, Builder] = {name: _builder(choice) for name, choice in MODEL_CHOICES.items()}
 
 # What each built-in model takes: (channels, (height, width)); None: any.
 INPUTS: dict[str, tuple[int | None, tuple[int, int] | None]] = {
-    "mnist-cnn": (1, (28, 28)),
-    "cifar-cnn": (None, (32, 32)),
-    "resnet18": (None, None),
-}
+    name: (choice.channels, choice.size) for name, choice in MODEL_CHOICES.items()}
 SUGGESTION = {(1, 28, 28): "mnist-cnn", (3, 32, 32): "cifar-cnn or resnet18"}
 
 

@@ -1,25 +1,25 @@
-"""STRATEGIES: name -> class; the one place a strategy name is resolved."""
+"""STRATEGIES: name -> class, built from config.SPECS (the one registry of strategy names: each spec names the class
+that runs it); the one place a strategy name is resolved to torch code."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from dptrain.config import LaunchConfig, RunConfig, StrategyConfig
+from dptrain.config import SPECS, LaunchConfig, RunConfig, StrategyConfig
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.strategies.base import Strategy
-from dptrain.strategies.ddp import DDP
-from dptrain.strategies.deepspeed import DeepSpeed
-from dptrain.strategies.dp import DataParallel
-from dptrain.strategies.fsdp import FSDP
-from dptrain.strategies.parameter_server import ParameterServer
-from dptrain.strategies.single import SingleDevice
-from dptrain.strategies.zero import Zero1
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "single": SingleDevice, "dp": DataParallel, "ddp": DDP, "zero1": Zero1, "fsdp": FSDP, "ps": ParameterServer,
-    "deepspeed": DeepSpeed,
-}
+
+def _class(runs: str) -> type[Strategy]:
+    """The class a spec's `package.module:Class` names (a path of dptrain's own: an error here is a bug)."""
+    module, _, name = runs.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {name: _class(spec.runs) for name, spec in SPECS.items()}
 
 
 def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, ClassVar, Collection, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import LaunchConfig, OptimConfig, RunConfig, StrategyConfig
+from dptrain.config import (OPTIMIZER_CLASSES, SPECS, LaunchConfig, OptimConfig, RunConfig, StrategyConfig,
+                            StrategySpec)
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.strategies.comm_hooks import CommCounter
@@ -27,9 +28,10 @@ class OptimizerSpec:
         return self.cls(params, **self.kwargs)
 
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
-                                                     "adamw": torch.optim.AdamW}
-"""optim.name -> torch's optimizer; the one table of the choice, for dptrain's loop and the other engines alike."""
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {name: getattr(torch.optim, cls)
+                                                     for name, cls in OPTIMIZER_CLASSES.items()}
+"""optim.name -> torch's optimizer, from config's OPTIMIZER_CLASSES (the one list of the choice), for dptrain's loop
+and the other engines alike."""
 
 
 def optimizer_choice(optim: OptimConfig, lr: float, fused: bool, capturable: bool = False) -> OptimizerSpec:
@@ -94,13 +96,19 @@ class Strategy:
     computes it, even when the last batch is shared out unevenly.
     """
 
-    name = "single"
+    spec: ClassVar[StrategySpec] = SPECS["single"]
+    """Its torch-free half (config.strategy_specs): its name, its table of options, its rules, its traffic."""
+    name: ClassVar[str] = spec.name  # each subclass's from its spec (__init_subclass__)
     one_process = False
     """Whether it drives every device of a node from one process (single, dp): launch.nproc_per_node auto then starts
     one worker, not one per GPU (which the strategy would refuse)."""
     resumes_on_another_world = True
     """Whether its snapshots resume on another number of processes (resharded on load): what a run whose node count
     may change (--nnodes MIN:MAX) needs to go on after losing a node."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.spec.name
 
     # What a strategy needs of the world, asked before any worker starts (prestart.preflight) and again by
     # every worker (train.build_trainer): each refusal is one sentence saying what to change.
@@ -119,6 +127,26 @@ class Strategy:
     def data_world_size(cls, cfg: StrategyConfig, world_size: int) -> int:
         """How many ranks take a share of each global batch."""
         return world_size
+
+    # What the run asks of a strategy outside its loop: each has the one-process answer here, and the strategies
+    # with settings of their own (a settings file, the GPUs one process drives) override it.
+
+    @classmethod
+    def adopt_settings(cls, cfg: RunConfig, given: Collection[str]) -> RunConfig:
+        """cfg with the settings of a file of the strategy's own taken into the options the user did not set (given:
+        the dotted options set in the config file or on the command line); by default cfg as it is."""
+        return cfg
+
+    @classmethod
+    def computation_options(cls, cfg: RunConfig) -> dict[str, Any]:
+        """Options beyond config.fixed_at_resume that change the computation and that a resume must keep, by the name a
+        snapshot's manifest records; by default none."""
+        return {}
+
+    @classmethod
+    def gpu_index(cls, cfg: RunConfig, local_rank: int) -> int:
+        """The GPU this rank takes where it runs on GPUs: by default its local rank."""
+        return local_rank
 
     def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device,
                  timeout_s: float = LaunchConfig.timeout_s) -> None:

@@ -9,6 +9,7 @@ the algorithm where a library collective does it (allreduce, fp16, bf16, powersg
 
 import queue
 import threading
+import typing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from dptrain.config import CommHook
 
 
 @dataclass
@@ -143,9 +145,8 @@ def _install_ring(model: DistributedDataParallel, powersgd_rank: int, counter: C
 
 
 COMM_HOOKS: dict[str, Callable[[DistributedDataParallel, int, CommCounter], None]] = {
-    "allreduce": _install_allreduce, "fp16": _install_fp16, "bf16": _install_bf16, "powersgd": _install_powersgd,
-    "ring": _install_ring,
-}
+    name: globals()[f"_install_{name}"] for name in typing.get_args(CommHook)}
+"""strategy.ddp.comm_hook's choices (config's CommHook, the one list of them) -> the _install_<name> above."""
 
 
 def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dptrain.config import RunConfig
+from dptrain.config import SPECS, RunConfig
 from dptrain.strategies import comm_hooks, shared_memory, two_step
 from dptrain.strategies.base import CommTiming, Strategy, refuse_gloo_send_recv_on_gpus
 
@@ -37,7 +37,7 @@ class DDP(Strategy):
     others: its gradients, and its 1/N of their sum); for gloo's or nccl's all-reduce computed from the gradient
     sizes as a ring all-reduce, 2 (N-1)/N of the gradient bytes per step."""
 
-    name = "ddp"
+    spec = SPECS["ddp"]
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
     """The all-reduce through /dev/shm that the gradients take (strategy.ddp.shared_memory), once wrapped; None: gloo's."""
     two_step_sum: two_step.TwoStepAllReduce | None = None

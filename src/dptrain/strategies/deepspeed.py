@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import (FLOAT32_MAX, FLOAT32_TINY, LaunchConfig, RunConfig, StrategyConfig, from_dict,
+from dptrain.config import (FLOAT32_MAX, FLOAT32_TINY, SPECS, LaunchConfig, RunConfig, StrategyConfig, from_dict,
                             read_config_text, to_dict)
 from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy
@@ -540,7 +540,7 @@ class DeepSpeed(Strategy):
     and again in backward, and reduce-scatters the gradients.
     """
 
-    name = "deepspeed"
+    spec = SPECS["deepspeed"]
     step_is_local = False  # collectives inside the step
     resumes_on_another_world = False  # its engine's own checkpoint is per rank (state.OwnFolder)
 
@@ -556,6 +556,18 @@ class DeepSpeed(Strategy):
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"strategy deepspeed needs DeepSpeed, which is not installed here; run {INSTALL}, "
                               f"or use --strategy.name fsdp or zero1 for ZeRO without it.")
+
+    @classmethod
+    def adopt_settings(cls, cfg: RunConfig, given: Collection[str]) -> RunConfig:
+        """The tutorials' ds_config.json (strategy.deepspeed.config): its batch, Adam parameters, clipping and WarmupLR
+        taken into the options the user did not set."""
+        return adopt_user_config(cfg, given)
+
+    @classmethod
+    def computation_options(cls, cfg: RunConfig) -> dict[str, Any]:
+        """What strategy.deepspeed.config says (the file may move, or another may say the same): its settings' digest."""
+        path = cfg.strategy.deepspeed.config
+        return {} if path is None else {"strategy.deepspeed.config (sha256 of its settings)": config_digest(path)}
 
     @classmethod
     def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:

@@ -10,8 +10,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from dptrain.config import DPOptions, StrategyConfig
+from dptrain.config import SPECS, DPOptions, RunConfig, StrategyConfig
 from dptrain.errors import ConfigError
+from dptrain.runtime import wants_cuda
 from dptrain.strategies.base import Strategy, refuse_more_than_one_process
 
 log = logging.getLogger("dptrain")
@@ -61,12 +62,19 @@ class AutocastDataParallel(nn.DataParallel):
 
 
 class DataParallel(Strategy):
-    name = "dp"
+    spec = SPECS["dp"]
     one_process = True
 
     @classmethod
     def check_world(cls, cfg: StrategyConfig, world_size: int, on_cpu: bool, torch_version: str) -> None:
         refuse_more_than_one_process(cls.name, world_size, "dp drives every GPU from one process")
+
+    @classmethod
+    def gpu_index(cls, cfg: RunConfig, local_rank: int) -> int:
+        """The first GPU it drives (strategy.dp.devices' first), which holds the model and the optimizer."""
+        if cfg.strategy.dp.devices and wants_cuda(cfg.launch.device):
+            return root_gpu(cfg.strategy.dp, torch.cuda.device_count())
+        return local_rank
 
     @property
     def step_is_local(self) -> bool:

@@ -9,19 +9,21 @@ backward needs them first, so freeing them would only gather them again at once.
 
 from __future__ import annotations
 
+import typing
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import StrategyConfig
+from dptrain.config import SPECS, FloatDtype, StrategyConfig
 from dptrain.errors import ConfigError
 from dptrain.strategies import shared_memory
 from dptrain.strategies.base import Strategy
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""None: the parameters' own dtype, no cast (FSDP's default)."""
+DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in typing.get_args(FloatDtype)}
+"""strategy.fsdp's dtype options -> torch's dtype of that name; None: the parameters' own dtype, no cast (FSDP's
+default)."""
 
 
 def blocks(model: nn.Module) -> Iterator[nn.Module]:
@@ -173,7 +175,7 @@ class FSDP(Strategy):
     bytes (a ring); through shared memory, what a rank writes there for the others: its shard of each all-gather and
     the whole of each reduce-scatter's input."""
 
-    name = "fsdp"
+    spec = SPECS["fsdp"]
     step_is_local = False  # collectives inside the step
     shared_memory_collectives: SharedMemoryCollectives | None = None
     """The all-gathers and reduce-scatters through /dev/shm (CPU ranks all on one host), once wrapped; None: gloo's."""

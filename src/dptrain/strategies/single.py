@@ -1,11 +1,11 @@
 """One process, one device: the base Strategy as it is."""
 
-from dptrain.config import StrategyConfig
+from dptrain.config import SPECS, StrategyConfig
 from dptrain.strategies.base import Strategy, refuse_more_than_one_process
 
 
 class SingleDevice(Strategy):
-    name = "single"
+    spec = SPECS["single"]
     one_process = True
 
     @classmethod
