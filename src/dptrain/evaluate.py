@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.data.loader import Loader
+from dptrain.events import EVAL_ACC, EVAL_COUNT, EVAL_LOSS, EVAL_TIME_S
 from dptrain.files import written_whole
 from dptrain.metrics import finite_or_none
 
@@ -53,7 +54,8 @@ def evaluate(
     elapsed = time.perf_counter() - start
     module.train(was_training)
     loss, correct, count = sums.tolist()
-    return {"eval_loss": finite_or_none(loss / count), "eval_acc": correct / count, "eval_count": int(count), "eval_time_s": elapsed}
+    return {EVAL_LOSS: finite_or_none(loss / count), EVAL_ACC: correct / count, EVAL_COUNT: int(count),
+            EVAL_TIME_S: elapsed}
 
 
 def sync(device: torch.device) -> None:

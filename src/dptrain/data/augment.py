@@ -10,11 +10,12 @@ flip whatever the world size, whichever rank holds it, and after a resume mid-ep
 from __future__ import annotations
 
 import typing
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
-Augment = Literal["none", "crop-flip"]
+from dptrain.config import Augment  # the one list of the choices: the config's
+
 AUGMENTS: tuple[str, ...] = typing.get_args(Augment)
 PAD = 4  # pixels of zero padding on each side: offsets -PAD..PAD in y and in x (the CIFAR-10 recipe)
 
