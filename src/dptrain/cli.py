@@ -28,8 +28,9 @@ from dptrain.data import describe
 from dptrain.distributed.ending import leave_now, lift_exit_deadline
 from dptrain.distributed.env import Nodes
 from dptrain.distributed.failures import WorkerFailure
-from dptrain.command_line import (add_job_options, job_lines, job_options_given,  # noqa: F401 (tests use them here)
-                                  split_overrides, submit_overrides)
+from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, job_lines,  # noqa: F401 (tests
+                                  job_options_given, sbatch_name_pairs, sbatch_name_words,  # use job_options_given
+                                  split_overrides, submit_overrides, with_sbatch_names)  # from here)
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.launch.rendezvous import rendezvous_times
@@ -87,31 +88,35 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id."""
-    from dptrain.slurm import job as slurm_job
+    from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script
 
-    pairs = [*split_overrides(extra), *submit_overrides(args)]
+    pairs = [*split_overrides(extra), *submit_overrides(args), *sbatch_name_pairs(args)]
     cfg = adopt_ds_config(config_mod.load(args.config, pairs), args.config, pairs)
     lines = job_lines(args)
     if lines:  # lines on the command line replace the file's list
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
+    cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
     workdir = Path.cwd()
-    job = slurm_job.job_for(cfg, workdir)
+    job = slurm_job.job_for(cfg, workdir, **job_files(args))
     # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch` trains
     # N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)
     given = cfg
     cfg = resolve_batch(cfg, job.world_size)
     preflight_job(cfg, job.world_size)
-    script = slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm))
+    script = slurm_script.render(cfg, job)
     # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
     # nothing is checked, and the dry run prints the script all the same
-    slurm_job.check_nodes_fit(cfg.slurm)
+    partition.check_nodes_fit(cfg.slurm)
     if args.dry_run:
         print(script, end="")
         return 0
     RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
+    for log_file in (job.output(), job.errors()):  # SLURM writes no file into a folder that is not there
+        if "%" not in str(log_file.parent):
+            log_file.parent.mkdir(parents=True, exist_ok=True)
     job.config.write_text(config_mod.to_toml(given))
     job.script.write_text(script)
-    job_id = slurm_job.submit(job.script)
+    job_id = queue.submit(job.script)
     print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"
           f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
     return 0
@@ -268,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
     submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
     add_job_options(submit, "the job (sbatch's options)")
+    add_sbatch_names(submit)
     submit.set_defaults(func=cmd_submit)
     resolved = sub.add_parser(
         "config",
@@ -330,10 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def translated(argv: list[str]) -> list[str]:
+    """argv with the tutorials' spellings read as dptrain's (spellings.translate); submit's sbatch names (--gpus,
+    --gres: command_line.SBATCH_NAMES) are submit's own options, left as they are."""
+    if argv[:1] != ["submit"]:
+        return spellings.translate(argv)
+    named, rest = sbatch_name_words(argv[1:])
+    return [*spellings.translate(["submit", *rest]), *named]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:  # a spelling refused by translate is a user error like any other below
-        args, extra = parser.parse_known_args(spellings.translate(sys.argv[1:] if argv is None else argv))
+        args, extra = parser.parse_known_args(translated(sys.argv[1:] if argv is None else argv))
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         return args.func(args, extra)

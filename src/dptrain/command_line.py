@@ -1,5 +1,6 @@
-"""What the commands' command lines share: the --section.option VALUE pairs, and the job's options (one per field of
-SlurmConfig) that `dptrain submit` and the lab's `dptrain bench --slurm` take. Below the commands, so that the
+"""What the commands' command lines share: the --section.option VALUE pairs, the job's options (one per field of
+SlurmConfig) that `dptrain submit` and the lab's `dptrain bench --slurm` take, and sbatch's own options under their
+own names (SBATCH_NAMES: `dptrain submit --ntasks-per-node 4 --gres gpu:4 -w dgx01`). Below the commands, so that the
 measuring lab builds its command lines from here without importing `dptrain.cli` (which imports the launchers).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from dptrain import config as config_mod, spellings
@@ -96,3 +98,122 @@ def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
             typed = int if tp is int and f.name not in as_text else None
             job.add_argument(option, type=typed, choices=choices, help=text + shown)
+
+
+@dataclass(frozen=True)
+class SbatchName:
+    """One of sbatch's options, as `dptrain submit` takes it under sbatch's name: what it becomes in the job."""
+
+    name: str
+    """sbatch's name, without its dashes: ntasks-per-node."""
+    becomes: str
+    """slurm.<field>: the job option of the same meaning; JOB_OWN: the job's own line (its name, its files, which
+    slurm.job.job_for takes); AS_GIVEN: an #SBATCH line written as given (slurm.sbatch), as dptrain has no option
+    of its meaning."""
+    help: str
+    metavar: str
+    short: str | None = None
+    typed: type | None = None
+    per_task: bool = False
+    """The value is per srun task, the field's per node: it is set to the value times the tasks per node."""
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return ("--" + self.name, *((self.short,) if self.short else ()))
+
+
+JOB_OWN, AS_GIVEN = "job", "as given"
+# sbatch's options under their own names, as the tutorials' job scripts write them (#SBATCH --ntasks-per-node=4).
+# --nodes and --gpus-per-node are job options already (sbatch's names); the job options' other names are dptrain's.
+SBATCH_NAMES = (
+    SbatchName("ntasks-per-node", "slurm.ranks_per_node", "sbatch's name of --ranks-per-node: one srun task per rank",
+               "N", typed=int),
+    SbatchName("cpus-per-task", "slurm.cpus_per_node", "cores per srun task (per rank; in agent mode, per node): sets "
+               "--cpus-per-node to C times the tasks per node", "C", typed=int, per_task=True),
+    SbatchName("gpus", AS_GIVEN, "GPUs of the whole job (N, or TYPE:N), shared evenly over its nodes", "N"),
+    SbatchName("gres", AS_GIVEN, "generic resources per node; gpu:4 or gpu:a100:4 asks for GPUs", "GRES"),
+    SbatchName("job-name", JOB_OWN, "the job's name in squeue (default: dptrain-RUN, after the run directory)", "NAME"),
+    SbatchName("output", JOB_OWN, "the file of the job's output, as sbatch names it (%j: the job id, %x: its name; "
+               "relative to the folder dptrain submit runs in; default: RUN_DIR/logs/slurm-%j.out)", "FILE"),
+    SbatchName("error", JOB_OWN, "the file of the job's errors (default: the --output file where one is given, as "
+               "sbatch does, else RUN_DIR/logs/slurm-%j.err)", "FILE"),
+    SbatchName("nodelist", AS_GIVEN, "the nodes the job must run on: dgx01,dgx02 or dgx[01-02]", "NODES", short="-w"),
+    SbatchName("exclude", AS_GIVEN, "nodes the job must not run on", "NODES"),
+    SbatchName("mail-type", AS_GIVEN, "when SLURM mails the user: BEGIN, END, FAIL, ALL, ...", "TYPE"),
+    SbatchName("mail-user", AS_GIVEN, "who SLURM mails (default: the user who submits)", "USER"),
+)
+
+
+def add_sbatch_names(command: argparse.ArgumentParser) -> None:
+    """sbatch's own options under their own names (SBATCH_NAMES), for `dptrain submit`; sbatch_name_pairs,
+    with_sbatch_names and job_files read them."""
+    group = command.add_argument_group(
+        "sbatch's options under their own names",
+        "As a job script's #SBATCH lines write them: each sets the job option of the same meaning, the job's name or "
+        "files, or is written as an #SBATCH line as given.")
+    for option in SBATCH_NAMES:
+        text = option.help.replace("%", "%%")  # % is argparse's
+        if option.becomes == AS_GIVEN:
+            text += f"; written as #SBATCH --{option.name}={option.metavar}"
+        group.add_argument(*option.flags, dest=option.dest, type=option.typed, metavar=option.metavar, help=text)
+
+
+def sbatch_name_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The sbatch names given that are another name of a job option, as slurm.* overrides: --ntasks-per-node N is
+    slurm.ranks_per_node N. (A value per task is set by with_sbatch_names, once the tasks per node are known.)"""
+    pairs = []
+    for option in SBATCH_NAMES:
+        value = getattr(args, option.dest, None)
+        if value is None or not option.becomes.startswith("slurm."):
+            continue
+        field = option.becomes.removeprefix("slurm.")
+        if getattr(args, field, None) is not None:
+            raise ConfigError(f"--{option.name} and --{field.replace('_', '-')} are two ways to set "
+                              f"{option.becomes}; give one of them.")
+        if not option.per_task:
+            pairs.append((option.becomes, str(value)))
+    return pairs
+
+
+def with_sbatch_names(args: argparse.Namespace, slurm: SlurmConfig) -> SlurmConfig:
+    """slurm with the sbatch names given applied: a value per task (--cpus-per-task C) as C times the tasks per node,
+    and those dptrain has no option for as #SBATCH lines after slurm.sbatch's (gres=gpu:4, nodelist=dgx01)."""
+    for option in SBATCH_NAMES:
+        value = getattr(args, option.dest, None)
+        if option.per_task and value is not None:
+            field = option.becomes.removeprefix("slurm.")
+            slurm = dataclasses.replace(slurm, **{field: value * slurm.tasks_per_node})
+    lines = tuple(f"{option.name}={getattr(args, option.dest)}" for option in SBATCH_NAMES
+                  if option.becomes == AS_GIVEN and getattr(args, option.dest, None) is not None)
+    return dataclasses.replace(slurm, sbatch=(*slurm.sbatch, *lines)) if lines else slurm
+
+
+def job_files(args: argparse.Namespace) -> dict[str, str | None]:
+    """The job's own lines given (--job-name, --output, --error), as slurm.job.job_for takes them."""
+    return {"name": getattr(args, "job_name", None), "output": getattr(args, "output", None),
+            "error": getattr(args, "error", None)}
+
+
+def sbatch_name_words(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the words of argv that give an sbatch name, with their values; the others), in their order: `dptrain submit`
+    takes --gpus and --gres under their own names, which the tutorials' spellings (spellings.translate) read as
+    other commands' options."""
+    flags = {flag for option in SBATCH_NAMES for flag in option.flags}
+    named: list[str] = []
+    rest: list[str] = []
+    at = 0
+    while at < len(argv):
+        word = argv[at]
+        flag, eq, _ = word.partition("=")
+        if flag in flags:
+            takes_next = not eq and at + 1 < len(argv)
+            named += argv[at:at + 2] if takes_next else [word]
+            at += 2 if takes_next else 1
+            continue
+        rest.append(word)
+        at += 1
+    return named, rest

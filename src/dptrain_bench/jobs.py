@@ -33,7 +33,7 @@ from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
-from dptrain.slurm import job as slurm_job, queue as slurm_queue
+from dptrain.slurm import job as slurm_job, partition as slurm_partition, queue as slurm_queue, script as slurm_script
 from dptrain.slurm.env import SLURM_VARS
 
 log = logging.getLogger(__name__)
@@ -88,71 +88,47 @@ def require_clients() -> None:
 
 
 def check_nodes_fit(sweep: Sweep) -> None:
-    """Every job's shape fits a node of its partition (slurm.job.check_nodes_fit), before the first is submitted:
+    """Every job's shape fits a node of its partition (slurm.partition.check_nodes_fit), before the first is submitted:
     one point of each engine kind (dptrain's ranks as tasks, the others' torchrun per node) and worker count."""
     first: dict[tuple[bool, int], Point] = {}
     for point in plan(sweep):
         first.setdefault((point.engine in OTHER_ENGINES, point.workers), point)
     for point in first.values():
-        slurm_job.check_nodes_fit(point_config(sweep, point).slurm)
+        slurm_partition.check_nodes_fit(point_config(sweep, point).slurm)
 
 
 def job_of(sweep: Sweep, point: Point) -> tuple[RunConfig, slurm_job.Job, str]:
     """(config, job, script) of a point, as `dptrain submit` would write them from this folder (another engine's:
-    peer_script)."""
+    peer_command's)."""
     cfg = point_config(sweep, point)
-    workdir = Path.cwd()
-    job = slurm_job.job_for(cfg, workdir)
+    job = slurm_job.job_for(cfg, Path.cwd())
+    command = peer_command(cfg, job, point.engine) if point.engine in OTHER_ENGINES else None
+    return cfg, job, slurm_script.render(cfg, job, command)
+
+
+def peer_command(cfg: RunConfig, job: slurm_job.Job, engine: str) -> slurm_script.TaskCommand:
+    """What each task of another engine's job runs: one torchrun per node in place of dptrain's elastic agent, with
+    the engine's module, as the engine's users launch it across nodes (the job's #SBATCH lines, set-up lines, first
+    node's address and port, and container are dptrain's own). torchrun's c10d rendezvous numbers the nodes, so no
+    --node-rank (each task's SLURM_NODEID)."""
     python = slurm_job.python_for(cfg.slurm)
-    if point.engine in OTHER_ENGINES:
-        return cfg, job, peer_script(cfg, job, workdir, python, point.engine)
-    return cfg, job, slurm_job.render(cfg, job, workdir, python)
-
-
-# render's launch lines of an agent-mode job, which peer_script replaces: the first (a comment) and the last three
-# (two comments on dptrain's agents and the srun line); those between (a container's comments) are kept.
-LAUNCH_COMMENT = "# --kill-on-bad-exit"
-AGENT_COMMENT = "# Each node's agent"
-
-
-def peer_script(cfg: RunConfig, job: slurm_job.Job, workdir: Path, python: str, engine: str) -> str:
-    """Another engine's job script: dptrain's own for one elastic agent per node (its #SBATCH lines, set-up lines, the
-    first node's address and the job's port, and the srun options and container words render gives its task), with
-    torchrun and the engine's module in place of `dptrain train` on the srun line, as the engine's users launch it
-    across nodes. torchrun's c10d rendezvous numbers the nodes, so no --node-rank (each task's SLURM_NODEID)."""
-    lines = slurm_job.render(cfg, job, workdir, python).splitlines()
-    dptrain_train = shlex.join([python, "-m", "dptrain", "train", "--config", str(job.config)])
-    starts = [i for i, line in enumerate(lines) if line.startswith(LAUNCH_COMMENT)]
-    if not starts or not lines[-3].startswith(AGENT_COMMENT) or dptrain_train not in lines[-1]:
-        # render's launch lines changed: this must follow them (tests/bench/test_peer_jobs.py says so)
-        raise RuntimeError("slurm.job.render's agent-mode launch lines are no longer a comment, the container's "
-                           "comments, two on the agents and srun ... dptrain train --config JOB; update "
-                           "bench.jobs.peer_script to them")
-    head, said, srun_line = lines[:starts[-1]], lines[starts[-1] + 1:-3], lines[-1]
-    srun = srun_line[:srun_line.index(dptrain_train)]  # srun, its options, and a container's words (if any)
-    module = OTHER_ENGINES[engine].__name__
-    where = slurm_job.shown(job.run_dir, workdir)
-    head[1] = head[1].replace(f"# dptrain training of {where}: ",
-                              f"# {engine} engine's training (dptrain bench) of {where}: ", 1)
+    environment: tuple[str, ...] = ()
     if cfg.slurm.cpus_per_node:
-        head += [
+        environment = (
             "# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
             "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
-            f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}", ""]
-    torchrun = shlex.join([python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes), "--nproc-per-node",
-                           str(job.ranks_per_node), "--rdzv-backend", "c10d"])
-    return "\n".join([
-        *head,
-        "# One torchrun per node, as the engine's users run it on a cluster: the agents meet at "
-        "MASTER_ADDR:MASTER_PORT",
-        "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read RUN_DIR/config.toml.",
-        "# --kill-on-bad-exit: a node that fails stops the others at once, instead of at their timeout.",
-        *said,
-        f'{srun}{torchrun} --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_VARS["job_id"]}" '
-        f"-m {module} {shlex.quote(str(job.run_dir))}",
-    ]) + "\n"
-
-
+            f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}")
+    return slurm_script.TaskCommand(
+        f"{engine} engine's training (dptrain bench)",
+        (python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes), "--nproc-per-node", str(job.ranks_per_node),
+         "--rdzv-backend", "c10d"),
+        f'--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_VARS["job_id"]}" '
+        f"-m {OTHER_ENGINES[engine].__name__} {shlex.quote(str(job.run_dir))}",
+        each="node", environment=environment,
+        said_first=("# One torchrun per node, as the engine's users run it on a cluster: the agents meet at "
+                    "MASTER_ADDR:MASTER_PORT",
+                    "# (c10d rendezvous, hosted by the first node), each starts its node's ranks, which read "
+                    "RUN_DIR/config.toml."))
 
 
 def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
@@ -163,10 +139,10 @@ def link_probe_script(sweep: Sweep, nodes: int) -> tuple[slurm_job.Job, str]:
     run_dir = BenchFolder(sweep.bench_dir).link_probe(nodes).resolve()
     cfg = config_mod.load(sweep.config_path, [*sweep.train_pairs, ("output.dir", str(run_dir))])
     cfg = replace(cfg, slurm=replace(sweep.job, nodes=nodes, ranks_per_node=1, mode="per-rank", requeue=False))
-    workdir = Path.cwd()
-    job = slurm_job.job_for(cfg, workdir)
-    probe = ["-m", "dptrain_bench.link", "--launched", "--record", str(sweep.bench_dir.resolve())]
-    return job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm), program=probe)
+    job = slurm_job.job_for(cfg, Path.cwd())
+    probe = (slurm_job.python_for(cfg.slurm), "-m", "dptrain_bench.link", "--launched", "--record",
+             str(sweep.bench_dir.resolve()))
+    return job, slurm_script.render(cfg, job, slurm_script.TaskCommand("dptrain bench's link probe", probe))
 
 
 def nodes_to_probe(node_counts: set[int], probed_hosts: set[int]) -> list[int]:
@@ -203,7 +179,7 @@ def run_to_its_end(job: slurm_job.Job, script: str) -> tuple[str, str | None]:
     """Write the job's script, submit it and wait until it has ended: (its id, its last state; None where the
     scheduler has forgotten it). Its --time, if any, bounds it."""
     job.script.write_text(script)
-    job_id = slurm_job.submit(job.script)
+    job_id = slurm_queue.submit(job.script)
     ended: dict[str, str | None] = {}
     slurm_queue.wait_for([job_id], ended.__setitem__)
     return job_id, ended.get(job_id)
@@ -274,7 +250,7 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm_job.Job]:
     if point.engine in OTHER_ENGINES:  # what the engine trains (dptrain train writes its own config.toml)
         RunFolder(job.run_dir).config.write_text(config_mod.to_toml(cfg))
     job.script.write_text(script)
-    job_id = slurm_job.submit(job.script)
+    job_id = slurm_queue.submit(job.script)
     (run_dir / JOB_ID_FILE).write_text(job_id + "\n")
     return job_id, job
 
@@ -282,9 +258,8 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm_job.Job]:
 def job_error(run_dir: Path, job_id: str, state: str | None) -> str:
     """Why a job's point is not done: the first error line of its slurm-<id>.err, then .out (as first_error reads a
     local run's output); else its end state and last line of output."""
-    job = slurm_job.Job(run_dir, 1, 1, "per-rank")
     texts = []
-    for path in (job.errors(job_id), job.output(job_id)):
+    for path in (RunFolder(run_dir).job_output(job_id, "err"), RunFolder(run_dir).job_output(job_id, "out")):
         try:  # bounded: a job's output is a log, and a link to /dev/zero planted there must not fill the memory
             texts.append(read_back.read_text(path, read_back.TABLE_BYTES, errors="replace"))
         except (FileNotFoundError, UnreadableFile):

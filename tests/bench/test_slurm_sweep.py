@@ -37,16 +37,20 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+LOGGERS = ("dptrain", "dptrain_bench")  # the library's commands log as dptrain, the lab's modules as dptrain_bench.*
+
+
 def bench(cwd: Path, argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """`dptrain ARGV` in this process, from cwd: (exit code, its log lines, stderr)."""
     from dptrain.cli import main
 
     logs, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(logs)
-    logger = logging.getLogger("dptrain")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(err):
             patch.chdir(cwd)
@@ -54,8 +58,9 @@ def bench(cwd: Path, argv: list[str], env: dict[str, str] | None = None) -> tupl
                 patch.setenv(key, value)
             code = main(argv)
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
     return code, logs.getvalue(), err.getvalue()
 
 
@@ -294,7 +299,7 @@ def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(slurm_clust
             real_wait_for(job_ids, on_end)
 
         monkeypatch.setattr(slurm_queue, "wait_for", released_then_waited_for)
-        with caplog.at_level(logging.INFO, logger="dptrain"):
+        with caplog.at_level(logging.INFO, logger="dptrain"), caplog.at_level(logging.INFO, logger="dptrain_bench"):
             failures = jobs_mod.run_jobs(sweep)
     finally:
         slurm_cluster.run("scancel", held)

@@ -20,7 +20,7 @@ import torch
 
 from dptrain import config
 from dptrain.errors import ConfigError
-from dptrain.slurm import job as slurm_job
+from dptrain.slurm import job as slurm_job, partition as slurm_partition
 from tests.conftest import FLOAT64_ENV, assert_trained_alike, read_events
 from tests.launch.test_multinode import MULTINODE
 
@@ -160,7 +160,7 @@ def test_a_job_no_node_of_the_partition_can_hold_is_refused_naming_what_sinfo_sa
 
     def refusal(*overrides: tuple[str, str]) -> str:
         with pytest.raises(ConfigError) as err:
-            slurm_job.check_nodes_fit(config.load(None, list(overrides)).slurm)
+            slurm_partition.check_nodes_fit(config.load(None, list(overrides)).slurm)
         return str(err.value)
 
     assert refusal(("slurm.ranks_per_node", "64")) == (
@@ -172,9 +172,9 @@ def test_a_job_no_node_of_the_partition_can_hold_is_refused_naming_what_sinfo_sa
     assert refusal(("slurm.nodes", "3")) == ("the job asks for 3 nodes, but the default partition has 2 nodes (sinfo), so "
                                              "it would wait in the queue for ever; ask for 2 or fewer (--nodes), or "
                                              "another --partition.")
-    slurm_job.check_nodes_fit(config.load(None, [("slurm.nodes", "2"), ("slurm.ranks_per_node", "8")]).slurm)  # fits
+    slurm_partition.check_nodes_fit(config.load(None, [("slurm.nodes", "2"), ("slurm.ranks_per_node", "8")]).slurm)  # fits
     # sbatch, not this check, names a partition the cluster does not have
-    slurm_job.check_nodes_fit(config.load(None, [("slurm.partition", "nosuch"), ("slurm.ranks_per_node", "64")]).slurm)
+    slurm_partition.check_nodes_fit(config.load(None, [("slurm.partition", "nosuch"), ("slurm.ranks_per_node", "64")]).slurm)
 
 
 @pytest.mark.timeout(60)

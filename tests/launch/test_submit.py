@@ -17,7 +17,7 @@ from dptrain import config as config_mod
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.runtime import set_cpu_threads
-from dptrain.slurm import job as slurm_job
+from dptrain.slurm import job as slurm_job, partition as slurm_partition, script as slurm_script
 from tests.conftest import assert_matches_golden
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -64,7 +64,7 @@ def rendered(options: list[str]) -> str:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, setup=tuple(args.setup), sbatch=tuple(args.sbatch)))
-    script = slurm_job.render(cfg, slurm_job.job_for(cfg, WORKDIR), WORKDIR, slurm_job.python_for(cfg.slurm))
+    script = slurm_script.render(cfg, slurm_job.job_for(cfg, WORKDIR))
     return script.replace(sys.executable, PYTHON)
 
 
@@ -266,14 +266,14 @@ sinfo: error: a line that is no node
 
 
 @pytest.mark.parametrize("partition, nodes", [
-    (None, [slurm_job.Node("cpu01", 16, 0), slurm_job.Node("cpu02", 16, 0)]),  # the default partition, marked *
-    ("gpu", [slurm_job.Node("gpu01", 64, 4), slurm_job.Node("gpu02", 64, 4)]),
-    ("all", [slurm_job.Node("cpu01", 16, 0), slurm_job.Node("big01", 128, 0)]),
-    ("small,all", [slurm_job.Node("cpu01", 16, 0), slurm_job.Node("cpu02", 16, 0), slurm_job.Node("big01", 128, 0)]),
+    (None, [slurm_partition.Node("cpu01", 16, 0), slurm_partition.Node("cpu02", 16, 0)]),  # the default partition, marked *
+    ("gpu", [slurm_partition.Node("gpu01", 64, 4), slurm_partition.Node("gpu02", 64, 4)]),
+    ("all", [slurm_partition.Node("cpu01", 16, 0), slurm_partition.Node("big01", 128, 0)]),
+    ("small,all", [slurm_partition.Node("cpu01", 16, 0), slurm_partition.Node("cpu02", 16, 0), slurm_partition.Node("big01", 128, 0)]),
     ("nosuch", []),
 ])
 def test_sinfo_nodes_are_read_per_partition(partition, nodes):
-    assert slurm_job.partition_nodes(SINFO, partition) == nodes
+    assert slurm_partition.partition_nodes(SINFO, partition) == nodes
 
 
 @pytest.mark.parametrize("options, request_", [
@@ -287,7 +287,7 @@ def test_the_cpus_and_gpus_one_node_must_have_are_those_the_script_asks_for(opti
     from dptrain.cli import build_parser, submit_overrides
 
     args, _ = build_parser().parse_known_args(["submit", *options])
-    assert slurm_job.per_node_request(config_mod.load(None, submit_overrides(args)).slurm) == request_
+    assert slurm_partition.per_node_request(config_mod.load(None, submit_overrides(args)).slurm) == request_
 
 
 def test_without_sinfo_the_partition_is_not_checked(slurm_cluster, monkeypatch):
@@ -295,9 +295,9 @@ def test_without_sinfo_the_partition_is_not_checked(slurm_cluster, monkeypatch):
         monkeypatch.setenv(key, value)
     too_wide = config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm
     with pytest.raises(ConfigError, match="would wait in the queue for ever"):  # the cluster's sinfo says so
-        slurm_job.check_nodes_fit(too_wide)
+        slurm_partition.check_nodes_fit(too_wide)
     monkeypatch.setenv("PATH", "/nonexistent")  # no sinfo here (a login node without SLURM's clients): no check
-    slurm_job.check_nodes_fit(too_wide)
+    slurm_partition.check_nodes_fit(too_wide)
 
 
 def test_a_gres_line_makes_the_job_a_gpu_job(submit, tmp_path):
@@ -320,3 +320,93 @@ def test_gpus_asked_for_twice_with_different_counts_are_refused_in_one_sentence(
     assert err.strip().splitlines() == ["dptrain: error: slurm.gpus_per_node = 2 but slurm.sbatch's --gres=gpu:4 asks "
                                         "for 4 per node; ask for the GPUs once, as --gpus-per-node N or as an --sbatch line."]
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------- sbatch's options under their own names
+
+def sbatch_lines_of(script: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_sbatch_names_set_the_job_options_of_their_meaning(submit):
+    code, named, err = submit("--dry-run", "--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "3", *DATA)
+    assert code == 0, err
+    code, dptrains, err = submit("--dry-run", "--nodes", "2", "--ranks-per-node", "2", "--cpus-per-node", "6", *DATA)
+    assert code == 0, err
+    assert named == dptrains  # the same job, asked for in either's words
+    assert {"--ntasks-per-node=2", "--cpus-per-task=3"} <= set(sbatch_lines_of(named))
+    assert "2 nodes x 2 ranks" in named
+    code, _, err = submit("--dry-run", "--ntasks-per-node", "2", "--ranks-per-node", "4", *DATA)
+    assert code == 2 and err.strip().splitlines() == [
+        "dptrain: error: --ntasks-per-node and --ranks-per-node are two ways to set slurm.ranks_per_node; give one of "
+        "them."]
+
+
+def test_sbatch_names_dptrain_has_no_option_for_are_written_as_given(submit):
+    code, out, err = submit("--dry-run", "--nodes", "2", "--gpus", "8", "-w", "dgx[01-02]", "--exclude", "dgx03",
+                            "--mail-type", "END", "--mail-user", "ada@example.org", *DATA)
+    assert code == 0, err
+    lines = sbatch_lines_of(out)
+    assert lines[-5:] == ["--gpus=8", "--nodelist=dgx[01-02]", "--exclude=dgx03", "--mail-type=END",
+                          "--mail-user=ada@example.org"]
+    assert "2 nodes x 4 ranks (one srun task per rank, nccl on GPUs)" in out  # --gpus 8: 4 GPUs on each of 2 nodes
+    assert "dptrain: note" not in err  # submit's own option, not a tutorials' spelling to translate
+    code, out, err = submit("--dry-run", "--gres", "gpu:a100:2", "--sbatch", "hold", *DATA)
+    assert code == 0, err
+    assert sbatch_lines_of(out)[-2:] == ["--hold", "--gres=gpu:a100:2"] and "1 node x 2 ranks" in out
+
+
+def test_output_and_error_move_the_job_log_and_submit_prints_the_real_one(submit, tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text("#!/bin/sh\necho 4242\n")
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake))  # and no sinfo: the partition is not checked
+    code, out, err = submit("--job-name", "fmnist", "--output", "logs/%x-%j.out", *DATA)
+    assert code == 0, err
+    script = (tmp_path / "runs/run/job.sbatch").read_text()
+    lines = sbatch_lines_of(script)
+    assert lines[0] == "--job-name=fmnist"
+    assert f"--output={tmp_path}/logs/%x-%j.out" in lines
+    assert f"--error={tmp_path}/logs/%x-%j.out" in lines  # as sbatch does: the errors go with the output
+    assert f"  follow it: tail -f {tmp_path}/logs/fmnist-4242.out\n" in out
+    assert (tmp_path / "logs").is_dir()  # SLURM writes no file into a folder that is not there
+    code, out, err = submit("--output", "out/run.log", "--error", "out/run.err", *DATA)
+    assert code == 0, err
+    lines = sbatch_lines_of((tmp_path / "runs/run/job.sbatch").read_text())
+    assert {f"--output={tmp_path}/out/run.log", f"--error={tmp_path}/out/run.err"} <= set(lines)
+    assert f"  follow it: tail -f {tmp_path}/out/run.log\n" in out
+
+
+@pytest.mark.parametrize("line, instead", [
+    ("ntasks-per-node=4", "--ranks-per-node (slurm.ranks_per_node)"),
+    ("--nodes=2", "--nodes (slurm.nodes)"),
+    ("-N 2", "--nodes (slurm.nodes)"),
+    ("time=01:00:00", "--time (slurm.time)"),
+    ("cpus-per-task=4", "--cpus-per-node (slurm.cpus_per_node)"),
+    ("signal=USR1@60", "--signal-lead-s (slurm.signal_lead_s)"),
+    ("job-name=x", "dptrain submit's --job-name NAME"),
+    ("-J x", "dptrain submit's --job-name NAME"),
+    ("output=/tmp/x.out", "dptrain submit's --output FILE"),
+    ("-e /tmp/x.err", "dptrain submit's --error FILE"),
+])
+def test_an_sbatch_line_that_repeats_dptrains_own_option_is_refused_naming_the_one_to_use(submit, tmp_path, line,
+                                                                                           instead):
+    code, out, err = submit("--dry-run", f"--sbatch={line}", *DATA)
+    assert code == 2 and out == ""
+    option = line.split("=")[0].split()[0]
+    option = option if option.startswith("-") else "--" + option
+    assert err.strip().splitlines() == [f"dptrain: error: slurm.sbatch's line {line!r} sets sbatch's {option}, which "
+                                        f"dptrain writes itself; give {instead} instead."]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_one_letter_sbatch_option_without_its_dash_is_refused(submit, tmp_path):
+    code, out, err = submit("--dry-run", "--sbatch", "w=dgx01", *DATA)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "dptrain: error: slurm.sbatch's line 'w=dgx01' is sbatch's one-letter option -w without its dash, which sbatch "
+        "would not read as -w (written as '#SBATCH --w=dgx01'); write it as '-w VALUE', or by the option's long name "
+        "(NAME=VALUE)."]
+    code, out, err = submit("--dry-run", "--sbatch=-w dgx01", *DATA)  # with its dash: as given
+    assert code == 0 and "\n#SBATCH -w dgx01\n" in out, err

@@ -23,7 +23,7 @@ from dptrain import config as config_mod
 from dptrain.cli import main
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError
-from dptrain.slurm import job as slurm_job
+from dptrain.slurm import containers as slurm_containers, job as slurm_job, requeue as slurm_requeue, script as slurm_script
 from tests.conftest import assert_matches_golden
 from tests.slurm_cluster import TERMINAL_STATES
 
@@ -52,12 +52,12 @@ def rendered(slurm: dict[str, Any], source: Path | None, monkeypatch, workdir: P
              pairs: tuple[tuple[str, str], ...] = ()) -> str:
     """The script of a run with these slurm.* options (set-up lines as a tuple), as `dptrain submit` writes it from
     workdir."""
-    monkeypatch.setattr(slurm_job, "dptrain_source", lambda: source)
+    monkeypatch.setattr(slurm_containers, "dptrain_source", lambda: source)
     options = {k: v for k, v in slurm.items() if k != "setup"}
     cfg = config_mod.load(None, [*((f"slurm.{k}", v) for k, v in options.items()), *pairs])
     if "setup" in slurm:  # as the CLI's --setup lines replace the file's
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, setup=slurm["setup"]))
-    return slurm_job.render(cfg, slurm_job.job_for(cfg, workdir), workdir, slurm_job.python_for(cfg.slurm))
+    return slurm_script.render(cfg, slurm_job.job_for(cfg, workdir))
 
 
 def srun_line(script: str) -> str:
@@ -104,7 +104,8 @@ def test_a_local_image_or_environment_file_is_written_as_its_absolute_path(tmp_p
     (tmp_path / "images").mkdir()
     for name in ("torch.sqsh", "torch.sif"):
         (tmp_path / "images" / name).write_bytes(b"hsqs")
-    (tmp_path / "images" / "edf.toml").write_text('image = "nvcr.io#nvidia/pytorch:25.01-py3"\n')
+    (tmp_path / "images" / "edf.toml").write_text(f'image = "nvcr.io#nvidia/pytorch:25.01-py3"\n'
+                                                  f'mounts = ["{tmp_path}:{tmp_path}"]\n')
     assert written.format(tmp_path) in srun_line(rendered(slurm, None, monkeypatch, workdir=tmp_path))
 
 
@@ -214,24 +215,24 @@ def test_a_container_job_requeues_from_its_script_where_scontrol_is(monkeypatch)
 
 def test_rank_0_in_a_container_writes_the_request_instead_of_running_scontrol(tmp_path, monkeypatch):
     events: list[tuple[str, dict]] = []
-    monkeypatch.setattr(slurm_job, "requeue", lambda job_id: events.append(("scontrol", {})))
+    monkeypatch.setattr(slurm_requeue, "requeue", lambda job_id: events.append(("scontrol", {})))
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     request = tmp_path / "requeue-42"
-    monkeypatch.setenv(slurm_job.REQUEUE_VAR, str(request))
-    slurm_job.requeue_after_stop(7, lambda event, **fields: events.append((event, fields)))
+    monkeypatch.setenv(slurm_requeue.REQUEUE_VAR, str(request))
+    slurm_requeue.requeue_after_stop(7, lambda event, **fields: events.append((event, fields)))
     assert events == [("requeue", {"step": 7, "job_id": "42"})]
     assert request.read_text() == "7\n"
     # a request that cannot be written is recorded as a failed requeue
     events.clear()
-    monkeypatch.setenv(slurm_job.REQUEUE_VAR, str(tmp_path / "missing" / "requeue-42"))
-    slurm_job.requeue_after_stop(7, lambda event, **fields: events.append((event, fields)))
+    monkeypatch.setenv(slurm_requeue.REQUEUE_VAR, str(tmp_path / "missing" / "requeue-42"))
+    slurm_requeue.requeue_after_stop(7, lambda event, **fields: events.append((event, fields)))
     assert [event for event, _ in events] == ["requeue", "requeue_failed"]
     assert events[1][1]["reason"].startswith(f"could not write {tmp_path / 'missing' / 'requeue-42'} (")
 
 
 def test_submit_and_bench_take_the_container_options_on_the_command_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(slurm_job, "dptrain_source", lambda: None)
+    monkeypatch.setattr(slurm_containers, "dptrain_source", lambda: None)
     assert main(["submit", "--dry-run", "--container-image", NGC, *DATA]) == 0
     assert f"'--container-image={NGC}' --container-mounts={tmp_path} " in capsys.readouterr().out
     # bench --slurm builds each point's job from the same options (sweep.job_shape keeps them)
@@ -281,3 +282,29 @@ def requeued(cluster, job_id: int) -> dict[str, str]:
         assert record["JobState"] not in TERMINAL_STATES, record
         time.sleep(0.1)
     return record
+
+
+@pytest.mark.parametrize("mounts, refused", [
+    ('["/scratch:/scratch"]', True),                     # the run is not in the container at all
+    ('["{0}:/workspace"]', True),                        # it is, at another path: job.toml's path is not there
+    ("[]", True),
+    ('["{0}:{0}"]', False),
+    ('["{0}/:{0}:ro", "/scratch:/scratch"]', False),     # flags and a trailing slash: the same folder
+    ('["{1}"]', False),                                  # a bare path: at its own path
+    ('["$DPTRAIN_TEST_HOME:$DPTRAIN_TEST_HOME"]', False),  # variables, as the engine expands them
+    ('["/scratch:/scratch"]\nbase_environment = "pytorch"', False),  # mounts from another file: the engine's
+])
+def test_an_environment_file_whose_mounts_miss_the_run_directory_is_refused(tmp_path, monkeypatch, mounts, refused):
+    monkeypatch.setenv("DPTRAIN_TEST_HOME", str(tmp_path))
+    (tmp_path / "edf.toml").write_text(f'image = "nvcr.io#nvidia/pytorch:25.01-py3"\n'
+                                       f'mounts = {mounts.format(tmp_path, tmp_path / "runs")}\n')
+    if not refused:
+        assert "--environment=" in srun_line(rendered({"container_env_file": "edf.toml"}, None, monkeypatch,
+                                                      workdir=tmp_path))
+        return
+    with pytest.raises(ConfigError) as caught:
+        rendered({"container_env_file": "edf.toml"}, None, monkeypatch, workdir=tmp_path)
+    assert str(caught.value) == (
+        f"slurm.container_env_file {tmp_path}/edf.toml mounts no folder holding the run directory {tmp_path}/runs/run "
+        f"at its own path, so the ranks could neither read its job.toml nor write the run; add "
+        f'"{tmp_path}:{tmp_path}" to the file\'s mounts, or write the run under a folder it mounts (--output.dir).')

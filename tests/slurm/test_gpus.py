@@ -7,7 +7,7 @@ import pytest
 
 from dptrain.config import SlurmConfig, sbatch_gpus
 from dptrain.errors import ConfigError
-from dptrain.slurm import job as slurm_job
+from dptrain.slurm import partition as slurm_partition
 
 
 @pytest.mark.parametrize("lines, per_node", [
@@ -69,5 +69,5 @@ def test_each_gpu_option_is_read_as_written_and_others_are_left_alone():
 def test_the_job_asks_for_its_gpus_once_through_the_users_line():
     # Both --gres=gpu:4 and --gpus-per-node=4 in one script: sbatch would see the GPUs asked for twice.
     job = SlurmConfig(gpus_per_node=4, sbatch=("gres=gpu:4",))
-    assert slurm_job.per_node_request(job) == (4, 4)
-    assert slurm_job.per_node_request(SlurmConfig(nodes=2, sbatch=("gpus=8",))) == (4, 4)
+    assert slurm_partition.per_node_request(job) == (4, 4)
+    assert slurm_partition.per_node_request(SlurmConfig(nodes=2, sbatch=("gpus=8",))) == (4, 4)

@@ -1,12 +1,17 @@
 """[slurm]: SlurmConfig, the job options of `dptrain submit` and `bench --slurm`, and the reading of the GPU options a
-user gives as sbatch lines (--gres=gpu:4, --gpus-per-node=4)."""
+user gives as sbatch lines (--gres=gpu:4, --gpus-per-node=4).
+
+Each field says in its metadata what it becomes in the job script: an #SBATCH option (SbatchOf: its name, its
+one-letter form, where its line goes, its value in the job), or where else the script uses it (SCRIPT_USE). One rule
+writes the #SBATCH lines from it (slurm/sbatch_lines.py), and one refuses an --sbatch line that repeats one of them.
+"""
 
 from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
 
 from dptrain.config.fields import not_negative, positive, shown
 from dptrain.errors import ConfigError
@@ -86,63 +91,105 @@ def _typed_counts(value: str) -> int | None:
     return sum(map(int, counts))
 
 
+@dataclass(frozen=True)
+class SbatchOf:
+    """Field metadata (key SBATCH): the #SBATCH option a slurm.<field> becomes. value(slurm) is its value in the job
+    (default: the field's own, written as given): None or False leaves the line out, True writes the option alone."""
+
+    option: str
+    """sbatch's name of it: --ntasks-per-node."""
+    place: int
+    """Where its line goes among the script's #SBATCH lines (the job's own lines, slurm/sbatch_lines.py's JOB_LINES,
+    take their places among these)."""
+    short: str | None = None
+    """sbatch's one-letter form (-N), which an --sbatch line may use as well."""
+    value: Callable[[SlurmConfig], object] | None = None
+
+    def of(self, slurm: SlurmConfig, name: str) -> object:
+        """Its value in the job of slurm, whose field `name` carries it."""
+        return getattr(slurm, name) if self.value is None else self.value(slurm)
+
+
+SBATCH = "sbatch"  # the metadata key of SbatchOf
+SCRIPT_USE = "script_use"  # the metadata key of where the script uses a field no #SBATCH option carries
+
+
+def sbatch_field(default: Any, option: str, place: int, short: str | None = None,
+           value: Callable[[SlurmConfig], object] | None = None) -> Any:
+    """A field that becomes an #SBATCH option (SbatchOf)."""
+    return field(default=default, metadata={SBATCH: SbatchOf(option, place, short, value)})
+
+
+def script_field(default: Any, where: str) -> Any:
+    """A field that no #SBATCH option carries: where the script uses it instead."""
+    return field(default=default, metadata={SCRIPT_USE: where})
+
+
 @dataclass(frozen=True, kw_only=True)
 class SlurmConfig:
     """The job `dptrain submit` writes and submits (sbatch's own option names, with _ for -)."""
 
-    nodes: int = 1
+    nodes: int = sbatch_field(1, "--nodes", 1, "-N")
     """Nodes of the job."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = sbatch_field(0, "--gpus-per-node", 3, value=lambda s: None if s.sbatch_gpus_per_node()
+                                      else s.gpus_per_node or None)  # an --sbatch line asking for GPUs is written instead
     """GPUs per node (0: a CPU job on gloo)."""
-    cpus_per_node: int = 0
+    cpus_per_node: int = sbatch_field(0, "--cpus-per-task", 4, "-c", value=lambda s: s.cpus_per_node // s.tasks_per_node
+                                      if s.cpus_per_node else None)  # the node's cores, shared out among its tasks
     """CPU cores per node the job asks for (0: the partition's default); each rank gets its share as threads."""
-    ranks_per_node: int | Literal["auto"] = "auto"
+    ranks_per_node: int | Literal["auto"] = sbatch_field("auto", "--ntasks-per-node", 2,
+                                                         value=lambda s: s.tasks_per_node)  # agent mode: 1, the agent
     """Ranks (training processes) per node; auto: one per GPU, or one on a CPU job (it uses every core asked for)."""
-    mode: Literal["per-rank", "agent"] = "per-rank"
+    mode: Literal["per-rank", "agent"] = script_field("per-rank", "srun's tasks: one per rank, or one per node "
+                                                      "running torch's elastic agent")
     """per-rank: one srun task per rank, placed by SLURM; agent: one srun task per node running torch's elastic
     agent, which starts that node's ranks (rendezvous on the first node; launch.max_restarts applies)."""
-    time: str | None = None
+    time: str | None = sbatch_field(None, "--time", 5, "-t")
     """Time limit, as sbatch takes it (02:00:00, 1-12:00:00, ...; none: the partition's default)."""
-    partition: str | None = None
+    partition: str | None = sbatch_field(None, "--partition", 6, "-p")
     """Partition (none: the cluster's default)."""
-    account: str | None = None
+    account: str | None = sbatch_field(None, "--account", 7, "-A")
     """Account charged for the job."""
-    qos: str | None = None
+    qos: str | None = sbatch_field(None, "--qos", 8, "-q")
     """Quality of service."""
-    constraint: str | None = None
+    constraint: str | None = sbatch_field(None, "--constraint", 9, "-C")
     """Node features the job needs (sbatch --constraint)."""
-    mem: str | None = None
+    mem: str | None = sbatch_field(None, "--mem", 10)
     """Memory per node (sbatch --mem, e.g. 32G)."""
-    exclusive: bool = False
+    exclusive: bool = sbatch_field(False, "--exclusive", 11)
     """Ask for whole nodes, shared with no other job."""
-    signal_lead_s: int = 120
+    signal_lead_s: int = sbatch_field(120, "--signal", 16, value=lambda s: f"USR1@{s.signal_lead_s}" if s.signal_lead_s
+                                      else None)  # the snapshot signal
     """Seconds before the time limit at which SLURM sends SIGUSR1: the ranks write a snapshot at their next step
     boundary and stop (0: no signal; the job then loses the steps since its last periodic snapshot)."""
-    requeue: bool = False
+    requeue: bool = sbatch_field(False, "--requeue", 17)
     """After that signal's snapshot, rank 0 requeues the job (scontrol requeue); the rerun resumes from the snapshot.
     Also lets SLURM requeue the job after a preemption or a node failure."""
-    master_addr: str | None = None
+    master_addr: str | None = script_field(None, "export MASTER_ADDR: the address the ranks reach the first node by")
     """Address the ranks reach the first node by (none: its NodeAddr from scontrol; set it to use another network,
     e.g. the name of its InfiniBand interface)."""
-    setup: tuple[str, ...] = ()
+    setup: tuple[str, ...] = script_field((), "shell lines run before srun")
     """Shell lines run before training, e.g. ["module load pytorch", "source ~/venv/bin/activate"]."""
-    sbatch: tuple[str, ...] = ()
+    sbatch: tuple[str, ...] = script_field((), "extra #SBATCH lines, written as given, one option each")
     """Extra #SBATCH lines, e.g. ["--mail-type=END", "--reservation=course"]."""
-    python: str | None = None
+    python: str | None = script_field(None, "the interpreter srun runs dptrain with")
     """The Python that runs dptrain in the job (none: the one running `dptrain submit`; with setup lines that
     activate an environment, or in a container, python: the first on the PATH there)."""
-    container_image: str | None = None
+    container_image: str | None = script_field(None, "srun's tasks start in this image: srun --container-image "
+                                               "(pyxis), or apptainer exec")
     """Run the ranks inside this container image (none: on the nodes as they are), started by
     slurm.container_engine: a registry image (pyxis: nvcr.io#nvidia/pytorch:25.01-py3; apptainer:
     docker://nvcr.io/nvidia/pytorch:25.01-py3) or an image file (pyxis: a .sqsh squashfs; apptainer: a .sif), which
     must exist. The folder dptrain submit runs in and the run directory are mounted at their own paths, and the ranks
     start in that folder; the image's python (see slurm.python) runs dptrain and needs torch."""
-    container_env_file: str | None = None
+    container_env_file: str | None = script_field(None, "srun's tasks start in the container this file describes: "
+                                                  "srun --environment")
     """Run the ranks in the container that this environment definition file describes instead (srun
     --environment=FILE, the pyxis/enroot Container Engine of clusters such as CSCS's): a .toml file, which must
     exist, or the name of one in ~/.edf. The file names the image, its mounts (which must hold the folder dptrain
     submit runs in and the run directory) and its workdir; give it or slurm.container_image, not both."""
-    container_engine: Literal["pyxis", "apptainer"] = "pyxis"
+    container_engine: Literal["pyxis", "apptainer"] = script_field("pyxis", "what starts container_image: pyxis "
+                                                                   "(srun's options) or apptainer (apptainer exec)")
     """What starts slurm.container_image: pyxis (srun --container-image, with enroot) or apptainer (apptainer exec
     under srun, with --nv on a GPU job)."""
 
@@ -177,7 +224,7 @@ class SlurmConfig:
         self._check_container()
 
     def _check_container(self) -> None:
-        """The container options, as far as they can be checked alone and without the files (slurm.job.job_for checks
+        """The container options, as far as they can be checked alone and without the files (slurm.containers checks
         the rest where the job is written: a rank reads this config too, where the files may not be)."""
         for name in ("container_image", "container_env_file"):
             value = getattr(self, name)
@@ -198,6 +245,11 @@ class SlurmConfig:
         if self.container_env_file:
             return "edf"
         return self.container_engine if self.container_image else None
+
+    @property
+    def tasks_per_node(self) -> int:
+        """srun's tasks on each node: one per rank, or one (the elastic agent) in agent mode."""
+        return self.ranks_here if self.mode == "per-rank" else 1
 
     @property
     def ranks_here(self) -> int:

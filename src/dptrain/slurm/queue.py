@@ -1,5 +1,7 @@
-"""The queue: how submitted jobs are doing (squeue) and waiting until they have ended, for `dptrain bench --slurm`.
+"""The queue: submitting a job script (sbatch), how submitted jobs are doing (squeue) and waiting until they have
+ended, for `dptrain bench --slurm`.
 
+    job_id = submit(Path("runs/run/job.sbatch"))
     states = job_states(["12", "13"])  # {"12": "RUNNING"}: 13 is forgotten, so it has ended
     wait_for(["12"], on_end=lambda job_id, state: print(job_id, state))
 """
@@ -10,6 +12,7 @@ import logging
 import shutil
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 from dptrain.errors import LaunchError
@@ -22,6 +25,20 @@ POLL_S = 2.0  # wait_for asks squeue this often
 QUERY_GRACE_S = 600.0  # wait_for retries a failing squeue (a restarting controller, say) this long
 
 log = logging.getLogger(__name__)
+
+
+def submit(script: Path) -> str:
+    """sbatch the script; its job id. LaunchError in one sentence where sbatch is missing or refuses."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise LaunchError(f"sbatch is not on PATH here; run dptrain submit on a SLURM login node, or submit {script} "
+                          f"with sbatch yourself.")
+    done = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        reason = next((line.strip() for line in done.stderr.splitlines() if line.strip()), f"exit code {done.returncode}")
+        raise LaunchError(f"sbatch refused the job ({reason.removeprefix('sbatch: error: ')}); the script is kept in "
+                          f"{script}: fix the slurm options and submit again.")
+    return done.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
 
 
 def require_clients(command: str) -> None:
