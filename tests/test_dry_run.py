@@ -62,3 +62,15 @@ def test_a_model_that_fails_on_one_batch_is_one_sentence(tmp_path, capsys, monke
     assert err[0].endswith("); fix the model or the data options.")
     assert not (tmp_path / "runs").exists()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_dry_run_says_the_data_would_be_downloaded_where_its_files_are_not_there(tmp_path, capsys, monkeypatch):
+    # It said "60000 training and 0 test samples", as if the test split were empty, and nothing of a download.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run", "--data.name", "mnist", "--data.download", "true", "--data.root",
+                 str(tmp_path / "data"), "--data.mirror", "https://mirror.example/mnist/"]) == 0
+    out = capsys.readouterr().out
+    assert (f"  data       mnist: not found under {tmp_path / 'data'}, so the run would first download it there (4 files "
+            f"from https://mirror.example/mnist/): 60000 training samples of shape 1x28x28, and the test split") in out
+    assert "0 test samples" not in out
+    assert not (tmp_path / "data").exists()  # a dry run downloads nothing

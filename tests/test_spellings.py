@@ -98,3 +98,33 @@ def test_the_resolved_global_batch_is_saved_with_the_run(tmp_path):
                  "--output.dir", str(run)]) == 0
     saved = (run / "config.toml").read_text()
     assert "global_batch_size = 16" in saved and "batch_size_per_rank = 16" in saved
+
+
+def test_torchruns_multi_node_line_is_read_with_what_dptrain_does_with_each_flag(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # torchrun --nnodes 2 --node_rank 0 --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID, as the tutorials
+    # write it (underscores), then with torchrun's dashed spellings
+    for spelled in (["--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29400", "--rdzv_id", "job42"],
+                    ["--rdzv-backend=c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id=job42"]):
+        assert main(["train", *SMALL, "--nnodes", "2", "--node_rank", "0", *spelled, "--dry-run"]) == 0
+        out, err = capsys.readouterr()
+        assert "2 ranks, 1 local workers on each of 2 nodes (this is node 0)" in out, out
+        backend, run_id = spelled[0].partition("=")[0], next(w for w in spelled if "id" in w).partition("=")[0]
+        assert (f"dptrain: note: {backend} c10d is the rendezvous dptrain's nodes always use (hosted by node 0 at "
+                f"--rdzv-endpoint); nothing to set.") in err.splitlines(), err
+        assert (f"dptrain: note: {run_id} job42 is ignored: the rendezvous store that node 0 hosts at --rdzv-endpoint "
+                f"serves this one run (a second run at once needs another port), so no run id is needed.") \
+            in err.splitlines(), err
+
+
+@pytest.mark.parametrize("argv, sentence", [
+    (["--rdzv_backend", "etcd"], "--rdzv_backend etcd is not a rendezvous dptrain has: its nodes always meet through "
+                                 "c10d's, hosted by node 0 at --rdzv-endpoint HOST:PORT; give --rdzv_backend c10d, or "
+                                 "leave it out."),
+    (["--rdzv-backend=static"], "--rdzv-backend static is not a rendezvous dptrain has"),
+    (["--rdzv_id"], "--rdzv_id needs a value, as torchrun's does; write e.g. --rdzv_id job42."),
+])
+def test_a_rendezvous_dptrain_has_not_is_refused_in_one_sentence(capsys, argv, sentence):
+    assert main(["train", *SMALL, "--nnodes", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dptrain: error: {sentence}") and len(err.strip().splitlines()) == 1, err

@@ -13,7 +13,7 @@ import torch
 
 from dptrain import checkpoint
 from dptrain.config import RunConfig
-from dptrain.data import build_loaders, describe
+from dptrain.data import DataInfo, build_loaders, describe
 from dptrain.data.catalog import DATASETS, locate
 from dptrain.data.sharding import num_batches
 from dptrain.distributed.env import Nodes
@@ -33,7 +33,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
     data_world = strategy.data_world_size(cfg.strategy, world_size)
     steps_per_epoch = num_batches(info.train_size, cfg.train.global_batch_size)  # as the loaders count them
     total_steps = cfg.train.total_steps(steps_per_epoch)
-    model, batch_shape = _forward_one_batch(cfg, data_world)
+    present = _data_present(cfg)
+    model, batch_shape = _forward_one_batch(cfg, data_world, present)
     parameters = sum(p.numel() for p in model.parameters())
     resume = _resume_plan(cfg, total_steps)
     on_cuda = wants_cuda(cfg.launch.device)
@@ -51,8 +52,7 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         "dry run: nothing was written; the run would do this:",
         f"  world      {world_size} {workers} on {device}, backend {pick_backend(cfg.launch.backend, torch.device(device.split(':')[0]))}, "
         f"strategy {cfg.strategy.name}" + (f" ({data_world} of them take data)" if data_world != world_size else ""),
-        f"  data       {info.name}: {info.train_size} training and {info.test_size} test samples of shape "
-        f"{'x'.join(map(str, info.image_shape))}",
+        f"  data       {_data_line(cfg, info, present)}",
         f"  batches    global {cfg.train.global_batch_size} = {cfg.train.global_batch_size // data_world} per rank; "
         f"{steps_per_epoch} steps per epoch, {total_steps} in all ({cfg.train.epochs} epochs"
         + (f", stopped at step {cfg.train.max_steps}" if cfg.train.max_steps is not None else "") + ")",
@@ -66,13 +66,28 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
     return "\n".join(lines)
 
 
-def _forward_one_batch(cfg: RunConfig, data_world: int) -> tuple[torch.nn.Module, tuple[int, ...]]:
+def _data_line(cfg: RunConfig, info: DataInfo, present: bool) -> str:
+    """The dataset's sizes, or, where its files are yet to be downloaded (data.download on), that the run would
+    download them first, from where, and into which folder (describe() knows only the training split's official
+    size then)."""
+    shape = "x".join(map(str, info.image_shape))
+    if present:
+        return f"{info.name}: {info.train_size} training and {info.test_size} test samples of shape {shape}"
+    spec = DATASETS[cfg.data.name]
+    mirror = cfg.data.mirror or spec.mirrors[0]
+    files = len(spec.downloads)
+    return (f"{info.name}: not found under {cfg.data.root}, so the run would first download it there ({files} "
+            f"file{'s' if files > 1 else ''} from {mirror}): {info.train_size} training samples of shape {shape}, "
+            f"and the test split")
+
+
+def _forward_one_batch(cfg: RunConfig, data_world: int, present: bool) -> tuple[torch.nn.Module, tuple[int, ...]]:
     """The model, after one forward pass on rank 0's share of the first global batch (zeros if the data is yet to be
     downloaded: a dry run downloads nothing)."""
     rank_batch = cfg.train.global_batch_size // data_world
     info = describe(cfg.data)
     images = None
-    if _data_present(cfg):
+    if present:
         _, train, _ = build_loaders(cfg.data, device=torch.device("cpu"), global_batch=cfg.train.global_batch_size,
                                     eval_batch=1, rank=0, world_size=data_world, seed=cfg.train.seed,
                                     channels_last=cfg.train.channels_last)

@@ -1,9 +1,11 @@
 """The tutorials' spellings of dptrain's options, and a "did you mean" for any other unknown one.
 
 Users come from scripts that take `--epochs 5 --batch_size 64 --lr 0.01` and from torchrun's underscore flags
-(`--nproc_per_node`); DeepSpeed's launcher adds `--local_rank=N` to every worker's command line. Each of those is
-read as dptrain's own option (one note on stderr says which, so the user learns it), or refused in one sentence
-where no option means the same thing (a per-process batch is not dptrain's global batch).
+(`--nproc_per_node`) and multi-node line (`--rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`); DeepSpeed's
+launcher adds `--local_rank=N` to every worker's command line. Each of those is read as dptrain's own option (one
+note on stderr says which, so the user learns it), taken with a note that says what dptrain does with it (torchrun's
+rendezvous backend and id), or refused in one sentence where no option means the same thing (a per-process batch is
+not dptrain's global batch; a rendezvous other than c10d).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ SBATCH_LINES = ("--gres", "--gpus-per-task")
 """sbatch's own GPU requests, as the tutorials' job scripts write them: `dptrain submit` takes them as --sbatch lines."""
 IGNORED = ("--local_rank", "--local-rank")
 """What a launcher adds to every worker's command line (DeepSpeed's: --local_rank=N); dptrain reads LOCAL_RANK."""
+RENDEZVOUS_BACKEND = ("--rdzv_backend", "--rdzv-backend")
+"""torchrun's choice of rendezvous: dptrain's nodes always meet through c10d's, hosted by node 0 at --rdzv-endpoint."""
+RENDEZVOUS_ID = ("--rdzv_id", "--rdzv-id")
+"""torchrun's name of a run in a shared rendezvous store: dptrain's store, on node 0's endpoint, serves one run only."""
 REFUSED = {
     "--gpus": "counts GPUs in the tutorials; dptrain starts one worker per GPU: give --nproc-per-node N here, or "
               "--gpus-per-node N to dptrain submit",
@@ -52,6 +58,11 @@ def translate(argv: list[str]) -> list[str]:
             continue
         if flag in REFUSED:
             raise ConfigError(f"{flag} {REFUSED[flag]}.")
+        if flag in RENDEZVOUS_BACKEND or flag in RENDEZVOUS_ID:
+            value, i = _value_of(flag, argv, i, eq, value)
+            print(f"dptrain: note: {_rendezvous_note(flag, value)}", file=sys.stderr)
+            i += 1
+            continue
         if flag in SBATCH_LINES:
             value, i = (value, i) if eq else (argv[i + 1] if i + 1 < len(argv) else "", i + 1)
             line = f"{flag.removeprefix('--')}={value}"
@@ -71,6 +82,30 @@ def translate(argv: list[str]) -> list[str]:
             out.append(argv[i])
         i += 1
     return out
+
+
+def _value_of(flag: str, argv: list[str], i: int, eq: str, value: str) -> tuple[str, int]:
+    """(the value of the flag at argv[i], given as --flag=VALUE or --flag VALUE, and the index of its last word);
+    ConfigError where none follows."""
+    if eq:
+        return value, i
+    if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+        raise ConfigError(f"{flag} needs a value, as torchrun's does; write e.g. {flag} "
+                          f"{'c10d' if flag in RENDEZVOUS_BACKEND else 'job42'}.")
+    return argv[i + 1], i + 1
+
+
+def _rendezvous_note(flag: str, value: str) -> str:
+    """What dptrain does with torchrun's --rdzv_backend VALUE or --rdzv_id VALUE (a note), or ConfigError for a
+    rendezvous it does not have."""
+    if flag in RENDEZVOUS_BACKEND:
+        if value != "c10d":
+            raise ConfigError(f"{flag} {value} is not a rendezvous dptrain has: its nodes always meet through c10d's, "
+                              f"hosted by node 0 at --rdzv-endpoint HOST:PORT; give {flag} c10d, or leave it out.")
+        return (f"{flag} c10d is the rendezvous dptrain's nodes always use (hosted by node 0 at --rdzv-endpoint); "
+                f"nothing to set.")
+    return (f"{flag} {value} is ignored: the rendezvous store that node 0 hosts at --rdzv-endpoint serves this one run "
+            f"(a second run at once needs another port), so no run id is needed.")
 
 
 def known_keys() -> list[str]:
@@ -101,4 +136,5 @@ def help_text() -> str:
                         *(f"{switch} for {' '.join(meaning)}" for switch, meaning in SWITCHES.items()),
                         *(f"{flag} X for --sbatch {flag.removeprefix('--')}=X" for flag in SBATCH_LINES)])
     return (f"The tutorials' spellings are read too: {listed}. A launcher's --local_rank is ignored (LOCAL_RANK is "
-            f"read). --gpus is answered with dptrain's option of its meaning.")
+            f"read); so are torchrun's --rdzv_backend c10d (the rendezvous dptrain's nodes use) and --rdzv_id (node "
+            f"0's rendezvous store serves one run). --gpus is answered with dptrain's option of its meaning.")

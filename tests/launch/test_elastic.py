@@ -52,6 +52,11 @@ def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with
     assert ("dptrain: node 1 left the run (its `dptrain train` ended, or its host stopped answering); the run goes on "
             "with 1 node (node 0; 1 rank) from its last snapshot.") in err0.splitlines(), err0
     assert "run the same command" not in out0 + err0, (out0, err0)
+    # and which of its ranks ended, how, and which attempt comes (it showed only a second `world size` line); the
+    # rank stops on its peers' signal, with a snapshot, or fails on the lost peer: either way it is named
+    restarts = [line for line in err0.splitlines() if "starting the workers again" in line]
+    assert len(restarts) == 1 and restarts[0].startswith("dptrain: rank 0 ") and restarts[0].endswith(
+        "; starting the workers again, attempt 2 of 3 (--launch.max_restarts 2)."), err0
 
     starts = read_events(run_dir, "run_start")
     assert [s["world_size"] for s in starts] == [2, 1], starts  # two ranks, then the one left

@@ -199,7 +199,7 @@ def _fail_counting_attempts(tally: str, refuse: bool) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("refuse, attempts", [(True, 1), (False, 3)])
-def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, refuse, attempts):
+def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, capsys, refuse, attempts):
     # Every snapshot damaged was refused once per launch.max_restarts: 101 attempts and 405 lines at 100 restarts.
     from dptrain.errors import LaunchError
     from dptrain.launch.local import launch_local
@@ -209,7 +209,55 @@ def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, refuse, atte
         launch_local(_fail_counting_attempts, (str(tally), refuse), nproc_per_node=2, timeout_s=10, max_restarts=2,
                      log_file=tmp_path / "launcher.log", on_cuda=False)
     assert tally.read_text().count("attempt") == attempts
+    restarts = [line for line in capsys.readouterr().err.splitlines() if "starting the workers again" in line]
+    # a refusal ends the launch with its sentence and says no restart; a crash says each restart, not the last failure
+    assert restarts == ([] if refuse else [f"dptrain: rank 0 crashed; starting the workers again, attempt {n} of 3 "
+                                           f"(--launch.max_restarts 2)." for n in (2, 3)])
     assert str(failed.value) == ("rank 0 failed during resume: no snapshot can be used" if refuse else "rank 0 crashed")
+
+
+def _rank_1_fails_then_is_killed_then_succeeds() -> None:
+    import signal
+
+    if os.environ["RANK"] == "1":
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if attempt == 0:
+            raise RuntimeError("disk full")
+        if attempt == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_says_on_the_console_which_rank_failed_why_and_which_attempt_comes(tmp_path, capsys):
+    # The console showed only the restarted rank 0's `world size 2` line again; the agent's own words
+    # ("3/3 attempts left; will restart worker group") went to logs/launcher.log.
+    from dptrain.launch.local import launch_local
+
+    log = tmp_path / "launcher.log"
+    launch_local(_rank_1_fails_then_is_killed_then_succeeds, (), nproc_per_node=2, timeout_s=10, max_restarts=3,
+                 log_file=log, on_cuda=False)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dptrain: ")]
+    assert said[0] == "dptrain: rank 1 failed: disk full; starting the workers again, attempt 2 of 4 (--launch.max_restarts 3)."
+    assert said[1].startswith("dptrain: rank 1 was killed by SIGKILL (pid ")
+    assert said[1].endswith("); starting the workers again, attempt 3 of 4 (--launch.max_restarts 3).")
+    assert len(said) == 2, said  # the third attempt succeeded: nothing more
+    assert "rank 1 failed: disk full; starting the workers again, attempt 2 of 4" in log.read_text()  # the run's logs keep it too
+
+
+def test_a_restart_after_ranks_that_stopped_with_a_snapshot_says_so_not_their_exit_code(tmp_path):
+    # A lost node's peers stop at a step boundary with a snapshot (exit code 75): "rank 0 exited with code 75" said
+    # nothing a user could read.
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from dptrain.launch.local import _failure_naming_its_rank, restart_sentence
+    from dptrain.stopping import EXIT_STOPPED
+
+    stopped = RunResult(state=WorkerState.FAILED, failures={
+        0: ProcessFailure(local_rank=0, pid=11, exitcode=EXIT_STOPPED, error_file=str(tmp_path / "none.json"))})
+    assert restart_sentence(_failure_naming_its_rank(stopped), 2, 2) == (
+        "rank 0 stopped at a step boundary with a snapshot (exit code 75: a signal to it or to another rank); "
+        "starting the workers again, attempt 2 of 3 (--launch.max_restarts 2).")
 
 
 class _HostGone:

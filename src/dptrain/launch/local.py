@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -102,7 +103,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         os.environ.setdefault(key, value)
     os.environ[REFUSAL_FILE] = str(Path(agent_dir.name) / "refused")
     try:
-        with _agent_log_to(log_file), continuer, cpp_warnings_off():
+        with _agent_log_to(log_file), continuer, cpp_warnings_off(), restarts_said_on_the_console(max_restarts):
             try:
                 elastic_launch(config, worker)(*args)
             except RendezvousConnectionError:
@@ -127,6 +128,62 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         forget_the_rendezvous()
         _restore_environment(kept)
         agent_dir.cleanup()
+
+
+@contextlib.contextmanager
+def restarts_said_on_the_console(max_restarts: int) -> Iterator[None]:
+    """Within: before the agent starts its workers again after a failure, the console says which rank failed, why,
+    and which attempt comes (restart_sentence). torch's agent logs only "N/M attempts left; will restart worker group"
+    (to logs/launcher.log), and the console showed nothing but the restarted rank 0's `world size` line again. Not
+    said where no restart follows: the last failure (the launch's LaunchError says it) and a worker's refusal that no
+    restart changes (the launch ends with its sentence). A torch whose agent has no _monitor_workers says nothing."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    torchs = LocalElasticAgent.__dict__.get("_monitor_workers")
+    if torchs is None:
+        yield
+        return
+
+    def monitor(agent: Any, worker_group: Any) -> Any:
+        result = torchs(agent, worker_group)
+        restarts_left = getattr(agent, "_remaining_restarts", 0)  # the agent restarts while some are left
+        if result.state == WorkerState.FAILED and result.failures and restarts_left > 0 and not _refused():
+            attempt = max_restarts - restarts_left + 2  # the first start is attempt 1
+            sentence = restart_sentence(_failure_naming_its_rank(result), attempt, max_restarts)
+            log.warning("%s", sentence)  # logs/launcher.log too
+            print(f"dptrain: {sentence}", file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = torchs
+
+
+def restart_sentence(failure: str, attempt: int, max_restarts: int) -> str:
+    """The console's sentence for a restart: the failure (describe_failure's words) and the attempt that comes, the
+    first start being attempt 1 of launch.max_restarts + 1."""
+    return (f"{failure}; starting the workers again, attempt {attempt} of {max_restarts + 1} "
+            f"(--launch.max_restarts {max_restarts}).")
+
+
+def _failure_naming_its_rank(result: Any) -> str:
+    """describe_failure's words, with the first failed rank named where its own message does not (a script's bare
+    exception: "disk full"); ranks that stopped on a signal, with a snapshot, said so (not "exited with code 75")."""
+    rank = min(result.failures.items(), key=lambda kv: kv[1].timestamp)[0]
+    if all(f.exitcode == EXIT_STOPPED for f in result.failures.values()):  # a lost node's peers stop this way too
+        return (f"rank {rank} stopped at a step boundary with a snapshot (exit code {EXIT_STOPPED}: a signal to it or "
+                f"to another rank)")
+    said = describe_failure(result)
+    return said if said.startswith(f"rank {rank} ") else f"rank {rank} failed: {said}"
+
+
+def _refused() -> bool:
+    """Whether a worker left a refusal that no restart changes (note_refusal): the launch then ends instead."""
+    path = os.environ.get(REFUSAL_FILE)
+    return bool(path) and os.path.exists(path)
 
 
 def _restore_environment(kept: dict[str, str]) -> None:
@@ -293,7 +350,8 @@ def _agent_log_to(log_file: Path | None) -> Iterator[None]:
 
 
 def describe_failure(exc: Any) -> str:
-    """The first failure's own message (they say 'rank R failed during PHASE: ...'), plus who else died."""
+    """The first failure's own message (they say 'rank R failed during PHASE: ...'), plus who else died. exc: torch's
+    ChildFailedError, or its agent's RunResult of a failed round (both hold .failures)."""
     failures = sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp)  # {global rank: ProcessFailure}
     rank, first = failures[0]
     raw = first.message.get("message", "") if isinstance(first.message, dict) else first.message
