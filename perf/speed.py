@@ -266,7 +266,7 @@ def throughput_and_efficiency(plan: Plan) -> list[tuple[str, str, str, str]]:
             (f"2. matmul peak, {dtype}, {WORKERS} processes x {threads} thread{'s' if threads > 1 else ''} at once",
              f"{median(peaks[dtype]):.3f} TFLOPS", "by size: " + ", ".join(f"{n}: {t:.3f}" for n, t in by_size.items())
              + f"; best {spread(peaks[dtype], '.3f')}",
-             f"`python -m dptrain_bench.peak --workers {WORKERS} --dtype {dtype}`"),
+             f"`dptrain bench probe matmul --workers {WORKERS} --dtype {dtype}`"),
             (f"2. dptrain achieved / peak, {dtype}", f"{median(fractions):.1%} ({median(achieved):.3f} TFLOPS of "
              f"{runs[0]['model_flops_per_sample'] / 1e6:.1f} MFLOP per sample)", spread([100 * f for f in fractions], ".1f", "%"),
              cmd),

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from dptrain.config import options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,3 +159,33 @@ def test_the_readmes_layers_and_code_map_are_pyprojects_and_the_trees():
         listed = set(re.findall(r"^  ([a-z_]+\.py)\s", block, flags=re.MULTILINE))
         inside = {p.name for p in package.glob("*.py")} - {"__init__.py"}
         assert listed == inside, f"{package.name}/ in the README's map and in src differ: {sorted(listed ^ inside)}"
+
+
+def sections_and_contents(page: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """A page's section headings (its shallowest level of ## or ###, outside code blocks) in order, and its
+    contents list: the first run of `- [Title](#anchor)` lines, as (title, anchor)."""
+    headings, fenced = [], False
+    for line in page.read_text(encoding="utf-8").split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (match := re.match(r"^(#{2,3}) (.+)$", line)):
+            headings.append((len(match.group(1)), match.group(2).strip()))
+    top = min((level for level, _ in headings), default=0)
+    contents = []
+    for line in page.read_text(encoding="utf-8").split("\n"):
+        if match := re.match(r"^- \[(.+)\]\(#([^)]+)\)\s*$", line):
+            contents.append((match.group(1), match.group(2)))
+        elif contents:
+            break
+    return [text for level, text in headings if level == top], contents
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_each_pages_contents_list_is_its_sections(page):
+    """A section added, renamed or moved without its line in the page's contents list fails here."""
+    sections, contents = sections_and_contents(page)
+    assert [title for title, _ in contents] == sections, (
+        f"{page.name}: its contents list differs from its sections: "
+        f"{sorted(set(sections) ^ {title for title, _ in contents})}")
+    wrong = [(title, anchor) for title, anchor in contents if anchor != github_slug(title)]
+    assert not wrong, f"{page.name}: a contents link that is not its section's anchor: {wrong[0]}"

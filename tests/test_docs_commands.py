@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from dptrain import config as config_mod, spellings
-from dptrain.cli import build_parser, split_overrides, submit_overrides
+from dptrain import config as config_mod
+from dptrain.cli import build_parser, split_overrides, submit_overrides, translated
 from dptrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +150,7 @@ COMMANDS = [command for page in PAGES for command in read_page(page)[0]]
 def check_command(command: Command, tmp_path: Path) -> None:
     """Parse the command as the CLI does and load its config; raise with the page and line on any mistake."""
     try:  # the tutorials' spellings a page shows on purpose are read as main() reads them
-        args, extra = build_parser().parse_known_args(spellings.translate(command.argv))
+        args, extra = build_parser().parse_known_args(translated(command.argv))
     except SystemExit:  # argparse has printed its error (an unknown flag, a bad value) to stderr
         pytest.fail(f"{command.where}: `dptrain {' '.join(command.argv)}` is refused by the command line parser")
     if args.func.__name__ == "cmd_bench":  # the lab's subcommands parse the words after `bench` themselves

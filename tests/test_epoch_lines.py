@@ -133,8 +133,25 @@ def test_two_workers_print_epoch_lines_and_each_rank_logs_its_own(cli, tmp_path)
     assert human[0].startswith("Epoch 1/2 | ") and human[1].startswith("Epoch 2/2 | ") and "eval acc" in human[1]
     assert [line for line in said if line.startswith("[METRIC]")] == [metric_line(e) for e in epochs]  # unchanged
     assert not any(line.startswith("rank ") for line in said)  # the ranks' own lines stay in their logs
+    assert any(line.startswith("world size 2 (dptrain's elastic agent), device cpu") for line in said), said
     for rank in (0, 1):
         own = re.findall(rf"rank{rank} INFO (rank {rank} epoch (\d): 8 steps, 128 samples in [\d.]+ s, train loss [\d.]+, "
                          rf"peak memory [\d,]+ MiB)$", (run / "logs" / f"rank{rank}.log").read_text(), re.M)
         assert [epoch for _, epoch in own] == ["1", "2"], own  # 256 samples in 8 steps of 32: 16 of each rank's per step
     assert not list((run / "logs").glob("gpu_*"))  # no GPU here: no GPU log
+
+
+def test_the_first_line_names_who_started_the_ranks(monkeypatch):
+    """dptrain's agent gives its workers torchrun's variables: the label says the agent, not torchrun (and one
+    process is one process, not 'none')."""
+    from dptrain.distributed.ending import AGENT_PID
+    from dptrain.distributed.env import DistEnv
+    from dptrain.worker import started_by
+
+    monkeypatch.delenv(AGENT_PID, raising=False)
+    assert started_by(DistEnv.single()) == "one process"
+    launched = DistEnv(0, 0, 2, 2, "127.0.0.1", 29500, "torchrun")
+    assert started_by(launched) == "torchrun"
+    assert started_by(DistEnv(0, 0, 2, 2, "node1", 29500, "slurm")) == "srun"
+    monkeypatch.setenv(AGENT_PID, "123")
+    assert started_by(launched) == "dptrain's elastic agent"

@@ -1,5 +1,5 @@
-"""The run card (`dptrain report RUN_DIR`): a real 2-rank run stopped by SIGTERM and resumed once, then its card's
-files, sections and numbers against metrics.jsonl; a planted bad line and planted Markdown in a run's files."""
+"""The run card (`dptrain card RUN_DIR`; `dptrain report RUN_DIR` still writes it, with a note): a real 2-rank run
+stopped by SIGTERM and resumed once, then its card's files, sections and numbers against metrics.jsonl; a planted bad line and planted Markdown in a run's files."""
 
 from __future__ import annotations
 
@@ -205,16 +205,21 @@ def test_a_stop_and_its_requeue_are_both_in_the_starts_ending():
     assert start.ended == "stopped at step 7: stopped by SIGUSR1 after step 7; requeued (SLURM job 41)"
 
 
-def test_dptrain_report_of_a_run_folder_writes_its_card(tmp_path):
+def test_dptrain_card_writes_a_run_folders_card_and_report_still_does_with_a_note(tmp_path):
     from tests.conftest import run_cli
 
     run = tmp_path / "run"
     done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--train.epochs", "1",
                     "--train.global_batch_size", "32", "--output.dir", str(run)], tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
-    card = run_cli(["report", str(run)], tmp_path, timeout=120)
+    card = run_cli(["card", str(run)], tmp_path, timeout=120)
     assert card.returncode == 0, card.stderr
     assert card.stdout.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
+    (run / "report" / "report.md").unlink()
+    card = run_cli(["report", str(run)], tmp_path, timeout=120)  # the spelling of before the card had its command
+    assert card.returncode == 0, card.stderr
+    assert card.stdout.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
+    assert f"its card is `dptrain card {run}` now" in card.stderr
     refused = run_cli(["report", str(run), "--link", "1gbit"], tmp_path, timeout=60)
     assert refused.returncode == 2 and "drop --link" in refused.stderr
 

@@ -76,7 +76,12 @@ def test_sbatchs_gpu_request_as_a_job_script_writes_it(tmp_path, capsys, monkeyp
     assert main(["submit", "--dry-run", *SMALL, "--gres", "gpu:4", "--train.global_batch_size", "64"]) == 0
     out, err = capsys.readouterr()
     assert "#SBATCH --gres=gpu:4" in out and "nccl" in out
-    assert err.strip() == "dptrain: note: --gres gpu:4 is read as --sbatch gres=gpu:4, its name here."
+    assert err.strip() == ""  # sbatch's --gres is submit's own option now: nothing to translate
+    assert main(["submit", "--dry-run", *SMALL, "--gpus-per-task", "1", "--ranks-per-node", "4",
+                 "--train.global_batch_size", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH --gpus-per-task=1" in out
+    assert err.strip() == "dptrain: note: --gpus-per-task 1 is read as --sbatch gpus-per-task=1, its name here."
 
 
 def test_the_tutorials_batch_per_process_makes_the_global_batch_of_the_world(tmp_path, capsys, monkeypatch):

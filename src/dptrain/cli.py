@@ -9,6 +9,7 @@ launching in launch/).
     $ dptrain submit --nodes 2 --gpus-per-node 4 --time 02:00:00 --partition gpu --config run.toml
     $ dptrain tensorboard runs/run
     $ dptrain card runs/run
+    $ dptrain doctor --nnodes 2 --node-rank 0 --master-addr node0 --config run.toml
     $ dptrain bench ...; dptrain report ...     (the measuring lab's commands, from dptrain_bench: see its cli.py)
 """
 
@@ -34,8 +35,8 @@ from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, 
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.launch.rendezvous import rendezvous_times
-from dptrain.prestart import (adopt_ds_config, check_elastic, check_predictions_path, preflight, preflight_job, resolve_batch,
-                              snapshot_and_its_run)
+from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_predictions_path, preflight, preflight_job,
+                              resolve_batch, snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -49,7 +50,7 @@ def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
     overrides = split_overrides(extra)
     if args.nproc_per_node is not None:
         overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
-    return adopt_ds_config(config_mod.load(args.config, overrides), args.config, overrides)
+    return adopt_strategy_settings(config_mod.load(args.config, overrides), args.config, overrides)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
@@ -86,12 +87,22 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
+    """Check the world this configuration would train in, from every node: one table, doctor.json; 1 on a failure."""
+    from dptrain.doctor.command import run_doctor
+
+    cfg = resolve_config(args, extra)
+    nodes = nodes_of(args)
+    world_size, launched_outside = world_size_here(cfg, nodes)
+    return run_doctor(resolve_batch(cfg, world_size), world_size, launched_outside, nodes)
+
+
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id."""
     from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script
 
     pairs = [*split_overrides(extra), *submit_overrides(args), *sbatch_name_pairs(args)]
-    cfg = adopt_ds_config(config_mod.load(args.config, pairs), args.config, pairs)
+    cfg = adopt_strategy_settings(config_mod.load(args.config, pairs), args.config, pairs)
     lines = job_lines(args)
     if lines:  # lines on the command line replace the file's list
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
@@ -324,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     board.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, such as runs/run")
     board.add_argument("--port", type=int, help="the port to listen on (default: a free one)")
     board.set_defaults(func=cmd_tensorboard)
+    doctor = sub.add_parser(
+        "doctor", help="check the nodes, network, files and devices a run would use, before it hangs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start the ranks as `dptrain train` would with the same options (local workers, --nnodes/\n"
+        "--node-rank/--master-addr on each node, or under torchrun or srun), check what would break or slow a\n"
+        "multi-node run (names, ports, the interface, versions, the run folder, the dataset, disk, /dev/shm, GPUs,\n"
+        "a straggler node or link), print one table on node 0 and write RUN_DIR/doctor.json; exit 1 when a check\n"
+        "fails. Bounded: ranks that never all meet are named within --launch.timeout_s (30 s at most).\n\n"
+        + overrides)
+    add_run_options(doctor)
+    add_node_options(doctor)
+    doctor.set_defaults(func=cmd_doctor)
     card = sub.add_parser(
         "card",
         help="one run's card: RUN_DIR/report/report.md with its plots",

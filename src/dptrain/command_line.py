@@ -1,5 +1,5 @@
 """What the commands' command lines share: the --section.option VALUE pairs, the job's options (one per field of
-SlurmConfig) that `dptrain submit` and the lab's `dptrain bench --slurm` take, and sbatch's own options under their
+SlurmConfig) that `dptrain submit` and the lab's `dptrain bench sweep --slurm` take, and sbatch's own options under their
 own names (SBATCH_NAMES: `dptrain submit --ntasks-per-node 4 --gres gpu:4 -w dgx01`). Below the commands, so that the
 measuring lab builds its command lines from here without importing `dptrain.cli` (which imports the launchers).
 """
@@ -76,7 +76,7 @@ JOB_ITEM_METAVARS = {"sbatch": "OPTION"}
 
 def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[str, str] | None = None,
                     as_text: tuple[str, ...] = ()) -> None:
-    """The job's options, shared by submit and bench --slurm: one per field of SlurmConfig (--gpus-per-node sets
+    """The job's options, shared by submit and bench sweep --slurm: one per field of SlurmConfig (--gpus-per-node sets
     slurm.gpus_per_node), its docstring as help unless `meaning` gives the command's own; submit_overrides and job_lines
     read them. Each defaults to None (or no flag, no line): the --config file's [slurm] table then decides. The
     fields in as_text are taken as text, which the command reads itself (bench's --nodes 1,2,4)."""

@@ -81,7 +81,8 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
     spelled = f"--nnodes {fewest_nodes}:{most_nodes}"
     if cfg.launch.max_restarts < 1:
         raise ConfigError(f"{spelled} goes on after losing a node by restarting the workers of the nodes left, from the "
-                          f"last snapshot; give --launch.max_restarts 3 (or more: each lost node costs one).")
+                          f"last snapshot; give --launch.max_restarts {most_nodes - fewest_nodes} (one per node it may "
+                          f"lose; more to restart after other failures too).")
     if cfg.train.batch_size_per_rank is not None:
         raise ConfigError(f"train.batch_size_per_rank would change the global batch (and so the math) each time a node "
                           f"leaves a {spelled} run; give train.global_batch_size instead.")
@@ -110,9 +111,6 @@ def adopt_strategy_settings(cfg: RunConfig, config_path: str | None, pairs: list
 
         given |= set(names(config_mod.read_toml(Path(config_path), f"config file {config_path}"), ""))
     return STRATEGIES[cfg.strategy.name].adopt_settings(cfg, given)
-
-
-adopt_ds_config = adopt_strategy_settings  # cli.py's name for it, until cli.py says adopt_strategy_settings
 
 
 def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:

@@ -12,6 +12,7 @@
       job.sbatch      the job script `dptrain submit` wrote (a submitted run only)
       job.toml        the configuration as given to `dptrain submit`, which the job trains from
       report/         the run's card, report.md and its plots (`dptrain card`)
+      doctor.json     what `dptrain doctor` checked and found, node 0's table as data
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class RunFolder:
     def report(self) -> Path:
         """The run card's folder: a resume never writes there, so a card survives the run going on."""
         return self.root / "report"
+
+    @property
+    def doctor(self) -> Path:
+        return self.root / "doctor.json"
 
     @property
     def launcher_log(self) -> Path:

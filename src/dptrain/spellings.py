@@ -32,8 +32,9 @@ ALIASES = {
 }
 SWITCHES = {"--deepspeed": ["--strategy.name", "deepspeed"]}
 """Flags without a value that mean an option and its value."""
-SBATCH_LINES = ("--gres", "--gpus-per-task")
-"""sbatch's own GPU requests, as the tutorials' job scripts write them: `dptrain submit` takes them as --sbatch lines."""
+SBATCH_LINES = ("--gpus-per-task",)
+"""sbatch's GPU request that `dptrain submit` has no option of its own for (its --gres and --gpus are its own): taken
+as an --sbatch line."""
 IGNORED = ("--local_rank", "--local-rank")
 """What a launcher adds to every worker's command line (DeepSpeed's: --local_rank=N); dptrain reads LOCAL_RANK."""
 RENDEZVOUS_BACKEND = ("--rdzv_backend", "--rdzv-backend")
@@ -109,7 +110,8 @@ def _rendezvous_note(flag: str, value: str) -> str:
 
 
 def known_keys() -> list[str]:
-    """Every --section.option, and the strategy keys of before the tables (still read)."""
+    """Every --section.option, and the strategy keys of before the tables: the config refuses those with their new
+    spelling, which reaching it gives instead of a did-you-mean."""
     keys = [f"{o.section}.{o.name}" for o in config_mod.options()]
     return keys + [f"strategy.{old}" for old in LEGACY_STRATEGY_KEYS]
 

@@ -17,7 +17,7 @@ import torch
 
 from dptrain import checkpoint, config as config_mod
 from dptrain.config import RunConfig
-from dptrain.distributed.ending import agent_restarts_this_worker, exit_deadline
+from dptrain.distributed.ending import AGENT_PID, agent_restarts_this_worker, exit_deadline
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.failures import PeerWatch, Phase, needs_peer_watch, own_client
 from dptrain.distributed.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
@@ -29,7 +29,7 @@ from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
                              use_deterministic_kernels)
 from dptrain.slurm.env import slurm_count, slurm_value
-from dptrain.slurm.job import requeue_after_stop
+from dptrain.slurm.requeue import requeue_after_stop
 from dptrain.stopping import EXIT_STOPPED, Stopped
 from dptrain.strategies import STRATEGIES
 
@@ -156,6 +156,14 @@ def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, P
         destroy_process_group()
 
 
+def started_by(env: DistEnv) -> str:
+    """Who started this rank, as the run's first line names it: dptrain's own agent sets AGENT_PID for its workers
+    (env.source says torchrun there too, from the variables the agent gives them)."""
+    if os.environ.get(AGENT_PID):
+        return "dptrain's elastic agent"
+    return {"torchrun": "torchrun", "slurm": "srun", "none": "one process"}[env.source]
+
+
 def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every training rank (called in this process, by the elastic agent, or under torchrun/srun)."""
     from dptrain.train import build_trainer
@@ -171,7 +179,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             if env.is_main:
                 events = EventLog([JsonlSink(cfg.output.folder.metrics), MetricLineSink()])
                 log.info("world size %d (%s), device %s, backend %s, %d CPU threads per rank, run dir %s",
-                         env.world_size, env.source, device, torch.distributed.get_backend(), threads, run_dir)
+                         env.world_size, started_by(env), device, torch.distributed.get_backend(), threads, run_dir)
             trainer = build_trainer(cfg, env, device, events, phase)
             step = trainer.state.step
             with phase("placement of the ranks"):

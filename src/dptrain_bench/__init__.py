@@ -10,7 +10,7 @@ starts every run as a `dptrain train` subprocess, never importing the training l
     $ dptrain bench probe matmul --workers 1,2; dptrain bench probe link --world 2
 
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
-job per point instead, written and submitted by slurm.job, then waited for), peak.py (a short matmul probe per
+job per point instead, written by slurm.script, submitted through slurm.queue, then waited for), peak.py (a short matmul probe per
 worker count, BENCH/peak.json: the denominator of fraction_of_peak), link.py (the link probe, BENCH/link.json),
 collect.py (run directories -> results.csv and summary.csv), model.py (the scaling model), report.py (CSV -> PNGs
 and report.md), tune.py (bench tune), folder.py (BenchFolder: every file of a sweep's folder named once). The other

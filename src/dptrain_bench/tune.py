@@ -1,14 +1,14 @@
-"""`dptrain bench --tune`: how to run the user's configuration fastest here, or on the SLURM nodes it is given,
+"""`dptrain bench tune`: how to run the user's configuration fastest here, or on the SLURM nodes it is given,
 from a short probe of the candidates the scaling model ranks first.
 
-    $ dptrain bench --tune --config run.toml                      # this machine's cores
-    $ dptrain bench --tune --slurm --nodes 2 --config run.toml    # jobs on 2 nodes
+    $ dptrain bench tune --config run.toml                        # this machine's cores
+    $ dptrain bench tune --slurm --nodes 2 --config run.toml      # jobs on 2 nodes
     $ dptrain train --config runs/tune/fashion-mnist/tuned.toml   # the choice
 
 What may change is how the run is spread, never what it computes: the strategy (ddp, zero1, fsdp), the ranks per
 node (each node's cores are split among them as threads), and DDP's bucket size; the global batch, the model and the
 optimizer stay the user's, so the math does too (dptrain's same-math promise over strategies and world sizes). With
---tune-lossy the compressing comm hooks (fp16, bf16, powersgd) are candidates too: they round every gradient.
+--lossy the compressing comm hooks (fp16, bf16, powersgd) are candidates too: they round every gradient.
 Candidates that make the same run on the chosen shape (same_run: at one rank DDP's bucket cap and comm hook are never
 used) are one candidate, probed once.
 
@@ -350,12 +350,12 @@ def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
 def _run_job(cfg: RunConfig) -> bool:
     """The probe as a job, waited for (its --time, if any, bounds it, as a --slurm sweep's jobs)."""
     from dptrain_bench.jobs import run_to_its_end
-    from dptrain.slurm import job as slurm_job
+    from dptrain.slurm import job as slurm_job, script as slurm_script
 
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
     job.config.write_text(config_mod.to_toml(cfg))
-    _, state = run_to_its_end(job, slurm_job.render(cfg, job, workdir, slurm_job.python_for(cfg.slurm)))
+    _, state = run_to_its_end(job, slurm_script.render(cfg, job))
     return state == "COMPLETED"
 
 
@@ -367,9 +367,9 @@ def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
     record = link_mod.read_link(tuner.tune_dir)
     if record is None or (tuner.nodes > 1 and record.across_hosts is None):
         if tuner.nodes > 1:
-            raise ConfigError(f"--tune over {tuner.nodes} nodes needs the link between them: give --link NAME "
+            raise ConfigError(f"bench tune over {tuner.nodes} nodes needs the link between them: give --link NAME "
                               f"({', '.join(model.NAMED_LINKS)}), or measure it first into {tuner.tune_dir}/link.json "
-                              f"(srun -N {tuner.nodes} python -m dptrain_bench.link --launched --record "
+                              f"(srun -N {tuner.nodes} dptrain bench probe link --launched --record "
                               f"{tuner.tune_dir}).")
         record, _ = link_mod.record(tuner.tune_dir, "cpu", worlds=(2,))
     between = record.for_nodes(tuner.nodes)
@@ -495,8 +495,8 @@ def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
     choice is the user's own configuration, which the header says rather than presenting it as a finding."""
     cfg = tuner.config_of(chosen, [*tuner.user_pairs, *chosen.pairs()])
     path = BenchFolder(tuner.tune_dir).tuned
-    header = (f"# dptrain bench --tune kept your configuration ({chosen.name}): see tune.md beside this file for why"
-              if kept else f"# dptrain bench --tune chose {chosen.name}: see tune.md beside this file")
+    header = (f"# dptrain bench tune kept your configuration ({chosen.name}): see tune.md beside this file for why"
+              if kept else f"# dptrain bench tune chose {chosen.name}: see tune.md beside this file")
     with written_whole(path) as tmp:
         tmp.write_text(f"{header}\n" + config_mod.to_toml(cfg))
     return path
@@ -515,7 +515,7 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
         writer.writeheader()
         writer.writerows(tuner.rows)
     where = f"{tuner.nodes} SLURM nodes" if tuner.slurm else "this machine"
-    lines = [f"# dptrain bench --tune on {where}", "",
+    lines = [f"# dptrain bench tune on {where}", "",
              f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each probe: {STEPS} steps, timed from step "
              f"{WARM_STEPS}; the global batch ({tuner.cfg.train.global_batch_size}) is the same in every candidate.", "",
              "| candidate | predicted images/s | each run, images/s | slowest-fastest | |",
@@ -541,7 +541,7 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
 def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], slurm: bool,
                        job_pairs: list[tuple[str, str]], nodes: str | None, lossy: bool, link_name: str | None,
                        run_timeout_s: float, keep: int = KEEP) -> Tuner:
-    """Check what `dptrain bench --tune` was given, once, before any probe; the Tuner."""
+    """Check what `dptrain bench tune` was given, once, before any probe; the Tuner."""
     tune_dir: Path | None = None
     user_pairs = []
     for key, value in pairs:
@@ -550,16 +550,16 @@ def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
         else:  # the user's strategy and ranks are the default candidate; the probes set their steps and saving
             user_pairs.append((key, value))
     if keep < 1:
-        raise ConfigError(f"--tune-candidates {keep} probes nothing but your own configuration; give 1 or more.")
+        raise ConfigError(f"--candidates {keep} probes nothing but your own configuration; give 1 or more.")
     if link_name is not None:
         model.named_link(link_name)  # one sentence for a name the model does not know
     node_count = 1
     if slurm:
         if nodes is not None and ("," in nodes or not nodes.strip().isdigit() or int(nodes) < 1):
-            raise ConfigError(f"--tune --nodes {nodes!r} is the one node count to tune for (e.g. 2), not a list.")
+            raise ConfigError(f"bench tune --nodes {nodes!r} is the one node count to tune for (e.g. 2), not a list.")
         node_count = int(nodes) if nodes else 1
     elif nodes is not None:
-        raise ConfigError("--nodes with --tune is the SLURM nodes to tune for; add --slurm, or drop --nodes.")
+        raise ConfigError("--nodes of bench tune is the SLURM nodes to tune for; add --slurm, or drop --nodes.")
     cfg = config_mod.load(config_path, [*user_pairs, *(job_pairs if slurm else [])])
     if slurm:
         user_pairs += [pair for pair in job_pairs if pair[0] != "slurm.nodes"]

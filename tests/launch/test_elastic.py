@@ -112,7 +112,7 @@ ELASTIC = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "
 
 @pytest.mark.parametrize("extra, sentence", [
     ([], "--nnodes 1:2 goes on after losing a node by restarting the workers of the nodes left, from the last snapshot; "
-         "give --launch.max_restarts 3"),
+         "give --launch.max_restarts 1 (one per node it may lose; more to restart after other failures too)."),
     (["--launch.max_restarts", "3", "--train.batch_size_per_rank", "16"],
      "train.batch_size_per_rank would change the global batch (and so the math) each time a node leaves a --nnodes 1:2 "
      "run; give train.global_batch_size instead."),

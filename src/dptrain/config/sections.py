@@ -248,7 +248,7 @@ class LaunchConfig:
 
 
 # Every #SBATCH line of the job script, whatever option it comes from, is checked in one place where it is written
-# (slurm.job.sbatch_options): sbatch must read it as one option ('debug --job-name=X' ran the job as X).
+# (slurm.sbatch_lines.sbatch_options): sbatch must read it as one option ('debug --job-name=X' ran the job as X).
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""[slurm]: SlurmConfig, the job options of `dptrain submit` and `bench --slurm`, and the reading of the GPU options a
+"""[slurm]: SlurmConfig, the job options of `dptrain submit` and `bench sweep --slurm`, and the reading of the GPU options a
 user gives as sbatch lines (--gres=gpu:4, --gpus-per-node=4).
 
 Each field says in its metadata what it becomes in the job script: an #SBATCH option (SbatchOf: its name, its

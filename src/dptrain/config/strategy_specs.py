@@ -87,7 +87,7 @@ class DDPOptions:
     bucket_mb: float | None = may_change_at_resume(None)
     """The most MiB of gradients DDP sends in one message; backward's later layers wait less with smaller buckets, a
     slow link more with many small ones. None: one bucket for the shared-memory sum on one host (it overlaps
-    nothing), else DDP's own (25 MiB, its first 1 MiB). `dptrain bench --tune` tries a few."""
+    nothing), else DDP's own (25 MiB, its first 1 MiB). `dptrain bench tune` tries a few."""
 
     def __post_init__(self) -> None:
         positive(self.powersgd_rank, "strategy.ddp.powersgd_rank")

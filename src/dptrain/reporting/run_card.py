@@ -412,7 +412,7 @@ def summary_sentence(line: Timeline) -> str:
     starts, resumes = len(line.starts), max(len(line.starts) - 1, 0)
     return (f"State: {md_text(state)}. Step {step}{of}, {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
             f"logged, {starts} start{'s' if starts != 1 else ''} ({resumes} resume{'s' if resumes != 1 else ''})"
-            f"{last_eval}. Written from the run's own files by `dptrain report`; the PNGs sit beside this file.")
+            f"{last_eval}. Written from the run's own files by `dptrain card`; the PNGs sit beside this file.")
 
 
 def configuration_section(options: dict[str, Any], problem: str | None) -> list[str]:

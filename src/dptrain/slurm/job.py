@@ -18,7 +18,6 @@ from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
 from dptrain.slurm.containers import check_container
-from dptrain.slurm.requeue import requeue_after_stop  # noqa: F401 (dptrain.worker imports it from here)
 
 SCRIPT_NAME = RunFolder(Path(".")).job_script.name
 CONFIG_NAME = RunFolder(Path(".")).job_config.name

@@ -1,5 +1,5 @@
 """The queue: submitting a job script (sbatch), how submitted jobs are doing (squeue) and waiting until they have
-ended, for `dptrain bench --slurm`.
+ended, for `dptrain bench sweep --slurm`.
 
     job_id = submit(Path("runs/run/job.sbatch"))
     states = job_states(["12", "13"])  # {"12": "RUNNING"}: 13 is forgotten, so it has ended
