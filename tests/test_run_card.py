@@ -205,6 +205,15 @@ def test_a_stop_and_its_requeue_are_both_in_the_starts_ending():
     assert start.ended == "stopped at step 7: stopped by SIGUSR1 after step 7; requeued (SLURM job 41)"
 
 
+def test_a_number_planted_where_an_event_holds_text_is_left_out_not_shown():
+    """Found by the planted-file property test: a run_start whose device is 1e308 showed `1e+308` as the device."""
+    events = [{"event": "run_start", "step": 0, "world_size": 2, "device": 1e308},
+              {"event": "stopped", "step": 7, "message": float("inf")},
+              {"event": "requeue", "step": 7, "job_id": 1e308}]
+    [start] = timeline(events).starts
+    assert start.device == "" and start.ended == "stopped at step 7: ; requeued (SLURM job ?)"
+
+
 def test_dptrain_card_writes_a_run_folders_card_and_report_still_does_with_a_note(tmp_path):
     from tests.conftest import run_cli
 

@@ -73,6 +73,12 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def _text(value: Any) -> str:
+    """A text field of an event as dptrain writes it (a device, a message: a string); anything else (a number planted
+    where a device or a message belongs) is left out rather than shown as if it were one."""
+    return value if isinstance(value, str) else ""
+
+
 def _whole(value: Any) -> int | None:
     number = _number(value)
     return int(number) if number is not None and number == int(number) and number >= 0 else None
@@ -161,7 +167,7 @@ def timeline(events: list[dict[str, Any]]) -> Timeline:
             line.epochs = {n: e for n, e in line.epochs.items() if e[0][STEP] <= start_step}
             line.steps = {s: loss for s, loss in line.steps.items() if s <= start_step}
             line.starts.append(Start(step=start_step, time=_number(event.get(TIME)),
-                                     world_size=_whole(event.get(WORLD_SIZE)), device=str(event.get(DEVICE, "")),
+                                     world_size=_whole(event.get(WORLD_SIZE)), device=_text(event.get(DEVICE)),
                                      agent_restarts=_whole(event.get(AGENT_RESTARTS)),
                                      slurm_restarts=_whole(event.get(SLURM_RESTARTS))))
             line.global_batch_size = _whole(event.get(GLOBAL_BATCH_SIZE)) or line.global_batch_size
@@ -174,9 +180,9 @@ def timeline(events: list[dict[str, Any]]) -> Timeline:
             last = line.starts[-1]
             at = f" at step {step}" if step is not None else ""
             ending = {RUN_END_EVENT.name: f"finished{at}",
-                      STOPPED_EVENT.name: f"stopped{at}: {str(event.get(MESSAGE, ''))[:200]}",
-                      REQUEUE_EVENT.name: f"requeued (SLURM job {str(event.get(JOB_ID, '?'))[:40]})",
-                      REQUEUE_FAILED_EVENT.name: f"requeue refused: {str(event.get(REASON, ''))[:200]}"}[kind]
+                      STOPPED_EVENT.name: f"stopped{at}: {_text(event.get(MESSAGE))[:200]}",
+                      REQUEUE_EVENT.name: f"requeued (SLURM job {_text(event.get(JOB_ID))[:40] or '?'})",
+                      REQUEUE_FAILED_EVENT.name: f"requeue refused: {_text(event.get(REASON))[:200]}"}[kind]
             # a stop under SLURM is followed by its requeue (or the refusal of one): the card keeps both
             requeue = kind in (REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name)
             last.ended = f"{last.ended}; {ending}" if requeue and last.ended != NO_END else ending
