@@ -2,7 +2,7 @@
 markdown table, printed and written to --output.
 
     python perf/speed.py                  # the defaults: about 8 minutes on this project's 2-core machine
-    python perf/speed.py --quick          # one repeat, short runs, target 5 at 1-2 (tests/bench/test_speed.py): about 45 s
+    python perf/speed.py --quick          # one repeat, short runs, target 5 at 1-2 (tests/perf/test_speed.py): about 45 s
     python perf/speed.py --repeats 7 --steps 200 --output /tmp/speed.md
 
 1. Throughput, 2 workers on the CPU, the tutorials' CNN on FashionMNIST, global batch 128: in every repeat the plain

@@ -15,7 +15,7 @@ from typing import Literal
 
 import pytest
 
-from tests.distributed import free_port, run_cli_on_ranks
+from tests.ranks import free_port, run_cli_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 

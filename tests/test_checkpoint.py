@@ -11,7 +11,7 @@ from dptrain import checkpoint
 from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import log_tail, read_events
-from tests.distributed import run_cli_on_ranks, run_on_ranks
+from tests.ranks import run_cli_on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.slow
 

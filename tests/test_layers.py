@@ -56,3 +56,21 @@ def test_no_import_cycle_among_dptrain_modules():
     if cycles:
         pytest.fail("import cycles in dptrain:\n" + "\n".join(f"- circle:\n  {c}" for c in cycles.values()),
                     pytrace=False)
+
+
+# Test folders that mirror no package: the test clusters of tests/*_cluster.py (clusters), files the tests read
+# (fixtures), the exactness runs across strategies (float64), and the speed scripts of perf/ (perf).
+NOT_A_PACKAGE = {"clusters", "fixtures", "float64", "perf"}
+
+
+def test_the_tests_folders_mirror_the_packages():
+    """tests/<package>/ holds the tests of src/dptrain/<package>/ (tests/dptrain_bench/ the lab's): a test folder
+    named after no package, or a package with tests spread elsewhere, is where a reader looks in vain."""
+    root = Path(__file__).resolve().parents[1]
+    packages = {p.parent.name for p in (root / "src" / "dptrain").glob("*/__init__.py")} | {"dptrain_bench"}
+    folders = {p.name for p in (root / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    strays = folders - NOT_A_PACKAGE - packages
+    assert not strays, f"test folders that mirror no package: {sorted(strays)}"
+    # the tests of a package with a folder of tests sit in it, not at tests/'s top
+    top = {p.stem.removeprefix("test_") for p in (root / "tests").glob("test_*.py")}
+    assert not top & (folders - NOT_A_PACKAGE), sorted(top & folders)

@@ -23,7 +23,7 @@ from dptrain.models import build_model
 from dptrain.predict import InputSpec, input_record, open_inputs, resolve_input, snapshot_input
 from dptrain.safe_load import dcp_load
 from tests.conftest import run_cli
-from tests.distributed import run_cli_on_ranks
+from tests.ranks import run_cli_on_ranks
 from tests.idx_files import idx_bytes
 
 NUM_INPUTS = 10  # not divisible by 3 workers, nor by the per-worker batch of 2 (shares of 2,2,2 then 2,1,1)

@@ -13,7 +13,7 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.failures import Phase, WorkerFailure, roll_call
 from dptrain.distributed.store import join_store
 from dptrain.distributed.world import init_process_group
-from tests.distributed import free_port, run_on_ranks
+from tests.ranks import free_port, run_on_ranks
 
 # The deadline tests bound a rank's wait by the mechanism, not by a guess of the machine's speed: it waits at least its
 # timeout (join_store checks every 0.05-0.1 s, so it never gives up before), and it gives up before the moment the bug

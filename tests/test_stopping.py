@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from dptrain.stopping import StopRequest
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 
 def test_one_process_stops_at_the_next_boundary_and_gives_the_handlers_back():

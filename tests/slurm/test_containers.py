@@ -27,7 +27,7 @@ from dptrain.slurm import containers as slurm_containers, job as slurm_job, requ
 from tests.conftest import assert_matches_golden
 from tests.slurm_cluster import TERMINAL_STATES
 
-GOLDEN = Path(__file__).parents[1] / "launch" / "golden"
+GOLDEN = Path(__file__).parent / "golden"
 WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as in test_submit.py's golden files
 NGC = "nvcr.io#nvidia/pytorch:25.01-py3"  # pyxis's (enroot's) name of a registry image
 DATA = ["--data.name", "synthetic"]
@@ -186,7 +186,7 @@ def test_container_options_that_do_not_make_one_container_are_refused(slurm, sen
 
 
 def test_an_engine_without_an_image_is_refused_where_the_job_is_written(monkeypatch):
-    # Not by the config alone: every value of a choice is a config of its own (tests/test_config.py).
+    # Not by the config alone: every value of a choice is a config of its own (tests/config/test_config.py).
     with pytest.raises(ConfigError) as caught:
         rendered({"container_engine": "apptainer"}, None, monkeypatch)
     assert str(caught.value) == ("slurm.container_engine = apptainer has no image to start; give slurm.container_image "

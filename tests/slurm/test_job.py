@@ -1,6 +1,6 @@
 """Every slurm.* field says what it becomes in the job script (an #SBATCH option, or where the script uses it); the
 #SBATCH lines and their checks (slurm/sbatch_lines.py); the CLI's job options are those fields; the requeue after a
-stop. The scripts themselves are compared with golden files in tests/launch/test_submit.py."""
+stop. The scripts themselves are compared with golden files in tests/slurm/test_submit.py."""
 
 from __future__ import annotations
 

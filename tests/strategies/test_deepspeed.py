@@ -28,7 +28,7 @@ from dptrain.strategies import build_strategy, check_world
 from dptrain.strategies.deepspeed import engine_config
 from dptrain.train import optimizer_spec
 from tests.conftest import read_events
-from tests.distributed import run_cli_on_ranks, run_on_ranks
+from tests.ranks import run_cli_on_ranks, run_on_ranks
 from tests.strategies.test_parity import GLOBAL_BATCH, LR, WORLD, batch, initial_model, worst
 from tests.test_safe_load import Planted, rehash
 

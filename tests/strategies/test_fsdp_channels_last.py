@@ -11,7 +11,7 @@ from torch import nn
 from dptrain.config import ModelConfig
 from dptrain.models import build_model
 from dptrain.strategies.fsdp import channels_last_convolutions
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 
 def test_the_convolutions_laid_out_channels_last_are_told_by_their_strides():

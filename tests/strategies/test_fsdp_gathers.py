@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 CASES = [("whole", True), ("whole", False), ("block", True), ("block", False), ("size", True)]
 

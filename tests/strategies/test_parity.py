@@ -22,7 +22,7 @@ from dptrain.config import DDPOptions, OptimConfig, PSOptions, RunConfig, Strate
 from dptrain.distributed.env import DistEnv
 from dptrain.strategies import build_strategy
 from dptrain.train import optimizer_spec
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

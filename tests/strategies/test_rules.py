@@ -107,7 +107,7 @@ def _ddp_bucket_cap(rank: int, world: int, bucket_mb: str) -> int:
 
 
 def test_ddp_takes_the_bucket_cap_it_is_given():
-    from tests.distributed import run_on_ranks
+    from tests.ranks import run_on_ranks
 
     assert run_on_ranks(_ddp_bucket_cap, 2, "4") == [4 * 2**20] * 2
     assert run_on_ranks(_ddp_bucket_cap, 2, "none") == [25 * 2**20] * 2  # DDP's own where the sum is gloo's

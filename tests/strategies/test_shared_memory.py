@@ -1,6 +1,6 @@
 """strategies.shared_memory: the sum through /dev/shm is gloo's sum, the same on every rank, and fails like gloo.
 
-DDP training with it is compared with one process in tests/test_strategies_distributed.py (the CLI's ranks run
+DDP training with it is compared with one process in tests/strategies/test_strategies_distributed.py (the CLI's ranks run
 on one host, so ddp and zero1 there sum through shared memory); here a DDP step with it against one with gloo.
 """
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """strategies.two_step: ranks on several hosts, several on a host: the sum within each host, then across hosts.
 
 Here 4 ranks on this machine told they run on 2 hosts of 2 (their host names), so that both steps run for real
-(shared memory within a "host", gloo across); tests/launch/test_lab_cluster.py runs DDP with it across real links.
+(shared memory within a "host", gloo across); tests/clusters/test_lab_cluster.py runs DDP with it across real links.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

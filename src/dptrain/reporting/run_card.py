@@ -43,7 +43,7 @@ LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT = ("loss_accuracy.png", "throug
 SECTIONS = ("Configuration", "Environment", "Loss and accuracy", "Throughput and fraction of peak", "Communication",
             "Utilisation and memory per rank", "Starts, stops and snapshots")
 # checkpoint.py's names of a snapshot's folder, its manifest and the pointer to the newest: importing checkpoint would
-# import torch (about 4 s on a loaded 2-core machine) for three strings; tests/test_run_card.py checks they agree.
+# import torch (about 4 s on a loaded 2-core machine) for three strings; tests/reporting/test_run_card.py checks they agree.
 SNAPSHOT_PREFIX, SNAPSHOT_MANIFEST, SNAPSHOT_LATEST = "step-", "manifest.json", "latest"
 SMALL_FILE_BYTES = 1 << 20  # env.json, a manifest, `latest`: a few KiB each; a larger file is refused, not read whole
 RANKS_LISTED = 32  # per-rank table rows up to this many ranks; beyond, the lowest, mean and highest over the ranks

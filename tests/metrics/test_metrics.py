@@ -28,7 +28,7 @@ from dptrain.metrics.utilisation import GPU_FIELDS
 from dptrain.train_state import TrainState
 from tests.conftest import read_events
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",
          "--strategy.name", "single", "--train.global_batch_size", "32", "--train.log_every", "1"]
 PROGRESS = re.compile(r"progress: epoch (\d+)/(\d+) step (\d+)/(\d+) (\d+) images/s ETA (\d\d:\d\d:\d\d|unknown)$")

@@ -23,7 +23,7 @@ from dptrain.errors import ConfigError
 from dptrain.safe_load import make_private
 from tests.conftest import log_tail
 
-BEFORE = Path(__file__).parent / "fixtures" / "before-strategy-tables"
+BEFORE = Path(__file__).parents[1] / "fixtures" / "before-strategy-tables"
 NEW_KEYS = [("strategy.name", "zero1"), ("strategy.ddp.comm_hook", "fp16"), ("strategy.ddp.powersgd_rank", "2")]
 
 

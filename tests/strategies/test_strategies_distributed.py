@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import plan_runs, read_events
-from tests.distributed import run_on_ranks
+from tests.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, plan_runs, read_events
 from tests.lab_cluster import LabCluster, LabNetwork, _links, _namespaces, rate_bits_per_s
 from tests.launch.test_multinode import MULTINODE, json_env
-from tests.launch.test_slurm_jobs import job_output, submit
+from tests.slurm.test_slurm_jobs import job_output, submit
 from tests.slurm_cluster import SlurmClusterError, _cmdline
 
 PY = sys.executable

@@ -28,7 +28,7 @@ from dptrain_bench.sweep import adopt_probes
 from dptrain.cli import main
 from dptrain.errors import ConfigError
 from dptrain.read_back import UnreadableFile
-from tests.bench.test_report_inputs import epoch, result_row, write_results, write_run
+from tests.dptrain_bench.test_report_inputs import epoch, result_row, write_results, write_run
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # capsys is read out (and so emptied) in each example

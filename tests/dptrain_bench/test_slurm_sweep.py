@@ -23,7 +23,7 @@ from dptrain import config
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.slurm import queue as slurm_queue
-from tests.distributed import free_port
+from tests.ranks import free_port
 
 TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
         "--train.epochs", "2", "--train.global_batch_size", "32", "--train.progress_every_s", "0"]

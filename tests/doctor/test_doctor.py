@@ -18,7 +18,7 @@ import pytest
 
 from dptrain.doctor.checks import Check, Findings, judge, names_an_interface
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCE = {"PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}", "PYTHONUNBUFFERED": "1"}
 
 
@@ -280,7 +280,7 @@ def test_on_three_lab_hosts_shm_folder_dataset_and_a_slow_link_are_named(tmp_pat
 @pytest.mark.timeout(240)
 def test_under_srun_on_the_private_slurm_cluster_every_check_passes(slurm_cluster, tmp_path):
     """One srun task a rank on the test cluster's two nodes (this machine: its loopback joins them)."""
-    from tests.distributed import free_port
+    from tests.ranks import free_port
 
     done = slurm_cluster.run("srun", "-N", "2", "--ntasks-per-node", "1",
                              f"--export=ALL,PYTHONPATH={SOURCE['PYTHONPATH']},MASTER_ADDR=127.0.0.1,"

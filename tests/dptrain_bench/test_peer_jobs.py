@@ -16,7 +16,7 @@ from dptrain_bench.collect import run_nodes
 from dptrain_bench.sweep import plan, sweep_from_options
 from dptrain.errors import ConfigError
 from dptrain.slurm import queue as slurm_queue
-from tests.bench.test_slurm_sweep import TINY, bench, read_rows
+from tests.dptrain_bench.test_slurm_sweep import TINY, bench, read_rows
 
 IMAGE = "docker://nvcr.io/nvidia/pytorch:25.01-py3"
 

@@ -20,7 +20,7 @@ from dptrain.cli import main
 from dptrain.metrics.tensorboard import TensorBoardSink, free_port, logdir_args
 from tests.conftest import read_events, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",
          "--strategy.name", "single", "--train.global_batch_size", "32", "--train.log_every", "1", "--train.epochs", "5"]
 

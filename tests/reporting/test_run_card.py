@@ -16,7 +16,7 @@ from dptrain.faults import SIGNAL_AT
 from dptrain.reporting.run_card import SECTIONS, is_run_dir, timeline, write_run_card
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import log_tail, read_events, run_cli
-from tests.distributed import run_cli_on_ranks
+from tests.ranks import run_cli_on_ranks
 
 # 256 samples in batches of 32: 8 steps an epoch, 16 in all; a step loss every 2 steps
 TRAIN = ["train", "--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_train_size", "256",

@@ -1,7 +1,7 @@
 """`dptrain submit`: the job scripts as text (golden files for the seeds' GPU and CPU clusters), the options'
 checks, and the CLI around them. Jobs on a real scheduler are in test_slurm_jobs.py.
 
-To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/launch/test_submit.py (each
+To rewrite the golden files after an intended change: DPTRAIN_REGOLD=1 pytest tests/slurm/test_submit.py (each
 golden test then fails, saying it rewrote its file and compared nothing), read the diff, then run it again without.
 """
 

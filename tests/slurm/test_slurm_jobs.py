@@ -109,8 +109,9 @@ def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, jobs, planne
     start = read_events(run_dir, "run_start")[0]
     assert (start["world_size"], start["slurm_restarts"]) == (2, 0)
     assert "1 CPU threads per rank" in (run_dir / "logs" / "rank0.log").read_text()  # --cpus-per-task 1
-    if mode == "agent":  # the ranks were started by the elastic agent (torchrun's variables), not by srun
-        assert "(torchrun)" in (run_dir / "logs" / "rank0.log").read_text()
+    # who started the ranks: dptrain's elastic agent (which gives them torchrun's variables), or srun a task a rank
+    launcher = "(dptrain's elastic agent)" if mode == "agent" else "(srun)"
+    assert f"world size 2 {launcher}" in (run_dir / "logs" / "rank0.log").read_text()
     assert_trained_alike(run_dir, planned_run("multinode/one-host", 2), steps=8)
 
 

@@ -13,7 +13,7 @@ from dptrain import config as config_mod
 from dptrain_bench import deepspeed_engine, engines, lightning_engine
 from dptrain_bench.sweep import first_error, sweep_from_options
 from dptrain.errors import ConfigError
-from tests.bench.test_sweep import TINY, read_rows, run_bench
+from tests.dptrain_bench.test_sweep import TINY, read_rows, run_bench
 
 SYNTH = [("data.name", "synthetic"), ("train.epochs", "2")]
 
