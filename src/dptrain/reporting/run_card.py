@@ -34,7 +34,7 @@ from dptrain.events import (ACHIEVED_TFLOPS, AGENT_RESTARTS, COMM_BYTES_PER_STEP
                             TRAIN_SAMPLES, WORLD_SIZE, read_run_events)
 from dptrain.read_back import UnreadableFile
 from dptrain.reporting.markdown import md_text, save_figure
-from dptrain.reporting.sweep_files import POINT_NAME, Probe, read_peaks
+from dptrain.reporting.sweep_files import PEAK_FILE, POINT_NAME, Probe, read_peaks
 from dptrain.run_folder import RunFolder
 
 CARD = "report.md"
@@ -284,7 +284,7 @@ def read_probes(run_dir: Path) -> tuple[dict[int, Probe], Path | None]:
     for place in places:
         probes = read_peaks(place)
         if probes:
-            return probes, place / "peak.json"
+            return probes, place / PEAK_FILE
     return {}, None
 
 
