@@ -35,6 +35,12 @@ def written_whole(path: Path, mode: int = 0o644) -> Iterator[Path]:
         raise
 
 
+def write_whole(path: Path, text: str) -> None:
+    """path's text replaced whole or not at all (written_whole), never written through a link planted there."""
+    with written_whole(path) as tmp:
+        tmp.write_text(text)
+
+
 def fsync_dir(folder: Path) -> None:
     """A rename is durable only once its folder is flushed."""
     fd = os.open(folder, os.O_RDONLY)

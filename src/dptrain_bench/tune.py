@@ -42,7 +42,7 @@ from dptrain_bench import link as link_mod, model
 from dptrain_bench.folder import LOG_FILE, PROBE_CONFIG_FILE, BenchFolder
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError, LaunchError
-from dptrain.files import written_whole
+from dptrain.files import write_whole, written_whole
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
@@ -333,7 +333,7 @@ def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
 
 def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
     probe_toml = run_dir / PROBE_CONFIG_FILE
-    probe_toml.write_text(config_mod.to_toml(cfg))
+    write_whole(probe_toml, config_mod.to_toml(cfg))
     command = [sys.executable, "-m", "dptrain", "train", "--config", str(probe_toml)]
     with (run_dir / LOG_FILE).open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -354,7 +354,7 @@ def _run_job(cfg: RunConfig) -> bool:
 
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
-    job.config.write_text(config_mod.to_toml(cfg))
+    write_whole(job.config, config_mod.to_toml(cfg))
     _, state = run_to_its_end(job, slurm_script.render(cfg, job))
     return state == "COMPLETED"
 

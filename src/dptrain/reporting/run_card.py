@@ -36,6 +36,7 @@ from dptrain.read_back import UnreadableFile
 from dptrain.reporting.markdown import md_text, save_figure
 from dptrain.reporting.sweep_files import PEAK_FILE, POINT_NAME, Probe, read_peaks
 from dptrain.run_folder import RunFolder
+from dptrain.files import write_whole
 
 CARD = "report.md"
 LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT = ("loss_accuracy.png", "throughput.png", "communication.png",
@@ -377,7 +378,7 @@ def write_run_card(run_dir: Path) -> Path:
         text = card_markdown(run_dir, line, options, config_problem, env, env_problem, snapshots, latest, probes,
                              peak_file, drawn)
         path = out / CARD
-        path.write_text(text)
+        write_whole(path, text)
     except OSError as exc:
         raise OutputError(f"could not write the run card in {out} ({exc.strerror or exc}); free space or fix "
                           f"permissions there, then run the same command.") from None
