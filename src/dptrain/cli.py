@@ -7,9 +7,11 @@ launching in launch/).
     $ dptrain checkpoint list runs/run
     $ dptrain config --optim.lr 3e-4 > run.toml
     $ dptrain submit --nodes 2 --gpus-per-node 4 --time 02:00:00 --partition gpu --config run.toml
+    $ dptrain submit --nodes 2 --gres gpu:4 -- my_train.py --epochs 5     (a script of yours, one torchrun per node)
     $ dptrain tensorboard runs/run
     $ dptrain card runs/run
     $ dptrain doctor --nnodes 2 --node-rank 0 --master-addr node0 --config run.toml
+    $ dptrain doctor --slurm --config run.toml     (as a job on the [slurm] table's nodes)
     $ dptrain bench ...; dptrain report ...     (the measuring lab's commands, from dptrain_bench: see its cli.py)
 """
 
@@ -89,44 +91,73 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     """Check the world this configuration would train in, from every node: one table, doctor.json; 1 on a failure."""
-    from dptrain.doctor.command import run_doctor
+    from dptrain.doctor.command import run_doctor, run_doctor_job
 
     cfg = resolve_config(args, extra)
+    if args.slurm:
+        given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "master_addr", "master_port",
+                                                              "rdzv_endpoint") if getattr(args, name) is not None]
+        if given:
+            raise ConfigError(f"{given[0]} means nothing with --slurm, whose job places the nodes; give the job's "
+                              f"shape as --slurm.nodes N (and the other --slurm.* options) instead.")
+        return run_doctor_job(cfg, args.dry_run)
+    if args.dry_run:
+        raise ConfigError("--dry-run prints the doctor's job script, so it needs --slurm; without it, run the doctor.")
     nodes = nodes_of(args)
     world_size, launched_outside = world_size_here(cfg, nodes)
     return run_doctor(resolve_batch(cfg, world_size), world_size, launched_outside, nodes)
 
 
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
-    """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id."""
-    from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script
+    """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id. With a
+    script of the user's after `--`, the job runs that script under one torchrun per node instead (user_script.py)."""
+    from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script, user_script
 
-    pairs = [*split_overrides(extra), *submit_overrides(args), *sbatch_name_pairs(args)]
-    cfg = adopt_strategy_settings(config_mod.load(args.config, pairs), args.config, pairs)
+    workdir = Path.cwd()
+    overrides = split_overrides(extra)
+    script = None if args.user_command is None else user_script.user_script(args.user_command, workdir)
+    if script is not None:
+        user_script.refuse_trainer_options(overrides)
+    pairs = [*overrides, *submit_overrides(args), *sbatch_name_pairs(args)]
+    if script is None:
+        cfg = adopt_strategy_settings(config_mod.load(args.config, pairs), args.config, pairs)
+    else:  # the strategy's files are the trainer's, which this job does not run
+        cfg = config_mod.load(args.config, pairs)
     lines = job_lines(args)
     if lines:  # lines on the command line replace the file's list
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
+    if script is not None:  # its shape first: --cpus-per-task is then per torchrun, one a node
+        given = {key.removeprefix("slurm.") for key, _ in pairs if key.startswith("slurm.")}
+        cfg = dataclasses.replace(cfg, slurm=user_script.user_script_shape(cfg.slurm, given))
     cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
-    workdir = Path.cwd()
+    if script is not None:
+        if not any(key.startswith("output.") for key, _ in pairs) and cfg.output.dir is None and \
+                cfg.output.name == config_mod.OutputConfig().name:  # runs/<script's name>, not runs/run
+            cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=script.name))
     job = slurm_job.job_for(cfg, workdir, **job_files(args))
-    # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch` trains
-    # N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)
-    given = cfg
-    cfg = resolve_batch(cfg, job.world_size)
-    preflight_job(cfg, job.world_size)
-    script = slurm_script.render(cfg, job)
+    if script is None:
+        # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch`
+        # trains N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)
+        given_cfg: RunConfig | None = cfg
+        cfg = resolve_batch(cfg, job.world_size)
+        preflight_job(cfg, job.world_size)
+        text = slurm_script.render(cfg, job)
+    else:  # no job.toml: the script reads its own options
+        given_cfg = None
+        text = slurm_script.render(cfg, job, user_script.torchrun_command(cfg, job, script))
     # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
     # nothing is checked, and the dry run prints the script all the same
     partition.check_nodes_fit(cfg.slurm)
     if args.dry_run:
-        print(script, end="")
+        print(text, end="")
         return 0
     RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
     for log_file in (job.output(), job.errors()):  # SLURM writes no file into a folder that is not there
         if "%" not in str(log_file.parent):
             log_file.parent.mkdir(parents=True, exist_ok=True)
-    job.config.write_text(config_mod.to_toml(given))
-    job.script.write_text(script)
+    if given_cfg is not None:
+        job.config.write_text(config_mod.to_toml(given_cfg))
+    job.script.write_text(text)
     job_id = queue.submit(job.script)
     print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"
           f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
@@ -279,10 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
         "script with sbatch and print the job id. The options below set the [slurm] table's options of\n"
         "the same name (--slurm.OPTION VALUE works too); every other --section.option goes to the run.\n"
         "With slurm.signal_lead_s (default 120) the ranks write a snapshot before the time limit; with\n"
-        f"--requeue the job then queues itself again and resumes.\n{overrides}",
+        "--requeue the job then queues itself again and resumes.\n\n"
+        "dptrain submit [job options] -- my_train.py --epochs 5 (or -- python my_train.py ..., -- -m pkg.train ...)\n"
+        "runs a training script of your own in the same job, under one torchrun per node (rank 0 on the first\n"
+        "node); only the job's options and --output.* are dptrain's then, the rest after -- is the script's.\n"
+        f"{overrides}",
     )
     submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
     submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
+    submit.set_defaults(user_command=None)  # the words after --: main() takes them (user_command_words)
     add_job_options(submit, "the job (sbatch's options)")
     add_sbatch_names(submit)
     submit.set_defaults(func=cmd_submit)
@@ -345,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fails. Bounded: ranks that never all meet are named within --launch.timeout_s (30 s at most).\n\n"
         + overrides)
     add_run_options(doctor)
+    doctor.add_argument("--slurm", action="store_true",
+                        help="run it as a SLURM job on the nodes of the config's [slurm] table (--slurm.nodes 2, ...), "
+                             "started as `dptrain submit` starts training; wait for its end and print node 0's table")
+    doctor.add_argument("--dry-run", action="store_true", help="with --slurm: print the job's script; submit nothing")
     add_node_options(doctor)
     doctor.set_defaults(func=cmd_doctor)
     card = sub.add_parser(
@@ -360,18 +400,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def translated(argv: list[str]) -> list[str]:
-    """argv with the tutorials' spellings read as dptrain's (spellings.translate); submit's sbatch names (--gpus,
-    --gres: command_line.SBATCH_NAMES) are submit's own options, left as they are."""
+    """argv as the parser reads it, with the tutorials' spellings read as dptrain's (spellings.translate); submit's
+    sbatch names (--gpus, --gres: command_line.SBATCH_NAMES) are submit's own options, left as they are, and the words
+    after submit's -- (the user's training command: user_command_words) are left out, its own."""
+    argv, _ = user_command_words(argv)
     if argv[:1] != ["submit"]:
         return spellings.translate(argv)
     named, rest = sbatch_name_words(argv[1:])
     return [*spellings.translate(["submit", *rest]), *named]
 
 
+def user_command_words(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(argv up to `dptrain submit`'s --, the words after it: the user's training command, left untranslated, as the
+    script's own options; None without a --)."""
+    if argv[:1] != ["submit"] or "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:  # a spelling refused by translate is a user error like any other below
-        args, extra = parser.parse_known_args(translated(sys.argv[1:] if argv is None else argv))
+        words, user_command = user_command_words(sys.argv[1:] if argv is None else argv)
+        args, extra = parser.parse_known_args(translated(words))
+        if user_command is not None:
+            args.user_command = user_command
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         return args.func(args, extra)

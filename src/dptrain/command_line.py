@@ -182,14 +182,16 @@ def sbatch_name_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
 def with_sbatch_names(args: argparse.Namespace, slurm: SlurmConfig) -> SlurmConfig:
     """slurm with the sbatch names given applied: a value per task (--cpus-per-task C) as C times the tasks per node,
     and those dptrain has no option for as #SBATCH lines after slurm.sbatch's (gres=gpu:4, nodelist=dgx01)."""
+    lines = tuple(f"{option.name}={getattr(args, option.dest)}" for option in SBATCH_NAMES
+                  if option.becomes == AS_GIVEN and getattr(args, option.dest, None) is not None)
+    if lines:  # first: GPUs asked for as given (--gres gpu:4) decide the ranks, and so the tasks, per node
+        slurm = dataclasses.replace(slurm, sbatch=(*slurm.sbatch, *lines))
     for option in SBATCH_NAMES:
         value = getattr(args, option.dest, None)
         if option.per_task and value is not None:
             field = option.becomes.removeprefix("slurm.")
             slurm = dataclasses.replace(slurm, **{field: value * slurm.tasks_per_node})
-    lines = tuple(f"{option.name}={getattr(args, option.dest)}" for option in SBATCH_NAMES
-                  if option.becomes == AS_GIVEN and getattr(args, option.dest, None) is not None)
-    return dataclasses.replace(slurm, sbatch=(*slurm.sbatch, *lines)) if lines else slurm
+    return slurm
 
 
 def job_files(args: argparse.Namespace) -> dict[str, str | None]:

@@ -278,15 +278,43 @@ def test_on_three_lab_hosts_shm_folder_dataset_and_a_slow_link_are_named(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_under_srun_on_the_private_slurm_cluster_every_check_passes(slurm_cluster, tmp_path):
-    """One srun task a rank on the test cluster's two nodes (this machine: its loopback joins them)."""
-    from tests.ranks import free_port
+def test_as_a_slurm_job_on_the_private_cluster_every_check_passes(slurm_cluster, tmp_path, monkeypatch, capsys):
+    """`dptrain doctor --slurm`: a job of one srun task a rank on the test cluster's two nodes (this machine), each
+    running `dptrain doctor` as under srun inside an allocation; node 0's table comes back from the job's output."""
+    from dptrain.cli import main
+    from dptrain.slurm import queue
 
-    done = slurm_cluster.run("srun", "-N", "2", "--ntasks-per-node", "1",
-                             f"--export=ALL,PYTHONPATH={SOURCE['PYTHONPATH']},MASTER_ADDR=127.0.0.1,"
-                             f"MASTER_PORT={free_port()}", *doctor_argv(), timeout=150, cwd=tmp_path)
-    lines = table_lines(done.stdout)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(queue, "POLL_S", 0.2)
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    code = main(["doctor", "--slurm", "--slurm.nodes", "2", "--slurm.cpus_per_node", "1", "--data.name", "synthetic"])
+    out, err = capsys.readouterr()
+    lines = table_lines(out)
+    assert code == 0, out + err[-2000:]
     assert set(lines) >= {"ranks met", "nodes reach each other", "link speed", "run folder shared"}
-    assert all(line.startswith("ok ") for line in lines.values()), done.stdout
+    assert all(line.startswith("ok ") for line in lines.values()), out
     assert "2 rank(s) on 2 of 2 node(s)" in lines["ranks met"]
+    assert (tmp_path / "runs" / "run" / "doctor.json").is_file()
+    assert not (tmp_path / "runs" / "run" / "job.sbatch").exists()  # the run's own job files are left alone
+
+
+def test_the_doctors_job_runs_the_doctor_in_each_task_of_the_runs_job(tmp_path, monkeypatch, capsys):
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["doctor", "--slurm", "--dry-run", "--slurm.nodes", "2", "--slurm.requeue", "true", "--data.name",
+                 "synthetic", "--output.name", "fmnist"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    job_dir = tmp_path / "runs" / "fmnist" / "doctor-job"
+    lines = out.splitlines()
+    assert lines[2] == f"# Written by `dptrain doctor --slurm`; submit it again with: sbatch {job_dir}/job.sbatch"
+    assert "#SBATCH --nodes=2" in lines and "#SBATCH --job-name=dptrain-fmnist-doctor" in lines
+    assert not any(line.startswith(("#SBATCH --signal", "#SBATCH --requeue")) for line in lines)  # no snapshot to save
+    assert lines[-1] == f"srun --kill-on-bad-exit=1 {sys.executable} -m dptrain doctor --config {job_dir}/job.toml"
+    assert not (tmp_path / "runs").exists()
+    code = main(["doctor", "--slurm", "--nnodes", "2", "--data.name", "synthetic"])
+    assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "dptrain: error: --nnodes means nothing with --slurm, whose job places the nodes; give the job's shape as "
+        "--slurm.nodes N (and the other --slurm.* options) instead.")

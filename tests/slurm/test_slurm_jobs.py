@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import time
 from datetime import datetime
@@ -32,6 +33,7 @@ LONG = ["--data.name", "synthetic", "--data.synthetic_train_size", "1920", "--da
 SHORT = [*LONG, "--train.max_steps", "20"]
 # One core per rank (--cpus-per-task 1, so 1 thread each): the jobs run side by side on this machine's 2 cores.
 TWO_NODES = ["--nodes", "2", "--cpus-per-node", "1"]
+TUTORIAL_SCRIPT = Path(__file__).parent / "tutorial_ddp.py"
 # name -> (options of `dptrain submit`, environment of the submission; sbatch passes it on to the job)
 JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     "requeued": ([*LONG, *TWO_NODES, "--requeue"], {}),
@@ -46,6 +48,8 @@ JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     "resized": (["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "32",
                  "--train.epochs", "1", "--batch_size", "16", "--nodes", "1", "--cpus-per-node", "1",
                  "--sbatch", "hold"], {}),
+    # the tutorials' own DDP script (tests/slurm/tutorial_ddp.py), under one torchrun per node: dptrain submit -- ...
+    "user-script": ([*TWO_NODES, "--", str(TUTORIAL_SCRIPT), "--epochs", "2", "--model_dir", "saved-user-script"], {}),
 }
 
 
@@ -211,3 +215,14 @@ def test_a_job_submitted_with_a_batch_per_rank_trains_that_batch_per_rank_when_r
     assert (start["world_size"], start["global_batch_size"]) == (2, 32)
     errors = (run_dir / "logs" / f"slurm-{job_id}.err").read_text()
     assert errors.count("global batch 32 = train.batch_size_per_rank 16 x 2 ranks") == 1, errors  # said once
+
+
+def test_a_users_ddp_script_trains_across_both_nodes_with_rank_0_on_the_first_and_saves_its_model(slurm_cluster, jobs):
+    job, run_dir = finished(slurm_cluster, jobs, "user-script")
+    assert job["NodeList"] == "n[1-2]" and job["NumTasks"] == "2"  # one torchrun on each node
+    saved = run_dir.parent.parent / "saved-user-script"  # --model_dir, from the folder the job ran in
+    weights = torch.load(saved / "model.pt")
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {"1.weight": (10, 784), "1.bias": (10,)}
+    assert json.loads((saved / "ranks.json").read_text()) == [{"rank": 0, "node": 0}, {"rank": 1, "node": 1}]
+    output = job_output(run_dir)
+    assert "Epoch 02/02 | loss" in output and "| world 2" in output  # rank 0's lines, in the job's output

@@ -342,6 +342,13 @@ def test_sbatch_names_set_the_job_options_of_their_meaning(submit):
         "them."]
 
 
+def test_cpus_per_task_is_per_rank_where_gres_decides_the_ranks(submit):
+    """--gres gpu:4 makes 4 ranks a node, each the srun task --cpus-per-task 8 speaks of: 8 cores each, not 8 shared."""
+    code, out, err = submit("--dry-run", "--gres", "gpu:4", "--cpus-per-task", "8", *DATA)
+    assert code == 0, err
+    assert {"--ntasks-per-node=4", "--cpus-per-task=8"} <= set(sbatch_lines_of(out))
+
+
 def test_sbatch_names_dptrain_has_no_option_for_are_written_as_given(submit):
     code, out, err = submit("--dry-run", "--nodes", "2", "--gpus", "8", "-w", "dgx[01-02]", "--exclude", "dgx03",
                             "--mail-type", "END", "--mail-user", "ada@example.org", *DATA)

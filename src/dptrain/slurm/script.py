@@ -43,16 +43,24 @@ class TaskCommand:
     """Comment lines on the command, at the head of the launch."""
     said_last: tuple[str, ...] = ()
     """Comment lines on the command, right above the srun line."""
+    written_by: str = "dptrain submit"
+    """The command that writes the script, as its second line names it."""
 
 
 def dptrain_training(cfg: RunConfig, job: Job, python: str | None = None) -> TaskCommand:
     """`python -m dptrain train --config JOB` in each task (python: python_for the job), the ranks' own in per-rank
     mode; in agent mode each node's elastic agent, which starts that node's ranks, meeting the others on node 0."""
-    words = (python or python_for(cfg.slurm), "-m", "dptrain", "train", "--config", str(job.config))
+    return dptrain_command(cfg, job, "train", "dptrain training", python)
+
+
+def dptrain_command(cfg: RunConfig, job: Job, command: str, title: str, python: str | None = None) -> TaskCommand:
+    """`python -m dptrain COMMAND --config JOB` in each task, started as dptrain_training starts training (a command
+    that starts its ranks as `dptrain train` does: train, doctor); title: what the script's first line calls it."""
+    words = (python or python_for(cfg.slurm), "-m", "dptrain", command, "--config", str(job.config))
     if job.mode == "per-rank":
-        return TaskCommand("dptrain training", words)
+        return TaskCommand(title, words)
     return TaskCommand(
-        "dptrain training", words,
+        title, words,
         f'--nnodes "${SLURM_VARS["node_count"]}" --nproc-per-node {job.ranks_per_node} --master-addr "$MASTER_ADDR" '
         f'--master-port "$MASTER_PORT"',
         said_last=("# Each node's agent starts its ranks; the agents meet at MASTER_ADDR:MASTER_PORT, hosted by node 0",
@@ -74,7 +82,7 @@ def render(cfg: RunConfig, job: Job, command: TaskCommand | None = None) -> str:
         f"{'one srun task per rank' if per_rank else 'one elastic agent per node'}, "
         f"{'nccl on GPUs' if gpus else 'gloo on CPUs'}"
         f"{', ' + CONTAINER_SHOWN[s.container] if s.container else ''}).",
-        "# Written by `dptrain submit`; submit it again with: sbatch " + shlex.quote(str(job.script)),
+        f"# Written by `{command.written_by}`; submit it again with: sbatch " + shlex.quote(str(job.script)),
     ]
     lines += [f"#SBATCH {option.text}" for option in sbatch_options(s, job)]
     lines += ["", "set -e"]

@@ -1,0 +1,148 @@
+"""A job that runs a training script of the user's own, as torchrun runs it (`dptrain submit --nodes 2 --gres gpu:4
+-- my_train.py --epochs 5`): the job of dptrain's own trainer (its #SBATCH lines, set-up lines, the first node's
+address and a port from the job id, the container, GPUs asked per node), with one torchrun per node in the srun line
+in place of dptrain's agent. torchrun's static rendezvous at MASTER_ADDR:MASTER_PORT with each node's rank from
+SLURM_NODEID puts global rank 0 on the job's first node, whose address MASTER_ADDR is; each rank finds its GPU at
+LOCAL_RANK, as the tutorials' scripts read it.
+
+What follows `--` is what follows torchrun's own options: a script and its arguments (my_train.py --epochs 5), or
+-m and a module. A leading python (srun python my_train.py, the tutorials' sbatch habit) names the interpreter: torchrun
+runs the script with the Python that runs it, so that python is the job's (slurm.python).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from dptrain.config import RunConfig, SlurmConfig
+from dptrain.errors import ConfigError
+from dptrain.slurm.env import SLURM_VARS
+from dptrain.slurm.job import Job, python_for
+from dptrain.slurm.requeue import REQUEUE_VAR
+from dptrain.slurm.script import TaskCommand
+
+EXAMPLE = "dptrain submit --nodes 2 -- my_train.py --epochs 5"
+PYTHON_WORD = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.11, as a word or a path's last part
+# The sections of a run's options that still mean something when the job runs the user's script: where the job's
+# files go (output: the run folder, which holds job.sbatch and the job's logs) and the job itself (slurm).
+USER_SCRIPT_SECTIONS = ("output", "slurm")
+# torchrun's signals that end its workers (its default), and SIGUSR1, which it then passes on to them instead of
+# dying of it: slurm.signal_lead_s's warning reaches the script, as it reaches dptrain's ranks.
+SIGNALS_TO_PASS_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+@dataclass(frozen=True)
+class UserScript:
+    """The user's training command, as given after `--`."""
+
+    target: tuple[str, ...]
+    """The script (my_train.py), or -m and a module (-m pkg.train)."""
+    args: tuple[str, ...]
+    """The script's own arguments, passed on as given."""
+    python: str | None = None
+    """The interpreter named before the script (python, /opt/venv/bin/python), if any."""
+
+    @property
+    def name(self) -> str:
+        """A run name after the script: my_train for my_train.py, train for -m pkg.train."""
+        stem = self.target[-1].rsplit(".", 1)[-1] if self.target[0] == "-m" else Path(self.target[0]).stem
+        return re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip(".-") or "script"
+
+    @property
+    def shown(self) -> str:
+        return shlex.join([*self.target, *self.args])
+
+
+def user_script(words: list[str], workdir: Path) -> UserScript:
+    """The user's command after `--` (words), its script looked for from workdir (where the job runs); ConfigError in
+    one sentence where there is no script, or no such file."""
+    python = None
+    if words and PYTHON_WORD.fullmatch(Path(words[0]).name):
+        python, words = words[0], words[1:]
+    if words[:1] == ["-u"]:  # unbuffered output: torchrun runs its workers with python -u already
+        words = words[1:]
+    if not words:
+        raise ConfigError(f"no training script after --; give the script and its arguments as torchrun takes them, "
+                          f"e.g. {EXAMPLE}.")
+    if words[0] == "-m":
+        if len(words) < 2:
+            raise ConfigError("-m after -- needs a module to run, e.g. dptrain submit -- -m mypackage.train.")
+        return UserScript(tuple(words[:2]), tuple(words[2:]), python)
+    if words[0].startswith("-"):
+        raise ConfigError(f"{words[0]} after -- is an option, not a training script; put dptrain submit's options "
+                          f"before --, and the script and its arguments after it, e.g. {EXAMPLE}.")
+    script = Path(words[0]).expanduser()
+    if not (script if script.is_absolute() else workdir / script).is_file():
+        raise ConfigError(f"the training script {words[0]} is not a file in {workdir}, where the job runs; give its "
+                          f"path from there.")
+    return UserScript((words[0],), tuple(words[1:]), python)
+
+
+def refuse_trainer_options(pairs: list[tuple[str, str]]) -> None:
+    """ConfigError in one sentence for an option of dptrain's own trainer (--train.epochs) given with a script of the
+    user's, which would not read it."""
+    for key, _ in pairs:
+        if key.partition(".")[0] not in USER_SCRIPT_SECTIONS:
+            raise ConfigError(f"--{key} is an option of dptrain's own trainer, which this job does not run; give your "
+                              f"script its own options after its name (-- my_train.py --epochs 5).")
+
+
+def user_script_shape(slurm: SlurmConfig, given: set[str]) -> SlurmConfig:
+    """The job's shape for a user's script: one srun task per node (torchrun), which starts the node's ranks (one
+    per GPU unless slurm.ranks_per_node says otherwise), so that sbatch's --cpus-per-task is per node. given:
+    the slurm.* fields set on the command line. No snapshot signal unless asked for (slurm.signal_lead_s or
+    slurm.requeue, on the command line or another lead than the default in the file): the default's SIGUSR1 would
+    reach a script that may not expect it. ConfigError for per-rank mode asked for."""
+    if "mode" in given and slurm.mode == "per-rank":
+        raise ConfigError("--mode per-rank starts dptrain's own ranks with srun; a script of yours runs under one "
+                          "torchrun per node, so leave --mode out (or give --mode agent).")
+    default_lead = {f.name: f.default for f in dataclasses.fields(SlurmConfig)}["signal_lead_s"]
+    signal_asked = bool({"signal_lead_s", "requeue"} & given) or slurm.requeue or slurm.signal_lead_s != default_lead
+    lead = slurm.signal_lead_s if signal_asked else 0
+    shaped = dataclasses.replace(slurm, mode="agent", signal_lead_s=lead)
+    asked = slurm.sbatch_gpus_per_node()
+    if asked is not None and shaped.gpus_here != slurm.gpus_here:  # gpus-per-task: one task per node gets fewer
+        raise ConfigError(f"slurm.sbatch's {asked[0]} gives each task its GPUs, and a script of yours runs one task "
+                          f"per node (torchrun); ask for the GPUs per node (--gpus-per-node N) instead.")
+    return shaped
+
+
+def torchrun_command(cfg: RunConfig, job: Job, script: UserScript) -> TaskCommand:
+    """What each task of the job runs: torchrun, starting the node's ranks of the user's script; the node's rank is
+    its SLURM_NODEID, so that rank 0 is on the first node, at MASTER_ADDR."""
+    s = cfg.slurm
+    python = script.python or python_for(s)
+    environment: list[str] = []
+    if s.cpus_per_node:
+        environment += [
+            "# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
+            "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
+            f"export OMP_NUM_THREADS={max(1, s.cpus_per_node // job.ranks_per_node)}"]
+    signals = ("--signals-to-handle", SIGNALS_TO_PASS_ON) if s.signal_lead_s else ()
+    said_signal: tuple[str, ...] = ()
+    if s.signal_lead_s:
+        said = (f"SIGUSR1 {s.signal_lead_s} s before the time limit: torchrun passes it on to the script's ranks and "
+                f"gives them 30 s to save and stop")
+        if s.requeue:
+            said += (f"; to requeue the job, rank 0 then runs scontrol requeue \"${SLURM_VARS['job_id']}\" where "
+                     f"{REQUEUE_VAR}=1, or writes the file {REQUEUE_VAR} names (in a container)")
+        said_signal = tuple(f"# {part}" for part in textwrap.wrap(said + ".", 113))
+    torchrun = shlex.join((python, "-m", "torch.distributed.run", "--nnodes", str(job.nodes), "--nproc-per-node",
+                           str(job.ranks_per_node), *signals))
+    # in the task's own shell: the batch shell's SLURM_NODEID is the first node's, every task's would be 0
+    in_the_task = (f'exec {torchrun} --node-rank "${SLURM_VARS["node_rank"]}" --master-addr "$MASTER_ADDR" '
+                   f'--master-port "$MASTER_PORT" {shlex.join([*script.target, *script.args])}')
+    return TaskCommand(
+        f"{script.target[-1]}'s training (torchrun)", ("bash", "-c", in_the_task),
+        each="node", environment=tuple(environment),
+        said_first=("# One torchrun per node starts the node's ranks of the script; the nodes meet at "
+                    "MASTER_ADDR:MASTER_PORT, on the",
+                    f"# first node, whose ranks come first (--node-rank: the task's own {SLURM_VARS['node_rank']}, "
+                    "read by its bash); each rank",
+                    "# reads RANK, LOCAL_RANK and WORLD_SIZE.",
+                    *said_signal))
