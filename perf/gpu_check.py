@@ -11,8 +11,9 @@ Parts:
             nn.DataParallel's replica threads run under train.bf16's bfloat16; auto starts one worker for single and dp
   ranks     several ranks on one GPU over gloo with CUDA tensors (nccl refuses two ranks on one device), through the
             elastic agent's spawned workers: ddp with each hook, zero1, fsdp, each against one rank; ring and ps refused
-            there; more nccl workers than GPUs refused; ps and deepspeed on one GPU; an asynchronous snapshot; with 2+
-            GPUs also dp's nn.DataParallel, ddp on nccl, and a rank lost on nccl, timed and named
+            there; more nccl workers than GPUs refused; model.sync_batchnorm against one rank in float64; ps and
+            deepspeed on one GPU; an asynchronous snapshot; with 2+ GPUs also dp's nn.DataParallel, ddp on nccl, and a
+            rank lost on nccl, timed and named
   speed     the main command's model on one GPU: epoch times, eager and as a CUDA graph
   resume    deterministic kernels: the same run twice, and a run stopped at a snapshot and resumed, end torch.equal
   eval      `dptrain eval` of resume's snapshot, with its predictions file
@@ -403,6 +404,10 @@ def check_ranks(check: Check) -> None:
     guarded(check, f"ps: {one}", lambda: compared(
         check, f"ps: {one}", check.run("ps-one", ["--strategy.name", "ps", *base]), ref, ALLOWANCE["allreduce"], 1))
 
+    sync = f"model.sync_batchnorm: resnet18 on {where}, float64, against one rank (and without it: apart)"
+    guarded(check, sync, lambda: sync_batchnorm(check, sync, two, shared),
+            takes_s=LEFT_FOR_A_CHECK_S if check.on_cuda else 0)
+
     def deepspeed() -> None:  # its own optimizer (Adam) and defaults: no comparison, it must train
         run = check.run("deepspeed-one", ["--strategy.name", "deepspeed", "--model.dropout", "false",
                                           "--train.log_every", "1", "--checkpoint.every_epochs", "0",
@@ -446,6 +451,33 @@ def check_ranks(check: Check) -> None:
     # On the CPU (gloo: a failed collective names the peer) it rehearses the processes and the verdict.
     guarded(check, lost_rank_name(check), lambda: lost_rank(check), two_gpus if check.on_cuda else None,
             takes_s=LOST_RANK_TAKES_S)
+
+
+# resnet18 on small CIFAR-shaped batches, every process in float64 (tests/float64/sitecustomize.py): the same math
+# differs by rounding only, far below 1e-10 of the loss (the CPU parity tests' bound).
+SYNC_BATCHNORM_RUN = ["--data.name", "synthetic", "--data.synthetic_shape", "3,32,32", "--data.synthetic_train_size",
+                      "512", "--data.synthetic_test_size", "64", "--model.name", "resnet18",
+                      "--train.global_batch_size", "64", "--train.max_steps", "6"]
+FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "float64")}
+
+
+def sync_batchnorm(check: Check, name: str, two: list[str], shared: dict[str, str]) -> None:
+    """model.sync_batchnorm on 2 ranks trains what one process trains on the same global batch (float64-equal), where
+    per-rank BatchNorm statistics do not; on the CPU it is refused (torch's SyncBatchNorm takes no CPU tensors)."""
+    args = [*base_args(check), *SYNC_BATCHNORM_RUN]
+    if not check.on_cuda:
+        refused(check, name, check.run("sync-batchnorm-cpu", [*two, *args, "--model.sync_batchnorm", "true"]),
+                "model.sync_batchnorm needs GPUs")
+        return
+    one = check.run("sync-batchnorm-one-rank", ["--strategy.name", "single", *args], env=FLOAT64)
+    synced = check.run("sync-batchnorm", [*two, *args, "--model.sync_batchnorm", "true"], env={**shared, **FLOAT64})
+    compared(check, name, synced, one, 1e-10, 2)
+    apart = check.run("sync-batchnorm-off", [*two, *args], env={**shared, **FLOAT64})
+    if apart.returncode == 0 and one.returncode == 0 and len(apart.losses()) == len(one.losses()) > 0:
+        worst, step = worst_relative(apart.losses(), one.losses())
+        check.verdict("PASS" if worst > 1e-6 else "FAIL", f"{name}: per-rank BatchNorm without it",
+                      f"the losses differ from one rank's by {worst:.2e} at step {step} (more than 1e-6: the "
+                      f"comparison above can tell)")
 
 
 def free_port() -> int:

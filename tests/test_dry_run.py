@@ -30,6 +30,18 @@ def test_a_dry_run_reports_the_run_and_writes_nothing(tmp_path, capsys, monkeypa
     assert "warm-up 4 steps" in out
     assert f"writes     {Path('runs') / 'planned'}" in out
     assert "nothing to resume from: a fresh start" in out
+    assert "warning" not in out  # 4 warm-up steps of 15
+
+
+def test_a_warmup_longer_than_the_run_is_one_warning_line(tmp_path, capsys, monkeypatch):
+    # A dry run of 10 steps with a 1,000-step warm-up said nothing of it.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run", *SMALL, "--train.epochs", "2", "--optim.warmup_steps", "1000"]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "warning" in line]
+    assert warnings == ["warning: optim.warmup_steps 1000 is longer than the run's 10 optimizer steps, so the learning "
+                        "rate never reaches its peak 0.001 (the last step runs at 0.9% of it); lower "
+                        "--optim.warmup_steps, or train for more steps."]
 
 
 def test_a_multi_node_dry_run_says_what_this_node_starts(tmp_path, capsys, monkeypatch):
@@ -74,3 +86,18 @@ def test_a_dry_run_says_the_data_would_be_downloaded_where_its_files_are_not_the
             f"from https://mirror.example/mnist/): 60000 training samples of shape 1x28x28, and the test split") in out
     assert "0 test samples" not in out
     assert not (tmp_path / "data").exists()  # a dry run downloads nothing
+
+
+def test_a_dry_run_says_batchnorm_is_synchronised(tmp_path, monkeypatch):
+    # The check before it (GPUs only) is the command line's; the dry run itself builds the converted model.
+    from dptrain.config import load as load_config
+    from dptrain.dry_run import dry_run
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, [("data.name", "synthetic"), ("data.synthetic_shape", "3,32,32"),
+                             ("data.synthetic_train_size", "64"), ("data.synthetic_test_size", "8"),
+                             ("train.global_batch_size", "8"), ("model.name", "resnet18"),
+                             ("model.sync_batchnorm", "true"), ("launch.device", "cuda")])
+    out = dry_run(cfg, 2, launched_outside=False)
+    assert "resnet18: 11,173,962 parameters; BatchNorm as SyncBatchNorm (statistics over the global batch); one batch " \
+           "4x3x32x32 ran forward on the CPU" in out

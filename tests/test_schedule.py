@@ -81,3 +81,14 @@ def test_a_resume_mid_warmup_ends_bit_identical(tmp_path):
     assert main([*run, "--train.max_steps", "12", "--train.resume", str(step4), "--output.dir", str(tmp_path / "resumed")]) == 0
     whole, resumed = (torch.load(tmp_path / name / "model.pt") for name in ("whole", "resumed"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_warmup_longer_than_the_run_is_one_warning_line_at_start(caplog):
+    cfg = config.load(None, [("optim.warmup_steps", "1000")])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr(cfg))
+    with caplog.at_level("WARNING", logger="dptrain"):
+        build_scheduler(cfg, opt, total_steps=11, steps_per_epoch=11)
+        build_scheduler(cfg, opt, total_steps=1000, steps_per_epoch=100)  # the warm-up fits: no line
+    assert [record.getMessage() for record in caplog.records] == [
+        "optim.warmup_steps 1000 is longer than the run's 11 optimizer steps, so the learning rate never reaches its "
+        "peak 0.001 (the last step runs at 1% of it); lower --optim.warmup_steps, or train for more steps."]

@@ -21,7 +21,7 @@ from dptrain.distributed.world import pick_backend
 from dptrain.errors import ConfigError, DataError
 from dptrain.models import build_model
 from dptrain.runtime import wants_cuda
-from dptrain.schedule import peak_lr
+from dptrain.schedule import peak_lr, warmup_warning
 from dptrain.strategies import STRATEGIES
 
 
@@ -56,14 +56,31 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         f"  batches    global {cfg.train.global_batch_size} = {cfg.train.global_batch_size // data_world} per rank; "
         f"{steps_per_epoch} steps per epoch, {total_steps} in all ({cfg.train.epochs} epochs"
         + (f", stopped at step {cfg.train.max_steps}" if cfg.train.max_steps is not None else "") + ")",
-        f"  model      {cfg.model.name}: {parameters:,} parameters; one batch {'x'.join(map(str, batch_shape))} "
-        f"ran forward on the CPU",
+        f"  model      {cfg.model.name}: {parameters:,} parameters"
+        + ("; BatchNorm as SyncBatchNorm (statistics over the global batch)" if cfg.model.sync_batchnorm else "")
+        + f"; one batch {'x'.join(map(str, batch_shape))} ran forward on the CPU",
         f"  optimizer  {cfg.optim.name}, peak lr {peak_lr(cfg):g}, schedule {cfg.optim.schedule}"
-        + (f", warm-up {cfg.optim.warmup_steps} steps" if cfg.optim.warmup_steps else ""),
+        + (f", warm-up {cfg.optim.warmup_steps} steps" if cfg.optim.warmup_steps else "")
+        + (" along DeepSpeed's log curve" if cfg.optim.warmup_steps and
+           cfg.strategy.deepspeed.warmup_type == "log" else ""),
+        *_strategy_file_lines(cfg),
         f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/, model.pt)",
         f"  resume     {resume}",
     ]
+    warning = warmup_warning(cfg, total_steps)
+    if warning is not None:  # as the run logs it at start
+        lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _strategy_file_lines(cfg: RunConfig) -> list[str]:
+    """The settings a ds_config.json states (strategy.deepspeed.config), as the run prints them at start."""
+    if cfg.strategy.name != "deepspeed" or cfg.strategy.deepspeed.config is None:
+        return []
+    from dptrain.strategies.deepspeed import settings_line
+
+    line = settings_line(cfg.strategy.deepspeed.config)
+    return [] if line is None else [f"  ds_config  {line}"]
 
 
 def _data_line(cfg: RunConfig, info: DataInfo, present: bool) -> str:

@@ -330,7 +330,7 @@ def test_a_snapshot_resumes_at_its_own_world_size_only(resumed, tmp_path, capsys
     assert main(["train", *args, "--nproc-per-node", "1"]) == 1  # refused by the worker, which picks the snapshot
     assert capsys.readouterr().err.strip().splitlines() == [
         f"dptrain: error: rank 0 failed during resume: snapshot {snapshot} holds the state of strategy deepspeed partitioned over 2 processes, and it "
-        f"resumes on as many only, not on 1; run on 2 processes, or use another --output.name to start afresh."]
+        f"resumes on as many only, not on 1; run on 2 processes, or use another --output.dir to start afresh."]
 
 
 def test_a_changed_ds_config_refuses_the_resume(tmp_path):

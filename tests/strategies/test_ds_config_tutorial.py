@@ -87,7 +87,7 @@ def test_the_tutorials_file_maps_to_dptrains_options(tmp_path):
     assert file_options(TUTORIAL, path) == {
         "train.global_batch_size": 400, "train.grad_clip": 1.0, "optim.name": "adamw", "optim.lr": 0.001,
         "optim.weight_decay": 3e-7, "optim.betas": [0.8, 0.999], "optim.eps": 1e-8,
-        "optim.schedule": "constant", "optim.warmup_steps": 1000}
+        "optim.schedule": "constant", "optim.warmup_steps": 1000, "strategy.deepspeed.warmup_type": "log"}
 
 
 def test_the_tutorials_file_is_accepted_as_written(tmp_path):
@@ -98,6 +98,7 @@ def test_the_tutorials_file_is_accepted_as_written(tmp_path):
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.betas, cfg.optim.eps, cfg.optim.weight_decay) == \
         ("adamw", 0.001, (0.8, 0.999), 1e-8, 3e-7)
     assert (cfg.optim.schedule, cfg.optim.warmup_steps) == ("constant", 1000)
+    assert cfg.strategy.deepspeed.warmup_type == "log"  # DeepSpeed's default: the file names no warmup_type
 
 
 def test_options_the_run_gives_are_kept_and_agreeing_ones_accepted(tmp_path):
@@ -123,6 +124,10 @@ CONTRADICTIONS = {  # name -> (the options the run gives, the one sentence)
     "schedule": ((("optim.schedule", "cosine"),),
                  "has scheduler WarmupLR, which holds the rate after its warm-up, but optim.schedule is cosine; set "
                  "--optim.schedule constant, or remove the scheduler section."),
+    "warm-up shape": ((("strategy.deepspeed.warmup_type", "linear"),),
+                      "has scheduler WarmupLR without warmup_type (DeepSpeed's \"log\"), but "
+                      "strategy.deepspeed.warmup_type is linear; set --strategy.deepspeed.warmup_type log, or set "
+                      "\"warmup_type\": \"linear\" in the file."),
     "peak rate": ((("optim.lr", "0.01"),),
                   "sets optimizer lr 0.001 but optim.lr is 0.01; set --optim.lr 0.001, or remove lr from the file."),
 }
@@ -142,9 +147,9 @@ def test_without_the_given_names_an_option_off_its_default_counts_as_given(tmp_p
 
 
 WARMUPS = {  # name -> (the scheduler's params, the one sentence's fragment)
-    "log rise": ({"warmup_num_steps": 5, "warmup_type": "log"},
-                 "sets scheduler warmup_type \"log\", but dptrain's warm-up rises linearly; set \"linear\", or remove "
-                 "warmup_type from the file."),
+    "another shape": ({"warmup_num_steps": 5, "warmup_type": "cosine"},
+                      "sets scheduler warmup_type \"cosine\", which is not one of DeepSpeed's (it would rise along its "
+                      "log curve instead); set \"log\" or \"linear\"."),
     "from a floor": ({"warmup_num_steps": 5, "warmup_min_lr": 1e-5},
                      "sets scheduler warmup_min_lr 1e-05, but dptrain's warm-up starts from 0; set 0, or remove "
                      "warmup_min_lr from the file."),
@@ -185,6 +190,11 @@ def test_dptrain_train_takes_the_tutorials_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "400" in out
+    # The settings taken from the file, and the warm-up of 1,000 steps over a run of 22, said in one line each.
+    assert f"  ds_config  settings from {path}: train.global_batch_size 400, train.grad_clip 1, " in out
+    assert "warm-up 1000 steps along DeepSpeed's log curve" in out
+    assert ("warning: optim.warmup_steps 1000 is longer than the run's 22 optimizer steps, so the learning rate never "
+            "reaches its peak 0.001 (the last step runs at 45% of it)") in out
 
 
 RATE = "a number from 1.2e-38 to 3.4e+38"
@@ -243,3 +253,77 @@ def test_auto_in_the_warmup_is_dptrains_value_not_advice_to_set_an_option_to_aut
                                        ("optim.warmup_steps", "10"), ("optim.scale_lr_with", "linear")))
     check_world(cfg, 2, 1000, on_cpu=True)
     assert (cfg.optim.warmup_steps, cfg.optim.lr) == (10, 1e-3)
+
+
+# ---------------------------------------------------------------- WarmupLR's rise, as DeepSpeed computes it
+
+
+def tutorial_rates(tmp_path: Path, ds: dict, steps: int) -> list[float]:
+    """The learning rate dptrain sets after 0, 1, ..., steps - 1 optimizer steps of a run adopting the file."""
+    from dptrain.schedule import build_scheduler
+
+    cfg = adopt_user_config(run_config(tmp_path, ds))
+    check_world(cfg, 2, 1000, on_cpu=True)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    schedule = build_scheduler(cfg, optimizer, total_steps=5000, steps_per_epoch=100)
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+@pytest.mark.parametrize("warmup_type", [None, "log", "linear"])
+def test_warmup_lr_rises_as_deepspeeds_own_scheduler(tmp_path, warmup_type):
+    """Before: without warmup_type the rate rose linearly (6e-06 after 6 steps); DeepSpeed's default is its log curve
+    (about 2.8e-4 there). Compared with deepspeed.runtime.lr_schedules.WarmupLR itself, step by step."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="DeepSpeed is not installed (a dev dependency)")
+    params = {**TUTORIAL["scheduler"]["params"], **({"warmup_type": warmup_type} if warmup_type else {})}
+    ours = tutorial_rates(tmp_path, {**TUTORIAL, "scheduler": {"type": "WarmupLR", "params": params}}, steps=1100)
+    theirs_optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.001)
+    theirs = lr_schedules.WarmupLR(theirs_optimizer, **params)
+    expected = []
+    for steps_done in range(1100):
+        theirs.step(steps_done)  # its last_batch_iteration: the optimizer steps done
+        expected.append(theirs_optimizer.param_groups[0]["lr"])
+    assert ours == pytest.approx(expected, rel=1e-12, abs=0)
+    assert ours[6] == pytest.approx(6e-6 if warmup_type == "linear" else 2.817e-4, rel=1e-3)
+    assert ours[0] == 0 and ours[1000:] == [0.001] * 100
+
+
+def test_the_settings_taken_from_the_file_are_one_line(tmp_path):
+    from dptrain.strategies.deepspeed import settings_line
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(TUTORIAL))
+    assert settings_line(str(path)) == (
+        f"settings from {path}: train.global_batch_size 400, train.grad_clip 1, optim.name adamw, optim.lr 0.001, "
+        f"optim.weight_decay 3e-07, optim.betas 0.8,0.999, optim.eps 1e-08, optim.schedule constant, "
+        f"optim.warmup_steps 1000, strategy.deepspeed.warmup_type log")
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert settings_line(str(path)) is None
+
+
+@pytest.mark.parametrize("is_main", [True, False])
+def test_the_run_prints_the_files_settings_once_as_it_starts(tmp_path, monkeypatch, caplog, is_main):
+    """docs/strategies.md said the settings taken from the file are printed: nothing printed them. DeepSpeed's engine
+    is faked here (its set-up is timed elsewhere): the line is the strategy's, on rank 0."""
+    from types import SimpleNamespace
+
+    from dptrain.strategies.deepspeed import DeepSpeed
+
+    cfg = adopt_user_config(run_config(tmp_path, TUTORIAL))
+    model = nn.Linear(2, 1)
+    engine = SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.001))
+    fake = SimpleNamespace(initialize=lambda **kwargs: (engine, None, None, None))
+    strategy = DeepSpeed(cfg.strategy, SimpleNamespace(world_size=1, is_main=is_main, local_rank=0), torch.device("cpu"))
+    monkeypatch.setattr(strategy, "_import_deepspeed", lambda: fake)
+    strategy.wrap(model)
+    with caplog.at_level("INFO", logger="dptrain"):
+        strategy.build_optimizer(model, optimizer_choice(cfg.optim, cfg.optim.lr, fused=False))
+    lines = [record.getMessage() for record in caplog.records if "settings from" in record.getMessage()]
+    assert lines == ([f"settings from {tmp_path / 'ds_config.json'}: train.global_batch_size 400, train.grad_clip 1, "
+                      f"optim.name adamw, optim.lr 0.001, optim.weight_decay 3e-07, optim.betas 0.8,0.999, optim.eps "
+                      f"1e-08, optim.schedule constant, optim.warmup_steps 1000, strategy.deepspeed.warmup_type log"]
+                     if is_main else [])

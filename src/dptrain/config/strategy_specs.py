@@ -152,6 +152,10 @@ class DeepSpeedOptions:
     (None: DeepSpeed's defaults). The batch, optimizer, schedule, clipping, precision and ZeRO stage stay dptrain's
     options: the file may repeat them, and a run that it contradicts is refused. A resume may name another file that
     says the same: what it says is part of the snapshot's configuration."""
+    warmup_type: Literal["linear", "log"] = field(default="linear", metadata=REFUSED_ELSEWHERE)
+    """The shape of the warm-up (optim.warmup_steps W): linear, s / W after s optimizer steps (dptrain's), or log,
+    log(s + 1) / log(W) (DeepSpeed's WarmupLR default). A ds_config.json's WarmupLR sets it: log where the file names
+    no warmup_type, as DeepSpeed reads it."""
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (1, 2, 3):

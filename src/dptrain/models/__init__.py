@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
 from dptrain.config import ModelConfig, is_import_path
@@ -45,6 +46,11 @@ def check_input(cfg: ModelConfig, image_shape: tuple[int, ...]) -> None:
             f"model {cfg.name} takes {want} images but the dataset has {'x'.join(map(str, shape))}; "
             f"use --model.name {SUGGESTION.get(shape, 'resnet18')}."
         )
+    if cfg.sync_batchnorm:
+        with torch.device("meta"):  # shapes only: nothing is initialised or allocated
+            model = MODELS[cfg.name](shape, None)
+        if not has_batchnorm(model):
+            raise ConfigError(_no_batchnorm(cfg.name))
 
 
 def build_model(cfg: ModelConfig, image_shape: tuple[int, ...], num_classes: int | None) -> nn.Module:
@@ -61,7 +67,27 @@ def build_model(cfg: ModelConfig, image_shape: tuple[int, ...], num_classes: int
         model = MODELS[cfg.name](image_shape, num_classes)
     if not cfg.dropout:
         _remove_dropout(model)
+    if cfg.sync_batchnorm:
+        model = sync_batchnorm(model, cfg.name)
     return model
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+
+
+def sync_batchnorm(model: nn.Module, name: str) -> nn.Module:
+    """model with every BatchNorm layer as torch.nn.SyncBatchNorm (the same parameters and buffers, under the same
+    names: snapshots of either load into the other); ConfigError where it has none, since the option would change
+    nothing the user asked it to."""
+    if not has_batchnorm(model):
+        raise ConfigError(_no_batchnorm(name))
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def _no_batchnorm(name: str) -> str:
+    return (f"model.sync_batchnorm is set but model {name} has no BatchNorm layer to synchronise; drop "
+            f"--model.sync_batchnorm (it is for models such as resnet18).")
 
 
 def _remove_dropout(module: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool): any image size, BatchNorm throughout.
 
 BatchNorm statistics are per rank, so unlike the BatchNorm-free models, ResNet-18 trained on N ranks
-is not the same computation as on one rank with the same global batch.
+is not the same computation as on one rank with the same global batch, unless model.sync_batchnorm
+turns its BatchNorm layers into SyncBatchNorm (statistics over the global batch; on GPUs).
 """
 
 from __future__ import annotations

@@ -33,6 +33,20 @@ def data_world_size(cfg: StrategyConfig, world_size: int) -> int:
     return STRATEGIES[cfg.name].data_world_size(cfg, world_size)
 
 
+def check_sync_batchnorm(strategy: type[Strategy], on_cpu: bool) -> None:
+    """model.sync_batchnorm where torch's SyncBatchNorm can run: several processes of DDP, on GPUs."""
+    if strategy.one_process:
+        raise ConfigError(f"model.sync_batchnorm synchronises BatchNorm over processes, and strategy {strategy.name} "
+                          f"runs one; drop it, or use --strategy.name ddp (one process per GPU).")
+    if not strategy.syncs_batchnorm:
+        takers = " and ".join(name for name, cls in STRATEGIES.items() if cls.syncs_batchnorm)
+        raise ConfigError(f"model.sync_batchnorm runs under strategy {takers} only (torch's SyncBatchNorm is made for "
+                          f"DDP), not {strategy.name}; drop it, or use --strategy.name ddp.")
+    if on_cpu:
+        raise ConfigError("model.sync_batchnorm needs GPUs (torch's SyncBatchNorm takes no CPU tensors in training); "
+                          "drop it on the CPU, or run on GPUs with --launch.device cuda.")
+
+
 def check_world(cfg: RunConfig, world_size: int, train_size: int, on_cpu: bool = False,
                 torch_version: str | None = None) -> None:
     """Refuse settings impossible for this world, dataset and torch, before any worker starts (and in every worker).
@@ -44,6 +58,8 @@ def check_world(cfg: RunConfig, world_size: int, train_size: int, on_cpu: bool =
     strategy = STRATEGIES[cfg.strategy.name]
     strategy.check_world(cfg.strategy, world_size, on_cpu, torch.__version__ if torch_version is None else torch_version)
     strategy.check_run(cfg, world_size, on_cpu)
+    if cfg.model.sync_batchnorm:
+        check_sync_batchnorm(strategy, on_cpu)
     data_world = strategy.data_world_size(cfg.strategy, world_size)
     gb = cfg.train.global_batch_size
     if gb % data_world:

@@ -102,6 +102,8 @@ class Strategy:
     one_process = False
     """Whether it drives every device of a node from one process (single, dp): launch.nproc_per_node auto then starts
     one worker, not one per GPU (which the strategy would refuse)."""
+    syncs_batchnorm = False
+    """Whether model.sync_batchnorm runs under it: torch's SyncBatchNorm, checked with DDP's one process per GPU."""
     resumes_on_another_world = True
     """Whether its snapshots resume on another number of processes (resharded on load): what a run whose node count
     may change (--nnodes MIN:MAX) needs to go on after losing a node."""

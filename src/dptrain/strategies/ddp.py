@@ -38,6 +38,7 @@ class DDP(Strategy):
     sizes as a ring all-reduce, 2 (N-1)/N of the gradient bytes per step."""
 
     spec = SPECS["ddp"]
+    syncs_batchnorm = True  # zero1's forward is DDP's too
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
     """The all-reduce through /dev/shm that the gradients take (strategy.ddp.shared_memory), once wrapped; None: gloo's."""
     two_step_sum: two_step.TwoStepAllReduce | None = None

@@ -43,6 +43,8 @@ from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy
 from dptrain.strategies.state import OwnFolder, Shards, StatePart
 
+log = logging.getLogger("dptrain")
+
 INSTALL = "pip install 'dptrain[deepspeed]'"
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag: the snapshot's subfolder holding its files
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # copied beside the tag by save_checkpoint
@@ -54,9 +56,10 @@ OFFLOADS = {"offload_optimizer": "the optimizer state", "offload_param": "the pa
 OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw"}  # DeepSpeed's type (lower case) -> optim.name; "adam": see below
 OPTIMIZER_PARAMS = {"sgd": ("lr", "weight_decay", "momentum"), "adam": ("lr", "weight_decay", "betas", "eps")}
 """The optimizer params dptrain reads from the file, each into optim.<param>; adamw takes adam's."""
-# DeepSpeed's WarmupLR where the file is silent: from 0 to the optimizer's lr over 1000 steps. Its default shape is a
-# log curve; dptrain's warm-up is linear (the same end points): a file asking for "log" by name is refused.
-WARMUP_LR_DEFAULTS = {"warmup_min_lr": 0, "warmup_num_steps": 1000, "warmup_type": "linear"}
+# DeepSpeed's WarmupLR where the file is silent: from 0 to the optimizer's lr over 1000 steps, along a log curve
+# (strategy.deepspeed.warmup_type log; "linear" where the file says so).
+WARMUP_LR_DEFAULTS = {"warmup_min_lr": 0, "warmup_num_steps": 1000, "warmup_type": "log"}
+WARMUP_TYPES = ("linear", "log")  # DeepSpeed's two; it takes any other name for log, with a warning
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,29 @@ def file_options(tree: dict[str, Any], path: str) -> dict[str, Any]:
         steps = _section(section, "params", path).get("warmup_num_steps", WARMUP_LR_DEFAULTS["warmup_num_steps"])
         if section.get("type") == "WarmupLR" and isinstance(steps, int) and not isinstance(steps, bool):
             found.update({"optim.schedule": "constant", "optim.warmup_steps": steps})
+        kind = _section(section, "params", path).get("warmup_type", WARMUP_LR_DEFAULTS["warmup_type"])
+        if section.get("type") == "WarmupLR" and kind in WARMUP_TYPES:
+            found["strategy.deepspeed.warmup_type"] = kind
     return found
+
+
+def settings_line(path: str) -> str | None:
+    """The one line that says which of dptrain's options the ds_config.json at path states, and their values (taken
+    into the options where the run left them, or the run's own: check_against_run refuses any other); None where it
+    states none."""
+    found = file_options(read_user_config(path), path)
+    if not found:
+        return None
+    return f"settings from {path}: " + ", ".join(f"{name} {_shown(value)}" for name, value in found.items())
+
+
+def _shown(value: Any) -> str:
+    """An option's value as the command line takes it (betas 0.8,0.999; grad_clip none)."""
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return ",".join(f"{item:g}" for item in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _option(cfg: RunConfig, name: str) -> Any:
@@ -253,8 +278,11 @@ def adopt_user_config(cfg: RunConfig, given: Collection[str] | None = None) -> R
         return cfg
     tree = to_dict(cfg)
     for name, value in taken.items():
-        section, key = name.split(".")
-        tree[section][key] = value
+        *sections, key = name.split(".")
+        table = tree
+        for section in sections:
+            table = table[section]
+        table[key] = value
     return from_dict(tree)
 
 
@@ -282,17 +310,25 @@ def _check_scheduler(section: dict[str, Any], cfg: RunConfig, path: str) -> None
         raise ConfigError(f"{path} has a scheduler section ({kind}), but dptrain schedules the learning rate itself "
                           f"(it reads WarmupLR only); remove the section and set optim.schedule and optim.warmup_steps instead.")
     given = _section(section, "params", path)
+    # what "auto" stands for: advice to set an option to "auto" could not work
     ours = {"warmup_min_lr": 0, "warmup_max_lr": cfg.optim.lr, "warmup_num_steps": cfg.optim.warmup_steps,
-            "warmup_type": "linear"}  # what "auto" stands for: advice to set an option to "auto" could not work
+            "warmup_type": cfg.strategy.deepspeed.warmup_type}
     params = {**WARMUP_LR_DEFAULTS, "warmup_max_lr": cfg.optim.lr,
               **{key: ours.get(key) if value == "auto" else value for key, value in given.items()}}
     for key in params:
         if key not in (*WARMUP_LR_DEFAULTS, "warmup_max_lr"):
             raise ConfigError(f"{path} sets scheduler {key}, which dptrain's warm-up does not take (it reads "
                               f"{', '.join((*WARMUP_LR_DEFAULTS, 'warmup_max_lr'))}); remove it.")
-    if params["warmup_type"] != "linear":
-        raise ConfigError(f"{path} sets scheduler warmup_type {json.dumps(params['warmup_type'])}, but dptrain's warm-up "
-                          f"rises linearly; set \"linear\", or remove warmup_type from the file.")
+    if params["warmup_type"] not in WARMUP_TYPES:
+        raise ConfigError(f"{path} sets scheduler warmup_type {json.dumps(params['warmup_type'])}, which is not one of "
+                          f"DeepSpeed's (it would rise along its log curve instead); set \"log\" or \"linear\".")
+    if params["warmup_type"] != cfg.strategy.deepspeed.warmup_type:
+        said = (f"sets scheduler warmup_type {json.dumps(params['warmup_type'])}" if "warmup_type" in given
+                else "has scheduler WarmupLR without warmup_type (DeepSpeed's \"log\")")
+        raise ConfigError(f"{path} {said}, but strategy.deepspeed.warmup_type is "
+                          f"{cfg.strategy.deepspeed.warmup_type}; set --strategy.deepspeed.warmup_type "
+                          f"{params['warmup_type']}, or set \"warmup_type\": "
+                          f"\"{cfg.strategy.deepspeed.warmup_type}\" in the file.")
     if params["warmup_min_lr"] != 0:
         raise ConfigError(f"{path} sets scheduler warmup_min_lr {json.dumps(params['warmup_min_lr'])}, but dptrain's "
                           f"warm-up starts from 0; set 0, or remove warmup_min_lr from the file.")
@@ -590,6 +626,9 @@ class DeepSpeed(Strategy):
         engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=spec.build, model_parameters=model.parameters(),
                                                config=engine_config(user, self.cfg.deepspeed.zero_stage), dist_init_required=False)
         engine.checkpoint_engine = plain_data_checkpoint_engine()
+        line = settings_line(self.cfg.deepspeed.config) if self.cfg.deepspeed.config is not None else None
+        if line is not None and self.env.is_main:  # once a run, as it starts
+            log.info(line)
         self.engine = engine
         assert self.forward_module is not None, "wrap() first"
         self.forward_module.engine = engine
