@@ -153,7 +153,7 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(tmp_
     assert "step-00000010 at step 10" in resumed
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     saved_config = (run_dir / "config.toml").read_text()
-    how_to = "use the snapshot's setting, or another --output.name to start afresh."
+    how_to = "use the snapshot's setting, or another --output.dir to start afresh."  # the folder was given
     one_worker = [*args, "--nproc-per-node", "1"]
     code, err = refused("train", *one_worker, "--model.name", "tests.user_code:TinyNet")
     assert code == 1 and len(err.splitlines()) == 1
@@ -163,7 +163,7 @@ def test_corrupt_and_mismatched_snapshots_are_one_sentence_and_lose_nothing(tmp_
     assert code == 1 and err.endswith(f"was written with optim.lr = 0.001 but this run has 0.01; {how_to}")
     assert refused("train", *args, "--train.resume", "never") == (  # refused before any worker starts
         2, f"dptrain: error: {run_dir} holds snapshots of an earlier run and train.resume is never; "
-           f"choose another --output.name, or delete {run_dir / 'checkpoints'} to start afresh there.")
+           f"choose another --output.dir, or delete {run_dir / 'checkpoints'} to start afresh there.")
     assert refused("train", *args, "--train.resume", str(tmp_path / "nowhere")) == (
         2, f"dptrain: error: snapshot {tmp_path / 'nowhere'} does not exist; give a snapshot folder that dptrain "
            f"checkpoint list shows as ok.")

@@ -39,7 +39,8 @@ def test_paths_run_length_logging_and_device_may_change_the_math_may_not():
     base = checkpoint.config_hash(cfg())
     for key, value in (("data.root", "/elsewhere"), ("train.epochs", "9"), ("train.max_steps", "7"), ("train.log_every", "3"),
                        ("train.eval_batch_size", "17"), ("launch.device", "cpu"), ("launch.nproc_per_node", "4"),
-                       ("checkpoint.every_steps", "10"), ("output.name", "other")):
+                       ("checkpoint.every_steps", "10"), ("output.name", "other"), ("output.weights_dir", "saved"),
+                       ("output.weights_file", "net.pth"), ("output.rank_epoch_lines", "true")):
         assert checkpoint.config_hash(cfg((key, value))) == base, key
     for key, value in (("optim.lr", "0.5"), ("train.global_batch_size", "64"), ("train.seed", "3"), ("train.bf16", "true"),
                        ("model.dropout", "false"), ("strategy.ddp.comm_hook", "fp16"), ("data.synthetic_train_size", "99")):
@@ -52,6 +53,26 @@ def test_a_refused_resume_names_the_option_and_both_values(tmp_path):
         checkpoint.check_compatible(saved, cfg(("optim.lr", "0.5"), ("train.seed", "3")), tmp_path, 100)
     assert str(refused.value) == (f"snapshot {tmp_path} was written with optim.lr = 0.001 but this run has 0.5 (and train.seed); "
                                   f"use the snapshot's setting, or another --output.name to start afresh.")
+
+
+def test_a_refused_resume_of_a_folder_given_as_output_dir_advises_another_folder_not_another_name(tmp_path):
+    """output.dir overrides output.name: "another --output.name" could not start afresh (a tutorial user's
+    --model_dir was read as the run folder and got that advice)."""
+    saved = manifest_of(cfg(("output.dir", str(tmp_path))))
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_compatible(saved, cfg(("output.dir", str(tmp_path)), ("optim.lr", "0.5")), tmp_path, 100)
+    assert str(refused.value).endswith("use the snapshot's setting, or another --output.dir to start afresh.")
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_compatible(manifest_of(cfg(("optim.schedule", "cosine"), ("output.dir", str(tmp_path)))),
+                                    cfg(("optim.schedule", "cosine"), ("output.dir", str(tmp_path))), tmp_path, 50)
+    assert str(refused.value).endswith("keep train.epochs and train.max_steps as they were, or use another --output.dir "
+                                       "to start afresh.")
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step-00000004").write_text("")
+    with pytest.raises(SnapshotError) as refused:
+        checkpoint.choose(cfg(("output.dir", str(tmp_path))), is_main=True, world_size=1)
+    assert str(refused.value).endswith("or use another --output.dir to start afresh.")
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
@@ -355,7 +376,8 @@ def test_a_step_entry_that_is_no_folder_is_refused_as_the_run_starts(tmp_path, k
     run = cfg(("output.dir", str(tmp_path / "run")), ("train.resume", resume))
     with pytest.raises(SnapshotError) as refused:
         checkpoint.choose(run, is_main=True, world_size=1)
-    assert str(refused.value) == sentence
+    # the run was given its folder: another name would not move it
+    assert str(refused.value) == sentence.replace("another --output.name", "another --output.dir")
     with pytest.raises(SnapshotError, match="is a symbolic link|is a file"):
         checkpoint.find_latest(root)  # eval --checkpoint RUN and train --dry-run look there
     assert dict(checkpoint.list_snapshots(root))[entry] == sentence  # checkpoint list shows it with the others

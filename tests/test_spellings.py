@@ -13,13 +13,21 @@ SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "64", "--dat
 
 def test_the_tutorials_flags_are_read_as_dptrains_options(tmp_path, capsys):
     assert main(["config", "--data.name", "synthetic", "--epochs", "5", "--learning_rate", "0.01", "--random_seed", "7",
-                 "--model_dir", str(tmp_path / "m")]) == 0
+                 "--model_dir", str(tmp_path / "m"), "--model_filename", "net.pth"]) == 0
     out, err = capsys.readouterr()
-    assert "epochs = 5" in out and "lr = 0.01" in out and "seed = 7" in out and f'dir = "{tmp_path / "m"}"' in out
-    assert err.splitlines() == ["dptrain: note: --epochs is read as --train.epochs, its name here.",
-                                "dptrain: note: --learning_rate is read as --optim.lr, its name here.",
-                                "dptrain: note: --random_seed is read as --train.seed, its name here.",
-                                "dptrain: note: --model_dir is read as --output.dir, its name here."]
+    assert "epochs = 5" in out and "lr = 0.01" in out and "seed = 7" in out
+    # where their scripts save the final model, not the run's folder (which resumed) nor the architecture
+    assert f'weights_dir = "{tmp_path / "m"}"' in out and 'weights_file = "net.pth"' in out
+    assert '\ndir = ' not in out and 'name = "mnist-cnn"' in out
+    assert err.splitlines() == [
+        "dptrain: note: --epochs is read as --train.epochs, its name here.",
+        "dptrain: note: --learning_rate is read as --optim.lr, its name here.",
+        "dptrain: note: --random_seed is read as --train.seed, its name here.",
+        "dptrain: note: --model_dir is read as --output.weights_dir, its name here: the final weights are saved there, "
+        "as the tutorials' scripts save them; the run's own folder (snapshots, logs, resumed from) stays --output.dir, "
+        "runs/<name> by default.",
+        "dptrain: note: --model_filename is read as --output.weights_file, its name here: the final weights' file name, "
+        "in --output.weights_dir (the run's folder by default)."]
 
 
 def test_torchruns_underscore_flags_and_a_launchers_local_rank(tmp_path, capsys, monkeypatch):

@@ -286,7 +286,7 @@ class Snapshotter:
         make_private(tmp)  # a umask of 002 would let the group plant files, and verify() would refuse the snapshot
         _fsync_tree(tmp)
         faults.crash_before_rename(final.name)
-        refusal = not_a_snapshot_folder(final)
+        refusal = not_a_snapshot_folder(final, self.cfg.output.elsewhere)
         if refusal is not None:  # planted while the run trained: the start found none (choose)
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(refusal)
@@ -314,7 +314,7 @@ class Snapshotter:
         if world != self.env.world_size and any(part.same_world_only for part in parts):
             raise ConfigError(f"snapshot {path} holds the state of strategy {self.cfg.strategy.name} partitioned over {world} "
                               f"processes, and it resumes on as many only, not on {self.env.world_size}; run on {world} "
-                              f"processes, or use another --output.name to start afresh.")
+                              f"processes, or use {self.cfg.output.elsewhere} to start afresh.")
         for name in sorted(set().union(*(part.files() for part in parts)) - set(manifest["files"])):  # a manifest without "parts"
             raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
         shards = _shards_of(parts)
@@ -551,13 +551,17 @@ def _verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _entries(root: Path) -> list[tuple[Path, str | None]]:
+AFRESH = "another --output.name"
+"""How a refusal ends where it does not know the run's options (OutputConfig.elsewhere says it where it does)."""
+
+
+def _entries(root: Path, elsewhere: str = AFRESH) -> list[tuple[Path, str | None]]:
     """Every step-* entry under root, newest first, with None for a snapshot folder, else the sentence refusing it
     (not_a_snapshot_folder)."""
-    return [(path, not_a_snapshot_folder(path)) for path in sorted(root.glob(f"{PREFIX}*"), reverse=True)]
+    return [(path, not_a_snapshot_folder(path, elsewhere)) for path in sorted(root.glob(f"{PREFIX}*"), reverse=True)]
 
 
-def not_a_snapshot_folder(path: Path) -> str | None:
+def not_a_snapshot_folder(path: Path, elsewhere: str = AFRESH) -> str | None:
     """None where the step-* entry `path` is a folder, as every snapshot dptrain writes is (renamed into place), or is
     not there; else one sentence saying what it is instead and what to do. A symbolic link, dangling or not, is refused as such: the
     run would fail to write that step's snapshot in its place ([Errno 20], after training up to it), and what a link
@@ -570,22 +574,22 @@ def not_a_snapshot_folder(path: Path) -> str | None:
     else:
         what = "a file" if path.is_file() else "a device, a pipe or a socket"
     return (f"{path} is {what}, not a snapshot folder: dptrain writes each snapshot as a folder of its own there; "
-            f"remove it (or put the snapshot itself in its place), or use another --output.name to start afresh.")
+            f"remove it (or put the snapshot itself in its place), or use {elsewhere} to start afresh.")
 
 
-def snapshot_folders(root: Path) -> list[Path]:
+def snapshot_folders(root: Path, elsewhere: str = AFRESH) -> list[Path]:
     """The snapshot folders under root, newest first; SnapshotError in one sentence for a step-* entry that is not a
     folder (not_a_snapshot_folder), found before a run trains rather than when it reaches that step."""
-    entries = _entries(root)
+    entries = _entries(root, elsewhere)
     for _, refusal in entries:
         if refusal is not None:
             raise SnapshotError(refusal)
     return [path for path, _ in entries]
 
 
-def _snapshot_statuses(root: Path) -> Iterator[tuple[Path, str]]:
+def _snapshot_statuses(root: Path, elsewhere: str = AFRESH) -> Iterator[tuple[Path, str]]:
     """Each step-* entry under root, newest first, with 'ok' or what is wrong with it, verified as it is reached."""
-    for path, refusal in _entries(root):
+    for path, refusal in _entries(root, elsewhere):
         if refusal is not None:
             yield path, refusal
             continue
@@ -613,13 +617,14 @@ def newest_whole(root: Path) -> Path | None:
     return next((path for path, status in _snapshot_statuses(root) if status.startswith("ok")), None)
 
 
-def find_latest(root: Path) -> Path | None:
+def find_latest(root: Path, elsewhere: str = AFRESH) -> Path | None:
     """The newest snapshot that verifies; the newer ones skipped are named in one log line however many they are.
     None if there are none; SnapshotError if there are snapshots and none verifies (a resume from step 0 would throw
-    their work away), or where a step-* entry is not a folder (snapshot_folders)."""
-    snapshot_folders(root)
+    their work away), or where a step-* entry is not a folder (snapshot_folders). elsewhere: the option that starts
+    afresh, which a refusal ends with (OutputConfig.elsewhere)."""
+    snapshot_folders(root, elsewhere)
     skipped = []
-    for path, status in _snapshot_statuses(root):
+    for path, status in _snapshot_statuses(root, elsewhere):
         if status.startswith("ok"):
             if len(skipped) == 1:
                 log.warning("skipping %s", skipped[0][1])
@@ -630,7 +635,7 @@ def find_latest(root: Path) -> Path | None:
     if skipped:
         why = skipped[0][1] if len(skipped) == 1 else f"{_span(skipped)}; {_first_reason(skipped)}"
         raise SnapshotError(f"no snapshot in {root} can be used ({why.rstrip('.')}); repair or remove the damaged ones, "
-                            f"or use another --output.name to start afresh.")
+                            f"or use {elsewhere} to start afresh.")
     return None
 
 
@@ -655,7 +660,7 @@ def check_one_folder(folder: Path) -> None:
 
 def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total_steps: int) -> None:
     """ConfigError naming the first option this run changed that a resume must keep."""
-    how_to = "use the snapshot's setting, or another --output.name to start afresh"
+    how_to = f"use the snapshot's setting, or {cfg.output.elsewhere} to start afresh"
     for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name)):
         if manifest[key] != ours:
             raise ConfigError(f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; {how_to}.")
@@ -673,7 +678,7 @@ def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total
     if cfg.optim.schedule in LENGTH_BOUND_SCHEDULES and planned != total_steps:
         raise ConfigError(f"snapshot {path} follows a {cfg.optim.schedule} learning-rate schedule planned for {planned} steps, "
                           f"but this run would last {total_steps}; keep train.epochs and train.max_steps as they were, "
-                          f"or use another --output.name to start afresh.")
+                          f"or use {cfg.output.elsewhere} to start afresh.")
 
 
 def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
@@ -686,10 +691,10 @@ def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
         try:
             root = cfg.output.folder.checkpoints
             if choice == "auto":
-                latest = find_latest(root)
+                latest = find_latest(root, cfg.output.elsewhere)
                 found[0] = str(latest) if latest is not None else None
             else:
-                snapshot_folders(root)
+                snapshot_folders(root, cfg.output.elsewhere)
         except SnapshotError as exc:
             found[1] = str(exc)
     if world_size > 1:

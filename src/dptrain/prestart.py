@@ -42,6 +42,7 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
     if job_on_cuda is None:
         check_backend(cfg.launch.backend, on_cuda)
     check_output_dir(cfg.output.run_dir)
+    check_weights_file(cfg.output.weights)
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
@@ -140,7 +141,7 @@ def check_resume_target(cfg: RunConfig) -> None:
     snapshots = cfg.output.folder.checkpoints
     if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
         raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
-                          f"choose another --output.name, or delete {snapshots} to start afresh there.")
+                          f"choose {cfg.output.elsewhere}, or delete {snapshots} to start afresh there.")
 
 
 def check_backend(backend: str, on_cuda: bool) -> None:
@@ -191,6 +192,23 @@ def check_output_dir(run_dir: Path) -> None:
         if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
             raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
                               f"choose another --output.dir.")
+
+
+def check_weights_file(path: Path) -> None:
+    """The final weights' file (output.weights_dir/weights_file) can be written at the run's end: not a folder, in a
+    folder this user can write in or make (the run makes it). Found there, a bad path cost the whole run's training."""
+    if path.is_dir():
+        raise ConfigError(f"the final weights' file {path} is a folder; give another --output.weights_file, or "
+                          f"another --output.weights_dir.")
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"the folder of the final weights {path.parent} cannot be made: {existing} is a file; "
+                          f"give another --output.weights_dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced whole: its folder is what is written
+        raise ConfigError(f"the final weights cannot be written to {path}: {existing} is not writable for you; give "
+                          f"another --output.weights_dir, or fix its permissions.")
 
 
 def preflight_job(cfg: RunConfig, world_size: int) -> None:

@@ -7,7 +7,8 @@
       logs/           rank<R>.log for every rank, launcher.log (the elastic agent), slurm-<job>.out/.err,
                       gpu_rank<R>.log (NVML samples on a GPU rank)
       checkpoints/    step-<N>/ snapshots and `latest`
-      model.pt        the final weights, whole, for plain torch.load
+      model.pt        the final weights, whole, for plain torch.load (output.weights_dir/weights_file put them
+                      elsewhere: the tutorials' --model_dir/--model_filename)
       tb/             TensorBoard's event files
       job.sbatch      the job script `dptrain submit` wrote (a submitted run only)
       job.toml        the configuration as given to `dptrain submit`, which the job trains from
@@ -24,6 +25,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class RunFolder:
     root: Path
+    weights: Path | None = None
+    """The final weights' file where the run was told to save them elsewhere (OutputConfig.weights); None: model.pt."""
 
     @property
     def config(self) -> Path:
@@ -47,7 +50,7 @@ class RunFolder:
 
     @property
     def model(self) -> Path:
-        return self.root / "model.pt"
+        return self.weights if self.weights is not None else self.root / "model.pt"
 
     @property
     def tb(self) -> Path:

@@ -22,7 +22,8 @@ ALIASES = {
     "--epochs": "--train.epochs", "--num_epochs": "--train.epochs", "--num-epochs": "--train.epochs",
     "--lr": "--optim.lr", "--learning_rate": "--optim.lr", "--learning-rate": "--optim.lr",
     "--seed": "--train.seed", "--random_seed": "--train.seed", "--random-seed": "--train.seed",
-    "--model_dir": "--output.dir", "--model-dir": "--output.dir",
+    "--model_dir": "--output.weights_dir", "--model-dir": "--output.weights_dir",
+    "--model_filename": "--output.weights_file", "--model-filename": "--output.weights_file",
     "--batch_size": "--train.batch_size_per_rank", "--batch-size": "--train.batch_size_per_rank",
     # torchrun's underscore spellings of the flags `dptrain train` shares with it
     "--nproc_per_node": "--nproc-per-node", "--node_rank": "--node-rank", "--master_addr": "--master-addr",
@@ -30,6 +31,13 @@ ALIASES = {
     # DeepSpeed's own flags, as its examples pass them
     "--deepspeed_config": "--strategy.deepspeed.config",
 }
+WHAT_IT_MEANS = {
+    "--output.weights_dir": "the final weights are saved there, as the tutorials' scripts save them; the run's own "
+                            "folder (snapshots, logs, resumed from) stays --output.dir, runs/<name> by default",
+    "--output.weights_file": "the final weights' file name, in --output.weights_dir (the run's folder by default)",
+}
+"""A second half of the note for an alias whose dptrain option is not what the name alone suggests: the tutorials'
+--model_dir is where their script saves the model, not a run's folder, and --model_filename no architecture."""
 SWITCHES = {"--deepspeed": ["--strategy.name", "deepspeed"]}
 """Flags without a value that mean an option and its value."""
 SBATCH_LINES = ("--gpus-per-task",)
@@ -77,7 +85,8 @@ def translate(argv: list[str]) -> list[str]:
             i += 1
             continue
         if flag in ALIASES:
-            print(f"dptrain: note: {flag} is read as {ALIASES[flag]}, its name here.", file=sys.stderr)
+            meaning = f": {WHAT_IT_MEANS[ALIASES[flag]]}" if ALIASES[flag] in WHAT_IT_MEANS else ""
+            print(f"dptrain: note: {flag} is read as {ALIASES[flag]}, its name here{meaning}.", file=sys.stderr)
             out.append(ALIASES[flag] + (eq + value if eq else ""))
         else:
             out.append(argv[i])

@@ -23,8 +23,8 @@ from dptrain.distributed.failures import PeerWatch, Phase, needs_peer_watch, own
 from dptrain.distributed.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
 from dptrain.errors import DataError, OutputError
 from dptrain.files import written_whole
-from dptrain.metrics import (CONSOLE, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink, gpu_log,
-                             run_epochs, tensorboard)
+from dptrain.metrics import (CONSOLE, EVERY_RANK, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink,
+                             gpu_log, run_epochs, tensorboard)
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
                              use_deterministic_kernels)
@@ -56,7 +56,8 @@ class LogFile(logging.FileHandler):
 
 
 def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
-    """Rank 0 logs INFO to the console, other ranks WARNING; with a run_dir, every rank logs INFO to logs/rank<R>.log."""
+    """Rank 0 logs INFO to the console, other ranks WARNING and the INFO records marked EVERY_RANK (their epoch lines,
+    with output.rank_epoch_lines); with a run_dir, every rank logs INFO to logs/rank<R>.log."""
     from rich.logging import RichHandler
 
     root = logging.getLogger()
@@ -75,9 +76,17 @@ def setup_logging(run_dir: Path | None, env: DistEnv) -> None:
     else:  # plain lines for files and pipes (SLURM output, CI): one record per line, parseable
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(fmt)
-    console.setLevel(logging.INFO if env.is_main else logging.WARNING)
-    console.addFilter(lambda record: not getattr(record, "file_only", False))
+    console.setLevel(logging.INFO)
+    console.addFilter(functools.partial(on_console, env.is_main))
     root.addHandler(console)
+
+
+def on_console(is_main: bool, record: logging.LogRecord) -> bool:
+    """Whether the console shows a record: never one marked file_only; on rank 0 the rest; on another rank its
+    warnings and errors, and what is marked EVERY_RANK."""
+    if getattr(record, "file_only", False):
+        return False
+    return is_main or record.levelno >= logging.WARNING or getattr(record, EVERY_RANK, False)
 
 
 def environment_record(env: DistEnv, device: torch.device, threads: int, where: dict[str, int]) -> dict[str, Any]:
@@ -189,14 +198,18 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                 with phase("writing config.toml and env.json"):
                     write_run_file(cfg.output.folder.config, config_mod.to_toml(cfg))
                     write_run_file(cfg.output.folder.env, json.dumps(record, indent=2) + "\n")
+                    make_weights_folder(cfg.output.weights.parent)  # the tutorials' --model_dir, made as their scripts do
                 # runs/<name>/tb/: continues the curves of an earlier process from this run's step on
-                board = tensorboard.open_sink(run_dir, step, config_mod.to_dict(cfg), config_mod.to_toml(cfg), record)
+                num_epochs = run_epochs(cfg.train.epochs, trainer.total_steps, len(trainer.train_loader))
+                board = tensorboard.open_sink(run_dir, step, config_mod.to_dict(cfg), config_mod.to_toml(cfg), record,
+                                              num_epochs)
                 if board is not None:
                     events.sinks.append(board)
                 # after the [METRIC] line, which stays as it is: scripts parse that one, people read this one
-                events.sinks.append(EpochLineSink(run_epochs(cfg.train.epochs, trainer.total_steps, len(trainer.train_loader))))
+                events.sinks.append(EpochLineSink(num_epochs))
             # every rank, its own numbers, in its own log (the other ranks' logs had no line per epoch)
-            events.sinks.append(RankEpochSink(env.global_rank, lambda: trainer.state, device))
+            events.sinks.append(RankEpochSink(env.global_rank, lambda: trainer.state, device,
+                                              on_console=cfg.output.rank_epoch_lines))
             events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
                         data=trainer.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=trainer.total_steps,
                         device=str(device), step=step, **restart_counts())
@@ -229,6 +242,16 @@ def write_run_file(path: Path, text: str) -> None:
     except OSError as exc:
         raise OutputError(f"could not write {path} ({exc.strerror or exc}); free space or fix permissions there, "
                           f"then run the same command.") from exc
+
+
+def make_weights_folder(folder: Path) -> None:
+    """The folder output.weights_dir names, made at the start (the preflight checked that it can be): the weights are
+    written there at the end, and a missing folder then cost the run (a full disk is one sentence)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"could not make {folder} for the final weights ({exc.strerror or exc}); fix permissions "
+                          f"there or give another --output.weights_dir, then run the same command.") from exc
 
 
 def restart_counts() -> dict[str, int]:

@@ -14,7 +14,7 @@ from dptrain.run_folder import RunFolder
 from dptrain.metrics import EpochLineSink, RankEpochSink, epoch_line, gpu_log, metric_line, rank_epoch_line, run_epochs
 from dptrain.metrics.gpu_log import COLUMNS, GpuLog, GpuReading, reading_line
 from dptrain.train_state import TrainState
-from tests.conftest import read_events
+from tests.conftest import read_events, run_cli
 
 EPOCH = {"event": "epoch", "time": 1.0, "epoch": 1, "step": 469, "train_loss": 0.494249, "train_acc": 0.82473,
          "train_samples": 60000, "epoch_time_s": 31.27, "samples_per_s": 1918.6, "peak_mem_mb": 482.82, "lr": 0.001,
@@ -66,6 +66,39 @@ def test_a_ranks_own_line_reads_its_sums_and_goes_to_its_log_file_only(caplog):
                         record.getMessage()), record.getMessage()
     assert (rank_epoch_line(3, 12, 469, 30016, 31.24, None, 1536.4)
             == "rank 3 epoch 12: 469 steps, 30,016 samples in 31.2 s, peak memory 1,536 MiB")
+
+
+def test_with_rank_epoch_lines_every_ranks_own_line_reaches_its_console(caplog):
+    """output.rank_epoch_lines: the tutorials print every rank's epoch line (seed 001); other ranks' went to their
+    log files only. The record is marked for every rank's console, and the console's filter lets it through."""
+    from dptrain.worker import on_console
+
+    caplog.set_level(logging.INFO, logger="dptrain")
+    state = TrainState()
+    state.start_epoch(1, torch.device("cpu"))
+    state.count_step(torch.tensor(8.0, dtype=torch.float64), torch.tensor(12), 16, 32)
+    RankEpochSink(1, lambda: state, torch.device("cpu"), on_console=True).write({**EPOCH, "epoch": 2})
+    RankEpochSink(1, lambda: state, torch.device("cpu")).write({**EPOCH, "epoch": 2})
+    marked, plain = caplog.records
+    assert marked.getMessage().startswith("rank 1 epoch 2: 1 steps, 16 samples")
+    assert on_console(False, marked) and on_console(True, marked)  # rank 1's console, and rank 0's
+    assert not on_console(False, plain) and not on_console(True, plain)  # by default its log file only
+    info = logging.LogRecord("dptrain", logging.INFO, __file__, 1, "world size 2", None, None)
+    warning = logging.LogRecord("dptrain", logging.WARNING, __file__, 1, "skipping", None, None)
+    assert on_console(True, info) and not on_console(False, info) and on_console(False, warning)  # as before
+
+
+@pytest.mark.slow
+def test_every_ranks_epoch_line_reaches_the_runs_output_on_request(tmp_path):
+    """Two local workers, as the job's output gets them: rank 1's lines on stdout beside rank 0's."""
+    result = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "64",
+                      "--data.synthetic_test_size", "16", "--train.global_batch_size", "32", "--train.epochs", "2",
+                      "--nproc-per-node", "2", "--output.rank_epoch_lines", "true"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        said = [line for line in result.stdout.splitlines() if f"INFO rank {rank} epoch " in line]
+        assert [line.split(f"INFO rank {rank} ")[1].split(":")[0] for line in said] == ["epoch 1", "epoch 2"], result.stdout
+        assert said[0].split(" ")[2] == f"rank{rank}"  # printed by that rank
 
 
 def test_the_gpu_log_writes_a_header_and_a_row_per_sample_then_stops(tmp_path, caplog):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.cli import main
+from dptrain.metrics import epoch_line
 from dptrain.metrics.tensorboard import TensorBoardSink, free_port, logdir_args
 from tests.conftest import read_events, run_cli
 
@@ -60,6 +61,18 @@ def test_a_resumed_run_continues_the_curves_with_one_point_per_step(tmp_path, mo
     assert "global_batch_size = 32" in texts[0].tensor_proto.string_val[0].decode()
     assert "torch" in board.Tensors("environment/text_summary")[0].tensor_proto.string_val[0].decode()
     assert [e.step for e in board.Scalars("hparams/eval_acc")] == [8, 10]  # A's, at step 6, went with B's purge
+    # Each epoch's line in the text tab, as the console prints it (the tutorials read their log there), one per step
+    # as TensorBoard's server shows it (its accumulator, unlike read_board's, purges text too).
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    served = EventAccumulator(str(run / "tb"))
+    served.Reload()
+    lines = served.Tensors("epoch lines/text_summary")
+    assert [t.step for t in lines] == [4, 8, 10]
+    shown = [t.tensor_proto.string_val[0].decode() for t in lines]
+    assert [line.split(" | ")[0] for line in shown] == ["Epoch 1/2", "Epoch 2/2", "Epoch 3/3"]
+    epochs = [e for e in jsonl if e["event"] == "epoch"]
+    assert shown[-1] == epoch_line(epochs[-1], 3)
 
 
 def test_each_run_is_named_by_its_folder_even_alone(tmp_path):
@@ -201,9 +214,10 @@ def test_a_disk_that_fills_during_the_run_is_one_warning_line_and_no_thread_trac
     seen_by_hook = []
     monkeypatch.setattr(threading, "excepthook", seen_by_hook.append)  # the hook Python would print with
     tb_dir = full_tmpfs(tmp_path / "tb")
-    sink = TensorBoardSink(tb_dir, 0, {"train": {"epochs": 1}}, "epochs = 1", {"torch": "2"})
+    sink = TensorBoardSink(tb_dir, 0, {"train": {"epochs": 1}}, "epochs = 1", {"torch": "2"}, 1)
     fill(tb_dir)  # the event file's last page still has room: the write that needs a new page fails
-    epoch = {"event": "epoch", "train_loss": 0.5, "train_acc": 0.9, "eval_loss": 0.6, "eval_acc": 0.8, "lr": 0.1}
+    epoch = {"event": "epoch", "epoch": 1, "train_loss": 0.5, "train_acc": 0.9, "eval_loss": 0.6, "eval_acc": 0.8,
+             "lr": 0.1, "epoch_time_s": 1.0, "samples_per_s": 100.0}
     with caplog.at_level(logging.WARNING, logger="dptrain"):
         for step in range(1, 1001):  # ~300 bytes each: past any page size long before the last
             sink.write({**epoch, "step": step})  # flushed: a failure shows at its own step

@@ -81,6 +81,10 @@ class ModelConfig:
     """mnist-cnn, cifar-cnn, resnet18, or `package.module:ClassName` (constructed with no arguments)."""
     dropout: bool = True
     """False replaces every nn.Dropout by identity (for exact cross-world-size comparisons)."""
+    sync_batchnorm: bool = False
+    """True turns every BatchNorm layer into torch.nn.SyncBatchNorm: batch statistics over the global batch (every
+    rank's share) instead of each rank's, the math of one process with the same global batch. For models with
+    BatchNorm (resnet18), under strategy ddp or zero1 on GPUs (torch's SyncBatchNorm takes no CPU tensors)."""
 
     def __post_init__(self) -> None:
         name_or_import_path(self.name, "model.name", MODEL_NAMES)
@@ -281,6 +285,15 @@ class OutputConfig:
     starting with a letter, digit or _ (a folder elsewhere is output.dir)."""
     dir: str | None = may_change_at_resume(None)
     """Run directory (None: runs/<name>)."""
+    weights_dir: str | None = may_change_at_resume(None)
+    """Folder the final weights are saved in (None: the run directory), made if missing; a relative path is from
+    the current folder, as output.dir's. The tutorials' --model_dir."""
+    weights_file: str = may_change_at_resume("model.pt")
+    """Name of the final weights' file in output.weights_dir: the whole model's state_dict, for plain torch.load
+    (written by rank 0 at the run's end, replaced whole). The tutorials' --model_filename."""
+    rank_epoch_lines: bool = may_change_at_resume(False)
+    """Every rank prints its own epoch line (`rank 1 epoch 2: 469 steps, ...`) on the console and in the job's
+    output, as the tutorials' print in every process does; otherwise other ranks' lines go to logs/rank<R>.log only."""
 
     def __post_init__(self) -> None:
         if not RUN_NAME.fullmatch(self.name):
@@ -290,15 +303,33 @@ class OutputConfig:
         if self.dir is not None and not self.dir.isprintable():
             raise ConfigError(f"output.dir = {shown(self.dir)} holds a control character (a line break, an escape) or "
                               f"bytes that are not UTF-8 text; give a folder whose path is printable text.")
+        if self.weights_dir is not None and not self.weights_dir.isprintable():
+            raise ConfigError(f"output.weights_dir = {shown(self.weights_dir)} holds a control character (a line break, "
+                              f"an escape) or bytes that are not UTF-8 text; give a folder whose path is printable text.")
+        if self.weights_file in ("", ".", "..") or Path(self.weights_file).name != self.weights_file \
+                or not self.weights_file.isprintable():  # a folder goes in output.weights_dir, not in the name
+            raise ConfigError(f"output.weights_file = {shown(self.weights_file)} is not a file name; give a name such as "
+                              f"model.pt, and the folder as output.weights_dir.")
 
     @property
     def run_dir(self) -> Path:
         return Path(self.dir) if self.dir else Path("runs") / self.name
 
     @property
+    def weights(self) -> Path:
+        """The final weights' file: output.weights_file in output.weights_dir, or in the run directory."""
+        return (Path(self.weights_dir) if self.weights_dir else self.run_dir) / self.weights_file
+
+    @property
     def folder(self) -> RunFolder:
-        """The run directory's files and folders by name."""
-        return RunFolder(self.run_dir)
+        """The run directory's files and folders by name, its final weights where output.weights_* put them."""
+        return RunFolder(self.run_dir, weights=self.weights)
+
+    @property
+    def elsewhere(self) -> str:
+        """The option that starts a run afresh in another run directory, as this one was given: a folder given by
+        output.dir overrides output.name, so another name would not move it (advice ends with it)."""
+        return "another --output.dir" if self.dir else "another --output.name"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """Lines people read, one per epoch: rank 0's summary of the run, and each rank's own account in its log.
 
     Epoch 01/05 | train loss 0.4942 | acc 82.5% | eval acc 87.8% | 31.3 s | 1,919 img/s     (rank 0: console + log)
-    rank 1 epoch 2: 469 steps, 30,016 samples in 31.2 s, train loss 0.4987, peak memory 512 MiB   (logs/rank1.log)
+    rank 1 epoch 2: 469 steps, 30,016 samples in 31.2 s, train loss 0.4987, peak memory 512 MiB   (logs/rank1.log,
+                                                                   and the console with output.rank_epoch_lines)
 
 They sit beside the `[METRIC]` line, which stays as it is: scripts parse that one, people read these.
 """
@@ -71,15 +72,21 @@ def rank_epoch_line(global_rank: int, epoch: int, steps: int, samples: int, seco
             f"peak memory {peak_mb:,.0f} MiB")
 
 
+EVERY_RANK = "every_rank"
+"""A log record's attribute: the console shows it on every rank, not on rank 0 only (worker.setup_logging)."""
+
+
 class RankEpochSink:
-    """Every rank: its own per-epoch line, in its log file only (rank 0's console has the `Epoch` line instead).
+    """Every rank: its own per-epoch line, in its log file only (rank 0's console has the `Epoch` line instead), or
+    also on the console of every rank where `on_console` (output.rank_epoch_lines: the tutorials print every rank's).
 
     Reads the loop's TrainState (an EpochSoFar) when the epoch event is emitted: the event holds the reduced numbers, the state still
     holds this rank's sums (they are reset when the next epoch starts). Reading them is one host sync, at the epoch's
     end, after the reduction has synchronised already."""
 
-    def __init__(self, global_rank: int, state: Callable[[], EpochSoFar], device: torch.device) -> None:
-        self.global_rank, self.state, self.device = global_rank, state, device
+    def __init__(self, global_rank: int, state: Callable[[], EpochSoFar], device: torch.device,
+                 on_console: bool = False) -> None:
+        self.global_rank, self.state, self.device, self.on_console = global_rank, state, device, on_console
 
     def write(self, event: dict[str, Any]) -> None:
         if event[EVENT] != EPOCH_EVENT.name:
@@ -91,7 +98,7 @@ class RankEpochSink:
         loss = loss_sum / samples if samples and math.isfinite(loss_sum) else None
         line = rank_epoch_line(self.global_rank, event[EPOCH], state.batches_consumed, int(samples),
                                state.epoch_elapsed, loss, peak_memory_mb(self.device))
-        log.info(line, extra={"file_only": True})
+        log.info(line, extra={"file_only": not self.on_console, EVERY_RANK: self.on_console})
 
     def close(self) -> None:
         pass

@@ -29,6 +29,7 @@ from dptrain.errors import ConfigError
 from dptrain.events import (ACHIEVED_TFLOPS, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, EVAL_TIME_S, EVENT, LOSS,
                             LR, PEAK_MEM_MB, RUN_END_EVENT, SAMPLES_PER_S, STEP, STEP_EVENT, STOPPED_EVENT, TRAIN_ACC,
                             TRAIN_LOSS, UTILISATION)
+from dptrain.metrics.epoch_lines import epoch_line
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger("dptrain")
@@ -38,6 +39,8 @@ STEP_SCALARS = (LOSS, LR)
 EPOCH_SCALARS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, LR, SAMPLES_PER_S, EPOCH_TIME_S, EVAL_TIME_S, PEAK_MEM_MB,
                  ACHIEVED_TFLOPS)
 """An epoch event's scalars, as epoch/<key>; its per-rank utilisation lists go to util/<key>/rank<R>."""
+EPOCH_LINES_TAG = "epoch lines"
+"""The text tab's entry of each epoch's `Epoch 01/05 | train loss ...` line, at its step (the tutorials' log there)."""
 FINAL_METRICS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, SAMPLES_PER_S)
 """The last epoch's values shown next to the run's hyperparameters (HPARAMS tab), as hparams/<key>."""
 
@@ -86,7 +89,8 @@ def flat_hparams(tree: dict[str, Any]) -> dict[str, bool | int | float | str]:
 
 class TensorBoardSink:
     """Rank 0's TensorBoard writer: step loss and lr, each epoch's metrics and utilisation, the config and the
-    environment as text, and at the run's end its hyperparameters with the final metrics.
+    environment as text, each epoch's line as text (the console's `Epoch NN/NN | ...`, of num_epochs), and at the
+    run's end its hyperparameters with the final metrics.
 
     Flushed after every epoch, at the end and every `flush_every_s` seconds in between (step events), so that a
     `dptrain tensorboard` started beside the run shows it live. Its constructor raises OSError where the files
@@ -95,7 +99,7 @@ class TensorBoardSink:
     """
 
     def __init__(self, log_dir: Path, start_step: int, config: dict[str, Any], config_toml: str,
-                 environment: dict[str, Any], flush_every_s: float = 5.0) -> None:
+                 environment: dict[str, Any], num_epochs: int, flush_every_s: float = 5.0) -> None:
         from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard and protobuf, on rank 0 only
 
         _quiet_writer_disk_errors()  # before the writer starts its thread: its first write may already fail
@@ -104,6 +108,7 @@ class TensorBoardSink:
         # after it, then died) are dropped from the earlier files, so every step keeps one point.
         self.writer: Any = SummaryWriter(str(log_dir), purge_step=start_step + 1, flush_secs=flush_every_s)
         self.hparams = flat_hparams(config)
+        self.num_epochs = num_epochs
         self.step = start_step
         """The last event's step: where a failure shows, in its warning."""
         self.last_epoch: dict[str, Any] = {}
@@ -138,6 +143,7 @@ class TensorBoardSink:
             for key in UTILISATION:
                 for rank, value in enumerate(event.get(key, ())):
                     self.writer.add_scalar(f"util/{key}/rank{rank}", value, step)
+            self.writer.add_text(EPOCH_LINES_TAG, epoch_line(event, self.num_epochs), step)
             self.writer.flush()
         elif kind == RUN_END_EVENT.name:
             self._write_hparams(step)
@@ -183,12 +189,12 @@ def cannot_write(log_dir: Path, exc: OSError, step: int) -> str:
 
 
 def open_sink(run_dir: Path, start_step: int, config: dict[str, Any], config_toml: str,
-              environment: dict[str, Any]) -> TensorBoardSink | None:
+              environment: dict[str, Any], num_epochs: int) -> TensorBoardSink | None:
     """The sink for runs/<name>/tb/, or None with one warning line when tensorboard cannot be imported or its files
     cannot be started (a full disk)."""
     started = time.perf_counter()
     try:
-        sink = TensorBoardSink(RunFolder(run_dir).tb, start_step, config, config_toml, environment)
+        sink = TensorBoardSink(RunFolder(run_dir).tb, start_step, config, config_toml, environment, num_epochs)
     except ImportError as exc:
         log.warning("no TensorBoard files: %s (pip install tensorboard)", exc)
         return None

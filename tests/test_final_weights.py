@@ -1,0 +1,74 @@
+"""The final weights' file: model.pt in the run folder, or where output.weights_dir/weights_file put it (the tutorials'
+--model_dir/--model_filename, where their scripts save the model), checked before the run trains."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dptrain import config
+from dptrain.cli import main
+from dptrain.errors import ConfigError
+from dptrain.models import build_model
+from dptrain.prestart import check_weights_file
+
+TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "64", "--data.synthetic_test_size", "16",
+        "--train.global_batch_size", "32", "--train.epochs", "1", "--model.dropout", "false"]
+
+
+def test_the_tutorials_model_dir_and_filename_save_the_final_weights_there_and_the_run_folder_stays(tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """A tutorial user's second run with another rate (seed 001's `--model_dir saved_models --learning_rate 0.01`):
+    --model_dir was the run folder, which resumed, and the refusal's "another --output.name" could not move it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--model_dir", "saved_models", "--model_filename", "resnet_distributed.pth"]) == 0
+    weights = torch.load(tmp_path / "saved_models" / "resnet_distributed.pth", weights_only=True)
+    model = build_model(config.load(None, [("data.name", "synthetic"), ("model.dropout", "false")]).model, (1, 28, 28), 10)
+    model.load_state_dict(weights)  # whole: every tensor of the model, none more (strict)
+    run = tmp_path / "runs" / "run"
+    assert (run / "config.toml").is_file() and (run / "checkpoints").is_dir()  # the run's own folder, as without them
+    assert not (run / "model.pt").exists() and not (tmp_path / "saved_models" / "checkpoints").exists()
+    capsys.readouterr()
+    again = ["train", *TINY, "--model_dir", "saved_models", "--learning_rate", "0.01"]
+    assert main(again) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith("use the snapshot's setting, or another --output.name to start afresh."), err
+    assert main([*again, "--output.name", "lr0.01"]) == 0  # the advice works
+    assert (tmp_path / "runs" / "lr0.01" / "config.toml").is_file() and (tmp_path / "saved_models" / "model.pt").is_file()
+
+
+def test_without_them_the_final_weights_are_model_pt_in_the_run_folder():
+    assert config.load(None, []).output.weights == config.load(None, []).output.run_dir / "model.pt"
+    given = config.load(None, [("output.dir", "/scratch/a"), ("output.weights_file", "net.pth")]).output
+    assert given.weights == given.folder.model == given.run_dir / "net.pth"
+
+
+@pytest.mark.parametrize("name", ["a/net.pth", "..", "", "net\n.pth"])
+def test_a_weights_file_that_is_no_file_name_is_one_sentence(name):
+    with pytest.raises(ConfigError) as refused:
+        config.load(None, [("output.weights_file", name)])
+    assert str(refused.value) == (f"output.weights_file = {name!r} is not a file name; give a name such as model.pt, "
+                                  f"and the folder as output.weights_dir.")
+
+
+def test_a_weights_file_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    (tmp_path / "net.pth").mkdir()
+    with pytest.raises(ConfigError) as refused:
+        check_weights_file(tmp_path / "net.pth")
+    assert str(refused.value) == (f"the final weights' file {tmp_path / 'net.pth'} is a folder; give another "
+                                  f"--output.weights_file, or another --output.weights_dir.")
+    (tmp_path / "plain").write_text("")
+    with pytest.raises(ConfigError) as refused:
+        check_weights_file(tmp_path / "plain" / "saved" / "model.pt")
+    assert str(refused.value) == (f"the folder of the final weights {tmp_path / 'plain' / 'saved'} cannot be made: "
+                                  f"{tmp_path / 'plain'} is a file; give another --output.weights_dir.")
+    check_weights_file(tmp_path / "new" / "deeper" / "model.pt")  # made by the run
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ConfigError) as refused:
+            check_weights_file(locked / "model.pt")
+        assert str(refused.value) == (f"the final weights cannot be written to {locked / 'model.pt'}: {locked} is not "
+                                      f"writable for you; give another --output.weights_dir, or fix its permissions.")
