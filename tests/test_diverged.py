@@ -14,7 +14,7 @@ RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256"
        "--train.global_batch_size", "64", "--optim.name", "sgd", "--launch.timeout_s", "60"]
 SENTENCE = re.compile(r"dptrain: error: the training loss became (nan|inf) (at step (\d+)|between steps (\d+) and (\d+)) "
                       r"\(epoch (\d+)\) and the run stopped; (.*); lower --optim\.lr or set --train\.grad_clip, "
-                      r"and use another --output\.name to start afresh\.")
+                      r"and use another --output\.dir to start afresh\.")
 WORKERS = [1, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.timeout(240)])]
 
 

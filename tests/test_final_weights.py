@@ -72,3 +72,22 @@ def test_a_weights_file_that_cannot_be_written_is_refused_before_the_run(tmp_pat
             check_weights_file(locked / "model.pt")
         assert str(refused.value) == (f"the final weights cannot be written to {locked / 'model.pt'}: {locked} is not "
                                       f"writable for you; give another --output.weights_dir, or fix its permissions.")
+
+
+def test_the_dry_run_names_where_the_final_weights_go(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    small = ["--data.name", "synthetic", "--data.synthetic_train_size", "256", "--dry-run"]
+    assert main(["train", *small]) == 0
+    assert "checkpoints/, model.pt)" in capsys.readouterr().out
+    assert main(["train", *small, "--model_dir", "saved_models", "--model_filename", "cnn.pth"]) == 0
+    assert "checkpoints/); the final weights to saved_models/cnn.pth" in capsys.readouterr().out
+
+
+def test_a_diverged_or_complete_run_advises_the_option_that_was_given():
+    from dptrain.train import diverged_sentence
+
+    given_dir = config.load(None, [("output.dir", "runs/mine")]).output.elsewhere
+    assert given_dir == "another --output.dir"
+    assert diverged_sentence(float("nan"), 3, 3, 1, None, given_dir).endswith(
+        "and use another --output.dir to start afresh.")
+    assert config.load(None, []).output.elsewhere == "another --output.name"

@@ -64,7 +64,9 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         + (" along DeepSpeed's log curve" if cfg.optim.warmup_steps and
            cfg.strategy.deepspeed.warmup_type == "log" else ""),
         *_strategy_file_lines(cfg),
-        f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/, model.pt)",
+        f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/"
+        + (", model.pt)" if cfg.output.weights == cfg.output.run_dir / "model.pt" else f"); the final weights to "
+           f"{cfg.output.weights}"),
         f"  resume     {resume}",
     ]
     warning = warmup_warning(cfg, total_steps)

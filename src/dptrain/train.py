@@ -114,7 +114,7 @@ class Trainer:
         self.finite_through = state.step
         if state.is_complete(self.total_steps):
             log.info("this run is already complete at step %d; raise train.epochs or train.max_steps to go on, "
-                     "or use another --output.name to start afresh", state.step)
+                     "or use %s to start afresh", state.step, self.cfg.output.elsewhere)
         try:
             for epoch in range(state.epoch, self.cfg.train.epochs):
                 if state.is_complete(self.total_steps):  # a resumed epoch with every step done may still owe its event
@@ -305,20 +305,22 @@ class Trainer:
         barrier()  # every rank leaves only once rank 0 has committed it
         last = checkpoint.newest_whole(self.snapshots.root)
         raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
-                                         last.name if last is not None else None))
+                                         last.name if last is not None else None, self.cfg.output.elsewhere))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return bf16_autocast(self.device, self.cfg.train.bf16, cache=self.step_graph is None)
 
 
 
-def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last_snapshot: str | None) -> str:
-    """What a diverged run says: where the loss stopped being finite, what was kept, what to change."""
+def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last_snapshot: str | None,
+                      elsewhere: str = "another --output.name") -> str:
+    """What a diverged run says: where the loss stopped being finite, what was kept, what to change (elsewhere: the
+    option that starts afresh, as the run was named: OutputConfig.elsewhere)."""
     where = f"at step {step}" if first_step >= step else f"between steps {first_step} and {step}"
     kept = (f"the last snapshot before it, {last_snapshot}, is kept" if last_snapshot is not None
             else "no snapshot was written before it")
     return (f"the training loss became {value} {where} (epoch {epoch}) and the run stopped; {kept}; lower --optim.lr "
-            f"or set --train.grad_clip, and use another --output.name to start afresh.")
+            f"or set --train.grad_clip, and use {elsewhere} to start afresh.")
 
 
 def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Trainer:
