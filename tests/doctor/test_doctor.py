@@ -192,8 +192,9 @@ def two_hosts_reason() -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_on_two_hosts_each_fault_is_named_on_its_node(tmp_path):
-    """A name node2 cannot resolve and a GLOO_SOCKET_IFNAME naming no interface on node2, in one run; then every
-    port but the rendezvous's blocked on node2 (a firewall rule in its namespace); then node2 never started."""
+    """Both hosts healthy: every check ok. Then a name node2 cannot resolve and a GLOO_SOCKET_IFNAME naming no
+    interface on node2, in one run; then every port but the rendezvous's blocked on node2 (a firewall rule in its
+    namespace); then node2 never started."""
     if reason := two_hosts_reason():
         pytest.skip(reason)
     from tests.netns_hosts import TwoHosts, _run
@@ -209,6 +210,12 @@ def test_on_two_hosts_each_fault_is_named_on_its_node(tmp_path):
         return [(out, err, code, time.monotonic() - start) for (out, err), code in outcomes]
 
     with TwoHosts() as hosts:
+        (out, err, code, _), (out2, _, code2, _) = run_both(hosts, 29630, ({}, {}))  # healthy first: every check ok
+        lines = table_lines(out)
+        assert code == code2 == 0 and all(line.startswith("ok ") for line in lines.values()), out + err[-2000:]
+        assert {"nodes reach each other", "run folder shared", "link speed"} <= set(lines)
+        assert "2 rank(s) on 2 of 2 node(s)" in lines["ranks met"]
+
         hosts_file = Path("/etc/netns") / hosts.namespaces[1] / "hosts"  # node2's, without node1
         hosts_file.write_text(f"127.0.0.1 localhost\n{hosts.addresses[1]} node2\n")
         (out, err, code, _), (out2, _, code2, _) = run_both(hosts, 29631, ({}, {"GLOO_SOCKET_IFNAME": "eth9"}))
