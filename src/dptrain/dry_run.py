@@ -76,12 +76,10 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
 
 
 def _strategy_file_lines(cfg: RunConfig) -> list[str]:
-    """The settings a ds_config.json states (strategy.deepspeed.config), as the run prints them at start."""
-    if cfg.strategy.name != "deepspeed" or cfg.strategy.deepspeed.config is None:
-        return []
-    from dptrain.strategies.deepspeed import settings_line
+    """The settings a file of the strategy's own states (a ds_config.json), as the run prints them at start."""
+    from dptrain.strategies import STRATEGIES
 
-    line = settings_line(cfg.strategy.deepspeed.config)
+    line = STRATEGIES[cfg.strategy.name].settings_from_file(cfg)
     return [] if line is None else [f"  ds_config  {line}"]
 
 

@@ -22,6 +22,9 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.failures import PeerWatch, Phase, needs_peer_watch, own_client
 from dptrain.distributed.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
 from dptrain.errors import DataError, OutputError
+from dptrain.events import (AGENT_RESTARTS, DATA, DEVICE, EVAL_EVENT, EVENT, GLOBAL_BATCH_SIZE, MESSAGE, MODEL, RUN_END_EVENT,
+                            RUN_START_EVENT, SLURM_JOB_ID, SLURM_RESTARTS, SNAPSHOT, STEP, STOPPED_EVENT, STRATEGY,
+                            TOTAL_STEPS, WORLD_SIZE)
 from dptrain.files import written_whole
 from dptrain.metrics import (CONSOLE, EVERY_RANK, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink,
                              gpu_log, run_epochs, tensorboard)
@@ -210,17 +213,18 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             # every rank, its own numbers, in its own log (the other ranks' logs had no line per epoch)
             events.sinks.append(RankEpochSink(env.global_rank, lambda: trainer.state, device,
                                               on_console=cfg.output.rank_epoch_lines))
-            events.emit("run_start", world_size=env.world_size, strategy=cfg.strategy.name, model=cfg.model.name,
-                        data=trainer.info.name, global_batch_size=cfg.train.global_batch_size, total_steps=trainer.total_steps,
-                        device=str(device), step=step, **restart_counts())
+            events.emit(RUN_START_EVENT.name, **{
+                WORLD_SIZE: env.world_size, STRATEGY: cfg.strategy.name, MODEL: cfg.model.name, DATA: trainer.info.name,
+                GLOBAL_BATCH_SIZE: cfg.train.global_batch_size, TOTAL_STEPS: trainer.total_steps, DEVICE: str(device),
+                STEP: step}, **restart_counts())
             try:
                 last = trainer.fit()
             finally:
                 step = trainer.state.step
-            events.emit("run_end", step=step)
+            events.emit(RUN_END_EVENT.name, **{STEP: step})
             return last
     except Stopped as exc:
-        events.emit("stopped", step=step, message=str(exc))
+        events.emit(STOPPED_EVENT.name, **{STEP: step, MESSAGE: str(exc)})
         # Where dptrain's agent restarts the workers (a lost node of an elastic run), the stop is no end of the run and
         # the agent's console says how it goes on: "run the same command" would be wrong there.
         goes_on = agent_restarts_this_worker()
@@ -258,12 +262,12 @@ def restart_counts() -> dict[str, int]:
     """How many times this run's processes were started again: by SLURM (a requeue) and by the elastic agent."""
     counts = {}
     if (requeues := slurm_count("restarts")) is not None:
-        counts["slurm_restarts"] = requeues
+        counts[SLURM_RESTARTS] = requeues
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "").isdigit():
-        counts["agent_restarts"] = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        counts[AGENT_RESTARTS] = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     if job_id := slurm_value("job_id"):
-        counts.setdefault("slurm_restarts", 0)
-        counts["slurm_job_id"] = job_id
+        counts.setdefault(SLURM_RESTARTS, 0)
+        counts[SLURM_JOB_ID] = job_id
     return counts
 
 
@@ -294,7 +298,8 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
                     table = torch.cat(everyone)
                     write_test_predictions(table[table[:, 0].argsort()], Path(predictions_path))
         if env.is_main:
-            record = {"event": "eval", "snapshot": snapshot, "step": manifest["step"], "world_size": env.world_size, **result}
+            record = {EVENT: EVAL_EVENT.name, SNAPSHOT: snapshot, STEP: manifest["step"], WORLD_SIZE: env.world_size,
+                      **result}
             log.info(metric_line(record))
             if predictions_path:
                 log.info("predictions for %d test samples written to %s", result["eval_count"], predictions_path)

@@ -141,6 +141,9 @@ def test_what_the_run_asks_a_strategy_outside_its_loop_is_a_hook_of_its_class(tm
     assert STRATEGIES["ddp"].computation_options(dp) == {} and digest not in checkpoint.computation_options(dp)
     assert STRATEGIES["deepspeed"].adopt_settings(ds, set()).train.global_batch_size == 64
     assert STRATEGIES["ddp"].adopt_settings(dp, set()) is dp
+    # the line of the file's settings a run prints at start and its dry run shows (dry_run asks the class too)
+    assert STRATEGIES["deepspeed"].settings_from_file(ds) == f"settings from {ds_file}: train.global_batch_size 64"
+    assert all(STRATEGIES[name].settings_from_file(dp) is None for name in STRATEGIES if name != "deepspeed")
 
 
 def test_the_strategies_torch_free_half_imports_no_torch():

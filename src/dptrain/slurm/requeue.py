@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+from dptrain.events import JOB_ID, REASON, REQUEUE_EVENT, REQUEUE_FAILED_EVENT, STEP
 from dptrain.slurm.env import slurm_value
 
 # Exported by the script: rank 0 requeues the job after a signal's snapshot (requeue_after_stop); in a container, where
@@ -52,8 +53,8 @@ def requeue_after_stop(step: int, emit: Callable[..., object]) -> None:
         return
     # Said first: once the job is requeued, SLURM ends this process at once, before any line written after.
     log.warning("requeueing job %s: it resumes from the snapshot of step %d when it runs again", job_id, step)
-    emit("requeue", step=step, job_id=job_id)
+    emit(REQUEUE_EVENT.name, **{STEP: step, JOB_ID: job_id})
     refused = requeue(job_id) if request == "1" else ask_the_script_to_requeue(Path(request), step)
     if refused is not None:
         log.error("could not requeue job %s (%s); resubmit its job.sbatch to resume", job_id, refused)
-        emit("requeue_failed", step=step, job_id=job_id, reason=refused)
+        emit(REQUEUE_FAILED_EVENT.name, **{STEP: step, JOB_ID: job_id, REASON: refused})

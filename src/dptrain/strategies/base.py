@@ -140,6 +140,12 @@ class Strategy:
         return cfg
 
     @classmethod
+    def settings_from_file(cls, cfg: RunConfig) -> str | None:
+        """The one line a run prints at start (and its dry run shows) of the settings a file of the strategy's own
+        gave it; by default none."""
+        return None
+
+    @classmethod
     def computation_options(cls, cfg: RunConfig) -> dict[str, Any]:
         """Options beyond config.fixed_at_resume that change the computation and that a resume must keep, by the name a
         snapshot's manifest records; by default none."""

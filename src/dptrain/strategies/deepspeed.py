@@ -600,6 +600,12 @@ class DeepSpeed(Strategy):
         return adopt_user_config(cfg, given)
 
     @classmethod
+    def settings_from_file(cls, cfg: RunConfig) -> str | None:
+        """The settings strategy.deepspeed.config states, in one line (settings_line)."""
+        path = cfg.strategy.deepspeed.config
+        return None if path is None else settings_line(path)
+
+    @classmethod
     def computation_options(cls, cfg: RunConfig) -> dict[str, Any]:
         """What strategy.deepspeed.config says (the file may move, or another may say the same): its settings' digest."""
         path = cfg.strategy.deepspeed.config
