@@ -53,6 +53,15 @@ def test_a_multi_node_dry_run_says_what_this_node_starts(tmp_path, capsys, monke
             in capsys.readouterr().out)
 
 
+def test_a_multi_node_dry_run_without_a_node_rank_leaves_the_numbering_to_the_rendezvous(tmp_path, capsys, monkeypatch):
+    # torchrun's multi-node line has no --node_rank: it was refused ("--node-rank is needed with --nnodes 2").
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--dry-run", *SMALL, "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                 "127.0.0.1:29400", "--nproc-per-node", "2"]) == 0
+    assert ("world      4 ranks, 2 local workers on each of 2 nodes (numbered by the rendezvous) on cpu, backend gloo, "
+            "strategy ddp" in capsys.readouterr().out)
+
+
 def test_a_dry_run_names_the_snapshot_it_would_resume_from(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *SMALL, "--train.max_steps", "3", "--output.name", "r"]) == 0

@@ -43,7 +43,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         workers = "ranks of the launcher that started this process"
     elif nodes is not None and nodes.count > 1:  # this node starts its share only
         per_node = world_size // nodes.count
-        workers = (f"ranks, {per_node} local workers on each of {nodes.count} nodes (this is node {nodes.rank})"
+        this = f"this is node {nodes.rank}" if nodes.rank is not None else "numbered by the rendezvous"
+        workers = (f"ranks, {per_node} local workers on each of {nodes.count} nodes ({this})"
                    + (f"; it goes on with {nodes.fewest * per_node} ranks on {nodes.fewest} nodes or more after "
                       f"losing nodes" if nodes.elastic else ""))
     else:

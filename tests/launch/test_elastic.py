@@ -219,7 +219,8 @@ class _Rounds:
 
     def next_rendezvous(self) -> str:
         nodes = self.rounds.pop(0)
-        self._state_holder.state.participants = {NodeInOrder("10.0.0.1", 100 + r, 0, node_rank=r): r for r in nodes}
+        self._state_holder.state.participants = {NodeInOrder(f"10.0.0.{r + 1}", 100 + r, 0, node_rank=r): r
+                                                   for r in nodes}
         return f"round of {len(nodes)}"
 
 
@@ -233,3 +234,13 @@ def test_a_round_without_a_node_of_the_one_before_names_it_on_the_console(capsys
     assert said[0] == said[1] == said[3] == "", said
     assert said[2] == ("dptrain: node 1 left the run (its `dptrain train` ended, or its host stopped answering); the "
                        "run goes on with 2 nodes (nodes 0, 2; 4 ranks) from its last snapshot.\n")
+
+
+def test_nodes_the_rendezvous_numbered_are_named_by_their_address_when_lost(capsys):
+    # Started without --node-rank, a node's number is the rendezvous' (the order it came in), which the user never
+    # saw: "node 2 left" named no node they know. Its address does.
+    handler = RefusalAware(_Rounds([0, 1, 2], [0, 2]), ranks_per_node=1, by_address=True)
+    handler.next_rendezvous(), handler.next_rendezvous()
+    assert capsys.readouterr().err == ("dptrain: node at 10.0.0.2 left the run (its `dptrain train` ended, or its "
+                                       "host stopped answering); the run goes on with 2 nodes (nodes at 10.0.0.1, "
+                                       "10.0.0.3; 2 ranks) from its last snapshot.\n")

@@ -186,6 +186,22 @@ def test_global_rank_0_runs_on_node_0_whatever_the_addresses(two_hosts, tmp_path
     assert "[METRIC]" in said["node 0 (node2)"] and "[METRIC]" not in said["node 1 (node1)"], said
 
 
+@pytest.mark.slow
+def test_torchruns_line_without_node_ranks_trains_with_rank_0_on_the_endpoints_host(two_hosts, tmp_path):
+    # The same torchrun-style line on both hosts, no --node-rank: it was refused ("--node-rank is needed"). The node
+    # at the endpoint's host (node2, whose address sorts last) hosts the rendezvous and is node 0, global rank 0.
+    run_dir = tmp_path / "run"
+    line = [*MULTINODE, "--train.max_steps", "2", "--output.dir", str(run_dir), "--nproc_per_node", "1",
+            "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "node2:29500", "--rdzv_id", "job1"]
+    env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    other = two_hosts.popen(0, [PY, "-m", "dptrain", *line], env=env, cwd=tmp_path)  # the first to start
+    endpoints = two_hosts.popen(1, [PY, "-m", "dptrain", *line], env=env, cwd=tmp_path)
+    said = {"node2": _finish(endpoints, timeout=120), "node1": _finish(other, timeout=120)}
+    assert read_events(run_dir, "run_start")[0]["world_size"] == 2
+    assert json_env(run_dir)["host"] == "node2"
+    assert "[METRIC]" in said["node2"] and "[METRIC]" not in said["node1"], said
+
+
 def json_env(run_dir) -> dict:
     import json
 
@@ -243,9 +259,16 @@ def test_the_multinode_options_read_as_torchrun_reads_them():
     assert Nodes.from_options(4, None, "127.0.0.1", 20017, None, {"SLURM_NODEID": "3"}) == Nodes(4, 3, "127.0.0.1", 20017)
 
 
+def test_without_a_node_rank_the_rendezvous_numbers_the_nodes():
+    # torchrun's multi-node line (--rdzv_endpoint, no --node_rank) on every node: the same command everywhere
+    assert Nodes.from_options(2, None, None, None, "localhost:1234", {}) == Nodes(2, None, "localhost", 1234)
+    assert Nodes.from_options(2, None, "127.0.0.1", None, None, {}) == Nodes(2, None, "127.0.0.1", 29500)
+    assert Nodes.from_options("1:3", None, None, None, "127.0.0.1:29400", {}) == Nodes(3, None, "127.0.0.1", 29400, 1)
+
+
 @pytest.mark.parametrize("options, environ, sentence", [
     ((None, 1, None, None, None), {}, "--node-rank is for a run over several nodes; give --nnodes too"),
-    ((2, None, "127.0.0.1", None, None), {}, "--node-rank is needed with --nnodes 2: 0 on the node at the master address"),
+    ((2, None, None, None, None), {}, "--master-addr is needed with --nnodes 2"),
     ((2, 2, "127.0.0.1", None, None), {}, "--node-rank 2 is outside 0 to 1 (--nnodes 2)."),
     ((2, 0, None, None, None), {}, "--master-addr is needed with --nnodes 2"),
     ((2, 0, "127.0.0.1", None, "h:1"), {}, "give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port"),
@@ -274,6 +297,32 @@ def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
         f"dptrain: error: node 1 of 2 never came to the rendezvous at 127.0.0.1:{port} within 3 s; start `dptrain "
         f"train` on every node with --nnodes 2 and the same --master-addr and --master-port, each with its own "
         f"--node-rank from 0 to 1, or give them longer (--launch.timeout_s).")
+
+
+@pytest.mark.timeout(60)
+def test_the_endpoints_node_without_a_node_rank_says_how_many_came(tmp_path):
+    # Without --node-rank, nodes are numbered as they come: the host counts them (it cannot name a missing number).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--nnodes", "2",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--launch.timeout_s", "3",
+                    "--output.dir", str(tmp_path / "run")], tmp_path, timeout=50)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"dptrain: error: only 1 of 2 nodes came to the rendezvous at 127.0.0.1:{port} within 3 s; start `dptrain "
+        f"train` on every node with --nnodes 2 and the same rendezvous endpoint 127.0.0.1:{port}, whose host must be "
+        f"one of the nodes, or give them longer (--launch.timeout_s).")
+
+
+def test_a_gone_rendezvous_host_is_named_by_its_address_when_the_nodes_have_no_rank():
+    from dptrain.launch.rendezvous import rendezvous_host_gone
+
+    assert rendezvous_host_gone(Nodes(2, None, "node1", 29500)) == (
+        "the node at node1, which hosts the run's rendezvous at node1:29500, is gone (its `dptrain train` ended, or "
+        "its host or the network failed) and the run cannot go on without it; run the same command again on every "
+        "node, the node at node1 included, to resume from the last snapshot.")
+    assert rendezvous_host_gone(Nodes(2, 1, "node1", 29500)).startswith("node 0, which hosts")
 
 
 @pytest.mark.slow

@@ -118,7 +118,7 @@ class Nodes:
     nodes, this one's index, and where node 0 hosts the agents' rendezvous (torchrun's options, same meaning)."""
 
     count: int  # the most nodes (--nnodes N, or MAX of MIN:MAX)
-    rank: int
+    rank: int | None  # --node-rank; None: the rendezvous numbers the nodes, node 0 the one at the endpoint's host
     host: str
     port: int
     min_count: int | None = None  # the fewest nodes the run goes on with (MIN of --nnodes MIN:MAX); None: count
@@ -147,7 +147,8 @@ class Nodes:
                      environ: Mapping[str, str] | None = None) -> "Nodes | None":
         """The options of `dptrain train` checked together; None for a run on this node alone; ConfigError (an option
         error, exit 2, as argparse's own) for a bad one. nnodes: N, or MIN:MAX (torchrun's elastic form: the run starts
-        with up to MAX nodes and goes on with MIN or more)."""
+        with up to MAX nodes and goes on with MIN or more). Without --node-rank (and outside srun) the rank is None:
+        the rendezvous numbers the nodes, as torchrun's c10d rendezvous does (launch.rendezvous)."""
         env = os.environ if environ is None else environ
         spelled = nnodes
         fewest, nnodes = node_range(nnodes)
@@ -175,10 +176,7 @@ class Nodes:
             return None  # this node alone: the local launch, on loopback
         if nnodes == 1:
             node_rank = 0 if node_rank is None else node_rank
-        if node_rank is None:
-            raise ConfigError(f"--node-rank is needed with --nnodes {spelled}: 0 on the node at the master address, "
-                              f"1 to {nnodes - 1} on the others.")
-        if not 0 <= node_rank < nnodes:
+        if node_rank is not None and not 0 <= node_rank < nnodes:
             raise ConfigError(f"--node-rank {node_rank} is outside 0 to {nnodes - 1} (--nnodes {spelled}).")
         if master_addr is None:
             raise ConfigError(f"--master-addr is needed with --nnodes {spelled}: the address of node 0, which every node "

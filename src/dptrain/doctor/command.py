@@ -25,6 +25,7 @@ from dptrain.doctor.rank import doctor_worker
 from dptrain.errors import LaunchError
 from dptrain.files import written_whole
 from dptrain.launch.local import run_ranks
+from dptrain.launch.rendezvous import is_address_of_this_host
 from dptrain.read_back import UnreadableFile, read_json_object
 from dptrain.run_folder import RunFolder
 from dptrain.read_back import read_head
@@ -45,7 +46,9 @@ def run_doctor(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: N
     master = nodes.host if nodes is not None else env.master_addr
     run = RunFolder(cfg.output.run_dir)
     facts = node_facts(cfg, master, run.root)
-    reports_here = (nodes is None or nodes.rank == 0) and (not launched_outside or env.global_rank == 0)
+    # node 0 reports: the one given --node-rank 0, or, where the rendezvous numbers the nodes, the endpoint's host
+    node_zero = nodes is None or nodes.rank == 0 or (nodes.rank is None and is_address_of_this_host(nodes.host))
+    reports_here = node_zero and (not launched_outside or env.global_rank == 0)
     try:
         run_ranks(doctor_worker, (config_mod.to_dict(cfg), facts, str(run.doctor)), cfg, world_size, launched_outside,
                   None, nodes)
@@ -59,7 +62,8 @@ def run_doctor(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: N
         print(table(checks, f"{run.doctor} (this node's checks only)"))
         return 1
     if not reports_here:
-        node = nodes.rank if nodes is not None else env.global_rank // max(env.local_world_size, 1)
+        node = (nodes.rank if nodes.rank is not None else "numbered by the rendezvous") if nodes is not None else \
+            env.global_rank // max(env.local_world_size, 1)
         print(f"dptrain doctor: node {node} ({facts['host']}) checked; node 0 prints the table and writes "
               f"{run.doctor}")
         return 0

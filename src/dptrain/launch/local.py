@@ -48,7 +48,8 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
     forked child of a process that has touched it, so GPU workers are spawned.
 
     With nodes, this node's agent first meets the other nodes' agents at nodes.endpoint (hosted by node 0, which
-    listens on that address only); without, everything listens on loopback. The agent's own log (restarts,
+    listens on that address only; without a node rank, by the node whose address that is); without, everything
+    listens on loopback. The agent's own log (restarts,
     tracebacks of failed workers) goes to log_file (the run's logs/launcher.log), not to the console: the user sees the one
     sentence of the LaunchError, the details stay in the run's logs. The agent's C++ warnings (its rendezvous store's:
     a block of C++ frames for each call that a node 0 that is gone does not answer) are off; the workers keep theirs.
@@ -75,6 +76,7 @@ def launch_local(entrypoint: Callable[..., Any], args: tuple, nproc_per_node: in
         run_id="dptrain",  # the rendezvous store serves this run alone
         rdzv_backend=RENDEZVOUS,
         rdzv_endpoint=nodes.endpoint,
+        # node_rank None: the rendezvous numbers the nodes, the node at the endpoint's host hosting it as node 0
         rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0, "node_rank": nodes.rank,
                       "keep_alive_s": times.keep_alive_s, "last_call_s": times.last_call_s,
                       "ranks_per_node": nproc_per_node},

@@ -1,6 +1,7 @@
 """The rendezvous of the nodes' elastic agents: torch's c10d rendezvous on a store that listens on the rendezvous
-address only, hosted by node 0, whose nodes take their ranks in --node-rank order, with its times checked; the node
-that never came, the node lost and a host that is gone named; a worker's refusal that no restart can change ending
+address only, hosted by node 0, whose nodes take their ranks in --node-rank order (without --node-rank: node 0 is
+the node at the endpoint's host, the others numbered as they come), with its times checked; the node that never
+came, the node lost and a host that is gone named; a worker's refusal that no restart can change ending
 the launch at once."""
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import datetime
 import inspect
 import logging
 import math
+import errno
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -20,7 +23,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 from dptrain.config import MAX_TIMEOUT_S
 from dptrain.distributed.env import Nodes
 from dptrain.distributed.store import listening_store, reach_store
-from dptrain.errors import ConfigError
+from dptrain.errors import ConfigError, LaunchError
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +118,17 @@ def _rendezvous(params: Any) -> Any:
 
     join_s = float(params.config.get("join_timeout", 600))
     host, _, port = params.endpoint.rpartition(":")
-    if params.get_as_bool("is_host", False):
-        store = listening_store(host, int(port), join_s)
-        _rendezvous_host[:] = [store]
+    host = host.strip("[]")
+    given_rank = params.config.get("node_rank")  # None: this node's number comes from the rendezvous
+    if given_rank is None:
+        store, node_rank = _numbered_by_the_rendezvous(host, int(port), join_s)
     else:
-        store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
-    node_rank = int(params.config["node_rank"])
+        node_rank = int(given_rank)
+        if params.get_as_bool("is_host", False):
+            store = listening_store(host, int(port), join_s)
+            _rendezvous_host[:] = [store]
+        else:
+            store = reach_store(host, int(port), join_s, "the rendezvous of node 0", "node 0's dptrain")
     store.set(f"{CAME}{node_rank}", "1")  # node 0 names the nodes that never came (rendezvous_timeout)
     # A node that died (its agent killed with its workers) leaves the rendezvous once it missed KEEP_ALIVE_MISSED
     # heart beats; then the nodes left meet without it, after waiting LAST_CALL_S for any other node to join.
@@ -131,7 +139,48 @@ def _rendezvous(params: Any) -> Any:
         handler = DynamicRendezvousHandler.from_backend(
             params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
             local_addr=params.local_addr, timeout=timeout, **_keep_alive(DynamicRendezvousHandler, times.keep_alive_s))
-    return RefusalAware(handler, int(params.config.get("ranks_per_node", 1)))
+    return RefusalAware(handler, int(params.config.get("ranks_per_node", 1)), by_address=given_rank is None)
+
+
+ARRIVED = "dptrain/nodes-arrived"
+
+
+def _numbered_by_the_rendezvous(host: str, port: int, join_s: float) -> tuple[Any, int]:
+    """(the rendezvous store, this node's number) for a node started without --node-rank: the node at the endpoint's
+    host hosts the store and is node 0, as torch's c10d rendezvous hosts it there (torch guesses that node by its
+    host name; here the address decides); the others join it and are numbered 1, 2, ... as they come."""
+    if is_address_of_this_host(host):
+        try:
+            store = listening_store(host, port, join_s)
+        except LaunchError:  # another agent on this host hosts it already (two nodes on one host): join that one
+            if not _port_taken(host, port):
+                raise
+        else:
+            _rendezvous_host[:] = [store]
+            return store, 0
+    store = reach_store(host, port, join_s, "the rendezvous", f"the dptrain of the node at {host}")
+    return store, int(store.add(ARRIVED, 1))
+
+
+def is_address_of_this_host(host: str) -> bool:
+    """Whether host resolves to an address of this host (one a socket here can bind to)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return False
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            return exc.errno != errno.EADDRNOTAVAIL
+    return True
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something on this host listens at host:port already."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
 
 
 def _keep_alive(handler_class: Any, keep_alive_s: float) -> dict[str, Any]:
@@ -147,10 +196,11 @@ class RefusalAware:
     no_restart_changes) ends the launch instead, once, with its sentence; and a round without a node of the one
     before says on this node's console which node was lost and with how many the run goes on (nodes_lost)."""
 
-    def __init__(self, handler: Any, ranks_per_node: int = 1) -> None:
+    def __init__(self, handler: Any, ranks_per_node: int = 1, by_address: bool = False) -> None:
         self._handler = handler
         self._ranks_per_node = ranks_per_node
-        self._nodes_before: list[int] = []
+        self._by_address = by_address  # nodes without a --node-rank are named by their address
+        self._nodes_before: list[int] | list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handler, name)
@@ -169,20 +219,24 @@ class RefusalAware:
         self._nodes_before = nodes
         return info
 
-    def _node_ranks(self) -> list[int]:
-        """The --node-rank of every node in the round just met (torch's state of the rendezvous; none where unread)."""
+    def _node_ranks(self) -> list[int] | list[str]:
+        """The --node-rank of every node in the round just met, or its address where the nodes have none (torch's
+        state of the rendezvous; none where unread)."""
         try:
             participants = self._handler._state_holder.state.participants
         except AttributeError:  # a torch whose handler keeps its state elsewhere: no sentence, the run is the same
             return []
-        return sorted(node.node_rank for node in participants if isinstance(node, NodeInOrder))
+        ours = sorted(node for node in participants if isinstance(node, NodeInOrder))
+        return [node.addr for node in ours] if self._by_address else [node.node_rank for node in ours]
 
 
-def nodes_lost(lost: list[int], left: list[int], ranks_per_node: int) -> str:
+def nodes_lost(lost: list[int] | list[str], left: list[int] | list[str], ranks_per_node: int) -> str:
     """The sentence for a round of the rendezvous without nodes `lost` of the round before: the run goes on with the
-    nodes `left`, from its last snapshot (the workers stopped, or failed, when those nodes went)."""
-    def named(node_ranks: list[int]) -> str:
-        return f"node{'s' if len(node_ranks) > 1 else ''} {', '.join(map(str, node_ranks))}"
+    nodes `left`, from its last snapshot (the workers stopped, or failed, when those nodes went). Nodes are named by
+    their --node-rank (ints), or by their address (strs) where they had none."""
+    def named(nodes: list[int] | list[str]) -> str:
+        at = " at" if nodes and isinstance(nodes[0], str) else ""
+        return f"node{'s' if len(nodes) > 1 else ''}{at} {', '.join(map(str, nodes))}"
 
     ranks = len(left) * ranks_per_node
     its, host = ("their", "hosts") if len(lost) > 1 else ("its", "host")
@@ -204,17 +258,20 @@ def forget_the_rendezvous() -> None:
 def rendezvous_host_gone(nodes: Nodes) -> str:
     """The sentence for a rendezvous store that stopped answering (torch printed 90-odd lines of C++ frames and a
     RendezvousConnectionError traceback): node 0, its host, is gone, and no run goes on without it."""
-    if nodes.rank == 0:
+    if nodes.rank == 0 or (nodes.rank is None and _rendezvous_host):
         return (f"the rendezvous store this node hosts at {nodes.endpoint} stopped answering; run the "
                 f"same command again on every node to resume from the last snapshot.")
-    return (f"node 0, which hosts the run's rendezvous at {nodes.endpoint}, is gone (its `dptrain train` ended, or its "
-            f"host or the network failed) and the run cannot go on without it; run the same command again on every "
-            f"node, node 0 included, to resume from the last snapshot.")
+    node_0 = "node 0" if nodes.rank is not None else f"the node at {nodes.host}"
+    return (f"{node_0}, which hosts the run's rendezvous at {nodes.endpoint}, is gone (its `dptrain train` ended, or "
+            f"its host or the network failed) and the run cannot go on without it; run the same command again on "
+            f"every node, {node_0} included, to resume from the last snapshot.")
 
 
 def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
     """The sentence for a rendezvous that timed out: on node 0, which nodes never came (torch says only
     RendezvousTimeoutError, in a 46-line traceback)."""
+    if nodes.rank is None:
+        return _unnumbered_nodes_timeout(nodes, timeout_s)
     fix = (f"start `dptrain train` on every node with --nnodes {nodes.spelled} and the same --master-addr and "
            f"--master-port, each with its own --node-rank from 0 to {nodes.count - 1}, or give them longer "
            f"(--launch.timeout_s).")
@@ -228,6 +285,21 @@ def rendezvous_timeout(nodes: Nodes, timeout_s: float) -> str:
                 f"{nodes.endpoint} within {timeout_s:g} s; {fix}")
     return (f"the {nodes.count} nodes did not all come to the rendezvous at {nodes.endpoint} within {timeout_s:g} s "
             f"(this is node {nodes.rank}); {fix}")
+
+
+def _unnumbered_nodes_timeout(nodes: Nodes, timeout_s: float) -> str:
+    """rendezvous_timeout's sentence for nodes without --node-rank: how many came, where the host can count them."""
+    fix = (f"start `dptrain train` on every node with --nnodes {nodes.spelled} and the same rendezvous endpoint "
+           f"{nodes.endpoint}, whose host must be one of the nodes, or give them longer (--launch.timeout_s).")
+    came = None
+    if _rendezvous_host:
+        with contextlib.suppress(RuntimeError):
+            came = 1 + int(_rendezvous_host[0].add(ARRIVED, 0))  # the host, and the nodes numbered as they came
+    if came is not None:
+        return (f"only {came} of {nodes.count} nodes came to the rendezvous at {nodes.endpoint} within "
+                f"{timeout_s:g} s; {fix}")
+    return (f"the {nodes.count} nodes did not all come to the rendezvous at {nodes.endpoint} within {timeout_s:g} s; "
+            f"{fix}")
 
 
 @dataclass(eq=True, frozen=True, repr=False)
