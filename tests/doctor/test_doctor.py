@@ -192,17 +192,22 @@ def two_hosts_reason() -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_on_two_hosts_each_fault_is_named_on_its_node(tmp_path):
-    """Both hosts healthy: every check ok. Then a name node2 cannot resolve and a GLOO_SOCKET_IFNAME naming no
+    """Both hosts healthy, started with torchrun's line without --node-rank: every check ok, the table on the
+    endpoint's host. Then a name node2 cannot resolve and a GLOO_SOCKET_IFNAME naming no
     interface on node2, in one run; then every port but the rendezvous's blocked on node2 (a firewall rule in its
     namespace); then node2 never started."""
     if reason := two_hosts_reason():
         pytest.skip(reason)
     from tests.netns_hosts import TwoHosts, _run
 
-    def run_both(hosts: TwoHosts, port: int, envs: tuple[dict, dict], only_first: bool = False) -> list:
-        procs = [hosts.popen(i, doctor_argv("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(i),
-                                            "--master-addr", hosts.addresses[0], "--master-port", str(port),
-                                            "--launch.timeout_s", "8"),
+    def run_both(hosts: TwoHosts, port: int, envs: tuple[dict, dict], only_first: bool = False,
+                 ranked: bool = True) -> list:
+        """Both hosts' doctors (node1 first in the result); ranked False: torchrun's line, the same on both hosts,
+        without --node-rank (the rendezvous numbers the nodes, node1, the endpoint's host, as node 0)."""
+        where = (["--node-rank", "{i}", "--master-addr", hosts.addresses[0], "--master-port", str(port)] if ranked
+                 else ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts.addresses[0]}:{port}"])
+        procs = [hosts.popen(i, doctor_argv("--nproc-per-node", "1", "--nnodes", "2",
+                                            *(w.format(i=i) for w in where), "--launch.timeout_s", "8"),
                              env={**SOURCE, **envs[i]}, cwd=tmp_path)
                  for i in ((0,) if only_first else (0, 1))]
         start = time.monotonic()
@@ -210,11 +215,12 @@ def test_on_two_hosts_each_fault_is_named_on_its_node(tmp_path):
         return [(out, err, code, time.monotonic() - start) for (out, err), code in outcomes]
 
     with TwoHosts() as hosts:
-        (out, err, code, _), (out2, _, code2, _) = run_both(hosts, 29630, ({}, {}))  # healthy first: every check ok
+        (out, err, code, _), (out2, _, code2, _) = run_both(hosts, 29630, ({}, {}), ranked=False)  # healthy first
         lines = table_lines(out)
         assert code == code2 == 0 and all(line.startswith("ok ") for line in lines.values()), out + err[-2000:]
         assert {"nodes reach each other", "run folder shared", "link speed"} <= set(lines)
         assert "2 rank(s) on 2 of 2 node(s)" in lines["ranks met"]
+        assert "node numbered by the rendezvous (node2) checked; node 0 prints the table" in out2
 
         hosts_file = Path("/etc/netns") / hosts.namespaces[1] / "hosts"  # node2's, without node1
         hosts_file.write_text(f"127.0.0.1 localhost\n{hosts.addresses[1]} node2\n")
