@@ -31,9 +31,8 @@ from dptrain.data import describe
 from dptrain.distributed.ending import leave_now, lift_exit_deadline
 from dptrain.distributed.env import Nodes
 from dptrain.distributed.failures import WorkerFailure
-from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, job_lines,  # noqa: F401 (tests
-                                  job_options_given, sbatch_name_pairs, sbatch_name_words,  # use job_options_given
-                                  split_overrides, submit_overrides, with_sbatch_names)  # from here)
+from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, job_lines, sbatch_name_pairs,
+                                  sbatch_name_words, split_overrides, submit_overrides, with_sbatch_names)
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.launch.rendezvous import rendezvous_times

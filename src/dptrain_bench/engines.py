@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
-from dptrain.files import written_whole
+from dptrain.files import write_whole
 
 if TYPE_CHECKING:
     from dptrain.data.spec import Normalise
@@ -239,5 +239,4 @@ class RunFiles:
             record = {"engine": self.engine, **(versions or {}), "python": platform.python_version(),
                       "torch": torch.__version__, "host": platform.node(), "world_size": world,
                       "launched_by": "torchrun", "device": device.type, "cpu_threads_per_rank": torch.get_num_threads()}
-            with written_whole(RunFolder(self.run_dir).env) as tmp:
-                tmp.write_text(json.dumps(record, indent=2) + "\n")
+            write_whole(RunFolder(self.run_dir).env, json.dumps(record, indent=2) + "\n")

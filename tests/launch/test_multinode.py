@@ -20,6 +20,7 @@ from dptrain.distributed.env import Nodes
 from dptrain.errors import ConfigError
 from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, log_tail, plan_runs, read_events, run_cli
 from tests.netns_hosts import TwoHosts
+from tests.ranks import free_port
 
 PY = sys.executable
 PORT = 5000  # each host is a fresh network stack: no other process can hold a port there
@@ -286,9 +287,7 @@ def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sen
 @pytest.mark.timeout(60)
 def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
     # It was a 46-line traceback ending in RendezvousTimeoutError, with no word of which node was missing.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--nnodes", "2",
                     "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port),
                     "--launch.timeout_s", "3", "--output.dir", str(tmp_path / "run")], tmp_path, timeout=50)
@@ -302,9 +301,7 @@ def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
 @pytest.mark.timeout(60)
 def test_the_endpoints_node_without_a_node_rank_says_how_many_came(tmp_path):
     # Without --node-rank, nodes are numbered as they come: the host counts them (it cannot name a missing number).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--nnodes", "2",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--launch.timeout_s", "3",
                     "--output.dir", str(tmp_path / "run")], tmp_path, timeout=50)

@@ -11,7 +11,6 @@ its files in RUN_DIR/doctor-job/; it submits it, waits for its end and prints no
 from __future__ import annotations
 
 import dataclasses
-import json
 import textwrap
 from pathlib import Path
 
@@ -21,9 +20,8 @@ from dptrain.distributed.env import DistEnv, Nodes
 from dptrain.distributed.failures import WorkerFailure
 from dptrain.doctor.checks import Check, Findings, failed, judge
 from dptrain.doctor.facts import node_facts
-from dptrain.doctor.rank import doctor_worker
+from dptrain.doctor.rank import doctor_worker, write_report
 from dptrain.errors import LaunchError
-from dptrain.files import written_whole
 from dptrain.launch.local import run_ranks
 from dptrain.launch.rendezvous import is_address_of_this_host
 from dptrain.read_back import UnreadableFile, read_json_object
@@ -70,13 +68,6 @@ def run_doctor(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: N
     checks = read_checks(run.doctor)
     print(table(checks, str(run.doctor)))
     return 1 if failed(checks) else 0
-
-
-def write_report(path: Path, checks: list[Check], findings: Findings) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(path) as tmp:
-        tmp.write_text(json.dumps({"checks": [c.to_dict() for c in checks], "nodes": findings.nodes,
-                                   "ranks": findings.ranks}, indent=2) + "\n")
 
 
 def read_checks(path: Path) -> list[Check]:

@@ -24,9 +24,9 @@ from typing import Any
 from dptrain import config as config_mod
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.store import join_store, pin_collective_interface, unpin_collective_interface
-from dptrain.doctor.checks import Findings, judge
+from dptrain.doctor.checks import Check, Findings, judge
 from dptrain.doctor.facts import resolve
-from dptrain.files import written_whole
+from dptrain.files import write_whole
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger("dptrain")
@@ -270,14 +270,18 @@ def ping_pong(env: DistEnv, device: Any, first: int, second: int) -> dict[str, f
 
 
 def finish(cfg: Any, findings: Findings, report: Path) -> None:
-    """Rank 0: the estimates the checks compare with, the verdicts, and doctor.json written whole."""
+    """Rank 0: the estimates the checks compare with, the verdicts, and doctor.json."""
     findings.snapshot_bytes, findings.shared_memory_bytes = estimates(cfg, findings)
-    checks = judge(findings)
-    report.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(report) as tmp:
-        tmp.write_text(json.dumps({"checks": [c.to_dict() for c in checks], "nodes": findings.nodes,
-                                   "ranks": findings.ranks, "links": findings.links,
-                                   "compute_tflops": findings.compute_tflops}, indent=2) + "\n")
+    write_report(report, judge(findings), findings)
+
+
+def write_report(path: Path, checks: list[Check], findings: Findings) -> None:
+    """doctor.json, written whole: the checks and what they were judged on (where the ranks never all met, this
+    node's facts alone, and no ranks, links or rates)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_whole(path, json.dumps({"checks": [c.to_dict() for c in checks], "nodes": findings.nodes,
+                                  "ranks": findings.ranks, "links": findings.links,
+                                  "compute_tflops": findings.compute_tflops}, indent=2) + "\n")
 
 
 def estimates(cfg: Any, findings: Findings) -> tuple[int | None, int | None]:
