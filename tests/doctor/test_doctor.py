@@ -283,9 +283,12 @@ def test_on_three_lab_hosts_shm_folder_dataset_and_a_slow_link_are_named(tmp_pat
         "node 1 (host2): dataset mnist not found" in lines["dataset on every node"]
     assert lines["/dev/shm"].startswith("FAIL") and "node 1 (host2) has 1 MiB" in lines["/dev/shm"]
     assert lines["link speed"].startswith("WARN") and "node 2 (host3)'s link" in lines["link speed"]
-    for healthy_line in ("ranks met", "host names resolve", "nodes reach each other", "same software",
-                         "compute speed"):
+    for healthy_line in ("ranks met", "host names resolve", "nodes reach each other", "same software"):
         assert lines[healthy_line].startswith("ok "), lines[healthy_line]
+    # The three hosts share this machine's cores, so which of them the matmul finds slowest is the scheduler's pick
+    # (CI once saw host3 at 63% of the median): only that every node's speed was measured is asserted here; the
+    # straggler rule itself is test_stragglers_are_named_against_the_median_of_three_nodes_or_more's.
+    assert "TFLOPS" in lines["compute speed"], lines["compute speed"]
 
 
 @pytest.mark.slow
