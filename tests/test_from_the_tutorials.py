@@ -3,7 +3,7 @@ shows (a note, a sample line, a refusal sentence) is what the command prints.
 
 Each command runs in a fresh folder, in this process through `dptrain.cli.main`, with what it needs there: small
 FashionMNIST IDX files under ./data (tests/idx_files.py; the default dataset, found first in --data.root), the
-tutorials' training script for `submit -- train.py`, a ds_config.json for `--deepspeed_config`. `--dry-run` is added
+tutorials' training script for `submit -- train.py` and `train -- train.py`, a ds_config.json for `--deepspeed_config`. `--dry-run` is added
 to every `dptrain train` (each would start real training, several processes) and every `dptrain submit` (each would
 submit a real job): a dry run makes every check a run makes (the configuration, the data, the world size, the batch,
 the nodes, the job's options) and writes nothing, so a command the page shows would be refused fails here. The one
@@ -56,6 +56,10 @@ SHOWN = {
     "train --nnodes 1:4 --nproc_per_node 4 --rdzv_endpoint node1:29400 --launch.max_restarts 3 "
     "--train.global_batch_size 96": [
         "it goes on with 4 ranks on 1 nodes or more after losing nodes",  # "goes on after losing a node"
+    ],
+    "train --nproc-per-node 2 -- train.py --epochs 5": [
+        # "as torchrun would start it, on a free port, with each rank's share of the cores"
+        "on 2 local worker(s), world size 2, through dptrain's elastic agent (on a free port)", "OMP_NUM_THREADS=",
     ],
     "submit --nodes 2 --gres gpu:4 -- train.py --epochs 5 --batch_size 64": [
         # "one torchrun per node ..., rank 0 on the first node, and the script's arguments passed on as given"
@@ -112,9 +116,14 @@ def test_the_page_has_its_commands():
 def test_each_command_on_the_page_runs_as_written(command: Command, folder, capsys, caplog):
     code, printed = dptrain(as_run(command.argv), capsys, caplog)
     assert code == 0, f"{command.where}: `dptrain {' '.join(command.argv)}` fails:\n{printed}"
-    assert "nothing was written" in printed or command.argv[0] == "submit"
-    if command.argv[0] == "train":  # the data of this folder, not a copy somewhere on the machine
+    script = command.argv[command.argv.index("--") + 1:] if "--" in command.argv else None
+    if command.argv[0] == "train" and script:  # a script of theirs: what would start it, and nothing started
+        assert f"dptrain: would start {' '.join(script)} on " in printed
+    elif command.argv[0] == "train":  # the data of this folder, not a copy somewhere on the machine
+        assert "nothing was written" in printed
         assert f"{TRAIN_SIZE} training and {TEST_SIZE} test samples" in printed
+    else:
+        assert "nothing was written" in printed or command.argv[0] == "submit"
     for line in SHOWN.get(" ".join(command.argv), []):
         assert line in printed, f"{command.where}: the page shows {line!r}, the command printed:\n{printed}"
     assert sorted(p.name for p in folder.iterdir()) == sorted(["data", "train.py", "ds_config.json", *PAGE_FILES])

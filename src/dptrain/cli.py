@@ -3,6 +3,7 @@ launching in launch/).
 
     $ dptrain train --nproc-per-node 2 --train.epochs 3 --optim.lr 3e-4
     $ dptrain train --config run.toml --strategy.name single
+    $ dptrain train --nproc-per-node 2 -- my_train.py --epochs 5     (a script of yours, as torchrun starts it)
     $ dptrain eval --checkpoint runs/run --nproc-per-node 2
     $ dptrain checkpoint list runs/run
     $ dptrain config --optim.lr 3e-4 > run.toml
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dptrain import checkpoint, config as config_mod, spellings
+from dptrain import checkpoint, config as config_mod, spellings, user_command
 from dptrain.config import RunConfig
 from dptrain.data import describe
 from dptrain.distributed.ending import leave_now, lift_exit_deadline
@@ -77,6 +78,8 @@ def planned_run(args: argparse.Namespace, extra: list[str]) -> tuple[RunConfig, 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.worker import train_worker
 
+    if args.user_command is not None:
+        return train_user_script(args, extra)
     cfg, world_size, launched_outside, nodes = planned_run(args, extra)
     if args.dry_run:
         from dptrain.dry_run import dry_run
@@ -86,6 +89,20 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.folder.launcher_log,
               nodes)
     return 0
+
+
+def train_user_script(args: argparse.Namespace, extra: list[str]) -> int:
+    """`dptrain train [options] -- my_train.py ARGS`: the user's script on this node's workers, as torchrun starts it
+    (launch/script.py); only --output.*, --launch.* and the node options are dptrain's then."""
+    from dptrain.launch.script import EXAMPLE, SCRIPT_SECTIONS, run_script
+
+    script = user_command.user_script(args.user_command, Path.cwd(), EXAMPLE, "each worker")
+    overrides = split_overrides(extra)
+    user_command.refuse_trainer_options(overrides, SCRIPT_SECTIONS, "this launch")
+    if args.nproc_per_node is not None:
+        overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
+    cfg = user_command.named_after(config_mod.load(args.config, overrides), script, overrides)
+    return run_script(script, cfg, nodes_of(args), args.dry_run)
 
 
 def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
@@ -114,9 +131,9 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
 
     workdir = Path.cwd()
     overrides = split_overrides(extra)
-    script = None if args.user_command is None else user_script.user_script(args.user_command, workdir)
+    script = None if args.user_command is None else user_script.job_script(args.user_command, workdir)
     if script is not None:
-        user_script.refuse_trainer_options(overrides)
+        user_script.refuse_options_of_the_trainer(overrides)
     pairs = [*overrides, *submit_overrides(args), *sbatch_name_pairs(args)]
     if script is None:
         cfg = adopt_strategy_settings(config_mod.load(args.config, pairs), args.config, pairs)
@@ -130,9 +147,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         cfg = dataclasses.replace(cfg, slurm=user_script.user_script_shape(cfg.slurm, given))
     cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
     if script is not None:
-        if not any(key.startswith("output.") for key, _ in pairs) and cfg.output.dir is None and \
-                cfg.output.name == config_mod.OutputConfig().name:  # runs/<script's name>, not runs/run
-            cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=script.name))
+        cfg = user_command.named_after(cfg, script, pairs)
     job = slurm_job.job_for(cfg, workdir, **job_files(args))
     if script is None:
         # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch`
@@ -294,13 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     overrides = ("Every option below can be set in the --config file's [section] table, or as\n"
                  "--section.option VALUE (or --section.option=VALUE), which wins over the file.")
     train = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description=f"Train a model.\n{overrides}")
+                           description=f"Train a model.\n{overrides}\n\n"
+        "dptrain train [--nproc-per-node N] [node options] -- my_train.py --epochs 5 (or -- python my_train.py ...,\n"
+        "-- -m pkg.train ...) runs a training script of your own on N local workers, as torchrun starts it (a\n"
+        "free port, RANK, LOCAL_RANK, WORLD_SIZE); only --output.* and --launch.* are dptrain's then.")
     add_run_options(train)
     train.add_argument("--dry-run", action="store_true",
                        help="check everything (config, world, data, model on one batch, output folder, snapshot to resume "
                             "from), print what the run would do, and exit without writing anything")
     add_node_options(train)
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, user_command=None)  # the words after --: main() takes them
     submit = sub.add_parser(
         "submit",
         help="write the run's SLURM job script and submit it",
@@ -410,9 +428,9 @@ def translated(argv: list[str]) -> list[str]:
 
 
 def user_command_words(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    """(argv up to `dptrain submit`'s --, the words after it: the user's training command, left untranslated, as the
-    script's own options; None without a --)."""
-    if argv[:1] != ["submit"] or "--" not in argv:
+    """(argv up to `dptrain submit`'s or `dptrain train`'s --, the words after it: the user's training command, left
+    untranslated, as the script's own options; None without a --)."""
+    if argv[:1] not in (["submit"], ["train"]) or "--" not in argv:
         return argv, None
     at = argv.index("--")
     return argv[:at], argv[at + 1:]

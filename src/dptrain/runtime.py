@@ -82,19 +82,24 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BLOCKS_UP_TO)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def available_cores() -> int:
+    """The cores this process may use: its CPU set, within its SLURM task's --cpus-per-task where one is given."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        cores = os.cpu_count() or 1
+    task_cpus = slurm_count("task_cpus")  # None without --cpus-per-task; 0 is no count either
+    return min(cores, task_cpus) if task_cpus else cores
+
+
 def set_cpu_threads(env: DistEnv) -> int:
     """Split the cores this process may use across the ranks sharing them; oversubscribed ranks slow each other down.
 
     Under SLURM the cores are the task's (--cpus-per-task; the CPU set may show the whole node where the cluster
     does not bind tasks): a task per rank keeps them all, an agent's task shares them among its node's ranks.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        cores = os.cpu_count() or 1
-    task_cpus = slurm_count("task_cpus")  # None without --cpus-per-task; 0 is no count either
-    if task_cpus:
-        cores = min(cores, task_cpus)
+    task_cpus = slurm_count("task_cpus")
+    cores = available_cores()
     sharing = 1 if env.source == "slurm" and task_cpus else env.local_world_size
     threads = max(1, cores // sharing)
     torch.set_num_threads(threads)

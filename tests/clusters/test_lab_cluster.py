@@ -5,6 +5,7 @@ script starts and stops one leaving nothing behind, also when the process that s
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -13,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import FLOAT64_ENV, REPO, assert_trained_alike, plan_runs, read_events
 from tests.lab_cluster import LabCluster, LabNetwork, _links, _namespaces, rate_bits_per_s
 from tests.launch.test_multinode import MULTINODE, json_env
-from tests.slurm.test_slurm_jobs import job_output, submit
+from tests.slurm.test_slurm_jobs import LIGHTNING_SCRIPT, TUTORIAL_SCRIPT, job_output, submit
 from tests.slurm_cluster import SlurmClusterError, _cmdline
 
 PY = sys.executable
@@ -153,6 +155,35 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
     gradient_bytes = sum(t.numel() * t.element_size() for t in ref_weights.values() if t.is_floating_point())
     assert min(sent) >= 8 * gradient_bytes, (sent, gradient_bytes)
     assert read_events(run_dir, "run_start")[0]["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_tutorials_ddp_and_lightning_scripts_train_as_jobs_across_two_lab_hosts(tmp_path):
+    """`dptrain submit --nodes 2 -- SCRIPT ...` with the tutorials' DDP script and their Lightning script, side by
+    side on host1 and host2 (1 Gbit/s): one torchrun per host, rank 0 on host1, each model saved by rank 0, and each
+    step's gradients over the links."""
+    _skip_where_impossible()
+    pytest.importorskip("lightning")
+    scripts = {"ddp": [str(TUTORIAL_SCRIPT), "--epochs", "2", "--model_dir", "saved-ddp"],
+               "lightning": [str(LIGHTNING_SCRIPT), "--gpus", "1", "--nodes", "2", "--epochs", "2",
+                             "--model_dir", "saved-lightning"]}
+    with LabCluster.start(tmp_path / "lab", hosts=2, rate="1gbit") as lab:
+        before = [lab.network.bytes_sent(k) for k in (1, 2)]
+        ids = {name: submit(lab, tmp_path, name, ["--nodes", "2", "--cpus-per-node", "1", "--", *words], {})
+               for name, words in scripts.items()}
+        jobs = {name: lab.wait(job_id, timeout=240) for name, job_id in ids.items()}
+        sent = [lab.network.bytes_sent(k) - b for k, b in zip((1, 2), before)]
+    for name, job in jobs.items():
+        assert job["JobState"] == "COMPLETED", (job, job_output(tmp_path / "runs" / name))
+        assert job["NodeList"] == "host[1-2]"
+        ranks = json.loads((tmp_path / f"saved-{name}" / "ranks.json").read_text())
+        assert [(r["rank"], r["host"]) for r in ranks] == [(0, "host1"), (1, "host2")]
+        assert {k: tuple(v.shape) for k, v in torch.load(tmp_path / f"saved-{name}" / "model.pt").items()} == {
+            "1.weight": (10, 784), "1.bias": (10,)}
+    # each script: 2 epochs of 256 samples in batches of 16 a rank, 16 steps, each sending about the 7,850 float32
+    # gradients from each host (a ring of two sends half of them twice)
+    assert min(sent) >= 2 * 16 * 7850 * 4, sent
 
 
 plan_runs({"lab/one-host-4-ranks": (MULTINODE, (4,))}, precision="float64")

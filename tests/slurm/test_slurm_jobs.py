@@ -34,6 +34,7 @@ SHORT = [*LONG, "--train.max_steps", "20"]
 # One core per rank (--cpus-per-task 1, so 1 thread each): the jobs run side by side on this machine's 2 cores.
 TWO_NODES = ["--nodes", "2", "--cpus-per-node", "1"]
 TUTORIAL_SCRIPT = Path(__file__).parent / "tutorial_ddp.py"
+LIGHTNING_SCRIPT = Path(__file__).parent / "tutorial_lightning.py"
 # name -> (options of `dptrain submit`, environment of the submission; sbatch passes it on to the job)
 JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     "requeued": ([*LONG, *TWO_NODES, "--requeue"], {}),
@@ -50,6 +51,9 @@ JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
                  "--sbatch", "hold"], {}),
     # the tutorials' own DDP script (tests/slurm/tutorial_ddp.py), under one torchrun per node: dptrain submit -- ...
     "user-script": ([*TWO_NODES, "--", str(TUTORIAL_SCRIPT), "--epochs", "2", "--model_dir", "saved-user-script"], {}),
+    # the tutorials' Lightning script (tests/slurm/tutorial_lightning.py): its own --gpus and --nodes after the --
+    "lightning-script": ([*TWO_NODES, "--", str(LIGHTNING_SCRIPT), "--gpus", "1", "--nodes", "2", "--epochs", "2",
+                          "--model_dir", "saved-lightning-script"], {}),
 }
 
 
@@ -223,6 +227,19 @@ def test_a_users_ddp_script_trains_across_both_nodes_with_rank_0_on_the_first_an
     saved = run_dir.parent.parent / "saved-user-script"  # --model_dir, from the folder the job ran in
     weights = torch.load(saved / "model.pt")
     assert {k: tuple(v.shape) for k, v in weights.items()} == {"1.weight": (10, 784), "1.bias": (10,)}
-    assert json.loads((saved / "ranks.json").read_text()) == [{"rank": 0, "node": 0}, {"rank": 1, "node": 1}]
+    assert [(r["rank"], r["node"]) for r in json.loads((saved / "ranks.json").read_text())] == [(0, 0), (1, 1)]
     output = job_output(run_dir)
     assert "Epoch 02/02 | loss" in output and "| world 2" in output  # rank 0's lines, in the job's output
+
+
+def test_the_tutorials_lightning_script_trains_across_both_nodes_and_saves_its_model(slurm_cluster, jobs):
+    """Lightning under the job's torchrun on each node (its TorchElasticEnvironment): 1 device a node x 2 nodes, rank 0
+    on the first node, the model saved by rank 0 where --model_dir says, its epoch lines in the job's output."""
+    job, run_dir = finished(slurm_cluster, jobs, "lightning-script")
+    assert job["NodeList"] == "n[1-2]" and job["NumTasks"] == "2"
+    saved = run_dir.parent.parent / "saved-lightning-script"
+    weights = torch.load(saved / "model.pt")
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {"1.weight": (10, 784), "1.bias": (10,)}
+    assert [(r["rank"], r["node"]) for r in json.loads((saved / "ranks.json").read_text())] == [(0, 0), (1, 1)]
+    output = job_output(run_dir)
+    assert "Epoch 02 | loss" in output and "| world 2" in output, output

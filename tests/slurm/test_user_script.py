@@ -77,8 +77,8 @@ def test_a_signal_lead_in_the_config_files_slurm_table_is_asked_for_too(submit, 
              "submit --nodes 2 -- my_train.py --epochs 5."),
     (["--", "python"], "no training script after --; give the script and its arguments as torchrun takes them, e.g. "
                        "dptrain submit --nodes 2 -- my_train.py --epochs 5."),
-    (["--", "train.py"], "the training script train.py is not a file in {tmp}, where the job runs; give its path "
-                         "from there."),
+    (["--", "train.py"], "the training script train.py is not a file in {tmp}, where the job runs it; give its "
+                         "path from there."),
     (["--optim.lr", "0.1", "--", SCRIPT], "--optim.lr is an option of dptrain's own trainer, which this job does not "
                                           "run; give your script its own options after its name (-- my_train.py "
                                           "--epochs 5)."),

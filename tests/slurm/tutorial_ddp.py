@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,8 @@ def main() -> None:
         if rank == 0:
             print(f"Epoch {epoch:02d}/{args.epochs:02d} | loss {loss.item():.4f} | world {world}", flush=True)
     where: list[object] = [None] * world
-    dist.all_gather_object(where, {"rank": rank, "node": int(os.environ.get("SLURM_NODEID", "-1"))})
+    dist.all_gather_object(where, {"rank": rank, "host": socket.gethostname(),
+                                   "node": int(os.environ.get("SLURM_NODEID", "-1"))})
     if rank == 0:
         os.makedirs(args.model_dir, exist_ok=True)
         torch.save(model.module.state_dict(), os.path.join(args.model_dir, "model.pt"))

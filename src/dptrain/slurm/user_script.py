@@ -5,18 +5,16 @@ in place of dptrain's agent. torchrun's static rendezvous at MASTER_ADDR:MASTER_
 SLURM_NODEID puts global rank 0 on the job's first node, whose address MASTER_ADDR is; each rank finds its GPU at
 LOCAL_RANK, as the tutorials' scripts read it.
 
-What follows `--` is what follows torchrun's own options: a script and its arguments (my_train.py --epochs 5), or
--m and a module. A leading python (srun python my_train.py, the tutorials' sbatch habit) names the interpreter: torchrun
-runs the script with the Python that runs it, so that python is the job's (slurm.python).
+What follows `--` is read by user_command.py. A leading python (srun python my_train.py, the tutorials' sbatch habit)
+names the interpreter: torchrun runs the script with the Python that runs it, so that python is the job's
+(slurm.python).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import shlex
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 from dptrain.config import RunConfig, SlurmConfig
@@ -25,9 +23,9 @@ from dptrain.slurm.env import SLURM_VARS
 from dptrain.slurm.job import Job, python_for
 from dptrain.slurm.requeue import REQUEUE_VAR
 from dptrain.slurm.script import TaskCommand
+from dptrain.user_command import UserScript, refuse_trainer_options, user_script
 
 EXAMPLE = "dptrain submit --nodes 2 -- my_train.py --epochs 5"
-PYTHON_WORD = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.11, as a word or a path's last part
 # The sections of a run's options that still mean something when the job runs the user's script: where the job's
 # files go (output: the run folder, which holds job.sbatch and the job's logs) and the job itself (slurm).
 USER_SCRIPT_SECTIONS = ("output", "slurm")
@@ -36,60 +34,13 @@ USER_SCRIPT_SECTIONS = ("output", "slurm")
 SIGNALS_TO_PASS_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-@dataclass(frozen=True)
-class UserScript:
-    """The user's training command, as given after `--`."""
-
-    target: tuple[str, ...]
-    """The script (my_train.py), or -m and a module (-m pkg.train)."""
-    args: tuple[str, ...]
-    """The script's own arguments, passed on as given."""
-    python: str | None = None
-    """The interpreter named before the script (python, /opt/venv/bin/python), if any."""
-
-    @property
-    def name(self) -> str:
-        """A run name after the script: my_train for my_train.py, train for -m pkg.train."""
-        stem = self.target[-1].rsplit(".", 1)[-1] if self.target[0] == "-m" else Path(self.target[0]).stem
-        return re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip(".-") or "script"
-
-    @property
-    def shown(self) -> str:
-        return shlex.join([*self.target, *self.args])
+def job_script(words: list[str], workdir: Path) -> UserScript:
+    """The user's command after submit's `--`, its script looked for from workdir, where the job runs."""
+    return user_script(words, workdir, EXAMPLE, "the job")
 
 
-def user_script(words: list[str], workdir: Path) -> UserScript:
-    """The user's command after `--` (words), its script looked for from workdir (where the job runs); ConfigError in
-    one sentence where there is no script, or no such file."""
-    python = None
-    if words and PYTHON_WORD.fullmatch(Path(words[0]).name):
-        python, words = words[0], words[1:]
-    if words[:1] == ["-u"]:  # unbuffered output: torchrun runs its workers with python -u already
-        words = words[1:]
-    if not words:
-        raise ConfigError(f"no training script after --; give the script and its arguments as torchrun takes them, "
-                          f"e.g. {EXAMPLE}.")
-    if words[0] == "-m":
-        if len(words) < 2:
-            raise ConfigError("-m after -- needs a module to run, e.g. dptrain submit -- -m mypackage.train.")
-        return UserScript(tuple(words[:2]), tuple(words[2:]), python)
-    if words[0].startswith("-"):
-        raise ConfigError(f"{words[0]} after -- is an option, not a training script; put dptrain submit's options "
-                          f"before --, and the script and its arguments after it, e.g. {EXAMPLE}.")
-    script = Path(words[0]).expanduser()
-    if not (script if script.is_absolute() else workdir / script).is_file():
-        raise ConfigError(f"the training script {words[0]} is not a file in {workdir}, where the job runs; give its "
-                          f"path from there.")
-    return UserScript((words[0],), tuple(words[1:]), python)
-
-
-def refuse_trainer_options(pairs: list[tuple[str, str]]) -> None:
-    """ConfigError in one sentence for an option of dptrain's own trainer (--train.epochs) given with a script of the
-    user's, which would not read it."""
-    for key, _ in pairs:
-        if key.partition(".")[0] not in USER_SCRIPT_SECTIONS:
-            raise ConfigError(f"--{key} is an option of dptrain's own trainer, which this job does not run; give your "
-                              f"script its own options after its name (-- my_train.py --epochs 5).")
+def refuse_options_of_the_trainer(pairs: list[tuple[str, str]]) -> None:
+    refuse_trainer_options(pairs, USER_SCRIPT_SECTIONS, "this job")
 
 
 def user_script_shape(slurm: SlurmConfig, given: set[str]) -> SlurmConfig:

@@ -1,0 +1,122 @@
+"""`dptrain train -- my_train.py ...`: a training script of the user's own on local workers, started as torchrun starts
+it, by dptrain's elastic agent (src/dptrain/launch/script.py). The tutorials' DDP script and their Lightning script
+(tests/slurm/) train this way; a failed rank is restarted with the sentence that says which; the refusals are one
+sentence each."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+SCRIPTS = Path(__file__).parents[1] / "slurm"
+# Each rank writes what torchrun would have given it, and rank 1 fails on its first attempt where a marker says so.
+PROBE = """
+import json, os, sys
+rank = os.environ["RANK"]
+if rank == "1" and os.path.exists("fail-once"):
+    os.remove("fail-once")
+    sys.exit("rank 1: the disk is full")
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({**{k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script, args", [
+    ("tutorial_ddp.py", ["--epochs", "2", "--model_dir", "saved"]),
+    ("tutorial_lightning.py", ["--gpus", "2", "--epochs", "2", "--model_dir", "saved"]),
+], ids=["ddp", "lightning"])
+def test_the_tutorials_scripts_train_on_two_local_workers_and_save_their_model(tmp_path, script, args):
+    if script == "tutorial_lightning.py":
+        pytest.importorskip("lightning")  # a dev dependency: `./scripts/setup.sh --dev` installs it
+    shutil.copy(SCRIPTS / script, tmp_path)
+    done = run_cli(["train", "--nproc-per-node", "2", "--", script, *args], tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = torch.load(tmp_path / "saved" / "model.pt")
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {"1.weight": (10, 784), "1.bias": (10,)}
+    assert [r["rank"] for r in json.loads((tmp_path / "saved" / "ranks.json").read_text())] == [0, 1]
+    assert "Epoch 02" in done.stdout and "| world 2" in done.stdout  # rank 0's lines, on the console
+    name = Path(script).stem
+    assert f"dptrain: starting {script} {' '.join(args)} on 2 local worker(s), world size 2" in done.stderr
+    assert (tmp_path / "runs" / name / "logs" / "launcher.log").is_file()  # the agent's log, in the run folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_each_rank_gets_torchruns_variables_a_free_port_its_cores_and_a_restart_that_names_the_failed_rank(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "fail-once").touch()
+    done = run_cli(["train", "--nproc-per-node", "2", "--launch.max_restarts", "1", "--", "python", "probe.py",
+                    "--lr", "0.1"], tmp_path, timeout=100, env={"OMP_NUM_THREADS": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1: the disk is full" in done.stderr  # the script's own words, on the console
+    assert ("dptrain: rank 1 exited with code 1; starting the workers again, attempt 2 of 2 (--launch.max_restarts 1)."
+            in done.stderr.splitlines())
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))  # this machine's cores, shared by its two ranks
+    assert [(s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"], s["LOCAL_WORLD_SIZE"]) for s in seen] == [
+        ("0", "0", "2", "2"), ("1", "1", "2", "2")]
+    assert {s["MASTER_ADDR"] for s in seen} == {"127.0.0.1"} and seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
+    assert {s["OMP_NUM_THREADS"] for s in seen} == {threads} and {tuple(s["argv"]) for s in seen} == {("--lr", "0.1")}
+
+
+@pytest.mark.timeout(60)
+def test_under_a_launcher_already_the_script_replaces_dptrain_and_reads_its_variables(tmp_path):
+    """As under torchrun's or srun's task: no agent of dptrain's, the script runs once with the launcher's rank."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    torchruns = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29999", "OMP_NUM_THREADS": "3"}
+    done = run_cli(["train", "--", "probe.py"], tmp_path, timeout=50, env=torchruns)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert (seen["MASTER_PORT"], seen["OMP_NUM_THREADS"]) == ("29999", "3")
+    assert not (tmp_path / "runs").exists()  # no agent, no agent's log
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--"], "no training script after --; give the script and its arguments as torchrun takes them, e.g. dptrain "
+             "train --nproc-per-node 2 -- my_train.py --epochs 5."),
+    (["--", "train.py"], "the training script train.py is not a file in {tmp}, where each worker runs it; give its "
+                         "path from there."),
+    (["--train.epochs", "3", "--", "my_train.py"], "--train.epochs is an option of dptrain's own trainer, which this "
+                                                   "launch does not run; give your script its own options after its "
+                                                   "name (-- my_train.py --epochs 5)."),
+    (["--", "--nproc_per_node", "2", "my_train.py"], "--nproc_per_node after -- is an option, not a training script; "
+                                                     "put dptrain train's options before --, and the script and its "
+                                                     "arguments after it, e.g. dptrain train --nproc-per-node 2 -- "
+                                                     "my_train.py --epochs 5."),
+])
+def test_what_a_users_script_cannot_be_given_is_one_sentence(tmp_path, monkeypatch, capsys, args, error):
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_train.py").write_text("raise SystemExit('never run')\n")
+    code = main(["train", *args])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == "dptrain: error: " + error.format(tmp=tmp_path)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_says_what_would_start_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_train.py").write_text("open('ran', 'w')\n")
+    code = main(["train", "--dry-run", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                 "10.0.0.1", "--output.name", "mine", "--", "my_train.py", "--epochs", "5"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err.startswith("dptrain: would start my_train.py --epochs 5 on 2 local worker(s), world size 4, through "
+                          "dptrain's elastic agent (2 nodes meeting at 10.0.0.1:29500)")
+    assert err.rstrip().endswith(f"the agent's log: {Path('runs', 'mine', 'logs', 'launcher.log')}")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "runs").exists()
