@@ -468,12 +468,13 @@ class Calibration:
 
 
 def calibrate(plan: Plan, work: Workload, points: list[Measured], link: Timed, local_link: Timed | None = None,
-              default_overlap: float = 0.0) -> Calibration:
+              default_overlap: float = 0.0, hold_out: bool = True) -> Calibration:
     """Fit on the smaller shapes (split_for_fit), predict the larger: the compute per sample (and the cores it kept
     busy) from the fit set's 1-worker points where there are any (else work's own, from peak.json), the CPU that
     moving a byte between nodes costs from its multi-node points (comm_cpu_per_byte), the overlap from its multi-rank
-    points (else default_overlap)."""
-    fit_on, held = split_for_fit(points)
+    points (else default_overlap). hold_out False: fit on every point, none held out (a fit that predicts another
+    sweep, `report --fitted-on`: its largest shapes, often its only multi-node ones, are what it most needs)."""
+    fit_on, held = split_for_fit(points) if hold_out else (list(points), [])
     single = [p for p in fit_on if p.workers == 1 and p.nodes == 1]
     if single:
         busy = [p.cpu_util_pct / 100 for p in single if p.cpu_util_pct]
@@ -486,6 +487,20 @@ def calibrate(plan: Plan, work: Workload, points: list[Measured], link: Timed, l
     overlap = default_overlap if overlap is None else overlap
     return Calibration(work=work, overlap=overlap, overlap_fitted=fitted, fitted_on=fit_on,
                        held_out=predicted(plan, work, held, link, overlap, local_link))
+
+
+def fit_basis(points: list[Measured]) -> str:
+    """What a fit rests on, in words: how many points, their shapes, and what each kind of point gave the model."""
+    shapes = [f"{n}x{w // n}" for n, w in sorted({(p.nodes, p.workers) for p in points})]
+    single = sum(1 for p in points if p.workers == 1)
+    several = [p for p in points if p.workers > 1]
+    across = sum(1 for p in several if p.nodes > 1)
+    with_cpu = sum(1 for p in several if p.nodes > 1 and p.cpu_util_pct)
+    kinds = [f"{single} of one worker for the compute per sample" if single else "",
+             f"{len(several)} of several ranks ({across} across nodes) for the overlap" if several else "",
+             f"{with_cpu} across nodes with their CPU use for the CPU a byte" if with_cpu else ""]
+    return (f"{len(points)} point{'s' if len(points) != 1 else ''}, shapes {' and '.join(shapes)} (nodes x ranks per "
+            f"node): " + ", ".join(k for k in kinds if k))
 
 
 def predicted(plan: Plan, work: Workload, points: list[Measured], link: Timed, overlap: float,

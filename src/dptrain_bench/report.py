@@ -17,8 +17,8 @@ from dptrain_bench.folder import SWEEP_FILE, BenchFolder
 from dptrain_bench.link import LINK_FILE, load_link, read_link
 from dptrain_bench.model import STRATEGIES as MODEL_STRATEGIES
 from dptrain_bench.model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
-                                 Workload, calibrate, compute_seconds, curve, named_link, predicted,
-                                 split_for_fit)
+                                 Workload, calibrate, compute_seconds, curve, fit_basis, named_link,
+                                 predicted, split_for_fit)
 from dptrain_bench.peak import MAX_PROCESSES, load_peaks, read_peaks
 from dptrain import read_back
 from dptrain.config import SPECS
@@ -293,6 +293,8 @@ class ScalingLine:
     ranks_per_node: int
     curves: dict[str, list[Prediction]]
     compute_from: str
+    fit_source: str | None = None
+    """With --fitted-on: what the other sweep's fit rests on (fit_basis), in words."""
 
 
 def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
@@ -436,10 +438,12 @@ def _measured(bench_dir: Path, rows: list[dict[str, Any]]) -> list[Measured]:
 
 
 def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | None = None,
-                  fitted_on: Path | None = None) -> tuple[list[ScalingLine], list[str], dict[str, str]]:
+                  fitted_on: Path | None = None,
+                  hold_out: bool = True) -> tuple[list[ScalingLine], list[str], dict[str, str]]:
     """The model's line of each dptrain strategy it has formulas for; notes on what it could not do; the links used,
     by label, in words. Nothing without link.json. fitted_on: another sweep's folder (another link, say) whose fit
-    (compute per sample, overlap) predicts every point here, none of which is then fitted on."""
+    (compute per sample, overlap), made on every one of its points, predicts every point here, none of which is then
+    fitted on. hold_out False: each line fitted on all its points (what --fitted-on reads of the other sweep)."""
     earlier = _fits_of(fitted_on) if fitted_on is not None else None
     named = named_link(link_name) if link_name else None  # an unknown name is refused before anything is read
     record = read_link(bench_dir)
@@ -475,16 +479,16 @@ def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | 
             calibration = Calibration(work=line_work, overlap=fit.overlap, overlap_fitted=fit.overlap_fitted,
                                       fitted_on=[], held_out=predicted(plan, line_work, measured, between, fit.overlap,
                                                                        within))
-            lines.append(_line(strategy, plan, calibration, measured, between, within, named,
-                               f"the fit on {fitted_on}"))
+            lines.append(replace(_line(strategy, plan, calibration, measured, between, within, named,
+                                       f"the fit on {fitted_on}"), fit_source=fit_basis(fit.fitted_on)))
             continue
-        has_single = any(m.workers == 1 for m in split_for_fit(measured)[0])
+        has_single = any(m.workers == 1 for m in (split_for_fit(measured)[0] if hold_out else measured))
         if not measured or (not has_single and not line_work.compute_s_per_sample):
             notes.append(f"{strategy}: no 1-worker run and no peak.json with the model's operations per sample, so "
                          f"no compute time per sample to start from")
             continue
         try:
-            calibration = calibrate(plan, line_work, measured, between, within)
+            calibration = calibrate(plan, line_work, measured, between, within, hold_out=hold_out)
         except ConfigError as e:  # PowerSGD without its measured bytes, say
             notes.append(f"{strategy}: {e}")
             continue
@@ -514,7 +518,7 @@ def _fits_of(bench_dir: Path) -> dict[str, ScalingLine]:
         raise ConfigError(f"--fitted-on {bench_dir}: {exc.path.name} {exc.problem}; give a sweep's folder whose own "
                           f"report draws the scaling model.") from None
     rows, _ = load_rows(bench_dir, write=False)
-    lines, notes, _ = scaling_lines(bench_dir, rows)
+    lines, notes, _ = scaling_lines(bench_dir, rows, hold_out=False)
     if not lines:
         why = notes[0] if notes else f"it has no {LINK_FILE}"
         raise ConfigError(f"--fitted-on {bench_dir} gives the model no fit ({why}); give a sweep's folder whose own "
@@ -588,15 +592,15 @@ def scaling_markdown(lines: list[ScalingLine], notes: list[str], links: dict[str
         return parts
     for line in lines:
         c = line.calibration
-        fit_shapes = ", ".join(sorted({f"{m.nodes}x{m.ranks_per_node}" for m in c.fitted_on}))
         overlap = (f"overlap {c.overlap:.2f} fitted" if c.overlap_fitted else
                    f"overlap {c.overlap:.2f} assumed (no point of two ranks or more to fit it on)")
-        fitted = (f"fitted on {fit_shapes} (nodes x ranks per node)" if c.fitted_on else
+        fitted = (f"fitted on {fit_basis(c.fitted_on)}" if c.fitted_on else
                   "fitted on none of these points, every one held out")
         comm_cpu = (f"; moving a byte between nodes took {c.work.comm_cpu_s_per_byte * 1e9:.3g} ns of a rank's CPU"
                     if c.work.comm_cpu_s_per_byte else "")
+        source = f", made on all its {md_text(line.fit_source)}" if line.fit_source else ""
         parts.append(f"- {md_text(line.strategy)}: {fitted}; compute {c.work.compute_s_per_sample * 1e3:.3g} ms per "
-                     f"sample from {md_text(line.compute_from)}{comm_cpu}; {overlap}.")
+                     f"sample from {md_text(line.compute_from)}{source}{comm_cpu}; {overlap}.")
         last = max(p.nodes for p in line.curves["measured"])
         if last < MAX_NODES:  # the sweep keeps the global batch: past it, a rank would get no sample
             parts.append(f"  Its curves end at {last} nodes: the global batch of {c.work.global_batch} gives each of "

@@ -278,8 +278,9 @@ def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(
     text = write_report(bench, link="100mbit").read_text()
     assert (bench / SCALING_PLOT).stat().st_size > 10_000  # a drawn plot, not an empty canvas
     assert f"![Scaling model: measured and predicted]({SCALING_PLOT})" in text
-    assert ("ddp: fitted on 1x1, 2x1 (nodes x ranks per node); compute 1 ms per sample from its 1-worker run; "
-            "overlap 0.30 fitted.") in text.replace("\\", "")
+    assert ("ddp: fitted on 2 points, shapes 1x1 and 2x1 (nodes x ranks per node): 1 of one worker for the compute "
+            "per sample, 1 of several ranks (1 across nodes) for the overlap; compute 1 ms per sample from its 1-worker "
+            "run; overlap 0.30 fitted.") in text.replace("\\", "")
     errors = text.split("## Model error on the points it was not fitted on", 1)[1].split("##", 1)[0]
     [held_out] = [line for line in errors.splitlines() if line.startswith("| ddp |")]
     assert held_out.startswith(f"| ddp | 4 | 4 | {rates[4]:.0f} | {rates[4] / 0.9:.0f} | +11.1% |")
@@ -345,8 +346,10 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
     slow = tmp_path / "100mbit"
     slow_rates = write_lab_sweep(slow, Link("100mbit", 200e-6, 12.5e6, ""), 0.3, (1, 2, 4), slower={2: 0.9})
     text = write_report(slow, fitted_on=lab).read_text()
-    assert (f"ddp: fitted on none of these points, every one held out; compute 1 ms per sample from the fit on {lab}; "
-            f"overlap 0.30 fitted.") in text.replace("\\", "")
+    assert (f"ddp: fitted on none of these points, every one held out; compute 1 ms per sample from the fit on {lab}, "
+            f"made on all its 3 points, shapes 1x1 and 2x1 and 4x1 (nodes x ranks per node): 1 of one worker for the "
+            f"compute per sample, 2 of several ranks (2 across nodes) for the overlap; overlap 0.30 fitted."
+            ) in text.replace("\\", "")
     rows = errors_of(text)
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "4"]
     assert rows[1].startswith(f"| ddp | 2 | 2 | {slow_rates[2]:.0f} | {slow_rates[2] / 0.9:.0f} | +11.1% |")
@@ -379,6 +382,29 @@ def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carri
     rows = errors_of(write_report(slow, fitted_on=lab).read_text())
     assert [row.split("|")[4].strip() for row in rows] == [f"{slow_rates[n]:.0f}" for n in (1, 2, 4)]
     assert all(row.endswith("| +0.0% |") for row in rows)
+
+
+def test_a_fit_from_another_sweep_rests_on_every_one_of_its_points(tmp_path):
+    """A source sweep of 1 and 2 hosts (1 Gbit/s) predicts 3 hosts on another link: with the source's own split the
+    fit would rest on its 1-host point alone (the overlap assumed 0, no CPU a byte) and predict the 3-host point 27.8%
+    too fast; fitted on both points it carries the overlap and the CPU a byte from the 2-host point, and is exact."""
+    from dptrain_bench.model import Link
+    from dptrain_bench.report import write_report
+
+    source = tmp_path / "1gbit"
+    write_lab_sweep(source, Link("1gbit", 50e-6, 125e6, ""), 0.9, (1, 2), comm_cpu_s_per_byte=1e-8)
+    target = tmp_path / "500mbit"
+    rates = write_lab_sweep(target, Link("500mbit", 80e-6, 62.5e6, ""), 0.9, (1, 3), comm_cpu_s_per_byte=1e-8)
+    text = write_report(target, fitted_on=source).read_text().replace("\\", "")
+    assert (f"from the fit on {source}, made on all its 2 points, shapes 1x1 and 2x1 (nodes x ranks per node): 1 of "
+            f"one worker for the compute per sample, 1 of several ranks (1 across nodes) for the overlap, 1 across "
+            f"nodes with their CPU use for the CPU a byte; moving a byte between nodes took 10 ns of a rank's CPU; "
+            f"overlap 0.90 fitted.") in text
+    rows = errors_of(text)
+    assert [row.split("|")[4].strip() for row in rows] == [f"{rates[n]:.0f}" for n in (1, 3)]
+    assert all(abs(float(row.split("|")[-2].strip().rstrip("%"))) < 0.05 for row in rows), rows
+    # the source's own report still holds its larger shape out, to judge the model on
+    assert [row.split("|")[2].strip() for row in errors_of(write_report(source).read_text())] == ["2"]
 
 
 def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):
