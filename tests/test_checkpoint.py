@@ -40,7 +40,11 @@ def weights_equal(a, b) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "ps")
+STRATEGIES = ("ddp", "fsdp", "zero1", "ps", "ddp-deferred")
+# strategy -> its options; ddp-deferred: each step's update applied in the next forward (deferred_update.py), whose
+# snapshots (at 5, at the epoch's end, at the stop) must each hold whole updates only
+OPTIONS = {**{s: ["--strategy.name", s] for s in STRATEGIES},
+           "ddp-deferred": ["--strategy.name", "ddp", "--strategy.ddp.update_in_next_forward", "true"]}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +60,8 @@ def batch(tmp_path_factory):
         if not made:
             first, second = {}, {}  # name -> argv; each wave's runs are independent of each other
             for s in STRATEGIES:
-                first[f"ref/{s}"] = ["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "ref" / s)]
-                stopped = ["train", *RUN, "--strategy.name", s, "--output.dir", str(root / "stopped" / s)]
+                first[f"ref/{s}"] = ["train", *RUN, *OPTIONS[s], "--output.dir", str(root / "ref" / s)]
+                stopped = ["train", *RUN, *OPTIONS[s], "--output.dir", str(root / "stopped" / s)]
                 first[f"stopped/{s}/first"], second[f"stopped/{s}"] = [*stopped, "--train.max_steps", "9"], stopped
             asynchronous = ["--strategy.name", "ddp", "--checkpoint.async_save", "true", "--checkpoint.keep_last", "5"]
             first["async"] = ["train", *RUN, *asynchronous, "--output.dir", str(root / "async"), "--train.max_steps", "9"]

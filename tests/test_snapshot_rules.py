@@ -143,6 +143,9 @@ class OneTensorStrategy:
     def state_parts(self, optimizer) -> list:
         return [Shards("model", lambda: {"model": {"weight": self.weight}}, lambda shards: None)]
 
+    def settle(self) -> None:
+        """No update is ever owed here (Strategy.settle: a snapshot first finishes one)."""
+
 
 class ConstantScheduler:
     def state_dict(self) -> dict:

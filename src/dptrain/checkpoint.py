@@ -192,6 +192,7 @@ class Snapshotter:
 
     def save(self, state: TrainState, wait: bool = False) -> Path:
         """A snapshot of this step boundary (every rank calls this at the same step); with wait, also written whole."""
+        self.strategy.settle()  # never half an update (strategy.ddp.update_in_next_forward)
         final = self.root / f"{PREFIX}{state.step:08d}"
         # A run resumed from this step may stop at it again, and a resume is bit-identical: a whole snapshot of this
         # step is kept, a damaged one (left by an earlier run, skipped by its resume) is written again.

@@ -162,7 +162,7 @@ class Trainer:
         return out
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad(self.optimizer)
         with self._autocast():
             logits = self.model(images)
         # The loss in at least float32 (bf16 logits are summed in float32), float64 stays float64 (the tests' exact mode).
@@ -170,7 +170,7 @@ class Trainer:
         self.strategy.backward(loss_sum, global_count)
         if self.cfg.train.grad_clip is not None:
             self.strategy.clip_grad_norm(self.model, self.cfg.train.grad_clip)
-        self.optimizer.step()
+        self.strategy.optimizer_step(self.optimizer)
         return loss_sum.detach(), (logits.argmax(1) == labels).sum()
 
     # ---- the boundaries: between two steps, at an epoch's end ------------------------------------------------------
@@ -205,6 +205,7 @@ class Trainer:
         evaluation = {}
         if self._evaluation_due(epoch):
             with self.phase(f"evaluation after epoch {epoch + 1}"):
+                self.strategy.settle()
                 evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
         event = self.events.emit(EPOCH_EVENT.name, **{EPOCH: epoch + 1, STEP: self.state.step}, **train, **evaluation)
         self.state.epoch_reported = True
@@ -250,6 +251,7 @@ class Trainer:
 
     def _save_weights(self, path: Path) -> None:
         """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
+        self.strategy.settle()
         state = self.strategy.full_state_dict()
         if self.env.is_main:
             try:

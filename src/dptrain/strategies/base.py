@@ -190,6 +190,18 @@ class Strategy:
         """The optimizer whose state this rank holds."""
         return optimizer
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients before a step's backward."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's update, once backward has given every gradient (a strategy may defer it: settle())."""
+        optimizer.step()
+
+    def settle(self) -> None:
+        """Finish any update still owed to the model, before something reads its weights (a snapshot, the
+        evaluation, the final weights); by default none is."""
+
     def backward(self, loss_sum: torch.Tensor, global_count: int) -> None:
         (loss_sum * (self.env.world_size / global_count)).backward()
 

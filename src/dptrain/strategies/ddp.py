@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.config import SPECS, RunConfig
+from dptrain.errors import ConfigError
 from dptrain.strategies import comm_hooks, shared_memory, two_step
 from dptrain.strategies.base import CommTiming, Strategy, refuse_gloo_send_recv_on_gpus
+from dptrain.strategies.deferred_update import DeferredUpdate, priority_params
 
 
 def comm_timing_from(timers: Mapping[str, Any], device_type: str) -> CommTiming | None:
@@ -32,6 +36,22 @@ def comm_timing_from(timers: Mapping[str, Any], device_type: str) -> CommTiming 
     return CommTiming(total_ms=(end - start) / 1e6, exposed_ms=max(0, end - compute_end) / 1e6)
 
 
+def refuse_with_deferred_update(name: str, cfg: RunConfig) -> None:
+    """ConfigError in one sentence for what strategy.ddp.update_in_next_forward cannot run with."""
+    option = "strategy.ddp.update_in_next_forward"
+    if name != "ddp":
+        raise ConfigError(f"{option} applies to strategy ddp only, not {name}; drop it or use --strategy.name ddp.")
+    if cfg.strategy.ddp.comm_hook != "allreduce":
+        raise ConfigError(f"{option} runs with strategy.ddp.comm_hook allreduce only, not "
+                          f"{cfg.strategy.ddp.comm_hook}; drop one of the two.")
+    if cfg.train.grad_clip is not None:
+        raise ConfigError(f"{option} updates each layer on its own, and train.grad_clip needs every gradient's norm "
+                          f"first; drop one of the two.")
+    if cfg.train.compile:
+        raise ConfigError(f"{option} applies each layer's update in a hook before its forward, which train.compile "
+                          f"would compile through; drop one of the two.")
+
+
 class DDP(Strategy):
     """Traffic: counted by the hook where one is set, and by the shared-memory sum (what a rank writes there for the
     others: its gradients, and its 1/N of their sum); for gloo's or nccl's all-reduce computed from the gradient
@@ -46,8 +66,15 @@ class DDP(Strategy):
     ddp: DistributedDataParallel | None = None
     """The model as wrapped, on more than one rank."""
 
+    deferred: DeferredUpdate | None = None
+    """strategy.ddp.update_in_next_forward's hooks, once wrapped on more than one rank."""
+    deferred_steps = 0
+    """Steps taken since the wrap with deferred updates (the first is settled at once)."""
+
     @classmethod
     def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
+        if cfg.strategy.ddp.update_in_next_forward:
+            refuse_with_deferred_update(cls.name, cfg)
         if cfg.strategy.ddp.comm_hook == "ring":
             refuse_gloo_send_recv_on_gpus(f"strategy {cls.name} with comm_hook ring", cfg.launch.backend, world_size,
                                           on_cpu, "another --strategy.ddp.comm_hook")
@@ -64,6 +91,8 @@ class DDP(Strategy):
         gradients = [p for p in self.module.parameters() if p.requires_grad]
         sizes = dict(max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
                      timeout_s=self.timeout_s)
+        if self.cfg.ddp.update_in_next_forward:
+            return self._wrap_deferred(device_ids)
         if self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
             self.shared_memory_sum = shared_memory.open_on_this_host(**sizes)
         elif self.cfg.ddp.comm_hook == "allreduce" and self.may_sum_in_two_steps():
@@ -88,6 +117,38 @@ class DDP(Strategy):
         self.ddp = ddp
         return ddp
 
+    def _wrap_deferred(self, device_ids: list[int] | None) -> DistributedDataParallel:
+        """DDP whose buckets' sums finish in the next forward (deferred_update.py): a second process group for the
+        first layers' buckets, made by every rank alike."""
+        buckets = {"bucket_cap_mb": self.cfg.ddp.bucket_mb} if self.cfg.ddp.bucket_mb is not None else {}
+        ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
+        self.deferred = DeferredUpdate(self.module, self.env.world_size, priority_group=dist.new_group(),
+                                       priority_params=priority_params(self.module))
+        self.deferred.install(ddp)
+        self.ddp = ddp
+        return ddp
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.deferred is None:
+            super().zero_grad(optimizer)
+        else:
+            self.deferred.zero_grad(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.deferred is None:
+            optimizer.step()
+            return
+        self.deferred.step(optimizer)
+        self.deferred_steps += 1
+        if self.deferred_steps == 1:
+            # DDP rebuilds its buckets at the start of the second forward, copying the gradients into new ones: none
+            # may be in flight then
+            self.deferred.settle()
+
+    def settle(self) -> None:
+        if self.deferred is not None:
+            self.deferred.settle()
+
     def uses_shared_memory(self) -> bool:
         """strategy.ddp.shared_memory applies: CPU ranks, all on this host (a decision every rank makes alike)."""
         return self.cfg.ddp.shared_memory and shared_memory.all_on_this_host(self.device, self.env)
@@ -99,7 +160,15 @@ class DDP(Strategy):
 
     def comm_timing(self) -> CommTiming | None:
         """From DDP's own timers (its logging data), which it fills on sampled steps only: the 10th, then every
-        100th. Exposed: from the end of backward's compute to the end of the last bucket's communication."""
+        100th. Exposed: from the end of backward's compute to the end of the last bucket's communication. With
+        update_in_next_forward, the last settled step's own: from its first bucket's start to its last one's end,
+        and the time the next forward waited for buckets."""
+        if self.deferred is not None:
+            last = self.deferred.last_timing
+            if last is None:
+                return None
+            return CommTiming(total_ms=max(0, last.last_done_ns - last.first_start_ns) / 1e6,
+                              exposed_ms=last.waited_ns / 1e6)
         if self.ddp is None:
             return None
         try:
