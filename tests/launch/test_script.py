@@ -94,17 +94,20 @@ def test_under_a_launcher_already_the_script_replaces_dptrain_and_reads_its_vari
                                                      "put dptrain train's options before --, and the script and its "
                                                      "arguments after it, e.g. dptrain train --nproc-per-node 2 -- "
                                                      "my_train.py --epochs 5."),
+    (["--output.dir", "taken", "--", "my_train.py"], "the run directory taken is a file; choose another --output.name "
+                                                    "or --output.dir."),
 ])
 def test_what_a_users_script_cannot_be_given_is_one_sentence(tmp_path, monkeypatch, capsys, args, error):
     from dptrain.cli import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_train.py").write_text("raise SystemExit('never run')\n")
+    (tmp_path / "taken").write_text("a file of the user's\n")
     code = main(["train", *args])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
     assert err.splitlines()[-1] == "dptrain: error: " + error.format(tmp=tmp_path)
-    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists() and (tmp_path / "taken").read_text() == "a file of the user's\n"
 
 
 def test_a_dry_run_says_what_would_start_and_starts_nothing(tmp_path, monkeypatch, capsys):

@@ -18,6 +18,7 @@ import sys
 from dptrain.config import RunConfig
 from dptrain.distributed.env import Nodes
 from dptrain.launch.local import launch_local, world_size_here
+from dptrain.prestart import check_output_dir
 from dptrain.runtime import available_cores
 from dptrain.user_command import UserScript
 
@@ -32,6 +33,8 @@ def run_script(script: UserScript, cfg: RunConfig, nodes: Nodes | None, dry_run:
     """Start this node's workers of script (or exec it under a launcher already); 0 once every rank has ended well.
     LaunchError naming the failed rank otherwise; with dry_run, say what would start and start nothing."""
     world_size, launched_outside = world_size_here(cfg, nodes)
+    if not launched_outside:  # the agent's log goes there: a file in its place, or no right to write, said first
+        check_output_dir(cfg.output.run_dir)
     python = script.python or sys.executable
     command = (python, "-u", *script.target, *script.args)
     log_file = cfg.output.folder.launcher_log
