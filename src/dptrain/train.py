@@ -315,7 +315,7 @@ class Trainer:
 
 
 def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last_snapshot: str | None,
-                      elsewhere: str = "another --output.name") -> str:
+                      elsewhere: str = checkpoint.AFRESH) -> str:
     """What a diverged run says: where the loss stopped being finite, what was kept, what to change (elsewhere: the
     option that starts afresh, as the run was named: OutputConfig.elsewhere)."""
     where = f"at step {step}" if first_step >= step else f"between steps {first_step} and {step}"

@@ -103,7 +103,7 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
     previous = signal.signal(signal.SIGUSR1, forward)
     continuer = ContinueStoppedWorkers()
     # The workers' own C++ log level: a forked worker would otherwise inherit the agent's, raised below.
-    worker = entrypoint if isinstance(entrypoint, str) else functools.update_wrapper(
+    worker = entrypoint if program else functools.update_wrapper(
         functools.partial(run_then_leave, entrypoint, os.getpid(), cpp_log_level()), entrypoint)  # its name in logs
     for key, value in AGENT_ENV.items():  # the workers inherit the agent's environment
         os.environ.setdefault(key, value)

@@ -68,8 +68,6 @@ class DDP(Strategy):
 
     deferred: DeferredUpdate | None = None
     """strategy.ddp.update_in_next_forward's hooks, once wrapped on more than one rank."""
-    deferred_steps = 0
-    """Steps taken since the wrap with deferred updates (the first is settled at once)."""
 
     @classmethod
     def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
@@ -91,9 +89,9 @@ class DDP(Strategy):
         gradients = [p for p in self.module.parameters() if p.requires_grad]
         sizes = dict(max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
                      timeout_s=self.timeout_s)
-        if self.cfg.ddp.update_in_next_forward:
-            return self._wrap_deferred(device_ids)
-        if self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
+        if self.cfg.ddp.update_in_next_forward:  # its own hook: gloo's or nccl's all-reduce, left running
+            pass
+        elif self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
             self.shared_memory_sum = shared_memory.open_on_this_host(**sizes)
         elif self.cfg.ddp.comm_hook == "allreduce" and self.may_sum_in_two_steps():
             self.two_step_sum = two_step.open_across_hosts(**sizes)
@@ -108,23 +106,16 @@ class DDP(Strategy):
             buckets["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
-        if self.cfg.ddp.comm_hook != "allreduce":
+        if self.cfg.ddp.update_in_next_forward:  # a second process group for the first layers' buckets, made alike
+            self.deferred = DeferredUpdate(self.module, self.env.world_size, priority_group=dist.new_group(),
+                                           priority_params=priority_params(self.module))
+            self.deferred.install(ddp)
+        elif self.cfg.ddp.comm_hook != "allreduce":
             comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
         elif self.shared_memory_sum is not None:
             ddp.register_comm_hook(None, shared_memory.allreduce_mean_hook(self.shared_memory_sum))
         elif self.two_step_sum is not None:
             ddp.register_comm_hook(None, self.two_step_sum.hook)
-        self.ddp = ddp
-        return ddp
-
-    def _wrap_deferred(self, device_ids: list[int] | None) -> DistributedDataParallel:
-        """DDP whose buckets' sums finish in the next forward (deferred_update.py): a second process group for the
-        first layers' buckets, made by every rank alike."""
-        buckets = {"bucket_cap_mb": self.cfg.ddp.bucket_mb} if self.cfg.ddp.bucket_mb is not None else {}
-        ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
-        self.deferred = DeferredUpdate(self.module, self.env.world_size, priority_group=dist.new_group(),
-                                       priority_params=priority_params(self.module))
-        self.deferred.install(ddp)
         self.ddp = ddp
         return ddp
 
@@ -136,14 +127,9 @@ class DDP(Strategy):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.deferred is None:
-            optimizer.step()
-            return
-        self.deferred.step(optimizer)
-        self.deferred_steps += 1
-        if self.deferred_steps == 1:
-            # DDP rebuilds its buckets at the start of the second forward, copying the gradients into new ones: none
-            # may be in flight then
-            self.deferred.settle()
+            super().optimizer_step(optimizer)
+        else:
+            self.deferred.step(optimizer)
 
     def settle(self) -> None:
         if self.deferred is not None:

@@ -72,6 +72,8 @@ class DeferredUpdate:
     """The param groups' settings (lr, ...) at the last step, for its deferred update; None: no step is owed."""
     timing: StepTiming = field(default_factory=StepTiming)
     last_timing: StepTiming | None = None
+    steps: int = 0
+    """Steps taken since install() (the first is settled at once)."""
 
     def install(self, ddp: Any) -> None:
         def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -108,10 +110,15 @@ class DeferredUpdate:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The loop's optimizer step: note the settings it would run with; the update follows bucket by bucket."""
         self.optimizer = optimizer
-        self.hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        self.steps += 1
         if not self.pending:  # no bucket went out (nothing to sum): nothing is owed to the next forward
-            self.hyperparameters = None
             optimizer.step()
+            return
+        self.hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        if self.steps == 1:
+            # DDP rebuilds its buckets at the start of the second forward, copying the gradients into new ones: none
+            # may be in flight then
+            self.settle()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """The loop's zero_grad: the gradients of buckets still owed their update stay until it is applied."""
@@ -124,14 +131,13 @@ class DeferredUpdate:
         """Apply every update still owed (before anything reads the weights or the gradients)."""
         for index in list(self.pending):
             self._apply(index)
-        self._end_of_step()
 
     def _before_forward(self, module: nn.Module, _inputs: Any) -> None:
         if not self.pending:
             return
         for p in module.parameters(recurse=False):
-            index = self.by_param.get(id(p))
-            if index is not None and index in self.pending:
+            index = self.by_param.get(id(p))  # only a pending bucket's parameters are in by_param
+            if index is not None:
                 self._apply(index)
 
     def _after_forward(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
@@ -149,14 +155,9 @@ class DeferredUpdate:
         for p in bucket.params:
             p.grad = None  # DDP points it at its bucket again in the next backward
             del self.by_param[id(p)]
-        if not self.pending:
-            self._end_of_step()
-
-    def _end_of_step(self) -> None:
-        if self.hyperparameters is not None and not self.pending:
+        if not self.pending:  # the step's last bucket: its update is whole
             self.hyperparameters = None
-            if self.timing.first_start_ns:
-                self.last_timing = self.timing
+            self.last_timing = self.timing
 
 
 def update_only(optimizer: torch.optim.Optimizer, chosen: set[int], hyperparameters: list[dict[str, Any]]) -> None:
