@@ -1,10 +1,12 @@
 """strategy.ddp.update_in_next_forward (src/dptrain/strategies/deferred_update.py): each bucket's all-reduce left
 running when backward ends, each layer's update applied just before the next forward reaches it. The same model as
 one process in float64, with a learning rate that changes every step; updates really owed between steps; settle()
-leaving none; the refusals. Resuming exactly from its snapshots is tests/test_checkpoint.py's (ddp-deferred)."""
+leaving none; with a compressing hook (fp16, PowerSGD) the same weights and bytes as the hook without the option; the
+refusals. Resuming exactly from its snapshots is tests/test_checkpoint.py's (ddp-deferred)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -24,6 +26,12 @@ STEPS = 5
 DEFERRED = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True))
 # 4 KB buckets: a bucket about each tensor, several owed at once, the first layers' on the second channel
 SMALL_BUCKETS = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True, bucket_mb=0.004))
+# The compressing hooks, each against itself without the option (their math is not one process's): PowerSGD's first
+# two steps are plain all-reduces, its third draws its first factors (settled at once, as the steps before it), so its
+# last two are owed; in 4 KB buckets several are owed at once, compressed and sent one after another on its thread.
+HOOKED = {"fp16": DDPOptions(comm_hook="fp16"), "powersgd": DDPOptions(comm_hook="powersgd"),
+          "powersgd-buckets": DDPOptions(comm_hook="powersgd", bucket_mb=0.004)}
+SETTLED_STEPS = {"fp16": 1, "powersgd": 3, "powersgd-buckets": 3}
 
 
 def train(cfg: StrategyConfig, env: DistEnv, optim: str, settle_after: tuple[int, ...] = ()) -> dict[str, list]:
@@ -53,6 +61,11 @@ def train(cfg: StrategyConfig, env: DistEnv, optim: str, settle_after: tuple[int
         if step in settle_after or step == STEPS - 1:
             strategy.settle()
             out["weights"].append({k: v.detach().clone() for k, v in strategy.full_state_dict().items()})
+    out["bytes sent"] = [strategy.comm_bytes(STEPS)]
+    deferred = getattr(strategy, "deferred", None)
+    out["steps timed"] = [len(deferred.timed) if deferred is not None else 0]
+    timings = [strategy.comm_timing() for _ in range(2)]  # the epoch's mean, then nothing new to tell
+    out["timing"] = [None if t is None else (t.total_ms, t.exposed_ms) for t in timings]
     return out
 
 
@@ -61,6 +74,10 @@ def _deferred_cases(rank: int, world: int) -> bytes:
     env = DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun")
     results = {(name, optim): train(cfg, env, optim, settle_after=(2,))
                for name, cfg in (("deferred", DEFERRED), ("small-buckets", SMALL_BUCKETS)) for optim in LR}
+    for name, options in HOOKED.items():
+        for deferred in (False, True):
+            cfg = StrategyConfig(name="ddp", ddp=dataclasses.replace(options, update_in_next_forward=deferred))
+            results[(name, deferred)] = train(cfg, env, "sgd", settle_after=(2,))
     buffer = io.BytesIO()
     torch.save(results, buffer)
     return buffer.getvalue()
@@ -83,10 +100,26 @@ def test_deferred_updates_train_what_one_process_trains_in_float64(two_ranks, ca
         assert diff <= 1e-10, f"after {when}, {tensor} differs by {diff:.2e} of its scale"
     # the first step is settled at once (DDP rebuilds its buckets in the second forward); from the second on, every
     # bucket is owed to the next forward, the weights still the step's starting ones, but after a settle (step 3)
+    # the exchange's time: a mean over every step (each applied, the last by the final settle), taken once
+    (total_ms, exposed_ms), again = result["timing"]
+    assert result["steps timed"] == [STEPS] and total_ms > 0 and 0 <= exposed_ms and again is None
     buckets = result["owed"][1]
     assert result["owed"] == [0, buckets, buckets, buckets, buckets] and buckets >= (3 if case == "small-buckets" else 1)
     every = len(reference["weights"][0])
     assert len(result["unchanged"][0]) < every and all(len(u) == every for u in result["unchanged"][1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook", list(HOOKED))
+def test_a_compressing_hooks_updates_in_the_next_forward_are_the_ones_it_makes_without_them(two_ranks, hook):
+    deferred, direct = two_ranks[(hook, True)], two_ranks[(hook, False)]
+    for weights, expected in zip(deferred["weights"], direct["weights"]):
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[k], expected[k]) for k in weights), hook  # the same operations, later
+    settled, owed = SETTLED_STEPS[hook], deferred["owed"]
+    assert owed[:settled] == [0] * settled and all(n >= (2 if hook.endswith("buckets") else 1) for n in owed[settled:])
+    assert direct["owed"] == [0] * STEPS
+    assert deferred["bytes sent"] == direct["bytes sent"] and direct["bytes sent"][0] > 0
 
 
 def test_an_update_of_some_parameters_runs_with_the_settings_of_its_step_and_puts_everything_back():
@@ -110,8 +143,9 @@ def test_the_first_layers_are_the_parameters_before_the_largest():
 @pytest.mark.parametrize("options, sentence", [
     (["--strategy.name", "zero1"], "strategy.ddp.update_in_next_forward applies to strategy ddp only, not zero1; drop "
                                    "it or use --strategy.name ddp."),
-    (["--strategy.ddp.comm_hook", "powersgd"], "strategy.ddp.update_in_next_forward runs with strategy.ddp.comm_hook "
-                                               "allreduce only, not powersgd; drop one of the two."),
+    (["--strategy.ddp.comm_hook", "ring"], "strategy.ddp.update_in_next_forward leaves a hook's communication "
+                                           "running, and strategy.ddp.comm_hook ring has finished its own when it "
+                                           "returns; use allreduce, fp16, bf16, powersgd, or drop one of the two."),
     (["--train.grad_clip", "1.0"], "strategy.ddp.update_in_next_forward updates each layer on its own, and "
                                    "train.grad_clip needs every gradient's norm first; drop one of the two."),
     (["--train.compile", "true"], "strategy.ddp.update_in_next_forward applies each layer's update in a hook before "

@@ -28,10 +28,10 @@ def test_the_choices_tables_are_built_from_the_configs_lists():
     import torch
 
     from dptrain.strategies.base import OPTIMIZERS
-    from dptrain.strategies.comm_hooks import COMM_HOOKS, _install_powersgd
+    from dptrain.strategies.comm_hooks import COMM_HOOKS, _hook_powersgd
     from dptrain.strategies.fsdp import DTYPES
 
-    assert tuple(COMM_HOOKS) == typing.get_args(config.CommHook) and COMM_HOOKS["powersgd"] is _install_powersgd
+    assert tuple(COMM_HOOKS) == typing.get_args(config.CommHook) and COMM_HOOKS["powersgd"] is _hook_powersgd
     assert DTYPES == {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     assert OPTIMIZERS == {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     assert typing.get_args(typing.get_type_hints(config.OptimConfig)["name"]) == tuple(config.OPTIMIZER_CLASSES)

@@ -90,10 +90,11 @@ class DDPOptions:
     nothing), else DDP's own (25 MiB, its first 1 MiB). `dptrain bench tune` tries a few."""
 
     update_in_next_forward: bool = may_change_at_resume(False)
-    """Leave each bucket's all-reduce running when backward ends and apply each layer's update just before the next
-    forward reaches it, the first layers' buckets over a second channel: the next forward's first layers then run
-    while the last layers' gradients still travel. The same math and bytes; no snapshot holds half an update. ddp with
-    comm_hook allreduce only, without train.grad_clip or train.compile; off by default (measured in docs/benchmark.md)."""
+    """Leave each bucket's all-reduce (or fp16, bf16, PowerSGD hook) running when backward ends and apply each layer's
+    update just before the next forward reaches it, the first layers' buckets over a second channel: the next
+    forward's first layers then run while the last layers' gradients still travel. The same math and bytes; no
+    snapshot holds half an update. ddp only, not with comm_hook ring, train.grad_clip or train.compile; off by default
+    (measured in docs/benchmark.md)."""
 
     def __post_init__(self) -> None:
         positive(self.powersgd_rank, "strategy.ddp.powersgd_rank")

@@ -108,28 +108,34 @@ def _counting(hook: Callable, counter: CommCounter, element_size: int | None) ->
     return counted
 
 
-def _install_allreduce(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
-    model.register_comm_hook(None, _counting(default_hooks.allreduce_hook, counter, None))
+Hook = Callable[[object, dist.GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
-def _install_fp16(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
-    model.register_comm_hook(None, _counting(default_hooks.fp16_compress_hook, counter, 2))
+def _hook_allreduce(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
+                    ) -> tuple[object, Hook]:
+    return group, _counting(default_hooks.allreduce_hook, counter, None)
 
 
-def _install_bf16(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
-    model.register_comm_hook(None, _counting(default_hooks.bf16_compress_hook, counter, 2))
+def _hook_fp16(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
+               ) -> tuple[object, Hook]:
+    return group, _counting(default_hooks.fp16_compress_hook, counter, 2)
 
 
-def _install_powersgd(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
+def _hook_bf16(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
+               ) -> tuple[object, Hook]:
+    return group, _counting(default_hooks.bf16_compress_hook, counter, 2)
+
+
+def _hook_powersgd(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
+                   ) -> tuple[object, Hook]:
     # start_powerSGD_iter=2: compress from the third step (the first two run a plain all-reduce, as the
     # algorithm requires to initialise its error feedback). Traffic is computed from the factors P, Q.
     state = powerSGD_hook.PowerSGDState(
-        process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
+        process_group=group, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
         warm_start=True,
     )
     hook = _powersgd_counting(counter, state)
-    in_order = runs_buckets_out_of_order(dist.get_backend(model.process_group))
-    model.register_comm_hook(state, InOrder(hook, "dptrain-powersgd").hook if in_order else hook)
+    return state, InOrder(hook, "dptrain-powersgd").hook if runs_buckets_out_of_order(backend) else hook
 
 
 def runs_buckets_out_of_order(backend: str) -> bool:
@@ -140,18 +146,23 @@ def runs_buckets_out_of_order(backend: str) -> bool:
     return backend != "nccl"
 
 
-def _install_ring(model: DistributedDataParallel, powersgd_rank: int, counter: CommCounter) -> None:
-    model.register_comm_hook(None, _ring_hook(counter))
+def _hook_ring(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
+               ) -> tuple[object, Hook]:
+    return None, _ring_hook(counter)
 
 
-COMM_HOOKS: dict[str, Callable[[DistributedDataParallel, int, CommCounter], None]] = {
-    name: globals()[f"_install_{name}"] for name in typing.get_args(CommHook)}
-"""strategy.ddp.comm_hook's choices (config's CommHook, the one list of them) -> the _install_<name> above."""
+COMM_HOOKS: dict[str, Callable[[str, int, CommCounter, dist.ProcessGroup | None], tuple[object, Hook]]] = {
+    name: globals()[f"_hook_{name}"] for name in typing.get_args(CommHook)}
+"""strategy.ddp.comm_hook's choices (config's CommHook, the one list of them) -> the _hook_<name> above, which makes
+its (state, hook) for a backend: the hook's collectives on `group` (None: the default group)."""
+DEFERRABLE = ("allreduce", "fp16", "bf16", "powersgd")
+"""The hooks whose communication may be left running when backward ends (strategy.ddp.update_in_next_forward): those
+that return a future of collectives in flight. The ring sums inside the hook: nothing of it is left to run."""
 
 
 def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:
     """Register hook `name` on a DDP model; 'allreduce' registers a counting wrapper of DDP's default."""
-    COMM_HOOKS[name](model, powersgd_rank, counter)
+    model.register_comm_hook(*COMM_HOOKS[name](dist.get_backend(model.process_group), powersgd_rank, counter, None))
 
 
 class InOrder:

@@ -41,9 +41,10 @@ def refuse_with_deferred_update(name: str, cfg: RunConfig) -> None:
     option = "strategy.ddp.update_in_next_forward"
     if name != "ddp":
         raise ConfigError(f"{option} applies to strategy ddp only, not {name}; drop it or use --strategy.name ddp.")
-    if cfg.strategy.ddp.comm_hook != "allreduce":
-        raise ConfigError(f"{option} runs with strategy.ddp.comm_hook allreduce only, not "
-                          f"{cfg.strategy.ddp.comm_hook}; drop one of the two.")
+    if cfg.strategy.ddp.comm_hook not in comm_hooks.DEFERRABLE:
+        raise ConfigError(f"{option} leaves a hook's communication running, and strategy.ddp.comm_hook "
+                          f"{cfg.strategy.ddp.comm_hook} has finished its own when it returns; use "
+                          f"{', '.join(comm_hooks.DEFERRABLE)}, or drop one of the two.")
     if cfg.train.grad_clip is not None:
         raise ConfigError(f"{option} updates each layer on its own, and train.grad_clip needs every gradient's norm "
                           f"first; drop one of the two.")
@@ -106,9 +107,8 @@ class DDP(Strategy):
             buckets["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
-        if self.cfg.ddp.update_in_next_forward:  # a second process group for the first layers' buckets, made alike
-            self.deferred = DeferredUpdate(self.module, self.env.world_size, priority_group=dist.new_group(),
-                                           priority_params=priority_params(self.module))
+        if self.cfg.ddp.update_in_next_forward:
+            self.deferred = self.deferred_update(ddp)
             self.deferred.install(ddp)
         elif self.cfg.ddp.comm_hook != "allreduce":
             comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
@@ -118,6 +118,22 @@ class DDP(Strategy):
             ddp.register_comm_hook(None, self.two_step_sum.hook)
         self.ddp = ddp
         return ddp
+
+    def deferred_update(self, ddp: DistributedDataParallel) -> DeferredUpdate:
+        """strategy.ddp.update_in_next_forward's hooks. With DDP's all-reduce, a second process group for the first
+        layers' buckets; with a hook, the hook's collectives on a group of its own, which nothing in the next forward
+        uses (a BatchNorm model's buffers are broadcast on DDP's while the hook's may still be going on its thread).
+        Every rank makes the groups alike."""
+        name = self.cfg.ddp.comm_hook
+        if name == "allreduce":
+            return DeferredUpdate(self.module, self.env.world_size, priority_group=dist.new_group(),
+                                  priority_params=priority_params(self.module))
+        state, hook = comm_hooks.COMM_HOOKS[name](dist.get_backend(ddp.process_group), self.cfg.ddp.powersgd_rank,
+                                                  self.counter, dist.new_group())
+        # PowerSGD draws its first factors in its first compressed step: settled at once, as the steps before it
+        settled = state.start_powerSGD_iter + 1 if isinstance(state, comm_hooks.powerSGD_hook.PowerSGDState) else 1
+        return DeferredUpdate(self.module, self.env.world_size, comm_hook=hook, comm_hook_state=state,
+                              settled_steps=settled)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.deferred is None:
@@ -147,14 +163,11 @@ class DDP(Strategy):
     def comm_timing(self) -> CommTiming | None:
         """From DDP's own timers (its logging data), which it fills on sampled steps only: the 10th, then every
         100th. Exposed: from the end of backward's compute to the end of the last bucket's communication. With
-        update_in_next_forward, the last settled step's own: from its first bucket's start to its last one's end,
-        and the time the next forward waited for buckets."""
+        update_in_next_forward, the mean over every step applied since the last call (not a sample): from a step's
+        first bucket's start to its last one's end, and the time the next forward waited for them."""
         if self.deferred is not None:
-            last = self.deferred.last_timing
-            if last is None:
-                return None
-            return CommTiming(total_ms=max(0, last.last_done_ns - last.first_start_ns) / 1e6,
-                              exposed_ms=last.waited_ns / 1e6)
+            mean = self.deferred.take_timing()
+            return None if mean is None else CommTiming(total_ms=mean[0], exposed_ms=mean[1])
         if self.ddp is None:
             return None
         try:

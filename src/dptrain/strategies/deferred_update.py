@@ -11,19 +11,22 @@ noted hyperparameters; after the forward, whatever is still pending is settled, 
 settled gradients. The buckets that hold only the layers before the largest parameter (in the model's order, the
 forward's first layers) go over a second process group, so that on a slow link they arrive while the big layer's
 bucket is still on the wire, instead of after it (one group serves its collectives in the order they were issued).
+With a compressing hook (fp16, bf16, PowerSGD), the hook is called instead and its future left running: the bucket
+holds the mean once it completes, as DDP would have waited for.
 
 The math is the step's own: every parameter gets the averaged gradient of the global batch and one update with the
 step's hyperparameters, float64-equal to one process, and the bytes sent are DDP's. Anything that reads the weights
 between steps (a snapshot, the evaluation, the final weights) settles first (settle()): no snapshot holds a
 half-applied update. What it needs: an optimizer without coupling between parameters (SGD, Adam, AdamW: no global
-gradient clipping), no communication hook of its own (PowerSGD, fp16 keep their own), and no compiled model.
+gradient clipping), a hook that leaves its communication running (not the ring, which has sent all when it
+returns), and no compiled model.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,11 +35,14 @@ from torch import nn
 
 @dataclass
 class PendingBucket:
-    """One bucket's all-reduce in flight, and the parameters whose gradients it holds."""
+    """One bucket's communication in flight, and the parameters whose gradients it holds."""
 
     work: Any
+    """The all-reduce's Work (the sum), or a communication hook's future (the mean, in the bucket or as its value)."""
     buffer: torch.Tensor
     params: list[nn.Parameter]
+    averaged: bool = False
+    """Whether `work` ends with the mean (a hook's future) rather than the sum."""
 
 
 @dataclass
@@ -59,6 +65,14 @@ class DeferredUpdate:
 
     module: nn.Module
     world_size: int
+    comm_hook: Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]] | None = None
+    """A communication hook whose future is left running (fp16, bf16, PowerSGD: comm_hooks.DEFERRABLE), called with
+    comm_hook_state; None: gloo's or nccl's all-reduce of the bucket, as DDP's own."""
+    comm_hook_state: object = None
+    settled_steps: int = 1
+    """The first steps settled at once: DDP rebuilds its buckets in the second forward, copying the gradients into new
+    ones, so none may be in flight then; PowerSGD draws its first random factors from the global generator in its
+    first compressed step (start_powerSGD_iter + 1), which must not run beside a forward drawing dropout masks."""
     priority_group: Any = None
     """The process group of the first layers' buckets; None: every bucket on the default group."""
     priority_params: set[int] = field(default_factory=set)
@@ -71,7 +85,9 @@ class DeferredUpdate:
     hyperparameters: list[dict[str, Any]] | None = None
     """The param groups' settings (lr, ...) at the last step, for its deferred update; None: no step is owed."""
     timing: StepTiming = field(default_factory=StepTiming)
-    last_timing: StepTiming | None = None
+    timed: list[StepTiming] = field(default_factory=list)
+    """The steps whose update was applied since the last take_timing(); their ends are read then (a future's
+    callbacks may run after the wait on it returns)."""
     steps: int = 0
     """Steps taken since install() (the first is settled at once)."""
 
@@ -92,13 +108,18 @@ class DeferredUpdate:
 
     def hook(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer, params = bucket.buffer(), list(bucket.parameters())
-        group = self.priority_group if self.priority_group is not None and all(
-            id(p) in self.priority_params for p in params) else None
         if not self.pending:
             self.timing = StepTiming(first_start_ns=time.perf_counter_ns())
-        work = dist.all_reduce(buffer, group=group, async_op=True)
-        work.get_future().then(self.timing.done)
-        self.pending[bucket.index()] = PendingBucket(work, buffer, params)
+        if self.comm_hook is not None:
+            future = self.comm_hook(self.comm_hook_state, bucket)
+            future.then(self.timing.done)
+            self.pending[bucket.index()] = PendingBucket(future, buffer, params, averaged=True)
+        else:
+            group = self.priority_group if self.priority_group is not None and all(
+                id(p) in self.priority_params for p in params) else None
+            work = dist.all_reduce(buffer, group=group, async_op=True)
+            work.get_future().then(self.timing.done)
+            self.pending[bucket.index()] = PendingBucket(work, buffer, params)
         for p in params:
             self.by_param[id(p)] = bucket.index()
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -115,9 +136,7 @@ class DeferredUpdate:
             optimizer.step()
             return
         self.hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        if self.steps == 1:
-            # DDP rebuilds its buckets at the start of the second forward, copying the gradients into new ones: none
-            # may be in flight then
+        if self.steps <= self.settled_steps:
             self.settle()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
@@ -147,9 +166,12 @@ class DeferredUpdate:
     def _apply(self, index: int) -> None:
         bucket = self.pending.pop(index)
         waited = time.perf_counter_ns()
-        bucket.work.wait()
+        result = bucket.work.wait()
         self.timing.waited_ns += time.perf_counter_ns() - waited
-        bucket.buffer.div_(self.world_size)
+        if not bucket.averaged:
+            bucket.buffer.div_(self.world_size)
+        elif isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(result)  # a hook that hands back a tensor of its own (DDP would copy it over)
         assert self.optimizer is not None and self.hyperparameters is not None, "a bucket was sent without a step"
         update_only(self.optimizer, {id(p) for p in bucket.params}, self.hyperparameters)
         for p in bucket.params:
@@ -157,7 +179,16 @@ class DeferredUpdate:
             del self.by_param[id(p)]
         if not self.pending:  # the step's last bucket: its update is whole
             self.hyperparameters = None
-            self.last_timing = self.timing
+            self.timed.append(self.timing)
+
+    def take_timing(self) -> tuple[float, float] | None:
+        """(the mean time from a step's first bucket's start to its last one's end, the mean time the next forward
+        waited for them), in ms, over the steps applied since the last call; None: none was."""
+        steps, self.timed = self.timed, []
+        if not steps:
+            return None
+        spans = [max(0, t.last_done_ns - t.first_start_ns) for t in steps]
+        return sum(spans) / len(steps) / 1e6, sum(t.waited_ns for t in steps) / len(steps) / 1e6
 
 
 def update_only(optimizer: torch.optim.Optimizer, chosen: set[int], hyperparameters: list[dict[str, Any]]) -> None:
