@@ -42,9 +42,11 @@ def weights_equal(a, b) -> bool:
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "ps", "ddp-deferred")
 # strategy -> its options; ddp-deferred: each step's update applied in the next forward (deferred_update.py), whose
-# snapshots (at 5, at the epoch's end, at the stop) must each hold whole updates only
+# snapshots (at 5, at the epoch's end, at the stop) must each hold whole updates only (gloo's all-reduce: on one host
+# the option gives way to the shared-memory sum)
 OPTIONS = {**{s: ["--strategy.name", s] for s in STRATEGIES},
-           "ddp-deferred": ["--strategy.name", "ddp", "--strategy.ddp.update_in_next_forward", "true"]}
+           "ddp-deferred": ["--strategy.name", "ddp", "--strategy.ddp.update_in_next_forward", "true",
+                            "--strategy.ddp.shared_memory", "false"]}
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ Pure functions, no torch; docs/scaling-model.md writes the formulas out.
     compute_s  = batch x compute_s_per_sample / (N x rank_share(R))    N = nodes x R ranks, batch the global one
     comm_cpu_s = bytes a rank sends x comm_cpu_s_per_byte / min(1, its cores)    CPU ranks across nodes; else 0
     exposed_s  = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
+                 with strategy.ddp.update_in_next_forward, backward's may also hide behind the next forward:
+                 min(comm in backward, backward compute + forward compute - min(comm in forward, forward compute))
     comm_s     = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call)
 
 comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP in the kernel, the backend's
@@ -155,6 +157,8 @@ class Plan:
     """fsdp mixed precision: bytes of a gathered parameter element (None: the parameters' own)."""
     reduce_dtype_size: int | None = None
     """fsdp mixed precision: bytes of a reduce-scattered gradient element (None: the parameters' own)."""
+    update_in_next_forward: bool = False
+    """strategy.ddp.update_in_next_forward: backward's collectives may also hide behind the next step's forward."""
 
     @property
     def traffic(self) -> Traffic:
@@ -359,7 +363,12 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     for c in collectives(plan, work, world):
         by_phase[c.phase] += c.seconds(over, world)
     comm = sum(by_phase.values())
-    hidden = overlap * sum(min(by_phase[p], phase_compute[p]) for p in phase_compute)
+    hidden_in_forward = min(by_phase["forward"], phase_compute["forward"])
+    # with the update in the next forward, backward's collectives go on behind the next forward's compute as well
+    # (what of it the forward's own collectives leave)
+    behind_backward = phase_compute["backward"] + (
+        phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward else 0.0)
+    hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward))
     exposed = comm - hidden
     step = compute + comm_cpu + exposed
     return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_cpu_s=comm_cpu, comm_s=comm,

@@ -310,6 +310,7 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
             read_back.number(ddp["bucket_mb"], name("ddp.bucket_mb"), 0, 1e6, above_low=True)
         _one_of(ddp.get("comm_hook", "allreduce"), name("ddp.comm_hook"), HOOKS)
         read_back.whole(ddp.get("powersgd_rank", 4), name("ddp.powersgd_rank"), 1, 1 << 16)
+        _one_of(ddp.get("update_in_next_forward", False), name("ddp.update_in_next_forward"), (True, False))
         _one_of(fsdp.get("reshard_after_forward", True), name("fsdp.reshard_after_forward"), (True, False))
         for key in ("param_dtype", "reduce_dtype"):
             read_back.text(fsdp.get(key, "auto"), name(f"fsdp.{key}"), 40)
@@ -340,7 +341,8 @@ def _plan(strategy: str, table: dict[str, Any]) -> Plan:
                 comm_hook=own.get("comm_hook", "allreduce"), powersgd_rank=int(own.get("powersgd_rank", 4)),
                 reshard_after_forward=own.get("reshard_after_forward", True),
                 param_dtype_size=DTYPE_BYTES.get(own.get("param_dtype", "auto")),
-                reduce_dtype_size=DTYPE_BYTES.get(own.get("reduce_dtype", "auto")))
+                reduce_dtype_size=DTYPE_BYTES.get(own.get("reduce_dtype", "auto")),
+                update_in_next_forward=own.get("update_in_next_forward", False) and strategy == "ddp")
 
 
 def _run_folder(bench_dir: Path, row: dict[str, Any]) -> RunFolder | None:

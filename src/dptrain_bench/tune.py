@@ -80,12 +80,14 @@ def _gathers_params(strategy: str) -> bool:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to spread the run: a strategy, ranks on each node, DDP's comm hook and bucket cap (None: dptrain's)."""
+    """One way to spread the run: a strategy, ranks on each node, DDP's comm hook and bucket cap (None: dptrain's),
+    and for ddp whether each step's update is applied in the next forward (strategy.ddp.update_in_next_forward)."""
 
     strategy: str
     ranks_per_node: int
     comm_hook: str = "allreduce"
     bucket_mb: float | None = None
+    update_in_next_forward: bool = False
 
     @property
     def name(self) -> str:
@@ -94,6 +96,8 @@ class Candidate:
             parts.append(self.comm_hook)
         if self.bucket_mb is not None:
             parts.append(f"bucket{self.bucket_mb:g}mb")
+        if self.update_in_next_forward:
+            parts.append("next-forward")
         return "-".join([*parts, f"r{self.ranks_per_node}"])
 
     def pairs(self) -> list[tuple[str, str]]:
@@ -103,26 +107,33 @@ class Candidate:
             table = config_mod.SPECS[self.strategy].table
             pairs.append((f"strategy.{table}.comm_hook", self.comm_hook))
             pairs.append((f"strategy.{table}.bucket_mb", "none" if self.bucket_mb is None else f"{self.bucket_mb:g}"))
+        if self.strategy == "ddp":  # zero1 reads strategy.ddp too, but refuses this one
+            pairs.append(("strategy.ddp.update_in_next_forward", str(self.update_in_next_forward).lower()))
         return pairs
 
     def plan(self, shared_memory: bool) -> model.Plan:
         """The model's view of it. shared_memory: ddp's sum on one host goes through /dev/shm in one bucket."""
         bucket = (self.bucket_mb * 2**20 if self.bucket_mb is not None
                   else float("inf") if shared_memory else model.DDP_BUCKET_BYTES)
-        return model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket)
+        # on one host the option gives way to the shared-memory sum (strategies/ddp.py): the run of plain ddp
+        return model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket,
+                          update_in_next_forward=self.update_in_next_forward and not (
+                              shared_memory and self.comm_hook == "allreduce"))
 
 
 def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
     """The user's own configuration, as a candidate."""
     ddp_like = _bucketed(cfg.strategy.name)
     return Candidate(cfg.strategy.name, ranks_per_node, cfg.strategy.ddp.comm_hook if ddp_like else "allreduce",
-                     cfg.strategy.ddp.bucket_mb if ddp_like else None)
+                     cfg.strategy.ddp.bucket_mb if ddp_like else None,
+                     cfg.strategy.name == "ddp" and cfg.strategy.ddp.update_in_next_forward)
 
 
 def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool) -> list[Candidate]:
     """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
     4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
-    lossy hook where allowed)."""
+    lossy hook where allowed); over several nodes ddp also with its update in the next forward, with DDP's buckets
+    (and each lossy hook where allowed). On one node it would give way to the shared-memory sum: not a candidate."""
     ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
     found = [default]
     for strategy in STRATEGIES:
@@ -135,6 +146,9 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
             found += [Candidate(strategy, r, bucket_mb=b) for b in (None, *BUCKETS_MB)]
             if lossy:
                 found += [Candidate(strategy, r, comm_hook=h) for h in LOSSY_HOOKS]
+            if strategy == "ddp" and nodes > 1:
+                found += [Candidate(strategy, r, comm_hook=h, update_in_next_forward=True)
+                          for h in ("allreduce", *(LOSSY_HOOKS if lossy else ()))]
     return list(dict.fromkeys(found))
 
 

@@ -34,6 +34,24 @@ def test_ddp_on_two_nodes_by_hand():
     assert predict(Plan(strategy="ddp"), WORK, LINK, nodes=1).images_per_s == pytest.approx(1000)
 
 
+def test_the_update_in_the_next_forward_hides_backwards_transfer_behind_the_forward_too():
+    # 40 MB: 0.402 s on the wire, far beyond backward's 0.05 x 2/3 s and the forward's 0.05 / 3 s
+    slow = replace(WORK, param_bytes=4e7)
+    plain, deferred = Plan(strategy="ddp"), Plan(strategy="ddp", update_in_next_forward=True)
+    before = predict(plain, slow, LINK, nodes=2, overlap=1.0)
+    after = predict(deferred, slow, LINK, nodes=2, overlap=1.0)
+    assert before.exposed_s == pytest.approx(before.comm_s - 0.05 * 2 / 3)
+    assert after.exposed_s == pytest.approx(before.comm_s - 0.05)  # the whole step's compute hides it
+    assert predict(deferred, slow, LINK, nodes=2, overlap=0.5).exposed_s == pytest.approx(before.comm_s - 0.5 * 0.05)
+    # 4 MB: the next forward hides the 0.0402 - 0.0333 s backward leaves; 1 MB: backward hides it all, nothing to gain
+    assert before.comm_s > predict(plain, WORK, LINK, nodes=2, overlap=1.0).exposed_s > 0
+    assert predict(deferred, WORK, LINK, nodes=2, overlap=1.0).exposed_s == pytest.approx(0)
+    small = replace(WORK, param_bytes=1e6)
+    assert predict(deferred, small, LINK, nodes=2, overlap=1.0).step_s == pytest.approx(
+        predict(plain, small, LINK, nodes=2, overlap=1.0).step_s)
+    assert predict(deferred, WORK, LINK, nodes=1).images_per_s == pytest.approx(1000)
+
+
 def test_buckets_add_latency_and_hooks_shrink_the_bytes():
     big = Workload(param_bytes=100 * 2**20, global_batch=100, compute_s_per_sample=1e-3)
     [buckets] = collectives(Plan(strategy="ddp"), big, 4)

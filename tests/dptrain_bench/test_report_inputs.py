@@ -424,10 +424,12 @@ def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys)
 def test_the_models_plan_comes_from_the_sweeps_strategy_table():
     from dptrain_bench.report import _plan
 
-    table = {"ddp": {"comm_hook": "bf16", "bucket_mb": 2, "powersgd_rank": 8},
+    table = {"ddp": {"comm_hook": "bf16", "bucket_mb": 2, "powersgd_rank": 8, "update_in_next_forward": True},
              "fsdp": {"reshard_after_forward": False, "param_dtype": "bfloat16", "reduce_dtype": "auto"}}
     ddp, fsdp = _plan("ddp", table), _plan("fsdp", table)
-    assert (ddp.comm_hook, ddp.bucket_bytes, ddp.powersgd_rank) == ("bf16", 2 * 2**20, 8)
+    assert (ddp.comm_hook, ddp.bucket_bytes, ddp.powersgd_rank, ddp.update_in_next_forward) == ("bf16", 2 * 2**20, 8,
+                                                                                              True)
+    assert not _plan("zero1", table).update_in_next_forward  # ddp's option only
     assert (fsdp.comm_hook, fsdp.reshard_after_forward, fsdp.param_dtype_size, fsdp.reduce_dtype_size) == (
         "allreduce", False, 2, None)
     assert _plan("ddp", {}).bucket_bytes == 25 * 2**20  # unset: DDP's own buckets

@@ -61,6 +61,23 @@ def test_candidates_keep_the_global_batch_and_only_split_it_evenly():
     assert {c.comm_hook for c in odd} == {"allreduce", "fp16", "bf16", "powersgd"}
 
 
+def test_over_several_nodes_ddp_is_also_a_candidate_with_its_update_in_the_next_forward():
+    default = Candidate("ddp", 1)
+    on_one = tune.candidates(default, max_ranks=2, nodes=1, global_batch=32, lossy=True)
+    assert not any(c.update_in_next_forward for c in on_one)  # it would give way to the shared-memory sum
+    over_two = tune.candidates(default, max_ranks=2, nodes=2, global_batch=32, lossy=False)
+    assert {(c.strategy, c.ranks_per_node, c.comm_hook) for c in over_two if c.update_in_next_forward} == {
+        ("ddp", 1, "allreduce"), ("ddp", 2, "allreduce")}
+    lossy = tune.candidates(default, max_ranks=1, nodes=2, global_batch=32, lossy=True)
+    assert {c.comm_hook for c in lossy if c.update_in_next_forward} == {"allreduce", *tune.LOSSY_HOOKS}
+    c = Candidate("ddp", 1, comm_hook="powersgd", update_in_next_forward=True)
+    cfg = config.load(None, [*TINY, *c.pairs()])
+    assert cfg.strategy.ddp.update_in_next_forward and tune.default_candidate(cfg, 1) == c
+    assert c.name == "ddp-powersgd-next-forward-r1"
+    assert c.plan(shared_memory=False).update_in_next_forward
+    assert not Candidate("ddp", 2, update_in_next_forward=True).plan(shared_memory=True).update_in_next_forward
+
+
 def test_a_candidates_options_make_its_configuration():
     c = Candidate("zero1", 2, bucket_mb=4.0)
     cfg = config.load(None, [*TINY, *c.pairs()])

@@ -23,9 +23,12 @@ from tests.ranks import run_on_ranks
 from tests.strategies.test_parity import CNN, GLOBAL_BATCH, LR, batch, initial_model, worst
 
 STEPS = 5
-DEFERRED = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True))
+# shared_memory false: these ranks run on one host, where the option otherwise gives way to the shared-memory sum
+DEFERRED = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True, shared_memory=False))
 # 4 KB buckets: a bucket about each tensor, several owed at once, the first layers' on the second channel
-SMALL_BUCKETS = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True, bucket_mb=0.004))
+SMALL_BUCKETS = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True, shared_memory=False,
+                                                          bucket_mb=0.004))
+ON_ONE_HOST = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=True))
 # The compressing hooks, each against itself without the option (their math is not one process's): PowerSGD's first
 # two steps are plain all-reduces, its third draws its first factors (settled at once, as the steps before it), so its
 # last two are owed; in 4 KB buckets several are owed at once, compressed and sent one after another on its thread.
@@ -64,6 +67,7 @@ def train(cfg: StrategyConfig, env: DistEnv, optim: str, settle_after: tuple[int
     out["bytes sent"] = [strategy.comm_bytes(STEPS)]
     deferred = getattr(strategy, "deferred", None)
     out["steps timed"] = [len(deferred.timed) if deferred is not None else 0]
+    out["summed through shared memory"] = [getattr(strategy, "shared_memory_sum", None) is not None]
     timings = [strategy.comm_timing() for _ in range(2)]  # the epoch's mean, then nothing new to tell
     out["timing"] = [None if t is None else (t.total_ms, t.exposed_ms) for t in timings]
     return out
@@ -74,6 +78,7 @@ def _deferred_cases(rank: int, world: int) -> bytes:
     env = DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun")
     results = {(name, optim): train(cfg, env, optim, settle_after=(2,))
                for name, cfg in (("deferred", DEFERRED), ("small-buckets", SMALL_BUCKETS)) for optim in LR}
+    results[("on one host", "sgd")] = train(ON_ONE_HOST, env, "sgd")
     for name, options in HOOKED.items():
         for deferred in (False, True):
             cfg = StrategyConfig(name="ddp", ddp=dataclasses.replace(options, update_in_next_forward=deferred))
@@ -120,6 +125,15 @@ def test_a_compressing_hooks_updates_in_the_next_forward_are_the_ones_it_makes_w
     assert owed[:settled] == [0] * settled and all(n >= (2 if hook.endswith("buckets") else 1) for n in owed[settled:])
     assert direct["owed"] == [0] * STEPS
     assert deferred["bytes sent"] == direct["bytes sent"] and direct["bytes sent"][0] > 0
+
+
+@pytest.mark.slow
+def test_on_one_host_the_option_gives_way_to_the_shared_memory_sum(two_ranks):
+    result = two_ranks[("on one host", "sgd")]
+    assert result["summed through shared memory"] == [True] and result["owed"] == [0] * STEPS
+    reference = train(StrategyConfig(name="ddp"), DistEnv.single(), "sgd")
+    diff, tensor = worst(result["weights"][-1], reference["weights"][-1])
+    assert diff <= 1e-10, f"{tensor} differs by {diff:.2e} of its scale"
 
 
 def test_an_update_of_some_parameters_runs_with_the_settings_of_its_step_and_puts_everything_back():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -14,6 +15,8 @@ from dptrain.errors import ConfigError
 from dptrain.strategies import comm_hooks, shared_memory, two_step
 from dptrain.strategies.base import CommTiming, Strategy, refuse_gloo_send_recv_on_gpus
 from dptrain.strategies.deferred_update import DeferredUpdate, priority_params
+
+log = logging.getLogger(__name__)
 
 
 def comm_timing_from(timers: Mapping[str, Any], device_type: str) -> CommTiming | None:
@@ -90,11 +93,17 @@ class DDP(Strategy):
         gradients = [p for p in self.module.parameters() if p.requires_grad]
         sizes = dict(max_numel=sum(p.numel() for p in gradients), element_size=max(p.element_size() for p in gradients),
                      timeout_s=self.timeout_s)
-        if self.cfg.ddp.update_in_next_forward:  # its own hook: gloo's or nccl's all-reduce, left running
-            pass
-        elif self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
+        defer = self.cfg.ddp.update_in_next_forward
+        if self.cfg.ddp.comm_hook == "allreduce" and self.uses_shared_memory():
             self.shared_memory_sum = shared_memory.open_on_this_host(**sizes)
-        elif self.cfg.ddp.comm_hook == "allreduce" and self.may_sum_in_two_steps():
+            if defer and self.shared_memory_sum is not None:
+                # every rank on this host: the sum takes well under a millisecond, nothing to leave running; gloo's
+                # all-reduce left running measured 4% slower than it here (docs/benchmark.md)
+                if self.env.global_rank == 0:
+                    log.info("strategy.ddp.update_in_next_forward: every rank is on this host, so the gradients are "
+                             "summed through shared memory at the end of backward instead")
+                defer = False
+        elif self.cfg.ddp.comm_hook == "allreduce" and self.may_sum_in_two_steps() and not defer:
             self.two_step_sum = two_step.open_across_hosts(**sizes)
         buckets = {}
         if self.cfg.ddp.bucket_mb is not None:
@@ -107,7 +116,7 @@ class DDP(Strategy):
             buckets["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
-        if self.cfg.ddp.update_in_next_forward:
+        if defer:  # its own hook: gloo's or nccl's all-reduce (or the compressing hook's), left running
             self.deferred = self.deferred_update(ddp)
             self.deferred.install(ddp)
         elif self.cfg.ddp.comm_hook != "allreduce":
