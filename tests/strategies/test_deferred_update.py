@@ -61,10 +61,11 @@ def train(cfg: StrategyConfig, env: DistEnv, optim: str, settle_after: tuple[int
         # owed: the weights the next forward will update are still the ones this step's forward used
         now = strategy.eval_module.state_dict()
         out["unchanged"].append(sorted(k for k in before if torch.equal(before[k], now[k])))
+        if step == STEPS - 1:  # counted as each bucket went out, before any is settled: the steps' own bytes
+            out["bytes sent"] = [strategy.comm_bytes(STEPS)]
         if step in settle_after or step == STEPS - 1:
             strategy.settle()
             out["weights"].append({k: v.detach().clone() for k, v in strategy.full_state_dict().items()})
-    out["bytes sent"] = [strategy.comm_bytes(STEPS)]
     deferred = getattr(strategy, "deferred", None)
     out["steps timed"] = [len(deferred.timed) if deferred is not None else 0]
     out["summed through shared memory"] = [getattr(strategy, "shared_memory_sum", None) is not None]

@@ -134,8 +134,11 @@ def _hook_powersgd(backend: str, powersgd_rank: int, counter: CommCounter, group
         process_group=group, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
         warm_start=True,
     )
-    hook = _powersgd_counting(counter, state)
-    return state, InOrder(hook, "dptrain-powersgd").hook if runs_buckets_out_of_order(backend) else hook
+    hook = InOrder(powerSGD_hook.powerSGD_hook, "dptrain-powersgd").hook if runs_buckets_out_of_order(backend) \
+        else powerSGD_hook.powerSGD_hook
+    # counted as DDP hands each bucket over, not on InOrder's thread: a step's bytes are then the step's, even when
+    # its buckets are still being sent (strategy.ddp.update_in_next_forward) as the epoch's count is taken
+    return state, _powersgd_counting(counter, hook, state.start_powerSGD_iter)
 
 
 def runs_buckets_out_of_order(backend: str) -> bool:
@@ -197,11 +200,17 @@ class InOrder:
                 future.set_result(result)
 
 
-def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState) -> Callable:
+def _powersgd_counting(counter: CommCounter, hook: Hook, start_iter: int) -> Hook:
+    """PowerSGD's hook (or InOrder's of it), counting what it sends: a plain all-reduce of the bucket in the first
+    start_iter steps, then the factors. The steps are counted here as PowerSGD counts them (a step ends with the bucket
+    DDP hands over last), so the count never reads its state while its thread moves it on."""
+    steps = 0
+
     def counted(st: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        nonlocal steps
         world = dist.get_world_size()
         size = bucket.buffer().element_size()
-        if st.iter < st.start_powerSGD_iter:
+        if steps < start_iter:
             counter.bytes_sent += bytes_per_allreduce(bucket.buffer().numel(), size, world)
         else:
             # Uncompressed: 1-D tensors (biases) all-reduced as they are; each matrix n x m sends P (n x r) and Q (m x r).
@@ -216,6 +225,8 @@ def _powersgd_counting(counter: CommCounter, state: powerSGD_hook.PowerSGDState)
                     # PowerSGD's own rule (_should_compress): compress only where it saves min_compression_rate x.
                     numel += compressed if compressed * st.min_compression_rate < n * m else n * m
             counter.bytes_sent += bytes_per_allreduce(numel, size, world)
-        return powerSGD_hook.powerSGD_hook(st, bucket)
+        if bucket.is_last():
+            steps += 1
+        return hook(st, bucket)
 
     return counted
