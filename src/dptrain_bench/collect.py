@@ -33,10 +33,10 @@ log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = ("engine", "strategy", "nodes", "workers", "repeat", "status", "global_batch_size", "epochs_timed",
                   "epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss",
-                  "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "comm_ms", "comm_exposed_ms", "torch", "host",
-                  "run_dir", "error")
+                  "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "cpu_bound_images_per_s", "comm_ms", "comm_exposed_ms",
+                  "torch", "host", "run_dir", "error")
 MEASURES = ("epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss", "eval_acc",
-            "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "comm_ms", "comm_exposed_ms")
+            "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "cpu_bound_images_per_s", "comm_ms", "comm_exposed_ms")
 KEY = ("engine", "strategy", "workers")
 SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s in ("mean", "std")),
                    "speedup", "efficiency", "baseline_workers")
@@ -85,6 +85,7 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         row["model_flops_per_sample"] = flops[0] if flops else ""  # not a column: collect fills in the other engines' from it
         cpu = [statistics.fmean(flat_numbers(e.get("cpu_util_pct"))) for e in timed if flat_numbers(e.get("cpu_util_pct"))]
         row["cpu_util_pct"] = statistics.fmean(cpu) if cpu else ""
+        row["cpu_bound_images_per_s"] = cpu_bound(timed, env.get("cpu_threads_per_rank"))
         for column, key in (("comm_ms", "comm_ms_per_step"), ("comm_exposed_ms", "comm_exposed_ms_per_step")):
             ranks_mean = [statistics.fmean(flat_numbers(e.get(key))) for e in timed if flat_numbers(e.get(key))]  # ddp, zero1 only
             row[column] = statistics.fmean(ranks_mean) if ranks_mean else ""
@@ -96,6 +97,20 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     row["peak_mem_mb"] = max(peaks) if peaks else ""
     row["rss_max_mb"] = max(rss) if rss else ""
     return row
+
+
+def cpu_bound(timed: list[dict[str, Any]], threads_per_rank: Any) -> float | str:
+    """The images/s of the timed epochs had each step taken only its busiest rank's CPU time (cpu_util_pct over its
+    threads, a share of 1 at most): what hiding every wait for the link or for the other ranks would reach, where
+    each rank's own CPU work (its compute, and the CPU that moving its bytes costs) stays. "" without CPU use."""
+    threads = threads_per_rank if _is_number(threads_per_rank) and threads_per_rank >= 1 else 1
+    busy_seconds = 0.0
+    for e in timed:
+        ranks = flat_numbers(e.get("cpu_util_pct"))
+        if not ranks or max(ranks) <= 0:
+            return ""
+        busy_seconds += e["epoch_time_s"] * min(1.0, max(ranks) / 100 / threads)
+    return sum(e["train_samples"] for e in timed) / busy_seconds if busy_seconds > 0 else ""
 
 
 def run_nodes(run_dir: Path) -> int:

@@ -448,3 +448,16 @@ def test_fitted_on_reads_another_sweep_without_writing_in_it(tmp_path, capsys):
     assert main(["report", str(bench), "--fitted-on", str(other)]) == 0, capsys.readouterr().err
     assert sorted(p.relative_to(other) for p in other.rglob("*")) == before
     assert "the fit on" in (bench / "report.md").read_text()
+
+
+def test_the_cpu_bound_is_the_rate_had_each_step_taken_only_its_busiest_ranks_cpu_time():
+    from dptrain_bench.collect import cpu_bound
+
+    epochs = [{"epoch_time_s": 10.0, "train_samples": 1000, "cpu_util_pct": [80.0, 50.0]},
+              {"epoch_time_s": 30.0, "train_samples": 3000, "cpu_util_pct": [40.0, 60.0]}]
+    # the busiest rank's CPU: 8 s of the first epoch, 18 s of the second; 4000 images in 26 s
+    assert cpu_bound(epochs, 1) == pytest.approx(4000 / 26)
+    # ranks of 2 threads busy 80% of one core: 40% of their share; a rank busy beyond its threads counts as all busy
+    assert cpu_bound(epochs, 2) == pytest.approx(4000 / (10 * 0.4 + 30 * 0.3))
+    assert cpu_bound([{**epochs[0], "cpu_util_pct": [250.0]}], 2) == pytest.approx(100.0)
+    assert cpu_bound([{**epochs[0], "cpu_util_pct": None}], 1) == ""  # no CPU use measured: no bound
