@@ -129,14 +129,14 @@ class DDP(Strategy):
         return ddp
 
     def deferred_update(self, ddp: DistributedDataParallel) -> DeferredUpdate:
-        """strategy.ddp.update_in_next_forward's hooks. With DDP's all-reduce, a second process group for the first
-        layers' buckets; with a hook, the hook's collectives on a group of its own, which nothing in the next forward
-        uses (a BatchNorm model's buffers are broadcast on DDP's while the hook's may still be going on its thread).
-        Every rank makes the groups alike."""
+        """strategy.ddp.update_in_next_forward's hooks. The buckets go over process groups of their own, which nothing
+        in the next forward uses: a BatchNorm model's buffers, broadcast on DDP's group as it starts, then need not
+        wait behind them (nor meet a hook's collectives, which may still be going on its thread). With DDP's
+        all-reduce, a second one for the first layers' buckets. Every rank makes the groups alike."""
         name = self.cfg.ddp.comm_hook
         if name == "allreduce":
-            return DeferredUpdate(self.module, self.env.world_size, priority_group=dist.new_group(),
-                                  priority_params=priority_params(self.module))
+            return DeferredUpdate(self.module, self.env.world_size, group=dist.new_group(),
+                                  priority_group=dist.new_group(), priority_params=priority_params(self.module))
         state, hook = comm_hooks.COMM_HOOKS[name](dist.get_backend(ddp.process_group), self.cfg.ddp.powersgd_rank,
                                                   self.counter, dist.new_group())
         # PowerSGD draws its first factors in its first compressed step: settled at once, as the steps before it

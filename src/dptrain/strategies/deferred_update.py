@@ -73,8 +73,10 @@ class DeferredUpdate:
     """The first steps settled at once: DDP rebuilds its buckets in the second forward, copying the gradients into new
     ones, so none may be in flight then; PowerSGD draws its first random factors from the global generator in its
     first compressed step (start_powerSGD_iter + 1), which must not run beside a forward drawing dropout masks."""
+    group: Any = None
+    """The process group of the all-reduces (not the first layers'); None: the default group."""
     priority_group: Any = None
-    """The process group of the first layers' buckets; None: every bucket on the default group."""
+    """The process group of the first layers' buckets; None: every bucket on `group`."""
     priority_params: set[int] = field(default_factory=set)
     """id() of the parameters before the largest one, in the model's order."""
     optimizer: torch.optim.Optimizer | None = None
@@ -116,7 +118,7 @@ class DeferredUpdate:
             self.pending[bucket.index()] = PendingBucket(future, buffer, params, averaged=True)
         else:
             group = self.priority_group if self.priority_group is not None and all(
-                id(p) in self.priority_params for p in params) else None
+                id(p) in self.priority_params for p in params) else self.group
             work = dist.all_reduce(buffer, group=group, async_op=True)
             work.get_future().then(self.timing.done)
             self.pending[bucket.index()] = PendingBucket(work, buffer, params)
