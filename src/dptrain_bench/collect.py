@@ -85,7 +85,7 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         row["model_flops_per_sample"] = flops[0] if flops else ""  # not a column: collect fills in the other engines' from it
         cpu = [statistics.fmean(flat_numbers(e.get("cpu_util_pct"))) for e in timed if flat_numbers(e.get("cpu_util_pct"))]
         row["cpu_util_pct"] = statistics.fmean(cpu) if cpu else ""
-        row["cpu_bound_images_per_s"] = cpu_bound(timed, env.get("cpu_threads_per_rank"))
+        row["cpu_bound_images_per_s"] = cpu_bound(timed, cores_per_rank(env, row["workers"]))
         for column, key in (("comm_ms", "comm_ms_per_step"), ("comm_exposed_ms", "comm_exposed_ms_per_step")):
             ranks_mean = [statistics.fmean(flat_numbers(e.get(key))) for e in timed if flat_numbers(e.get(key))]  # ddp, zero1 only
             row[column] = statistics.fmean(ranks_mean) if ranks_mean else ""
@@ -99,17 +99,28 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     return row
 
 
-def cpu_bound(timed: list[dict[str, Any]], threads_per_rank: Any) -> float | str:
-    """The images/s of the timed epochs had each step taken only its busiest rank's CPU time (cpu_util_pct over its
-    threads, a share of 1 at most): what hiding every wait for the link or for the other ranks would reach, where
-    each rank's own CPU work (its compute, and the CPU that moving its bytes costs) stays. "" without CPU use."""
-    threads = threads_per_rank if _is_number(threads_per_rank) and threads_per_rank >= 1 else 1
+def cores_per_rank(env: dict[str, Any], workers: int) -> float:
+    """The cores a rank could use, from its env.json: its CPU threads, fewer where more ranks than cores share a
+    machine (the lab cluster's hosts share one machine's); 1 where env.json does not say."""
+    def number(key: str) -> float | None:
+        value = env.get(key)
+        return float(value) if _is_number(value) and value >= 1 else None
+
+    threads, cores, machines = number("cpu_threads_per_rank") or 1.0, number("machine_cores"), number("machines")
+    return min(threads, cores * machines / workers) if cores and machines else threads
+
+
+def cpu_bound(timed: list[dict[str, Any]], cores: float) -> float | str:
+    """The images/s of the timed epochs had each step taken only its busiest rank's CPU time (cpu_util_pct over the
+    cores it could use, a share of 1 at most): what hiding every wait for the link or for the other ranks would
+    reach, where each rank's own CPU work (its compute, and the CPU that moving its bytes costs) stays. "" without
+    CPU use."""
     busy_seconds = 0.0
     for e in timed:
         ranks = flat_numbers(e.get("cpu_util_pct"))
         if not ranks or max(ranks) <= 0:
             return ""
-        busy_seconds += e["epoch_time_s"] * min(1.0, max(ranks) / 100 / threads)
+        busy_seconds += e["epoch_time_s"] * min(1.0, max(ranks) / 100 / cores)
     return sum(e["train_samples"] for e in timed) / busy_seconds if busy_seconds > 0 else ""
 
 

@@ -451,7 +451,7 @@ def test_fitted_on_reads_another_sweep_without_writing_in_it(tmp_path, capsys):
 
 
 def test_the_cpu_bound_is_the_rate_had_each_step_taken_only_its_busiest_ranks_cpu_time():
-    from dptrain_bench.collect import cpu_bound
+    from dptrain_bench.collect import cores_per_rank, cpu_bound
 
     epochs = [{"epoch_time_s": 10.0, "train_samples": 1000, "cpu_util_pct": [80.0, 50.0]},
               {"epoch_time_s": 30.0, "train_samples": 3000, "cpu_util_pct": [40.0, 60.0]}]
@@ -461,3 +461,7 @@ def test_the_cpu_bound_is_the_rate_had_each_step_taken_only_its_busiest_ranks_cp
     assert cpu_bound(epochs, 2) == pytest.approx(4000 / (10 * 0.4 + 30 * 0.3))
     assert cpu_bound([{**epochs[0], "cpu_util_pct": [250.0]}], 2) == pytest.approx(100.0)
     assert cpu_bound([{**epochs[0], "cpu_util_pct": None}], 1) == ""  # no CPU use measured: no bound
+    # the cores a rank could use: its threads, or its share of a machine that more ranks than cores share
+    assert cores_per_rank({"cpu_threads_per_rank": 1, "machines": 1, "machine_cores": 2}, 4) == 0.5  # 4 lab hosts
+    assert cores_per_rank({"cpu_threads_per_rank": 2, "machines": 2, "machine_cores": 8}, 4) == 2
+    assert cores_per_rank({}, 4) == 1 and cores_per_rank({"cpu_threads_per_rank": "x", "machines": 1}, 2) == 1
