@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import Any, Mapping
 
@@ -134,11 +135,15 @@ class DDP(Strategy):
         wait behind them (nor meet a hook's collectives, which may still be going on its thread). With DDP's
         all-reduce, a second one for the first layers' buckets. Every rank makes the groups alike."""
         name = self.cfg.ddp.comm_hook
+
+        def new_group() -> dist.ProcessGroup:  # waiting for a peer as long as the strategy's other collectives
+            return dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
+
         if name == "allreduce":
-            return DeferredUpdate(self.module, self.env.world_size, group=dist.new_group(),
-                                  priority_group=dist.new_group(), priority_params=priority_params(self.module))
+            return DeferredUpdate(self.module, self.env.world_size, group=new_group(), priority_group=new_group(),
+                                  priority_params=priority_params(self.module))
         state, hook = comm_hooks.COMM_HOOKS[name](dist.get_backend(ddp.process_group), self.cfg.ddp.powersgd_rank,
-                                                  self.counter, dist.new_group())
+                                                  self.counter, new_group())
         # PowerSGD draws its first factors in its first compressed step: settled at once, as the steps before it
         settled = state.start_powerSGD_iter + 1 if isinstance(state, comm_hooks.powerSGD_hook.PowerSGDState) else 1
         return DeferredUpdate(self.module, self.env.world_size, comm_hook=hook, comm_hook_state=state,
