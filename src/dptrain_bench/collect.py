@@ -99,22 +99,25 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
     return row
 
 
-def cores_per_rank(env: dict[str, Any], workers: int) -> float:
+def cores_per_rank(env: dict[str, Any], workers: int) -> float | None:
     """The cores a rank could use, from its env.json: its CPU threads, fewer where more ranks than cores share a
-    machine (the lab cluster's hosts share one machine's); 1 where env.json does not say."""
+    machine (the lab cluster's hosts share one machine's); None where env.json does not say on how many machines of
+    how many cores the ranks ran (the other engines write none)."""
     def number(key: str) -> float | None:
         value = env.get(key)
         return float(value) if _is_number(value) and value >= 1 else None
 
     threads, cores, machines = number("cpu_threads_per_rank") or 1.0, number("machine_cores"), number("machines")
-    return min(threads, cores * machines / workers) if cores and machines else threads
+    return min(threads, cores * machines / workers) if cores and machines else None
 
 
-def cpu_bound(timed: list[dict[str, Any]], cores: float) -> float | str:
+def cpu_bound(timed: list[dict[str, Any]], cores: float | None) -> float | str:
     """The images/s of the timed epochs had each step taken only its busiest rank's CPU time (cpu_util_pct over the
     cores it could use, a share of 1 at most): what hiding every wait for the link or for the other ranks would
     reach, where each rank's own CPU work (its compute, and the CPU that moving its bytes costs) stays. "" without
-    CPU use."""
+    CPU use or without the cores a rank could use."""
+    if cores is None:
+        return ""
     busy_seconds = 0.0
     for e in timed:
         ranks = flat_numbers(e.get("cpu_util_pct"))

@@ -464,4 +464,5 @@ def test_the_cpu_bound_is_the_rate_had_each_step_taken_only_its_busiest_ranks_cp
     # the cores a rank could use: its threads, or its share of a machine that more ranks than cores share
     assert cores_per_rank({"cpu_threads_per_rank": 1, "machines": 1, "machine_cores": 2}, 4) == 0.5  # 4 lab hosts
     assert cores_per_rank({"cpu_threads_per_rank": 2, "machines": 2, "machine_cores": 8}, 4) == 2
-    assert cores_per_rank({}, 4) == 1 and cores_per_rank({"cpu_threads_per_rank": "x", "machines": 1}, 2) == 1
+    assert cores_per_rank({"cpu_threads_per_rank": "x", "machines": 1, "machine_cores": 4}, 2) == 1
+    assert cores_per_rank({}, 4) is None and cpu_bound(epochs, None) == ""  # where the ranks ran is not known
