@@ -32,9 +32,10 @@ ON_ONE_HOST = StrategyConfig(name="ddp", ddp=DDPOptions(update_in_next_forward=T
 # The compressing hooks, each against itself without the option (their math is not one process's): PowerSGD's first
 # two steps are plain all-reduces, its third draws its first factors (settled at once, as the steps before it), so its
 # last two are owed; in 4 KB buckets several are owed at once, compressed and sent one after another on its thread.
-HOOKED = {"fp16": DDPOptions(comm_hook="fp16"), "powersgd": DDPOptions(comm_hook="powersgd"),
+HOOKED = {"fp16": DDPOptions(comm_hook="fp16"), "bf16": DDPOptions(comm_hook="bf16"),
+          "powersgd": DDPOptions(comm_hook="powersgd"),
           "powersgd-buckets": DDPOptions(comm_hook="powersgd", bucket_mb=0.004)}
-SETTLED_STEPS = {"fp16": 1, "powersgd": 3, "powersgd-buckets": 3}
+SETTLED_STEPS = {"fp16": 1, "bf16": 1, "powersgd": 3, "powersgd-buckets": 3}
 
 
 def train(cfg: StrategyConfig, env: DistEnv, optim: str, settle_after: tuple[int, ...] = ()) -> dict[str, list]:
