@@ -120,10 +120,10 @@ def cpu_bound(timed: list[dict[str, Any]], cores: float | None) -> float | str:
         return ""
     busy_seconds = 0.0
     for e in timed:
-        ranks = flat_numbers(e.get("cpu_util_pct"))
-        if not ranks or max(ranks) <= 0:
+        busiest = max(flat_numbers(e.get("cpu_util_pct")), default=0.0)
+        if busiest <= 0:
             return ""
-        busy_seconds += e["epoch_time_s"] * min(1.0, max(ranks) / 100 / cores)
+        busy_seconds += e["epoch_time_s"] * min(1.0, busiest / 100 / cores)
     return sum(e["train_samples"] for e in timed) / busy_seconds if busy_seconds > 0 else ""
 
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.config import SPECS, RunConfig
@@ -145,7 +146,7 @@ class DDP(Strategy):
         state, hook = comm_hooks.COMM_HOOKS[name](dist.get_backend(ddp.process_group), self.cfg.ddp.powersgd_rank,
                                                   self.counter, new_group())
         # PowerSGD draws its first factors in its first compressed step: settled at once, as the steps before it
-        settled = state.start_powerSGD_iter + 1 if isinstance(state, comm_hooks.powerSGD_hook.PowerSGDState) else 1
+        settled = state.start_powerSGD_iter + 1 if isinstance(state, PowerSGDState) else 1
         return DeferredUpdate(self.module, self.env.world_size, comm_hook=hook, comm_hook_state=state,
                               settled_steps=settled)
 

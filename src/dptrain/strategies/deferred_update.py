@@ -91,7 +91,7 @@ class DeferredUpdate:
     """The steps whose update was applied since the last take_timing(); their ends are read then (a future's
     callbacks may run after the wait on it returns)."""
     steps: int = 0
-    """Steps taken since install() (the first is settled at once)."""
+    """Steps taken since install() (the first settled_steps are settled at once)."""
 
     def install(self, ddp: Any) -> None:
         def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -113,15 +113,14 @@ class DeferredUpdate:
         if not self.pending:
             self.timing = StepTiming(first_start_ns=time.perf_counter_ns())
         if self.comm_hook is not None:
-            future = self.comm_hook(self.comm_hook_state, bucket)
-            future.then(self.timing.done)
-            self.pending[bucket.index()] = PendingBucket(future, buffer, params, averaged=True)
+            work = future = self.comm_hook(self.comm_hook_state, bucket)
         else:
             group = self.priority_group if self.priority_group is not None and all(
                 id(p) in self.priority_params for p in params) else self.group
             work = dist.all_reduce(buffer, group=group, async_op=True)
-            work.get_future().then(self.timing.done)
-            self.pending[bucket.index()] = PendingBucket(work, buffer, params)
+            future = work.get_future()
+        future.then(self.timing.done)
+        self.pending[bucket.index()] = PendingBucket(work, buffer, params, averaged=self.comm_hook is not None)
         for p in params:
             self.by_param[id(p)] = bucket.index()
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -137,7 +136,7 @@ class DeferredUpdate:
         if not self.pending:  # no bucket went out (nothing to sum): nothing is owed to the next forward
             optimizer.step()
             return
-        self.hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        self.hyperparameters = [settings_of(group) for group in optimizer.param_groups]
         if self.steps <= self.settled_steps:
             self.settle()
 
@@ -193,12 +192,17 @@ class DeferredUpdate:
         return sum(spans) / len(steps) / 1e6, sum(t.waited_ns for t in steps) / len(steps) / 1e6
 
 
+def settings_of(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings (lr, momentum, ...): everything but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def update_only(optimizer: torch.optim.Optimizer, chosen: set[int], hyperparameters: list[dict[str, Any]]) -> None:
     """optimizer.step() on the parameters whose id() is in chosen, with each group's settings as given; the groups'
     parameter lists and settings are put back as they were. Only for optimizers whose update of one parameter reads
     nothing of another's (SGD, Adam, AdamW)."""
     groups = optimizer.param_groups
-    kept = [(group["params"], {k: v for k, v in group.items() if k != "params"}) for group in groups]
+    kept = [(group["params"], settings_of(group)) for group in groups]
     try:
         for group, settings in zip(groups, hyperparameters):
             group.update(settings)
