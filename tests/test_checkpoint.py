@@ -69,6 +69,10 @@ def batch(tmp_path_factory):
             first["async"] = ["train", *RUN, *asynchronous, "--output.dir", str(root / "async"), "--train.max_steps", "9"]
             second["from5"] = ["train", *RUN, "--strategy.name", "ddp", "--output.dir", str(root / "from5"),
                                "--train.resume", str(root / "async" / "checkpoints" / "step-00000005")]
+            # a periodic snapshot (every 5 steps, mid-epoch) of a run whose updates wait for the next forward
+            second["from10/ddp-deferred"] = ["train", *RUN, *OPTIONS["ddp-deferred"], "--output.dir",
+                                             str(root / "from10" / "ddp-deferred"), "--train.resume",
+                                             str(root / "ref" / "ddp-deferred" / "checkpoints" / "step-00000010")]
             for wave in (first, second):
                 for name_, code in zip(wave, run_cli_on_ranks(2, list(wave.values()), str(root), side_by_side=True)):
                     made[name_] = (root / name_.removesuffix("/first"), code)
@@ -97,6 +101,14 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical(batch, uninterrupted, str
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [f"step-{s:08d}" for s in (9, 10, 14)]
     # The resumed epoch's metrics cover all of its samples, as if never stopped.
     assert read_events(run_dir, "epoch")[-1]["train_loss"] == read_events(reference, "epoch")[-1]["train_loss"]
+
+
+def test_a_periodic_snapshot_of_updates_left_for_the_next_forward_holds_whole_steps(batch, uninterrupted):
+    """strategy.ddp.update_in_next_forward: step 10's update is still owed when its snapshot is due mid-epoch; the
+    snapshot must hold it applied (settled), or the run resumed from it never applies it."""
+    run_dir = batch("from10/ddp-deferred")
+    assert "step-00000010 at step 10 (epoch 2, 3 batches into it)" in (run_dir / "logs" / "rank0.log").read_text()
+    assert weights_equal(run_dir, uninterrupted("ddp-deferred"))
 
 
 def test_asynchronous_snapshots_are_whole_and_resume_bit_identical(batch, uninterrupted, capsys):

@@ -7,10 +7,10 @@ tutorials' training script for `submit -- train.py` and `train -- train.py`, a d
 to every `dptrain train` (each would start real training, several processes) and every `dptrain submit` (each would
 submit a real job): a dry run makes every check a run makes (the configuration, the data, the world size, the batch,
 the nodes, the job's options) and writes nothing, so a command the page shows would be refused fails here. The one
-thing a dry run cannot show, the files a real `submit` writes and the `tail -f` line it prints, is checked with the
-scheduler's `sbatch` replaced by a fake that answers a job id. The page's multi-node line runs "on node1", as the
-page says: here node1 resolves to this host. A command the prose only names (`dptrain submit` writes ...) runs as
-its bare dry run. The table of their files is checked on one process training 2 steps, in this process.
+thing a dry run cannot show, the files a real `submit` writes and the `tail -f` line it prints, is checked on the
+private SLURM cluster (tests/slurm_cluster.py), the jobs held and cancelled. The page's multi-node line runs "on
+node1", as the page says: here node1 resolves to this host. A command the prose only names (`dptrain submit` writes
+...) runs as its bare dry run. The table of their files is checked on one process training 2 steps, in this process.
 
 What this leaves out: the runs of several processes (every rank's line with --output.rank_epoch_lines: see
 tests/metrics/test_epoch_lines.py), the GPU logs, and the cluster (tests/slurm/, tutorial_ddp.py among them).
@@ -251,22 +251,30 @@ def test_a_batch_per_rank_and_a_global_batch_must_agree(folder, capsys, caplog):
     assert code == 0, printed
 
 
-def test_a_submitted_job_keeps_the_batch_per_rank_and_prints_its_log(folder, capsys, caplog, monkeypatch):
+def test_a_submitted_job_keeps_the_batch_per_rank_and_prints_its_log(folder, capsys, caplog, monkeypatch,
+                                                                    slurm_cluster):
     """`job.toml` holds the batch per rank (so `sbatch --nodes=2` trains 2 nodes' worth), the job's log is
-    `runs/<name>/logs/slurm-<jobid>.out`, and `--output` moves it to the file the `tail -f` line names. sbatch is a fake
-    here that answers a job id."""
-    from dptrain.slurm import queue
-
-    monkeypatch.setattr(queue, "submit", lambda script: "4242")
-    code, printed = dptrain(["submit", "--output.name", "plain"], capsys, caplog)
-    assert code == 0 and f"tail -f {folder / 'runs' / 'plain' / 'logs' / 'slurm-4242.out'}" in printed, printed
-    code, printed = dptrain(["submit", "--batch_size", "64", "--output", "logs/ddp_%j.out"], capsys, caplog)
+    `runs/<name>/logs/slurm-<jobid>.out`, and `--output` moves it to the file the `tail -f` line names. Submitted to
+    the private SLURM cluster, held (`--sbatch hold`: the test is about what submit writes and says, not the run),
+    then cancelled."""
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    held = ["--sbatch", "hold"]
+    code, printed = dptrain(["submit", "--output.name", "plain", *held], capsys, caplog)
     assert code == 0, printed
+    first = re.search(r"submitted job (\d+) ", printed)
+    assert first is not None and f"tail -f {folder / 'runs' / 'plain' / 'logs' / f'slurm-{first[1]}.out'}" in printed
+    code, printed = dptrain(["submit", "--batch_size", "64", "--output", "logs/ddp_%j.out", *held], capsys, caplog)
+    second = re.search(r"submitted job (\d+) ", printed)
+    assert code == 0 and second is not None, printed
+    for job_id in (first[1], second[1]):
+        assert slurm_cluster.job(int(job_id))["JobState"] == "PENDING"
+        assert slurm_cluster.run("scancel", job_id).returncode == 0
     job = config_mod.load(folder / "runs" / "run" / "job.toml")
     assert job.train.batch_size_per_rank == 64
     # each rank resolves it at the world size it finds: 2 nodes of 1 rank after `sbatch --nodes=2`
     assert resolve_batch(job, 2).train.global_batch_size == 128
-    assert f"tail -f {folder / 'logs' / 'ddp_4242.out'}" in printed
+    assert f"tail -f {folder / 'logs' / f'ddp_{second[1]}.out'}" in printed
     assert "#SBATCH --output=" in (folder / "runs" / "run" / "job.sbatch").read_text()
 
 

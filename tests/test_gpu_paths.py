@@ -85,6 +85,19 @@ def test_a_pulse_that_stops_for_the_silence_names_the_rank_for_every_other():
                                            "from it on the world's store for 10 s)")
 
 
+def test_a_live_peer_is_never_taken_for_lost_however_long_it_lives():
+    """Each new pulse starts the silence again: a peer that beats every second for 60 s of a 10 s silence limit, read
+    twice a second, is never lost (a watch that kept the first pulse's time named it at 10.5 s)."""
+    (r0, r1), clock = watches(2)
+    for tick in range(1, 121):
+        clock.now = tick / 2
+        if tick % 2 == 0:
+            r1.beat()
+        assert r0.lost() is None, f"rank 1 taken for lost at {clock.now} s although it beat every second"
+    clock.now += 10.5  # then it stops: named once its last pulse is older than the silence
+    assert r0.lost() == (1, "no heartbeat from it on the world's store for 10 s")
+
+
 def test_a_rank_that_finished_is_never_taken_for_lost_and_its_watcher_watches_the_next():
     (r0, r1, r2), clock = watches(3)
     r0.lost()

@@ -97,10 +97,23 @@ def test_one_deadline_covers_reaching_rank_0_and_waiting_for_the_others():
 
 
 @pytest.mark.timeout(30)
-def test_ranks_that_join_at_different_moments_share_one_store_with_the_whole_timeout():
+def test_ranks_that_join_at_different_moments_share_one_store_with_the_whole_timeout(monkeypatch):
+    from dptrain.distributed import store as store_mod
+
+    refused = threading.Event()  # rank 1 asked before rank 0 listened, and was refused
+    connect = store_mod.socket.create_connection
+
+    def noting_refusals(*args, **kwargs):
+        try:
+            return connect(*args, **kwargs)
+        except ConnectionRefusedError:
+            refused.set()
+            raise
+
+    monkeypatch.setattr(store_mod.socket, "create_connection", noting_refusals)
     port, timeout_s = free_port(), 10
     first, rank1 = in_thread(join_store, rank_env(1, 2, port), timeout_s)
-    time.sleep(0.5)  # rank 1 asks before rank 0 listens: it waits for rank 0, within its deadline
+    assert refused.wait(5), "rank 1 never asked for the store before rank 0 listened"
     second, rank0 = in_thread(join_store, rank_env(0, 2, port), timeout_s)
     first.join(15)
     second.join(15)

@@ -162,13 +162,27 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def _stop_rank_1_fail_rank_0() -> None:
+def _stop_rank_1_fail_rank_0(folder: str) -> None:
+    """Rank 1 stops itself; rank 0 fails once it has seen rank 1 stopped (else it fails saying so, and the test with
+    it: the scenario never happened)."""
     import signal
 
+    pid_file = Path(folder) / "rank1.pid"
     if os.environ["RANK"] == "1":
+        pid_file.write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)  # as a ^Z, a debugger's attach or a frozen node would
-    time.sleep(0.5)  # rank 1 is stopped by now
+        raise RuntimeError("rank 1 was continued")
+    deadline = time.monotonic() + 20
+    while not (pid_file.is_file() and pid_file.read_text() and _stopped(int(pid_file.read_text()))):
+        if time.monotonic() > deadline:
+            raise RuntimeError("rank 1 never stopped")
+        time.sleep(0.05)
     raise RuntimeError("rank 0 gives up")
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process pid is stopped by a signal (state T)."""
+    return _state(pid).strip().startswith("t (stopped)")
 
 
 @pytest.mark.timeout(90)
@@ -180,7 +194,7 @@ def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp
 
     started = time.monotonic()
     with pytest.raises(LaunchError) as failed:
-        launch_local(_stop_rank_1_fail_rank_0, (), nproc_per_node=2, timeout_s=10, log_file=tmp_path / "launcher.log", on_cuda=False)
+        launch_local(_stop_rank_1_fail_rank_0, (str(tmp_path),), nproc_per_node=2, timeout_s=10, log_file=tmp_path / "launcher.log", on_cuda=False)
     assert "rank 0 gives up" in str(failed.value)
     assert time.monotonic() - started < 20  # the grace it waited was 30 s; this run takes about 1 s
 

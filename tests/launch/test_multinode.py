@@ -123,11 +123,19 @@ print(conn.makefile().readline().strip())
     # the machine's own (root namespace) stack reaches neither: its loopback refuses; node1's address goes out
     # the machine's default route (here a sandbox egress proxy accepts any TCP connection), never to node1
     server = hosts.popen(0, [PY, "-c", ECHO_SERVER, "0.0.0.0", str(PORT)])
-    time.sleep(0.5)  # it listens by now (a python start); the connects below must fail regardless
+    _wait_listening(hosts, 0, PORT)  # the connects below must fail although it listens
     assert server.poll() is None, server.communicate()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", PORT), timeout=1).close()
     assert _greeting(hosts.addresses[0], PORT) != b"node1\n"
+
+
+def _wait_listening(hosts: TwoHosts, host: int, port: int, timeout: float = 20) -> None:
+    """Return once a socket listens on port in host's network stack (ss there); fail the test if none comes."""
+    deadline = time.monotonic() + timeout
+    while not hosts.run(host, ["ss", "-ltnH", f"sport = :{port}"], timeout=10).stdout.strip():
+        assert time.monotonic() < deadline, f"nothing listened on port {port} of {hosts.names[host]} within {timeout} s"
+        time.sleep(0.1)
 
 
 def _greeting(address: str, port: int) -> bytes | None:

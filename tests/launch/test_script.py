@@ -123,3 +123,21 @@ def test_a_dry_run_says_what_would_start_and_starts_nothing(tmp_path, monkeypatc
                           "dptrain's elastic agent (2 nodes meeting at 10.0.0.1:29500)")
     assert err.rstrip().endswith(f"the agent's log: {Path('runs', 'mine', 'logs', 'launcher.log')}")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("words", [["-u", "my_train.py", "--epochs", "5"],
+                                   ["python3", "-u", "my_train.py", "--epochs", "5"],
+                                   ["-m", "my_train", "--epochs", "5"]])
+def test_an_interpreters_words_after_the_double_dash_are_the_scripts_not_dptrains(tmp_path, monkeypatch, capsys, words):
+    """python's -u (unbuffered: torchrun runs its workers so already), a named python, or -m and a module, as the
+    tutorials' launch lines write them: what follows -- is the user's, never an option of dptrain's."""
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_train.py").write_text("open('ran', 'w')\n")
+    code = main(["train", "--dry-run", "--nproc-per-node", "2", "--", *words])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    shown = "-m my_train" if "-m" in words else "my_train.py"
+    assert err.startswith(f"dptrain: would start {shown} --epochs 5 on 2 local worker(s), world size 2"), err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "runs").exists()

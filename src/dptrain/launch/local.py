@@ -202,12 +202,15 @@ def _restore_environment(kept: dict[str, str]) -> None:
 
 
 class ContinueStoppedWorkers:
-    """Once one of this agent's workers has ended, continue (SIGCONT) those still stopped (SIGSTOP, ^Z of one).
+    """Continue (SIGCONT) each of this agent's workers that is stopped (SIGSTOP, ^Z of one) while a SIGTERM waits for
+    it.
 
     When a worker fails, torch's agent ends the others with SIGTERM, which a stopped process takes only once
     continued; torch then waited 30 s before its SIGKILL, so a run with a stopped rank ended its timeout + 30 s after
     the stop instead of within the timeout. A thread of the agent looks at its children four times a second (Linux's
-    /proc; nothing happens where it has none); a run whose workers all live is never touched.
+    /proc; nothing happens where it has none). The pending SIGTERM, not a worker's end, says the agent is ending the
+    group: a worker that failed within a quarter of a second of its start left no trace for the thread to see. A
+    stopped worker that nobody asked to end (a debugger's, a ^Z the user will undo) is left stopped.
     """
 
     POLL_S = 0.25
@@ -225,15 +228,11 @@ class ContinueStoppedWorkers:
         self.thread.join()
 
     def _watch(self) -> None:
-        seen: set[int] = set()
         while not self.done.wait(self.POLL_S):
-            workers = _children()
-            if seen - workers:  # one has ended: the agent is ending (or restarting) the group
-                for pid in workers:
-                    if _state(pid) == "T":
-                        with contextlib.suppress(OSError):
-                            os.kill(pid, signal.SIGCONT)
-            seen |= workers
+            for pid in _children():
+                if _state(pid) == "T" and _sigterm_pending(pid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
 
 
 def _children() -> set[int]:
@@ -244,6 +243,16 @@ def _children() -> set[int]:
             with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
                 pids.update(int(pid) for pid in f.read().split())
     return pids
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits to be delivered to process pid (its status' pending-signal masks, bit 15 - 1)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
 
 
 def _state(pid: int) -> str:
