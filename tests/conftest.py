@@ -51,6 +51,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{count} x {reason}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A nightly test is a slow one too: `-m "not slow"` (the quick loop) replaces the default `-m "not gpu and not
+    nightly"`, and must still leave it out."""
+    for item in items:
+        if item.get_closest_marker("nightly") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _log_handlers_as_found():
     """A test that runs dptrain in this process (setup_logging) leaves handlers writing to that test's captured
@@ -166,28 +175,33 @@ def cli(tmp_path: Path):
 # its own work. (A collected module's runs are made even if -k deselects their tests: a few seconds each.)
 FLOAT64_ENV = {"PYTHONPATH": f"{Path(__file__).parent / 'float64'}{os.pathsep}{REPO}"}  # every rank computes in float64
 Precision = Literal["fp32", "float64"]
-PLANNED: dict[str, tuple[tuple[str, ...], tuple[int, ...], Precision]] = {}
+PLANNED: dict[str, tuple[tuple[str, ...], tuple[int, ...], Precision, tuple[int, ...]]] = {}
 
 
-def plan_runs(runs: dict[str, tuple[list[str], tuple[int, ...]]], precision: Precision = "fp32") -> None:
-    """Declare `dptrain ARGV` runs by name (unique over the test suite): ARGV without --output.dir, its world sizes."""
+def plan_runs(runs: dict[str, tuple[list[str], tuple[int, ...]]], precision: Precision = "fp32",
+              nightly_worlds: tuple[int, ...] = ()) -> None:
+    """Declare `dptrain ARGV` runs by name (unique over the test suite): ARGV without --output.dir, its world sizes.
+    nightly_worlds: those of its world sizes that only nightly tests read (made only in a session that selects one)."""
     for name, (argv, worlds) in runs.items():
-        planned = (tuple(argv), tuple(worlds), precision)
+        planned = (tuple(argv), tuple(worlds), precision, tuple(nightly_worlds))
         assert PLANNED.setdefault(name, planned) == planned, f"two different runs are both named {name}"
 
 
 @pytest.fixture(scope="session")
-def planned_run(tmp_path_factory):
+def planned_run(tmp_path_factory, request):
     """planned_run(name, world) -> the run directory of that run of PLANNED, finished with exit code 0."""
     made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, rank 0's exit code)
     broken: dict[tuple[str, int], str] = {}  # (precision, world) -> why that set of ranks failed as a whole
+    nightly = any(item.get_closest_marker("nightly") for item in request.session.items)  # selected ones only
 
     def get(name: str, world: int) -> Path:
         precision = PLANNED[name][2]
         if (precision, world) in broken:  # fail at once, not after running the whole batch again
             pytest.fail(broken[(precision, world)])
         if (name, world) not in made:
-            names = [n for n, (_, worlds, p) in PLANNED.items() if world in worlds and p == precision]
+            names = [n for n, (_, worlds, p, later) in PLANNED.items()
+                     if world in worlds and p == precision and (n, world) not in made
+                     and (n == name or nightly or world not in later)]
             root = tmp_path_factory.mktemp(f"{precision}-world{world}")
             dirs = [root / n.replace("/", "-") for n in names]
             argvs = [[*PLANNED[n][0], "--output.dir", str(d)] for n, d in zip(names, dirs)]

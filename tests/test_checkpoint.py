@@ -200,7 +200,11 @@ def step_losses(run_dir) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in read_events(run_dir, "step")}
 
 
-RESHARDS = [("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 4, 2), ("fsdp", 2, 3), ("zero1", 4, 2), ("ps", 2, 3)]
+# The default run keeps a world that grows (2 to 3) for each of DCP's two kinds of state (whole tensors, shards); the
+# nightly tier adds the worlds that shrink (4 ranks to 2) and the other strategies.
+RESHARDS = [pytest.param("ddp", 4, 2, marks=pytest.mark.nightly), ("ddp", 2, 3),
+            pytest.param("fsdp", 4, 2, marks=pytest.mark.nightly), ("fsdp", 2, 3),
+            pytest.param("zero1", 4, 2, marks=pytest.mark.nightly), pytest.param("ps", 2, 3, marks=pytest.mark.nightly)]
 
 
 def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> dict[str, int]:
@@ -218,13 +222,16 @@ def runs_by_world(runs: dict[str, tuple[int, list[str]]], root) -> dict[str, int
 
 
 @pytest.fixture(scope="module")
-def resharded(tmp_path_factory):
-    """The uninterrupted runs at the first world size, then each resumed from its step 11 at the second."""
+def resharded(tmp_path_factory, request):
+    """The uninterrupted runs at the first world size, then each resumed from its step 11 at the second: for the
+    cases of RESHARDS this session selected."""
     root = tmp_path_factory.mktemp("reshard")
-    codes = runs_by_world({f"{s}-{b}": (b, [*RESHARD, "--strategy.name", s]) for s, b, _ in RESHARDS}, root)
+    cases = {tuple(item.callspec.params[k] for k in ("strategy", "before", "after")) for item in request.session.items
+             if getattr(item, "originalname", None) == "test_a_snapshot_resumes_at_another_world_size"}
+    codes = runs_by_world({f"{s}-{b}": (b, [*RESHARD, "--strategy.name", s]) for s, b, _ in cases}, root)
     codes |= runs_by_world({f"{s}-{b}-{a}": (a, [*RESHARD, "--strategy.name", s, "--train.resume",
                                                  str(root / f"{s}-{b}" / "checkpoints" / "step-00000011")])
-                            for s, b, a in RESHARDS}, root)
+                            for s, b, a in cases}, root)
     return root, codes
 
 
@@ -256,7 +263,7 @@ def test_a_snapshot_resumes_at_another_world_size(resharded, strategy, before, a
 # epoch-end snapshot of step 7). After each kill the survivor's failed collective waits for the dead rank
 # in the roll call (min(5 s, launch.timeout_s / 4)) before the agent restarts the group: launch.timeout_s 10
 # keeps that wait short and still bounds the rendezvous and every collective of these short runs.
-@pytest.mark.parametrize(("strategy", "steps"), [("ddp", (3, 7, 12)), ("fsdp", (9,))])
+@pytest.mark.parametrize(("strategy", "steps"), [("ddp", (3, 7, 12)), pytest.param("fsdp", (9,), marks=pytest.mark.nightly)])
 def test_a_worker_killed_by_sigkill_is_restarted_and_ends_bit_identical(cli, tmp_path, uninterrupted, strategy, steps):
     run_dir = tmp_path / "killed"
     markers = [tmp_path / f"killed-after-{step}" for step in steps]

@@ -164,6 +164,7 @@ def test_a_run_stopped_by_a_signal_resumes_where_it_stood(tmp_path, monkeypatch,
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
+@pytest.mark.nightly
 @pytest.mark.slow  # the compiler takes about 10 s here
 def test_compiled_training_follows_the_eager_losses(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

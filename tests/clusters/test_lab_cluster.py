@@ -157,6 +157,7 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
     assert read_events(run_dir, "run_start")[0]["world_size"] == 2
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_tutorials_ddp_and_lightning_scripts_train_as_jobs_across_two_lab_hosts(tmp_path):
@@ -186,9 +187,10 @@ def test_the_tutorials_ddp_and_lightning_scripts_train_as_jobs_across_two_lab_ho
     assert min(sent) >= 2 * 16 * 7850 * 4, sent
 
 
-plan_runs({"lab/one-host-4-ranks": (MULTINODE, (4,))}, precision="float64")
+plan_runs({"lab/one-host-4-ranks": (MULTINODE, (4,))}, precision="float64", nightly_worlds=(4,))
 
 
+@pytest.mark.nightly  # the default run keeps tests/strategies/test_two_step.py (the two steps on one machine)
 @pytest.mark.slow
 def test_two_hosts_of_two_ranks_sum_within_each_host_then_once_across_the_links(tmp_path, planned_run):
     """2 nodes x 2 ranks over 1 Gbit/s links: the gradients are summed within each host (shared memory), then by one

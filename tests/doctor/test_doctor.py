@@ -188,6 +188,7 @@ def two_hosts_reason() -> str | None:
     return TwoHosts.unavailable_reason()
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_on_two_hosts_each_fault_is_named_on_its_node(tmp_path):

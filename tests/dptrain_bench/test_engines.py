@@ -110,6 +110,7 @@ def events(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "out" / "runs" / name / "metrics.jsonl").open()]
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lightning_point_writes_a_row(tmp_path, machine_probes):

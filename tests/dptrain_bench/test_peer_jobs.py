@@ -159,6 +159,7 @@ def peer_sweep(cwd: Path, env: dict[str, str], engines: str, nodes: str, probes:
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # 15-55 s here: two jobs side by side on 2 shared cores, mostly Lightning's and DeepSpeed's
 # imports
+@pytest.mark.nightly
 def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_cluster, slurm_link_probes, tmp_path):
     # the tutorial engine's 2-node job is in the sweep over node counts below
     code, logs, err = peer_sweep(tmp_path, slurm_cluster.env, "lightning,deepspeed", "2", slurm_link_probes)
@@ -180,6 +181,7 @@ def test_lightning_and_deepspeed_run_a_point_as_a_job_across_two_nodes(slurm_clu
         assert (run_dir / "logs" / f"slurm-{job_id}.out").is_file()
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # 15-50 s here: four jobs side by side on 2 shared cores
 def test_a_sweep_over_node_counts_writes_a_row_per_engine_and_node_count(slurm_cluster, slurm_link_probes, tmp_path):

@@ -182,6 +182,7 @@ def test_two_hosts_train_as_one_host_with_two_workers(two_hosts, planned_run, tm
     assert_trained_alike(run_dir, reference, steps=8)
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 def test_global_rank_0_runs_on_node_0_whatever_the_addresses(two_hosts, tmp_path):
     # torch ranks the agents by the sorted order of their addresses: with node 0 on node2, rank 0 (its console, its
@@ -195,6 +196,7 @@ def test_global_rank_0_runs_on_node_0_whatever_the_addresses(two_hosts, tmp_path
     assert "[METRIC]" in said["node 0 (node2)"] and "[METRIC]" not in said["node 1 (node1)"], said
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 def test_torchruns_line_without_node_ranks_trains_with_rank_0_on_the_endpoints_host(two_hosts, tmp_path):
     # The same torchrun-style line on both hosts, no --node-rank: it was refused ("--node-rank is needed"). The node
@@ -217,6 +219,7 @@ def json_env(run_dir) -> dict:
     return json.loads((run_dir / "env.json").read_text())
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 def test_a_cut_link_fails_the_other_host_within_the_timeout_naming_the_lost_rank(two_hosts, tmp_path):
     run_dir = tmp_path / "run"

@@ -61,6 +61,7 @@ def test_memory_sample_counts_the_agent_and_its_children(speed):
         child.wait()
 
 
+@pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # about 45 s on the project's idle 2-core machine; several minutes when it is loaded
 def test_quick_run_writes_every_target(tmp_path):

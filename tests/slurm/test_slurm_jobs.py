@@ -37,8 +37,6 @@ TUTORIAL_SCRIPT = Path(__file__).parent / "tutorial_ddp.py"
 LIGHTNING_SCRIPT = Path(__file__).parent / "tutorial_lightning.py"
 # name -> (options of `dptrain submit`, environment of the submission; sbatch passes it on to the job)
 JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "requeued": ([*LONG, *TWO_NODES, "--requeue"], {}),
-    "uninterrupted": ([*LONG, *TWO_NODES], {}),
     "per-rank": ([*MULTINODE[1:], *TWO_NODES], FLOAT64_ENV),
     "agent": ([*MULTINODE[1:], *TWO_NODES, "--mode", "agent"], FLOAT64_ENV),
     # two jobs of 2 ranks on node n1 at once, each with its own port
@@ -71,20 +69,38 @@ def submit(cluster, workdir: Path, name: str, options: list[str], env: dict[str,
     return int(re.search(r"submitted job (\d+)", out.getvalue()).group(1))
 
 
+# The nightly tier's: a signalled job and its uninterrupted twin (the requeued job waits for SLURM's credential to
+# expire before it runs again, some 30 s here).
+REQUEUE_JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "requeued": ([*LONG, *TWO_NODES, "--requeue"], {}),
+    "uninterrupted": ([*LONG, *TWO_NODES], {}),
+}
+
+
+def submitted(cluster, workdir: Path, jobs: dict[str, tuple[list[str], dict[str, str]]]) -> dict[str, tuple[int, Path]]:
+    """name -> (job id, run directory) of every job of jobs, submitted together from workdir."""
+    return {name: (submit(cluster, workdir, name, options, env), workdir / "runs" / name)
+            for name, (options, env) in jobs.items()}
+
+
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory):
-    """name -> (job id, run directory) of every job of JOBS, submitted together; the requeued one is signalled
-    (scancel --signal=USR1, as SLURM's --signal would) once it has trained a few steps."""
-    workdir = tmp_path_factory.mktemp("jobs")
-    ids = {name: submit(slurm_cluster, workdir, name, options, env) for name, (options, env) in JOBS.items()}
-    made = {name: (job_id, workdir / "runs" / name) for name, job_id in ids.items()}
-    run_dir = made["requeued"][1]
+    """name -> (job id, run directory) of every job of JOBS, submitted together."""
+    return submitted(slurm_cluster, tmp_path_factory.mktemp("jobs"), JOBS)
+
+
+@pytest.fixture(scope="module")
+def requeue_jobs(slurm_cluster, tmp_path_factory):
+    """The jobs of REQUEUE_JOBS, as jobs(); the requeued one is signalled (scancel --signal=USR1, as SLURM's --signal
+    would) once it has trained a few steps."""
+    made = submitted(slurm_cluster, tmp_path_factory.mktemp("requeue"), REQUEUE_JOBS)
+    job_id, run_dir = made["requeued"]
     deadline = time.monotonic() + 120
     while not steps_done(run_dir) >= 3:
-        job = slurm_cluster.job(ids["requeued"])
+        job = slurm_cluster.job(job_id)
         assert time.monotonic() < deadline and job["JobState"] in ("PENDING", "RUNNING"), (job, job_output(run_dir))
         time.sleep(0.2)
-    assert slurm_cluster.run("scancel", "--signal=USR1", str(ids["requeued"])).returncode == 0
+    assert slurm_cluster.run("scancel", "--signal=USR1", str(job_id)).returncode == 0
     return made
 
 
@@ -123,7 +139,9 @@ def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, jobs, planne
     assert_trained_alike(run_dir, planned_run("multinode/one-host", 2), steps=8)
 
 
-def test_a_signalled_job_requeues_resumes_and_ends_equal_to_an_uninterrupted_one(slurm_cluster, jobs):
+@pytest.mark.nightly  # the default run keeps a requeue on the private cluster (test_containers.py) and the signals (test_stopping.py)
+def test_a_signalled_job_requeues_resumes_and_ends_equal_to_an_uninterrupted_one(slurm_cluster, requeue_jobs):
+    jobs = requeue_jobs
     job, run_dir = finished(slurm_cluster, jobs, "requeued")
     assert job["Restarts"] == "1"
     starts = read_events(run_dir, "run_start")

@@ -49,8 +49,11 @@ PLAN: dict[str, tuple[list[str], tuple[int, ...]]] = {
     "fsdp-bf16": (["--strategy.name", "fsdp", "--strategy.fsdp.param_dtype", "bfloat16", "--strategy.fsdp.reduce_dtype", "float32"], (2,)),
     **{f"held-{strategy}": (["--strategy.name", strategy, *SHARDING], (2, 4)) for strategy in ("ddp", "zero1", "fsdp", "ps")},
 }
+# Their 4-rank runs (fp32, 4 ranks on the machine's cores) are the nightly tier's; float64 keeps 4 ranks in the default
+# run (test_fsdp_equals_one_process_in_float64, tests/test_train_distributed.py).
 plan_runs({f"strategies/{name}": (["train", *COMMON, *args, "--launch.timeout_s", "60"], worlds)
-           for name, (args, worlds) in PLAN.items()})
+           for name, (args, worlds) in PLAN.items()}, nightly_worlds=(4,))
+WORLDS = [2, pytest.param(4, marks=pytest.mark.nightly)]
 # One process (a world of 1 under torchrun's variables): the reference of every comparison.
 plan_runs({"strategies/reference": (["train", "--strategy.name", "ddp", *COMMON], (1,)),
            "strategies/clipped": (["train", "--strategy.name", "ddp", *COMMON, *CLIP], (1,))})
@@ -87,7 +90,7 @@ def reference(planned_run):
 WEIGHT_BOUND = {("fsdp-zero3", 4): 3e-4, ("fsdp-zero2", 4): 3e-4}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", list(EXACT))
 def test_strategy_follows_one_process_exactly(runs, reference, strategy, world):
     assert_same_training(reference, runs(strategy, world), WEIGHT_BOUND.get((strategy, world), 1e-5))
@@ -195,7 +198,7 @@ def test_ring_all_reduce_equals_all_reduce_on_odd_sizes(world):
     assert max(max(e) for e in errors) < 1e-12
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_sharding_strategies_hold_a_1_over_n_share_of_the_optimizer_state(runs, world):
     """ddp: every rank holds Adam's two moments for every parameter; fsdp and zero1 about 1/N of that."""
     events = {strategy: runs(f"held-{strategy}", world)[2][-1] for strategy in ("ddp", "zero1", "fsdp", "ps")}
