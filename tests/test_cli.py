@@ -242,6 +242,7 @@ def test_config_prints_the_global_batch_of_the_tutorials_batch_per_process(capsy
     assert "global_batch_size = 32\n" in out and "batch_size_per_rank = 16\n" in out
 
 
+@pytest.mark.slow
 def test_output_into_a_pipe_that_is_closed_ends_without_a_traceback(tmp_path):
     # `dptrain train --dry-run | head -3` ended with a BrokenPipeError traceback once head had gone.
     import os

@@ -33,6 +33,7 @@ def snapshot_steps(run_dir) -> list[int]:
     return sorted(int(p.name.removeprefix(checkpoint.PREFIX)) for p in (run_dir / "checkpoints").glob(f"{checkpoint.PREFIX}*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_diverged_run_stops_at_its_first_snapshot_after_the_nan_and_keeps_the_one_before(cli, tmp_path, workers):
     """lr 1e30: the first update throws the weights far out, the losses after it are not finite."""
@@ -49,6 +50,7 @@ def test_a_diverged_run_stops_at_its_first_snapshot_after_the_nan_and_keeps_the_
     assert checkpoint.verify(run_dir / "checkpoints" / kept)["step"] == step - 1  # whole
 
 
+@pytest.mark.slow
 def test_a_run_that_diverges_before_any_snapshot_says_so(cli, tmp_path):
     """The issue's command: sgd at lr 1e30, checked at the end of the epoch (no log step, no snapshot before it)."""
     run_dir = tmp_path / "run"
@@ -60,6 +62,7 @@ def test_a_run_that_diverges_before_any_snapshot_says_so(cli, tmp_path):
     assert read_events(run_dir, "epoch") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_run_that_diverges_in_its_second_epoch_keeps_the_first_epochs_snapshot(cli, tmp_path, workers):
     """A step schedule with gamma 1e30: epoch 1 trains at lr 0.01, epoch 2 at 1e28; seen at the log steps (every 2)."""

@@ -62,6 +62,7 @@ def test_a_multi_node_dry_run_without_a_node_rank_leaves_the_numbering_to_the_re
             "strategy ddp" in capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_a_dry_run_names_the_snapshot_it_would_resume_from(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *SMALL, "--train.max_steps", "3", "--output.name", "r"]) == 0

@@ -84,6 +84,7 @@ def assert_written_by_the_schema(path: Path) -> list[dict]:
     return written
 
 
+@pytest.mark.slow
 def test_every_event_of_a_stopped_and_resumed_run_is_one_of_the_schema(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     args = ["train", *SMALL, "--strategy.name", "single", "--output.dir", str(run_dir)]

@@ -18,6 +18,7 @@ TINY = ["--data.name", "synthetic", "--data.synthetic_train_size", "64", "--data
         "--train.global_batch_size", "32", "--train.epochs", "1", "--model.dropout", "false"]
 
 
+@pytest.mark.slow
 def test_the_tutorials_model_dir_and_filename_save_the_final_weights_there_and_the_run_folder_stays(tmp_path, monkeypatch,
                                                                                                   capsys):
     """A tutorial user's second run with another rate (seed 001's `--model_dir saved_models --learning_rate 0.01`):

@@ -300,6 +300,7 @@ def test_dptrain_train_under_their_launcher_takes_its_ranks(line, folder, capsys
     assert code == 0 and "4 ranks of the launcher that started this process" in printed, printed
 
 
+@pytest.mark.slow
 def test_their_files_and_output_from_one_tiny_run(folder, capsys, caplog):
     """The table "Their files and their output", from one process training 2 steps of synthetic data with the
     tutorials' --batch_size, --model_dir and --model_filename, then the same command again: where each file goes, the

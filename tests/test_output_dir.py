@@ -127,8 +127,8 @@ def fill(folder: Path) -> None:
 @pytest.mark.parametrize("what, snapshots, workers", [
     ("the final weights", "at the end", 1), ("the final weights", "every 2 steps", 1),
     ("a snapshot", "at the end", 1), ("a snapshot", "every 2 steps", 1),
-    pytest.param("the final weights", "every 2 steps", 2, marks=pytest.mark.slow),
-    pytest.param("a snapshot", "at the end", 2, marks=pytest.mark.slow)])
+    pytest.param("the final weights", "every 2 steps", 2, marks=pytest.mark.nightly),
+    pytest.param("a snapshot", "at the end", 2, marks=pytest.mark.nightly)])
 @pytest.mark.timeout(300)
 def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_path, ample_run, what, snapshots, workers):
     """The disk fills at the write named, whatever this machine's file sizes: a first run on an ample disk measures
@@ -165,6 +165,7 @@ def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_pat
     assert (run_dir / "metrics.jsonl").read_text().endswith("\n")  # kept, in whole lines
 
 
+@pytest.mark.slow
 def test_a_disk_full_from_the_start_is_one_sentence_and_keeps_the_run_files(tmpfs, tmp_path):
     """config.toml, rewritten by every run of the folder, is replaced whole or not at all (it was a 23-line OSError)."""
     run_dir = tmpfs(1) / "run"
@@ -180,6 +181,7 @@ def test_a_disk_full_from_the_start_is_one_sentence_and_keeps_the_run_files(tmpf
     assert [p.name for p in run_dir.rglob("*") if ".tmp" in p.name] == []
 
 
+@pytest.mark.slow
 def test_metrics_that_cannot_be_written_are_one_sentence(tmpfs, tmp_path):
     """metrics.jsonl on a full disk (a link into a full tmpfs): it printed a 36-line chain of OSErrors."""
     full = tmpfs(1)

@@ -113,6 +113,7 @@ def predict_argv(run_dir: Path, input_path: Path, output: Path, *extra: str) -> 
     return ["predict", "--checkpoint", str(run_dir), "--input", str(input_path), "--output", str(output), *extra]
 
 
+@pytest.mark.slow
 def test_the_manifest_records_what_the_model_takes(run):
     manifest = json.loads((checkpoint.find_snapshot(run) / "manifest.json").read_text())
     assert manifest["input"] == {"shape": [1, 28, 28], "mean": [MEAN], "std": [STD], "num_classes": CLASSES, "dataset": "synthetic"}
@@ -121,6 +122,7 @@ def test_the_manifest_records_what_the_model_takes(run):
         "shape": [1, 28, 28], "mean": list(mnist.mean), "std": list(mnist.std), "num_classes": 10, "dataset": "mnist"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["idx", "npy", "folder"])
 def test_one_worker_predicts_every_input_once_in_order(run, inputs, tmp_path, kind):
     paths, seen = inputs
@@ -214,6 +216,7 @@ def test_an_unreadable_input_file_is_refused_in_one_sentence(run, tmp_path, caps
     assert not (tmp_path / "predictions.csv").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)  # the old code waited for a writer on the FIFO for ever
 def test_an_image_that_is_not_a_regular_file_or_not_png_or_jpeg_by_content_is_named(run, inputs, tmp_path, capsys):
     folder = tmp_path / "pngs"
@@ -268,6 +271,7 @@ def test_refuses_to_write_over_a_file_that_is_not_a_predictions_file(run, inputs
     assert config.read_text() == before
 
 
+@pytest.mark.slow
 def test_an_older_snapshot_without_input_gets_it_from_the_config(run, inputs, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(run, old, ignore=shutil.ignore_patterns("logs"))

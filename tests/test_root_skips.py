@@ -27,6 +27,7 @@ def test_skipped_for_another_reason():
 '''
 
 
+@pytest.mark.slow
 def test_the_summary_line_counts_the_tests_skipped_without_root(tmp_path):
     hooks = "from tests.conftest import pytest_report_teststatus, pytest_terminal_summary\n"
     (tmp_path / "conftest.py").write_text(hooks)

@@ -28,6 +28,7 @@ def run_dir(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_a_config_written_under_umask_002_is_closed_to_the_group_and_eval_reads_it(run_dir, capsys):
     assert (run_dir / "config.toml").stat().st_mode & 0o022 == 0
     capsys.readouterr()
@@ -35,6 +36,7 @@ def test_a_config_written_under_umask_002_is_closed_to_the_group_and_eval_reads_
     assert "eval_acc=" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_config_others_may_write_is_refused_before_it_is_read(run_dir, capsys):
     config = run_dir / "config.toml"
     original = config.read_text()
@@ -79,6 +81,7 @@ def test_a_config_of_another_user_or_a_link_is_refused(run_dir, tmp_path, capsys
         os.chown(config, 0, 0)
 
 
+@pytest.mark.slow
 def test_a_run_named_as_an_older_dptrain_allowed_is_still_read(tmp_path, capsys):
     # output.name takes no spaces now; eval and predict of a run written before must not be refused for it.
     run = tmp_path / "old"

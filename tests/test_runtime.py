@@ -96,6 +96,7 @@ def test_one_deadline_covers_reaching_rank_0_and_waiting_for_the_others():
     assert timeout_s <= rank0["elapsed"] < 2 * timeout_s, rank0["elapsed"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_ranks_that_join_at_different_moments_share_one_store_with_the_whole_timeout(monkeypatch):
     from dptrain.distributed import store as store_mod
@@ -265,6 +266,7 @@ print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5)
 """
 
 
+@pytest.mark.slow
 def test_freed_blocks_are_kept_for_the_next_step_instead_of_page_faulting_again():
     import subprocess
     import sys

@@ -97,6 +97,7 @@ ATTACKS = {  # (base snapshot, file, how to plant)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rehashed", [True, False], ids=["manifest re-hashed", "manifest as written"])
 @pytest.mark.parametrize("target", list(ATTACKS))
 def test_a_planted_pickle_never_runs(snapshots, tmp_path, capsys, target, rehashed):

@@ -66,6 +66,7 @@ def test_the_peak_scales_with_the_global_batch(rule, factor):
         pytest.approx([0.1 * factor] * 3)
 
 
+@pytest.mark.slow
 def test_a_resume_mid_warmup_ends_bit_identical(tmp_path):
     """Stopped at step 4 of a 10-step warm-up under a scaled, cosine rate, resumed to 12: the same weights as one run."""
     run = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "32",

@@ -250,6 +250,7 @@ def test_pruning_keeps_the_newest_whole_snapshots_of_this_run_only(tmp_path, cap
                             "the newest: damaged 5"]
 
 
+@pytest.mark.slow
 def test_thousands_of_damaged_snapshots_are_one_log_line(tmp_path, caplog):
     """3,000 damaged snapshots newer than the one whole one printed 3,000 lines when a resume looked for it."""
     root = tmp_path / "checkpoints"

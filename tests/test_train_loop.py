@@ -23,6 +23,7 @@ SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--da
          "--strategy.name", "single", "--train.global_batch_size", "32", "--train.log_every", "1"]
 
 
+@pytest.mark.slow
 def test_max_steps_stops_mid_epoch_and_still_reports_the_partial_epoch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *SMALL, "--train.epochs", "3", "--train.max_steps", "5"]) == 0
@@ -32,6 +33,7 @@ def test_max_steps_stops_mid_epoch_and_still_reports_the_partial_epoch(tmp_path,
     assert len(read_events(tmp_path / "runs" / "run", "step")) == 5
 
 
+@pytest.mark.slow
 def test_bf16_autocast_and_clipping_train_close_to_fp32(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     losses = {}
@@ -48,6 +50,7 @@ def test_bf16_autocast_and_clipping_train_close_to_fp32(tmp_path, monkeypatch):
     assert losses["bf16"][0] != losses["fp32"][0]  # autocast really ran
 
 
+@pytest.mark.slow
 def test_deterministic_kernels_change_no_result_and_no_snapshot(tmp_path, monkeypatch):
     """--train.deterministic picks kernels, not math: the same weights on the CPU, and a snapshot resumes across it."""
     monkeypatch.chdir(tmp_path)
@@ -68,6 +71,7 @@ def test_deterministic_kernels_change_no_result_and_no_snapshot(tmp_path, monkey
     assert [e["step"] for e in read_events(tmp_path / "runs" / "det", "run_end")] == [4, 6]
 
 
+@pytest.mark.slow
 def test_dp_without_gpus_says_it_runs_as_one_device_and_trains_like_single(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("single", "dp"):
@@ -79,6 +83,7 @@ def test_dp_without_gpus_says_it_runs_as_one_device_and_trains_like_single(tmp_p
     assert losses["dp"] == losses["single"]
 
 
+@pytest.mark.slow
 def test_adamw_trains_and_decays_the_weights(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     common = [*SMALL, "--model.dropout", "false", "--train.max_steps", "12", "--optim.name", "adamw", "--optim.lr", "3e-3"]
@@ -91,6 +96,7 @@ def test_adamw_trains_and_decays_the_weights(tmp_path, monkeypatch):
     assert norm["decay"] < norm["nodecay"]  # the decoupled decay pulls the weights in
 
 
+@pytest.mark.slow
 def test_gradient_clipping_clips_the_global_norm(tmp_path, monkeypatch):
     """A bound above every gradient's norm changes nothing; a tiny one makes SGD steps exactly that long."""
     monkeypatch.chdir(tmp_path)
@@ -139,6 +145,7 @@ def never_stopped(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_after", [2, 4, 8],
                          ids=["mid-epoch", "after an epoch's last step", "after the run's last step"])
 def test_a_run_stopped_by_a_signal_resumes_where_it_stood(tmp_path, monkeypatch, never_stopped, stop_after):

@@ -103,6 +103,7 @@ def copy_of_the_old_run(tmp_path: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_a_snapshot_written_before_the_strategy_tables_resumes(tmp_path, capsys):
     from dptrain.cli import main
 

@@ -64,6 +64,7 @@ def test_a_failed_rank_whose_teardown_hangs_leaves_by_its_deadline(tmp_path):
         assert "Timeout (0:00:02)!" in log and "in teardown_that_hangs" in log, log[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to_log_file", [True, False])
 def test_a_lifted_deadline_never_ends_the_process(tmp_path, monkeypatch, to_log_file):
     """A caller that lives on after a failed run (tests call the CLI in-process) takes the deadline back; without a

@@ -124,6 +124,7 @@ def test_lightning_point_writes_a_row(tmp_path, machine_probes):
     assert not list((tmp_path / "out" / "runs" / "lightning-ddp-w2-r1").rglob("*.ckpt"))  # no checkpointing
 
 
+@pytest.mark.nightly  # the default run keeps DeepSpeed's strategy (tests/strategies/test_deepspeed.py)
 @pytest.mark.slow
 @pytest.mark.timeout(180)  # 15 s here; DeepSpeed's first run on a machine compiles its CPU comm op (75 s), then cached
 def test_deepspeed_zero3_point_writes_a_row(tmp_path, machine_probes):

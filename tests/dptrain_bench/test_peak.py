@@ -86,8 +86,9 @@ def test_no_probe_leaves_the_peak_columns_empty():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_the_probe_runs_its_processes_at_once_on_the_cpu():
-    probes = peak.measure((1, 2), "cpu", "float32")
+def test_the_probe_runs_its_processes_at_once_on_the_cpu(machine_probes):
+    """The session's probes (peak.record: peak.measure of 1 and 2 processes), as peak.json holds them."""
+    probes = peak.read_peaks(machine_probes)
     assert sorted(probes) == [1, 2]
     for w, probe in probes.items():
         assert probe.workers == w and probe.threads == cpu_threads(peak.usable_cores(), w)

@@ -134,6 +134,7 @@ def assert_finite_numbers(text: str) -> None:
 
 # ---- fast: the readers and the model on what they took -----------------------------------------------------------
 
+@pytest.mark.slow
 @FAST
 @given(tree=planted(link_tree()))
 def test_a_planted_link_json_is_taken_checked_or_refused_in_one_sentence(tree):
@@ -208,6 +209,7 @@ def planted_file(draw: st.DrawFn) -> tuple[str, Any]:
     return name, draw(planted(KINDS[name]()))
 
 
+@pytest.mark.slow
 @END_TO_END
 @given(plant=planted_file())
 def test_report_of_a_sweep_with_a_planted_file_is_clean(plant, capsys):
@@ -223,6 +225,7 @@ def test_report_of_a_sweep_with_a_planted_file_is_clean(plant, capsys):
             assert_finite_numbers((bench / "report.md").read_text())
 
 
+@pytest.mark.slow
 @END_TO_END
 @given(plant=planted_file())
 def test_fitted_on_a_sweep_with_a_planted_file_is_clean_and_writes_nothing_there(plant, capsys):
@@ -251,6 +254,7 @@ RUN_KINDS = {"metrics.jsonl": run_events_of, "env.json": lambda: ENV, "peak.json
     "probes": {"2": peak_tree()["probes"]["2"]}}}
 
 
+@pytest.mark.slow
 @END_TO_END
 @given(name=st.sampled_from(sorted(RUN_KINDS)), data=st.data())
 def test_the_run_card_of_a_run_with_a_planted_file_is_clean(name, data, capsys):
@@ -267,6 +271,7 @@ def test_the_run_card_of_a_run_with_a_planted_file_is_clean(name, data, capsys):
             assert_finite_numbers((run_dir / "report" / "report.md").read_text())
 
 
+@pytest.mark.slow
 @FAST
 @given(plant=st.sampled_from(["link.json", "peak.json"]).flatmap(
     lambda name: st.tuples(st.just(name), planted(link_tree() if name == "link.json" else peak_tree()))))
@@ -287,6 +292,7 @@ def test_probes_from_a_folder_with_a_planted_file_copies_only_what_it_checked(pl
         assert (peak.load_peaks(bench) if name == "peak.json" else link.load_link(bench)) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["link.json", "peak.json", "sweep.json"])
 def test_a_link_to_dev_zero_planted_in_a_sweep_is_left_out_in_one_line(tmp_path, capsys, caplog, name):
     bench = tmp_path / "bench"
@@ -309,6 +315,7 @@ def test_a_link_to_dev_zero_planted_in_a_sweep_is_left_out_in_one_line(tmp_path,
 
 # ---- the values the hostile pass planted, one by one --------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tflops", [0, -1, "NaN", 1e-320, None])
 def test_the_run_card_with_a_planted_peak_shows_no_fraction_of_peak_from_it(tmp_path, capsys, tflops):
     run_dir = tmp_path / "run"
@@ -322,6 +329,7 @@ def test_the_run_card_with_a_planted_peak_shows_no_fraction_of_peak_from_it(tmp_
     assert "%" not in text.split("## Throughput and fraction of peak", 1)[1].split("##", 1)[0]
 
 
+@pytest.mark.slow
 def test_the_run_card_leaves_out_an_epoch_whose_cpu_use_is_1e308(tmp_path, capsys):
     events = run_events_of()
     events[1]["cpu_util_pct"] = [1e308, 1e308]
@@ -331,6 +339,7 @@ def test_the_run_card_leaves_out_an_epoch_whose_cpu_use_is_1e308(tmp_path, capsy
     assert "line 2: cpu_util_pct is \\[1e+308, 1e+308\\], not a number from 0 to 1e+06" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seconds", [1e308, -1, 1e-320])
 def test_a_link_json_of_absurd_timings_is_left_out_of_the_report_and_refused_by_fitted_on(tmp_path, capsys, seconds):
     bench, other = tmp_path / "bench", tmp_path / "other"
@@ -347,6 +356,7 @@ def test_a_link_json_of_absurd_timings_is_left_out_of_the_report_and_refused_by_
     assert line.startswith(f"dptrain: error: --fitted-on {other}: link.json is not what dptrain writes there (probes[0].timings[3].seconds = ")
 
 
+@pytest.mark.slow
 def test_an_epoch_time_of_1e_320_s_leaves_its_row_out_of_the_report(tmp_path, capsys):
     bench = tmp_path / "bench"
     write_results(bench, [result_row(1, 2.0), result_row(2, 1.0), result_row(4, 1e-320)])

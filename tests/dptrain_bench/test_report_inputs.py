@@ -57,6 +57,7 @@ def table_cells(line: str) -> int:
     return len(re.findall(r"(?<!\\)\|", line)) - 1
 
 
+@pytest.mark.slow
 def test_bad_rows_of_results_csv_are_left_out_and_named(tmp_path, capsys, caplog):
     bench = tmp_path / "bench"
     caplog.set_level(logging.WARNING, logger="dptrain")
@@ -170,6 +171,7 @@ def test_a_line_cut_short_at_the_end_is_skipped_without_a_word(tmp_path, caplog)
     assert row["status"] == "unfinished" and "skipped_events" not in row and caplog.messages == []
 
 
+@pytest.mark.slow
 def test_report_rebuilt_from_the_runs_lists_the_skipped_lines(tmp_path, capsys, caplog):
     bench = tmp_path / "bench"
     caplog.set_level(logging.WARNING, logger="dptrain")
@@ -212,6 +214,7 @@ HOSTILE = ["# heading", "![x](http://remote/img.png)", "<script>alert(1)</script
            "`code` **bold** [link](http://remote/) <img src=x onerror=alert(1)>", "line\u2028separator"]
 
 
+@pytest.mark.slow
 def test_text_from_results_csv_cannot_change_report_md(tmp_path, capsys):
     bench = tmp_path / "bench"
     failed = [result_row(4 * 2 ** i, "", status="failed", error=value) for i, value in enumerate(HOSTILE)]
@@ -256,6 +259,7 @@ def write_link(bench: Path, latency_s: float, bandwidth_bps: float, hosts: int =
     (bench / "link.json").write_text(json.dumps({"probes": [probe.to_dict()]}))
 
 
+@pytest.mark.slow
 def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(tmp_path, capsys):
     from dptrain_bench.model import Link, Plan, Workload, predict
     from dptrain_bench.report import SCALING_PLOT, write_report
@@ -327,6 +331,7 @@ def errors_of(text: str) -> list[str]:
     return [line for line in errors.splitlines() if line.startswith("| ddp |")]
 
 
+@pytest.mark.slow
 def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit_predicts_another_link(tmp_path):
     from dptrain_bench.model import Link
     from dptrain_bench.report import write_report
@@ -360,6 +365,7 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
     assert {f.name: f.stat().st_mtime_ns for f in slow.iterdir()} == before  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carried_to_another_link(tmp_path):
     from dptrain_bench.model import Link
     from dptrain_bench.report import write_report
@@ -384,6 +390,7 @@ def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carri
     assert all(row.endswith("| +0.0% |") for row in rows)
 
 
+@pytest.mark.slow
 def test_a_fit_from_another_sweep_rests_on_every_one_of_its_points(tmp_path):
     """A source sweep of 1 and 2 hosts (1 Gbit/s) predicts 3 hosts on another link: with the source's own split the
     fit would rest on its 1-host point alone (the overlap assumed 0, no CPU a byte) and predict the 3-host point 27.8%
@@ -407,6 +414,7 @@ def test_a_fit_from_another_sweep_rests_on_every_one_of_its_points(tmp_path):
     assert [row.split("|")[2].strip() for row in errors_of(write_report(source).read_text())] == ["2"]
 
 
+@pytest.mark.slow
 def test_report_without_link_json_or_with_an_unknown_link_name(tmp_path, capsys):
     from dptrain_bench.report import SCALING_PLOT, write_report
 
@@ -435,6 +443,7 @@ def test_the_models_plan_comes_from_the_sweeps_strategy_table():
     assert _plan("ddp", {}).bucket_bytes == 25 * 2**20  # unset: DDP's own buckets
 
 
+@pytest.mark.slow
 def test_fitted_on_reads_another_sweep_without_writing_in_it(tmp_path, capsys):
     """--fitted-on OTHER whose results.csv is gone: rebuilt from OTHER's runs to fit on, but never written there (it
     was written into the other sweep's folder)."""

@@ -264,6 +264,7 @@ def finishing(run_dir: Path) -> str:
     return f"cp {run_dir.parent / run_dir.name}.jsonl {run_dir / 'metrics.jsonl'}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_resumed_sweep_submits_only_points_neither_done_nor_queued(slurm_cluster, tmp_path, monkeypatch, caplog):
     """On the private cluster, as a first run of the sweep left it: w1-r1 done; w1-r2's job held in the queue (not

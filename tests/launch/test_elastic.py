@@ -110,6 +110,7 @@ ELASTIC = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "
            "--node-rank", "0", "--master-addr", "127.0.0.1", "--dry-run"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, sentence", [
     ([], "--nnodes 1:2 goes on after losing a node by restarting the workers of the nodes left, from the last snapshot; "
          "give --launch.max_restarts 1 (one per node it may lose; more to restart after other failures too)."),
@@ -127,6 +128,7 @@ def test_an_elastic_run_is_refused_before_start_where_it_could_not_go_on(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_an_elastic_dry_run_says_how_small_the_run_may_get(tmp_path):
     done = run_cli([*ELASTIC, "--launch.max_restarts", "2", "--nproc-per-node", "2", "--output.dir", str(tmp_path / "run")],
                    tmp_path, timeout=60)
@@ -193,6 +195,7 @@ def test_the_rendezvous_times_that_fit_are_taken(monkeypatch):
     assert rendezvous_times(300, ELASTIC_NODES).lost_after_s == 16  # the defaults: 3 beats of 2 s, 10 s
 
 
+@pytest.mark.slow
 def test_an_elastic_dry_run_refuses_a_rendezvous_time_out_of_range_in_one_sentence(tmp_path):
     done = run_cli([*ELASTIC, "--launch.max_restarts", "2", "--output.dir", str(tmp_path / "run")], tmp_path,
                    timeout=60, env={LAST_CALL_ENV: "1e5"})

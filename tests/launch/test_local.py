@@ -185,6 +185,7 @@ def _stopped(pid: int) -> bool:
     return _state(pid).strip().startswith("t (stopped)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_stopped_worker_does_not_hold_the_failed_run_for_torchs_30_s_grace(tmp_path):
     # The agent ends the others with SIGTERM, which a stopped process takes only once continued: torch waited 30 s
@@ -211,6 +212,7 @@ def _fail_counting_attempts(tally: str, refuse: bool) -> None:
         raise RuntimeError("rank 0 crashed")  # what a restart is for
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("refuse, attempts", [(True, 1), (False, 3)])
 def test_a_refusal_no_restart_can_change_is_not_restarted(tmp_path, capsys, refuse, attempts):
@@ -241,6 +243,7 @@ def _rank_1_fails_then_is_killed_then_succeeds() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_restart_says_on_the_console_which_rank_failed_why_and_which_attempt_comes(tmp_path, capsys):
     # The console showed only the restarted rank 0's `world size 2` line again; the agent's own words
@@ -358,6 +361,7 @@ def _what_a_worker_sees(out: str) -> None:
                                      "own_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_launch_leaves_the_callers_environment_as_it_was_and_the_workers_their_cpp_warnings(tmp_path, monkeypatch):
     import json

@@ -295,6 +295,7 @@ def test_bad_multinode_options_are_refused_in_one_sentence(options, environ, sen
     assert sentence in str(refused.value) and len(str(refused.value).splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
     # It was a 46-line traceback ending in RendezvousTimeoutError, with no word of which node was missing.
@@ -309,6 +310,7 @@ def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
         f"--node-rank from 0 to 1, or give them longer (--launch.timeout_s).")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_endpoints_node_without_a_node_rank_says_how_many_came(tmp_path):
     # Without --node-rank, nodes are numbered as they come: the host counts them (it cannot name a missing number).

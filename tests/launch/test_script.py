@@ -69,6 +69,7 @@ def test_each_rank_gets_torchruns_variables_a_free_port_its_cores_and_a_restart_
     assert {s["OMP_NUM_THREADS"] for s in seen} == {threads} and {tuple(s["argv"]) for s in seen} == {("--lr", "0.1")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_under_a_launcher_already_the_script_replaces_dptrain_and_reads_its_variables(tmp_path):
     """As under torchrun's or srun's task: no agent of dptrain's, the script runs once with the launcher's rank."""

@@ -51,6 +51,7 @@ def _busy(seconds: float) -> None:
         sum(i * i for i in range(1000))
 
 
+@pytest.mark.slow
 def test_cpu_utilisation_and_resident_memory_are_measured_and_the_thread_stops():
     sampler = UtilisationSampler(torch.device("cpu"), interval_s=0.05)
     try:
@@ -149,6 +150,7 @@ def test_without_a_flop_count_or_a_sampled_step_on_every_rank_those_fields_are_l
     assert "comm_ms_per_step" not in train_fields(replace(TOTALS, comm_timing=None))
 
 
+@pytest.mark.slow
 def test_an_epoch_event_carries_the_utilisation_lists(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", *SMALL, "--train.max_steps", "6"]) == 0

@@ -34,6 +34,7 @@ def read_board(tb_dir: Path):
     return board
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_curves_with_one_point_per_step(tmp_path, monkeypatch):
     """4 steps an epoch. A: steps 1-6. B resumes from A's step-4 snapshot (A's steps 5, 6 must go) to step 8.
     C resumes from B's end to step 10. Every step tag then has exactly one point per step."""
@@ -188,6 +189,7 @@ def tensorboard_warning(tb_dir: Path, step: int) -> str:
             f"on without them: metrics.jsonl keeps every point.")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_full_disk_under_tb_is_one_warning_line_and_the_run_goes_on(full_tmpfs, tmp_path, workers):
     """It was 98 lines: the writer thread's traceback ("Exception in thread"), then the same OSError raised from

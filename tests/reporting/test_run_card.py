@@ -170,6 +170,7 @@ def test_the_snapshot_names_are_checkpoints():
         checkpoint.PREFIX, checkpoint.MANIFEST, checkpoint.LATEST)
 
 
+@pytest.mark.slow
 def test_a_wide_gpu_run_with_a_peak_json_gets_its_fraction_of_peak_and_rank_summaries(tmp_path):
     """40 ranks on GPUs, written by hand: more ranks than the card lists or draws one by one, the GPU panels, and a
     peak.json of the same world size and device beside the run."""
@@ -214,23 +215,22 @@ def test_a_number_planted_where_an_event_holds_text_is_left_out_not_shown():
     assert start.device == "" and start.ended == "stopped at step 7: ; requeued (SLURM job ?)"
 
 
-def test_dptrain_card_writes_a_run_folders_card_and_report_still_does_with_a_note(tmp_path):
-    from tests.conftest import run_cli
+@pytest.mark.slow
+def test_dptrain_card_writes_a_run_folders_card_and_report_still_does_with_a_note(resumed_run, tmp_path, capsys, caplog):
+    from dptrain.cli import main
 
     run = tmp_path / "run"
-    done = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--train.epochs", "1",
-                    "--train.global_batch_size", "32", "--output.dir", str(run)], tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr
-    card = run_cli(["card", str(run)], tmp_path, timeout=120)
-    assert card.returncode == 0, card.stderr
-    assert card.stdout.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
+    shutil.copytree(resumed_run, run, ignore=shutil.ignore_patterns("report"))
+    assert main(["card", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
     (run / "report" / "report.md").unlink()
-    card = run_cli(["report", str(run)], tmp_path, timeout=120)  # the spelling of before the card had its command
-    assert card.returncode == 0, card.stderr
-    assert card.stdout.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
-    assert f"its card is `dptrain card {run}` now" in card.stderr
-    refused = run_cli(["report", str(run), "--link", "1gbit"], tmp_path, timeout=60)
-    assert refused.returncode == 2 and "drop --link" in refused.stderr
+    with caplog.at_level("INFO"):
+        assert main(["report", str(run)]) == 0  # the spelling of before the card had its command
+    out, err = capsys.readouterr()
+    assert out.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
+    assert f"its card is `dptrain card {run}` now" in err + caplog.text  # a log line: stderr from the command line
+    assert main(["report", str(run), "--link", "1gbit"]) == 2
+    assert "drop --link" in capsys.readouterr().err
 
 
 def test_a_link_among_the_snapshots_is_named_and_never_followed(tmp_path):

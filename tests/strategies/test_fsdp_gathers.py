@@ -106,6 +106,7 @@ def counted() -> dict:
     return run_on_ranks(_count_step, 2, timeout=60)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_root_is_gathered_once_a_step_so_wrap_whole_is_the_tutorials_fsdp2(counted, shared):
     # one unit, the root: one all-gather and one reduce-scatter a step, as fully_shard(model) alone does
@@ -162,6 +163,7 @@ def _load(data: bytes) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffer_bytes", [32 * 2**20, 2**20])
 def test_through_shared_memory_two_ranks_train_to_gloos_bits(buffer_bytes):
     # Two ranks: a + b = b + a, and the mean divides that sum as gloo does; 1 MiB: fc1's 4.7 MB go in pieces
@@ -172,6 +174,7 @@ def test_through_shared_memory_two_ranks_train_to_gloos_bits(buffer_bytes):
             assert torch.equal(gloo[name], shared[name]), name
 
 
+@pytest.mark.slow
 def test_through_shared_memory_three_ranks_train_as_gloo_to_rounding():
     # Three ranks (uneven shards, padding): each element summed in rank order, gloo's order may differ
     block_gloo, block_shared, whole_gloo, whole_shared = map(_load, run_on_ranks(_train_both_ways, 3, 2**20)[0])
