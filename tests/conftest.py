@@ -51,12 +51,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{count} x {reason}")
 
 
+# The session's fixtures that start real clusters, hosts or rank processes: a test that uses one is slow.
+STARTS_PROCESSES = {"slurm_cluster", "slurm_link_probes", "machine_probes", "planned_run", "two_hosts"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A nightly test is a slow one too: `-m "not slow"` (the quick loop) replaces the default `-m "not gpu and not
-    nightly"`, and must still leave it out."""
+    nightly"`, and must still leave it out; so is a test that uses a fixture of STARTS_PROCESSES."""
     for item in items:
-        if item.get_closest_marker("nightly") is not None and item.get_closest_marker("slow") is None:
+        starts = STARTS_PROCESSES.intersection(getattr(item, "fixturenames", ()))
+        if (item.get_closest_marker("nightly") is not None or starts) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
 
 
@@ -103,6 +108,36 @@ def slurm_link_probes(slurm_cluster, tmp_path_factory) -> Path:
     record = link.read_link(folder)
     assert done.returncode == 0 and record is not None and (2, 2) in record.probes, done.stderr[-2000:]
     return folder
+
+
+# SLURM's client commands. A test that is not about SLURM but runs `dptrain submit` (a dry run, say) runs without them
+# (no_slurm_clients): on a machine where SLURM is installed but no controller answers, each sinfo that submit asks
+# waited out its 5 s timeout (29 calls, 138 s of a suite run on one machine); the partition check is then skipped, as
+# on a login node without SLURM's clients. The tests about the check run it on the private cluster, and
+# tests/slurm/test_submit.py keeps a sinfo that does not answer in time.
+SLURM_CLIENTS = ("sinfo", "sbatch", "srun", "squeue", "scontrol", "sacct", "scancel", "salloc", "sattach", "sstat",
+                 "sprio", "sshare", "sdiag", "strigger", "sreport", "sacctmgr", "sbcast", "scrontab")
+
+
+@pytest.fixture(scope="session")
+def path_without_slurm(tmp_path_factory) -> str:
+    """A folder of links to every command on this PATH but SLURM's clients, as a PATH of one folder."""
+    folder = tmp_path_factory.mktemp("path-without-slurm")
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for entry in os.scandir(directory):
+            link = folder / entry.name
+            if entry.name not in SLURM_CLIENTS and not os.path.lexists(link):  # the first on PATH wins, as a lookup
+                link.symlink_to(entry.path)
+    return str(folder)
+
+
+@pytest.fixture
+def no_slurm_clients(request, monkeypatch, path_without_slurm) -> None:
+    """This test (and what it starts) runs without SLURM's clients on PATH, unless it uses the private cluster."""
+    if "slurm_cluster" not in request.fixturenames:
+        monkeypatch.setenv("PATH", path_without_slurm)
 
 
 REGOLD = "DPTRAIN_REGOLD"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from dptrain.cli import main
 
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "300", "--data.synthetic_test_size", "40",

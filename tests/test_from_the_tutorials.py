@@ -31,6 +31,8 @@ from dptrain.prestart import resolve_batch
 from tests.idx_files import write_idx_dataset
 from tests.test_docs_commands import ROOT, Command, read_page
 
+pytestmark = pytest.mark.usefixtures("no_slurm_clients")  # their submits are dry runs: no SLURM on PATH (conftest)
+
 PAGE = ROOT / "docs" / "from-the-tutorials.md"
 COMMANDS, PAGE_FILES = read_page(PAGE)
 TRAIN_SIZE, TEST_SIZE = 512, 64

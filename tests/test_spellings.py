@@ -7,6 +7,8 @@ import pytest
 
 from dptrain.cli import main
 
+pytestmark = pytest.mark.usefixtures("no_slurm_clients")  # their submits are dry runs: no SLURM on PATH (conftest)
+
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "64", "--data.synthetic_test_size", "16",
          "--train.global_batch_size", "32"]
 

@@ -315,6 +315,7 @@ def test_as_a_slurm_job_on_the_private_cluster_every_check_passes(slurm_cluster,
     assert not (tmp_path / "runs" / "run" / "job.sbatch").exists()  # the run's own job files are left alone
 
 
+@pytest.mark.usefixtures("no_slurm_clients")  # a dry run of the job: no SLURM on PATH (conftest)
 def test_the_doctors_job_runs_the_doctor_in_each_task_of_the_runs_job(tmp_path, monkeypatch, capsys):
     from dptrain.cli import main
 

@@ -27,6 +27,8 @@ from dptrain.slurm import containers as slurm_containers, job as slurm_job, requ
 from tests.conftest import assert_matches_golden
 from tests.slurm_cluster import TERMINAL_STATES
 
+pytestmark = pytest.mark.usefixtures("no_slurm_clients")  # their submits are dry runs: no SLURM on PATH (conftest)
+
 GOLDEN = Path(__file__).parent / "golden"
 WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as in test_submit.py's golden files
 NGC = "nvcr.io#nvidia/pytorch:25.01-py3"  # pyxis's (enroot's) name of a registry image

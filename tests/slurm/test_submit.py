@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from dptrain.errors import ConfigError
 from dptrain.runtime import set_cpu_threads
 from dptrain.slurm import job as slurm_job, partition as slurm_partition, script as slurm_script
 from tests.conftest import assert_matches_golden
+
+pytestmark = pytest.mark.usefixtures("no_slurm_clients")  # their submits are dry runs: no SLURM on PATH (conftest)
 
 GOLDEN = Path(__file__).parent / "golden"
 WORKDIR = Path("/home/ada/project")  # where the user ran `dptrain submit`, as the script's --chdir
@@ -298,6 +301,19 @@ def test_without_sinfo_the_partition_is_not_checked(slurm_cluster, monkeypatch):
         slurm_partition.check_nodes_fit(too_wide)
     monkeypatch.setenv("PATH", "/nonexistent")  # no sinfo here (a login node without SLURM's clients): no check
     slurm_partition.check_nodes_fit(too_wide)
+
+
+def test_a_sinfo_that_does_not_answer_in_time_leaves_the_check_to_sbatch(tmp_path, monkeypatch):
+    """A login node whose sinfo retries a controller that does not answer (9-60 s): after SINFO_TIMEOUT_S nothing
+    is checked, and the submission goes on."""
+    (tmp_path / "sinfo").write_text("#!/bin/sh\nexec sleep 30\n")
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(slurm_partition, "SINFO_TIMEOUT_S", 0.3)
+    too_wide = config_mod.load(None, [("slurm.ranks_per_node", "100000")]).slurm
+    started = time.monotonic()
+    slurm_partition.check_nodes_fit(too_wide)  # no verdict: sbatch decides
+    assert time.monotonic() - started < 10  # the 30 s it would sleep
 
 
 def test_a_gres_line_makes_the_job_a_gpu_job(submit, tmp_path):
