@@ -5,15 +5,19 @@ sentence each."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, start_cli
+from tests.launch.test_local import _state, _tree
 
 SCRIPTS = Path(__file__).parents[1] / "slurm"
 # Each rank writes what torchrun would have given it, and rank 1 fails on its first attempt where a marker says so.
@@ -123,3 +127,46 @@ def test_a_dry_run_says_what_would_start_and_starts_nothing(tmp_path, monkeypatc
                           "dptrain's elastic agent (2 nodes meeting at 10.0.0.1:29500)")
     assert err.rstrip().endswith(f"the agent's log: {Path('runs', 'mine', 'logs', 'launcher.log')}")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "runs").exists()
+
+
+# Each rank says it has started, then waits for ever (the script of issue 42's kill -9).
+HANG = """
+import os, time
+open(f"started-{os.environ['RANK']}", "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def _wait_for(paths: list[Path], proc, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"never came: {[p.name for p in paths if not p.exists()]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
+def test_a_scripts_ranks_end_when_their_agent_is_killed_by_sigkill(tmp_path):
+    """The ranks ran on for ever, re-parented to PID 1: torch's agent starts a program in a session of its own."""
+    (tmp_path / "hang.py").write_text(HANG)
+    proc = start_cli(["train", "--nproc-per-node", "2", "--", "hang.py"], tmp_path)
+    ranks: list[int] = []
+    try:
+        _wait_for([tmp_path / "started-0", tmp_path / "started-1"], proc, 90)
+        ranks = _tree(proc.pid)[1:]
+        assert len(ranks) == 2, ranks  # the agent's two children are the ranks themselves (script_rank.py execs)
+        os.kill(proc.pid, signal.SIGKILL)  # `dptrain train`, which is the agent, as kill -9 or the OOM killer ends it
+        deadline = time.monotonic() + 10  # the kernel's SIGTERM comes at once; 10 s for a loaded machine
+        while alive := [pid for pid in ranks if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]:
+            assert time.monotonic() < deadline, f"ranks {alive} ran on without their agent"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+        for pid in ranks:  # the test's own leftovers, where it failed
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+

@@ -21,10 +21,11 @@ from dptrain.distributed.env import DistEnv, Nodes
 from dptrain.distributed.failures import cpp_log_level, cpp_warnings_off
 from dptrain.distributed.store import address_towards
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError, UnsafeFileError
+from dptrain.launch import script_rank
 from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
                                        rendezvous_host_gone, rendezvous_timeout, rendezvous_times)
 from dptrain.prestart import local_workers
-from dptrain.runtime import libc_function, wants_cuda
+from dptrain.runtime import wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -43,7 +44,8 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
                  on_cuda: bool = True) -> None:
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks. An entrypoint
     that is a program's path (a Python running a script of the user's: launch/script.py) runs as a process of its
-    own in each worker, as torchrun runs it, with the same rendezvous, restarts and messages.
+    own in each worker, as torchrun runs it, with the same rendezvous, restarts and messages; each gets SIGTERM when
+    the agent dies, as dptrain's own workers do (launch/script_rank.py).
 
     On the CPU (on_cuda False) the agent forks the workers, which then start with everything already imported
     (WORKER_IMPORTS): a 1-step run of 2 workers on 2 cores takes 1.6 s instead of 2.9 s with fresh interpreters
@@ -65,6 +67,9 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
 
     if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
         nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
+    program = isinstance(entrypoint, str)
+    if program:  # the agent's pid: its child's parent, whose death the kernel then signals
+        entrypoint, args = sys.executable, ("-m", script_rank.__name__, str(os.getpid()), entrypoint, *args)
     # The launch sets variables for its workers (ours, below; torch's launcher and imports their own): all taken back.
     kept = dict(os.environ)
     times = rendezvous_times(timeout_s, nodes)  # a bad DPTRAIN_RDZV_* refused here, not later inside the agent
@@ -96,7 +101,6 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
     def forward(signum: int, frame: Any) -> None:  # noqa: ARG001 - the signal module's signature
         raise SignalException(f"process {os.getpid()} got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
-    program = isinstance(entrypoint, str)
     if not on_cuda and not program:
         for module in WORKER_IMPORTS:
             importlib.import_module(module)
@@ -314,19 +318,12 @@ def leave_after_failure(exc: Exception) -> NoReturn:
     leave_now(1)
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def stop_with_the_agent(agent_pid: int) -> None:
     """Ask the kernel for SIGTERM when the agent dies (kill -9 of `dptrain train`, say): the worker then stops at
     its next step boundary with a snapshot, as on any SIGTERM, instead of training on as an orphan that holds
-    the run directory and the terminal. Linux only; elsewhere nothing changes."""
-    prctl = libc_function("prctl")
-    if prctl is None:
-        return
-    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != agent_pid:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    the run directory and the terminal. Linux only; elsewhere nothing changes. (A script's ranks ask the same, in
+    launch/script_rank.py.)"""
+    script_rank.stop_with(agent_pid, signal.SIGTERM)
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "dptrain.launch")
