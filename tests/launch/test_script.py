@@ -6,6 +6,7 @@ sentence each."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli, start_cli
-from tests.launch.test_local import _state, _tree
+from tests.launch.test_local import _listening_addresses, _state, _tree
 
 SCRIPTS = Path(__file__).parents[1] / "slurm"
 # Each rank writes what torchrun would have given it, and rank 1 fails on its first attempt where a marker says so.
@@ -170,3 +171,47 @@ def test_a_scripts_ranks_end_when_their_agent_is_killed_by_sigkill(tmp_path):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
+
+# Each rank joins the world through init_process_group's env:// (the store at MASTER_ADDR:MASTER_PORT) and all-reduces;
+# rank 1 fails once after that (a restart must join a new round's store, not read the old one's keys); then each says
+# it is in the world, in which round (the agent's restart count), and what the sum was, and waits for "go".
+IN_THE_WORLD = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+if dist.get_rank() == 1 and os.path.exists("fail-once"):
+    os.remove("fail-once")
+    sys.exit("rank 1 fails once")
+with open(f"joined-{dist.get_rank()}-{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w") as f:
+    f.write(str(total.item()))
+while not os.path.exists("go"):
+    time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket tables of Linux's /proc")
+def test_a_scripts_ranks_on_one_node_listen_on_loopback_only_and_a_restart_joins_afresh(tmp_path):
+    """Rank 0's store listened on every interface (*:MASTER_PORT), against docs/security.md: the agent now serves
+    the ranks a store of its own on loopback, a new one each round, and gloo's sockets are on loopback."""
+    (tmp_path / "in_the_world.py").write_text(IN_THE_WORLD)
+    (tmp_path / "fail-once").touch()
+    proc = start_cli(["train", "--nproc-per-node", "2", "--launch.max_restarts", "1", "--", "in_the_world.py"],
+                     tmp_path)
+    try:
+        _wait_for([tmp_path / "joined-0-1", tmp_path / "joined-1-1"], proc, 150)  # the second round
+        seen = _listening_addresses(_tree(proc.pid))  # while every rank is in the world, its sockets open
+    finally:
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "dptrain: rank 1 exited with code 1" in err and "starting the workers again, attempt 2 of 2" in err
+    assert [(tmp_path / f"joined-{r}-1").read_text() for r in (0, 1)] == ["3.0", "3.0"]
+    addresses = set().union(*seen.values())
+    assert len(seen) >= 3, f"expected the agent and both ranks to listen, saw {seen}"  # stores, rendezvous, gloo
+    assert all(ipaddress.ip_address(a).is_loopback for a in addresses), seen
