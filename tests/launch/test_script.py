@@ -166,10 +166,10 @@ def test_a_scripts_ranks_end_when_their_agent_is_killed_by_sigkill(tmp_path):
             time.sleep(0.1)
     finally:
         proc.kill()
-        proc.communicate(timeout=30)
-        for pid in ranks:  # the test's own leftovers, where it failed
+        for pid in ranks:  # leftovers where it failed: first, as they hold the pipes communicate() reads to their end
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
 
 
 # Each rank joins the world through init_process_group's env:// (the store at MASTER_ADDR:MASTER_PORT) and all-reduces;
