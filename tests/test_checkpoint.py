@@ -10,7 +10,7 @@ import torch
 from dptrain import checkpoint
 from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
 from dptrain.stopping import EXIT_STOPPED
-from tests.conftest import log_tail, read_events
+from tests.conftest import FLOAT64_ENV, log_tail, read_events
 from tests.ranks import run_cli_on_ranks, run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -367,3 +367,104 @@ def test_a_run_folder_that_every_node_does_not_share_is_one_sentence_on_every_ra
     said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, [str(node0 / "run")] * 2, timeout=30)
     assert said == [["done", "done"]] * 2
     assert checkpoint.verify(node0 / "run" / "checkpoints" / "step-00000005")["world_size"] == 2
+
+
+# Every comm hook, in float64 (the hooks' own math aside: fp16 and bf16 round to their format and back), killed by
+# SIGKILL: 200 samples in global batches of 24 (divisible by 2 and 3), 9 steps per epoch, 18 in all, snapshots at 5, 9
+# (the epoch's end), 10 and 15; rank 1 killed after step 12, so the restart resumes from step 10, mid-epoch 2. PowerSGD
+# has compressed since step 3 by then: its error feedback and factors are the snapshot's (strategies/powersgd.py), and
+# its first step after the restart runs in DDP's first layout of the buckets (one here), its second in the rebuilt one.
+HOOKED_RUN = ["--data.name", "synthetic", "--data.synthetic_train_size", "200", "--data.synthetic_test_size", "50",
+              "--train.global_batch_size", "24", "--train.epochs", "2", "--model.dropout", "false",
+              "--checkpoint.every_steps", "5", "--checkpoint.keep_last", "5", "--train.log_every", "1",
+              "--strategy.name", "ddp"]
+HOOKS = {"allreduce": ["--strategy.ddp.comm_hook", "allreduce", "--strategy.ddp.shared_memory", "false"],  # gloo's
+         **{hook: ["--strategy.ddp.comm_hook", hook] for hook in ("fp16", "bf16", "powersgd", "ring")},
+         "powersgd-deferred": ["--strategy.ddp.comm_hook", "powersgd", "--strategy.ddp.update_in_next_forward", "true"]}
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory):
+    """hook -> the run directory of its uninterrupted run, all made side by side on 2 float64 rank processes of the
+    pool; "powersgd-on-3": PowerSGD's run resumed from its step 10 on 3."""
+    root = tmp_path_factory.mktemp("hooked")
+    codes = dict(zip(HOOKS, run_cli_on_ranks(2, [["train", *HOOKED_RUN, *options, "--output.dir", str(root / hook)]
+                                                 for hook, options in HOOKS.items()], str(root), env=FLOAT64_ENV,
+                                                side_by_side=True)))
+    on_3 = ["train", *HOOKED_RUN, *HOOKS["powersgd"], "--output.dir", str(root / "powersgd-on-3"), "--train.resume",
+            str(root / "powersgd" / "checkpoints" / "step-00000010")]
+    if codes["powersgd"] == 0:
+        [codes["powersgd-on-3"]] = run_cli_on_ranks(3, [on_3], str(root), env=FLOAT64_ENV)
+
+    def get(name: str):
+        assert codes.get(name) == 0, f"the run {name} failed: " + log_tail(root / name)
+        return root / name
+
+    return get
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_run_killed_by_sigkill_resumes_bit_identical_with_every_comm_hook(cli, tmp_path, hooked, hook):
+    run_dir, marker = tmp_path / "killed", tmp_path / "killed-after-12"
+    result = cli("train", "--nproc-per-node", "2", *HOOKED_RUN, *HOOKS[hook], "--output.dir", str(run_dir),
+                 "--launch.max_restarts", "1", "--launch.timeout_s", "10",
+                 env={**FLOAT64_ENV, SIGNAL_AT: f"1:12:SIGKILL:self:{marker}"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.exists() and len(read_events(run_dir, "run_start")) == 2  # killed once, restarted once
+    assert "resumed from" in result.stdout and "step-00000010 at step 10" in result.stdout
+    reference = hooked(hook)
+    assert torch.load(reference / "model.pt")["fc1.weight"].dtype == torch.float64  # the float64 mode took
+    assert weights_equal(run_dir, reference)
+
+
+def test_powersgd_resumes_on_another_world_size_from_the_mean_error_feedback(hooked):
+    """2 -> 3 processes: each goes on from the mean of the 2 ranks' error feedback, which is what the steps after
+    depend on; float64, so what is left is another order of sums (and PowerSGD's orthogonalisation of it)."""
+    reference, resumed = hooked("powersgd"), hooked("powersgd-on-3")
+    log = (resumed / "logs" / "rank0.log").read_text()
+    assert "resharding snapshot" in log and "PowerSGD goes on from the mean of the error feedback of 2 processes" in log
+    expected, got = step_losses(reference), step_losses(resumed)
+    assert sorted(got) == list(range(11, 19))
+    for step, loss in got.items():  # logged in float32 (train.py): 64 roundings of 2^-24 at most, as in float64 runs
+        assert loss == pytest.approx(expected[step], rel=64 * 2.0**-24), step
+    weights, reference_weights = torch.load(resumed / "model.pt"), torch.load(reference / "model.pt")
+    diffs = {name: ((weights[name] - ref).abs().max() / ref.abs().max()).item() for name, ref in reference_weights.items()}
+    print("largest difference of the weights, relative to each tensor's largest:", max(diffs.values()))
+    assert max(diffs.values()) <= 1e-10, diffs
+
+
+def test_a_powersgd_snapshot_of_several_processes_is_refused_on_one_in_one_sentence(hooked, tmp_path, capsys):
+    from dptrain.cli import main
+
+    snapshot = hooked("powersgd") / "checkpoints" / "step-00000010"
+    code = main(["train", "--nproc-per-node", "1", *HOOKED_RUN, *HOOKS["powersgd"], "--output.dir",
+                 str(tmp_path / "one"), "--train.resume", str(snapshot)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.endswith(f"failed during resume: snapshot {snapshot} holds PowerSGD's error feedback of 2 processes, "
+                        f"which one process cannot go on from (it sends no gradients, so it runs no hook); resume on 2 "
+                        f"processes or more, or use another --output.dir to start afresh."), err
+
+
+def test_a_powersgd_snapshot_written_before_its_state_was_kept_resumes_saying_so(hooked, tmp_path):
+    """Such a snapshot lacks the part (its manifest names no powersgd files): not damaged, resumed as it was then."""
+    import json
+    import shutil
+
+    old = tmp_path / "before" / "step-00000010"
+    shutil.copytree(hooked("powersgd") / "checkpoints" / "step-00000010", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for name in [n for n in manifest["files"] if n.startswith("powersgd-")]:
+        (old / name).unlink()
+        del manifest["files"][name]
+    del manifest["parts"]["powersgd"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    run_dir = tmp_path / "resumed"
+    [code] = run_cli_on_ranks(2, [["train", *HOOKED_RUN, *HOOKS["powersgd"], "--output.dir", str(run_dir),
+                                   "--train.resume", str(old)]], str(tmp_path), env=FLOAT64_ENV)
+    assert code == 0, log_tail(run_dir)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert (f"snapshot {old} was written before dptrain kept the powersgd state in snapshots: PowerSGD starts afresh "
+            f"(two plain all-reduces, then new factors and no error feedback), so the run does not go on exactly as it "
+            f"would have") in log
+    assert f"resumed from {old} at step 10" in log

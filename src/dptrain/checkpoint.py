@@ -233,7 +233,8 @@ class Snapshotter:
                         "config_hash": config_hash(self.cfg), "config": computation_options(self.cfg),
                         "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step,
                         "input": input_record(self.cfg.data),  # what `dptrain predict` feeds the model (None: a user's Dataset)
-                        "parts": {part.name: {"storage": part.storage, "files": sorted(part.files())} for part in parts}}
+                        "parts": {part.name: {"storage": part.storage, "files": sorted(part.files(self.env.world_size))}
+                                  for part in parts}}
             (tmp / ".manifest-head.json").write_text(json.dumps(manifest))
         shards = _shards_of(parts)
         if self.group is None:
@@ -316,12 +317,20 @@ class Snapshotter:
             raise ConfigError(f"snapshot {path} holds the state of strategy {self.cfg.strategy.name} partitioned over {world} "
                               f"processes, and it resumes on as many only, not on {self.env.world_size}; run on {world} "
                               f"processes, or use {self.cfg.output.elsewhere} to start afresh.")
-        for name in sorted(set().union(*(part.files() for part in parts)) - set(manifest["files"])):  # a manifest without "parts"
+        for part in list(parts):
+            if part.without_it is not None and part.name not in manifest.get("parts", {}) and part.files(world):
+                # written before dptrain kept the part: resumed without it, as such a run would have
+                log.warning("snapshot %s was written before dptrain kept the %s state in snapshots: %s", path,
+                            part.name, part.without_it)
+                parts.remove(part)
+        for why in filter(None, (part.resumes_on(world, self.env.world_size) for part in parts)):
+            raise ConfigError(f"snapshot {path} {why}, or use {self.cfg.output.elsewhere} to start afresh.")
+        for name in sorted(set().union(*(part.files(world) for part in parts)) - set(manifest["files"])):  # a manifest without "parts"
             raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
         shards = _shards_of(parts)
         dcp_load(shards, path)
         for part in parts:
-            part.load(path, shards, load_tensors)
+            part.load(path, shards, load_tensors, world)
         extra = load_tensors(path / EXTRA)
         self.scheduler.load_state_dict(extra["scheduler"])
         state.load_state_dict(extra["loop"])

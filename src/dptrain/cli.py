@@ -126,7 +126,8 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id. With a
-    script of the user's after `--`, the job runs that script under one torchrun per node instead (user_script.py)."""
+    script of the user's after `--`, the job runs that script under one torchrun per node instead, or with --mode
+    per-rank as one srun task per rank (user_script.py)."""
     from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script, user_script
 
     workdir = Path.cwd()
@@ -158,7 +159,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         text = slurm_script.render(cfg, job)
     else:  # no job.toml: the script reads its own options
         given_cfg = None
-        text = slurm_script.render(cfg, job, user_script.torchrun_command(cfg, job, script))
+        text = slurm_script.render(cfg, job, user_script.script_command(cfg, job, script))
     # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
     # nothing is checked, and the dry run prints the script all the same
     partition.check_nodes_fit(cfg.slurm)

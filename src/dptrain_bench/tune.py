@@ -143,7 +143,9 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
             if not _bucketed(strategy):
                 found.append(Candidate(strategy, r))
                 continue
-            found += [Candidate(strategy, r, bucket_mb=b) for b in (None, *BUCKETS_MB)]
+            # the user's own cap first: at every rank count, a candidate that keeps it
+            caps = dict.fromkeys((default.bucket_mb if _bucketed(default.strategy) else None, None, *BUCKETS_MB))
+            found += [Candidate(strategy, r, bucket_mb=b) for b in caps]
             if lossy:
                 found += [Candidate(strategy, r, comm_hook=h) for h in LOSSY_HOOKS]
             if strategy == "ddp" and nodes > 1:
@@ -225,9 +227,30 @@ def ahead_of(theirs: list[float | None], default: list[float | None]) -> bool:
 
 
 def contenders(default: Candidate, runs: Runs) -> list[Candidate]:
-    """The candidates worth running again beside the default: the CONTENDERS fastest of those ahead of it (ahead_of)."""
+    """The candidates worth running again beside the default: the CONTENDERS fastest of those ahead of it (ahead_of),
+    and beside each, the candidate that differs from it only in keeping the user's bucket cap, where that one was
+    probed and is ahead too (choose() keeps the user's cap unless the other wins beyond the spread)."""
     ahead = [c for c in runs if c != default and ahead_of(runs[c], runs[default])]
-    return sorted(ahead, key=lambda c: -statistics.fmean(rates(runs[c])))[:CONTENDERS]
+    fastest = sorted(ahead, key=lambda c: -statistics.fmean(rates(runs[c])))[:CONTENDERS]
+    keeping = [replace(c, bucket_mb=default.bucket_mb) for c in fastest]
+    return list(dict.fromkeys([*fastest, *(c for c in keeping if c in ahead)]))
+
+
+def changed(candidate: Candidate, default: Candidate) -> list[str]:
+    """The settings of the user's configuration that the candidate changes, by their option's last word."""
+    fields = ("strategy", "ranks_per_node", "comm_hook", "bucket_mb", "update_in_next_forward")
+    return [f for f in fields if getattr(candidate, f) != getattr(default, f)]
+
+
+def least_changed(default: Candidate, winners: list[Candidate], runs: Runs) -> Candidate:
+    """Of the winners, the one that changes the fewest of the user's settings (the fastest on average of those); one
+    that changes more takes its place only if it is ahead of it beyond the spread (ahead_of). A setting the runs cannot
+    tell from the user's own stays the user's: a bucket cap that only noise favoured is not written into tuned.toml."""
+    mean = {c: statistics.fmean(rates(runs[c])) for c in winners}
+    picked = min(winners, key=lambda c: (len(changed(c, default)), -mean[c]))
+    while ahead := [c for c in winners if ahead_of(runs[c], runs[picked])]:  # ends: ahead_of is a strict order
+        picked = max(ahead, key=mean.__getitem__)
+    return picked
 
 
 def choose(default: Candidate, runs: Runs) -> tuple[Candidate, str]:
@@ -236,10 +259,17 @@ def choose(default: Candidate, runs: Runs) -> tuple[Candidate, str]:
     ours = runs[default]
     winners = [c for c in runs if c != default and len(runs[c]) >= REPEATS and ahead_of(runs[c], ours)]
     if len(ours) >= REPEATS and winners:
-        best = max(winners, key=lambda c: statistics.fmean(rates(runs[c])))
+        best = least_changed(default, winners, runs)
         ratio = statistics.fmean(rates(runs[best])) / statistics.fmean(rates(ours))
-        return best, (f"{best.name} ran {ratio:.2f}x your configuration, each of its {len(runs[best])} runs faster "
-                      f"than each of yours ({spread(runs[best])}, against {spread(ours)})")
+        reason = (f"{best.name} ran {ratio:.2f}x your configuration, each of its {len(runs[best])} runs faster than "
+                  f"each of yours ({spread(runs[best])}, against {spread(ours)})")
+        fastest = max(winners, key=lambda c: statistics.fmean(rates(runs[c])))
+        if fastest != best:  # faster on average, within the spread: where it differs is noise's choice
+            differs = [f"{f} = {getattr(fastest, f)}" for f in changed(fastest, best)]
+            reason += (f"; {fastest.name} was faster on average but not beyond the spread of their runs "
+                       f"({spread(runs[fastest])}), so its {', '.join(differs)} {'is' if len(differs) == 1 else 'are'} "
+                       f"not taken")
+        return best, reason
     if None in ours:
         return default, (f"a run of your configuration failed ({spread(ours)}), so no candidate can be shown faster "
                          f"than it, and your configuration is kept")

@@ -159,7 +159,8 @@ def test_the_default_stands_for_every_candidate_that_makes_its_run():
     assert list(same)[0] == user
     assert {c.name for c in same[user]} == {"ddp-r1", "ddp-bucket1mb-r1", "ddp-fp16-r1", "ddp-bf16-r1",
                                             "ddp-powersgd-r1"}
-    assert [c for c in same if c.ranks_per_node == 1] == [user, Candidate("zero1", 1), Candidate("fsdp", 1)]
+    # zero1's one-rank run too stands as the candidate with the user's cap, tried first: chosen, it keeps that cap
+    assert [c for c in same if c.ranks_per_node == 1] == [user, Candidate("zero1", 1, bucket_mb=4.0), Candidate("fsdp", 1)]
     assert sum(len(others) for others in same.values()) + len(same) == len(found)  # each candidate kept once
     assert all(not others for c, others in same.items() if c.ranks_per_node == 2)
 
@@ -192,7 +193,8 @@ def test_the_contenders_are_the_fastest_few_ahead_of_the_default():
     others = [Candidate("ddp", 2, bucket_mb=b) for b in (None, 1.0, 4.0)]
     runs = {user: [1000.0], others[0]: [1100.0], others[1]: [1300.0], others[2]: [1200.0],
             Candidate("fsdp", 2): [990.0]}
-    assert tune.contenders(user, runs) == [others[1], others[2]][:tune.CONTENDERS]
+    # the fastest two, and beside them the one that keeps the user's cap (DDP's own), ahead too
+    assert tune.contenders(user, runs) == [others[1], others[2]][:tune.CONTENDERS] + [others[0]]
     assert tune.contenders(user, {user: [1000.0], others[0]: [1100.0, 990.0]}) == []  # one run no faster: out
     assert tune.contenders(user, {user: [1000.0], others[0]: [None]}) == []
 
@@ -299,3 +301,25 @@ def test_the_workload_counts_in_the_parameters_own_element_size():
         assert workload(cfg, 1e-3).element_size == 8
     finally:
         torch.set_default_dtype(default)
+
+
+def test_of_two_winners_within_each_others_spread_the_one_that_keeps_your_bucket_is_chosen():
+    """Issue 42: ddp-r2 and ddp-bucket1mb-r2 both beat the user's ddp-r1 in every run, but overlap each other; tune
+    took the faster on average and wrote the incidental bucket_mb = 1.0 into tuned.toml."""
+    user, keeps, bucket1 = Candidate("ddp", 1), Candidate("ddp", 2), Candidate("ddp", 2, bucket_mb=1.0)
+    overlapping = {user: [1000.0, 1020.0, 1010.0], keeps: [1500.0, 1580.0, 1530.0], bucket1: [1520.0, 1600.0, 1550.0]}
+    chosen, reason = tune.choose(user, overlapping)
+    assert chosen == keeps, reason
+    assert reason == ("ddp-r2 ran 1.52x your configuration, each of its 3 runs faster than each of yours (1,500-1,580 "
+                      "images/s over 3 runs, against 1,000-1,020 images/s over 3 runs); ddp-bucket1mb-r2 was faster "
+                      "on average but not beyond the spread of their runs (1,520-1,600 images/s over 3 runs), so its "
+                      "bucket_mb = 1.0 is not taken")
+    beyond = {**overlapping, bucket1: [1700.0, 1720.0, 1710.0]}  # its slowest faster than the other's fastest
+    assert tune.choose(user, beyond)[0] == bucket1
+    # A cap of the user's own is kept the same way, and every rank count has a candidate with it.
+    mine = Candidate("ddp", 1, bucket_mb=2.0)
+    assert Candidate("ddp", 2, bucket_mb=2.0) in tune.candidates(mine, 2, 1, 64, lossy=False)
+    keeps = Candidate("ddp", 2, bucket_mb=2.0)
+    assert tune.choose(mine, {mine: [1000.0] * 3, keeps: [1500.0, 1580.0, 1530.0], bucket1: [1520.0, 1600.0, 1550.0]}
+                       )[0] == keeps
+

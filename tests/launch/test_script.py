@@ -5,15 +5,20 @@ sentence each."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, start_cli
+from tests.launch.test_local import _listening_addresses, _state, _tree
 
 SCRIPTS = Path(__file__).parents[1] / "slurm"
 # Each rank writes what torchrun would have given it, and rank 1 fails on its first attempt where a marker says so.
@@ -142,3 +147,90 @@ def test_an_interpreters_words_after_the_double_dash_are_the_scripts_not_dptrain
     shown = "-m my_train" if "-m" in words else "my_train.py"
     assert err.startswith(f"dptrain: would start {shown} --epochs 5 on 2 local worker(s), world size 2"), err
     assert not (tmp_path / "ran").exists() and not (tmp_path / "runs").exists()
+
+
+# Each rank says it has started, then waits for ever (the script of issue 42's kill -9).
+HANG = """
+import os, time
+open(f"started-{os.environ['RANK']}", "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def _wait_for(paths: list[Path], proc, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"never came: {[p.name for p in paths if not p.exists()]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
+def test_a_scripts_ranks_end_when_their_agent_is_killed_by_sigkill(tmp_path):
+    """The ranks ran on for ever, re-parented to PID 1: torch's agent starts a program in a session of its own."""
+    (tmp_path / "hang.py").write_text(HANG)
+    proc = start_cli(["train", "--nproc-per-node", "2", "--", "hang.py"], tmp_path)
+    ranks: list[int] = []
+    try:
+        _wait_for([tmp_path / "started-0", tmp_path / "started-1"], proc, 90)
+        ranks = _tree(proc.pid)[1:]
+        assert len(ranks) == 2, ranks  # the agent's two children are the ranks themselves (script_rank.py execs)
+        os.kill(proc.pid, signal.SIGKILL)  # `dptrain train`, which is the agent, as kill -9 or the OOM killer ends it
+        deadline = time.monotonic() + 10  # the kernel's SIGTERM comes at once; 10 s for a loaded machine
+        while alive := [pid for pid in ranks if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]:
+            assert time.monotonic() < deadline, f"ranks {alive} ran on without their agent"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        for pid in ranks:  # leftovers where it failed: first, as they hold the pipes communicate() reads to their end
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+
+
+# Each rank joins the world through init_process_group's env:// (the store at MASTER_ADDR:MASTER_PORT) and all-reduces;
+# rank 1 fails once after that (a restart must join a new round's store, not read the old one's keys); then each says
+# it is in the world, in which round (the agent's restart count), and what the sum was, and waits for "go".
+IN_THE_WORLD = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+if dist.get_rank() == 1 and os.path.exists("fail-once"):
+    os.remove("fail-once")
+    sys.exit("rank 1 fails once")
+with open(f"joined-{dist.get_rank()}-{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w") as f:
+    f.write(str(total.item()))
+while not os.path.exists("go"):
+    time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket tables of Linux's /proc")
+def test_a_scripts_ranks_on_one_node_listen_on_loopback_only_and_a_restart_joins_afresh(tmp_path):
+    """Rank 0's store listened on every interface (*:MASTER_PORT), against docs/security.md: the agent now serves
+    the ranks a store of its own on loopback, a new one each round, and gloo's sockets are on loopback."""
+    (tmp_path / "in_the_world.py").write_text(IN_THE_WORLD)
+    (tmp_path / "fail-once").touch()
+    proc = start_cli(["train", "--nproc-per-node", "2", "--launch.max_restarts", "1", "--", "in_the_world.py"],
+                     tmp_path)
+    try:
+        _wait_for([tmp_path / "joined-0-1", tmp_path / "joined-1-1"], proc, 150)  # the second round
+        seen = _listening_addresses(_tree(proc.pid))  # while every rank is in the world, its sockets open
+    finally:
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "dptrain: rank 1 exited with code 1" in err and "starting the workers again, attempt 2 of 2" in err
+    assert [(tmp_path / f"joined-{r}-1").read_text() for r in (0, 1)] == ["3.0", "3.0"]
+    addresses = set().union(*seen.values())
+    assert len(seen) >= 3, f"expected the agent and both ranks to listen, saw {seen}"  # stores, rendezvous, gloo
+    assert all(ipaddress.ip_address(a).is_loopback for a in addresses), seen

@@ -35,6 +35,7 @@ SHORT = [*LONG, "--train.max_steps", "20"]
 TWO_NODES = ["--nodes", "2", "--cpus-per-node", "1"]
 TUTORIAL_SCRIPT = Path(__file__).parent / "tutorial_ddp.py"
 LIGHTNING_SCRIPT = Path(__file__).parent / "tutorial_lightning.py"
+SLURM_VARS_SCRIPT = Path(__file__).parent / "slurm_vars_script.py"
 # name -> (options of `dptrain submit`, environment of the submission; sbatch passes it on to the job)
 JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     "per-rank": ([*MULTINODE[1:], *TWO_NODES], FLOAT64_ENV),
@@ -52,6 +53,9 @@ JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     # the tutorials' Lightning script (tests/slurm/tutorial_lightning.py): its own --gpus and --nodes after the --
     "lightning-script": ([*TWO_NODES, "--", str(LIGHTNING_SCRIPT), "--gpus", "1", "--nodes", "2", "--epochs", "2",
                           "--model_dir", "saved-lightning-script"], {}),
+    # a script that takes its rank from SLURM_PROCID and SLURM_NTASKS, one srun task per rank: 2 ranks on each node
+    "slurm-vars-script": (["--nodes", "2", "--ranks-per-node", "2", "--cpus-per-node", "2", "--mode", "per-rank", "--",
+                           str(SLURM_VARS_SCRIPT), "seen-by-slurm-vars-script"], {}),
 }
 
 
@@ -261,3 +265,15 @@ def test_the_tutorials_lightning_script_trains_across_both_nodes_and_saves_its_m
     assert [(r["rank"], r["node"]) for r in json.loads((saved / "ranks.json").read_text())] == [(0, 0), (1, 1)]
     output = job_output(run_dir)
     assert "Epoch 02 | loss" in output and "| world 2" in output, output
+
+
+def test_a_script_that_reads_slurms_variables_is_one_world_of_every_rank_with_mode_per_rank(slurm_cluster, jobs):
+    """Issue 42: under one torchrun per node such a script read its node's one task, and each rank ran as a world of
+    its own (rank 0/1 printed twice); one srun task per rank gives every rank its own SLURM_PROCID."""
+    job, run_dir = finished(slurm_cluster, jobs, "slurm-vars-script")
+    assert job["NumTasks"] == "4"  # a task per rank
+    seen = [json.loads((run_dir.parent.parent / "seen-by-slurm-vars-script" / f"rank{r}.json").read_text())
+            for r in range(4)]
+    assert [(s["rank"], s["world"], s["node"]) for s in seen] == [(0, 4, 0), (1, 4, 0), (2, 4, 1), (3, 4, 1)]
+    assert {s["sum"] for s in seen} == {10.0}  # 1 + 2 + 3 + 4: one world of the four
+    assert [(s["RANK"], s["WORLD_SIZE"]) for s in seen] == [(str(r), "4") for r in range(4)]  # torchrun's agree

@@ -67,6 +67,24 @@ def test_a_users_script_asking_for_the_signal_and_requeue_gets_them_through_torc
         '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m mypackage.train --lr 0.1\'')
 
 
+def test_a_script_that_reads_slurms_variables_runs_as_one_srun_task_per_rank_with_mode_per_rank(submit, tmp_path):
+    """Issue 42: a script that takes its rank from SLURM_PROCID and SLURM_NTASKS read, under one torchrun per node,
+    its node's one task (each rank a world of its own, silently); with --mode per-rank each task is one rank, and
+    torchrun's variables are set from SLURM's, so either kind of script reads the same ranks."""
+    code, out, err = submit("--dry-run", "--nodes", "2", "--ranks-per-node", "4", "--cpus-per-node", "8", "--mode",
+                            "per-rank", "--", "python", SCRIPT, "--epochs", "5")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[1] == f"# {SCRIPT}'s training of runs/my_train: 2 nodes x 4 ranks (one srun task per rank, gloo on CPUs)."
+    assert "#SBATCH --ntasks-per-node=4" in lines and "#SBATCH --cpus-per-task=2" in lines  # per rank
+    assert "export OMP_NUM_THREADS=2" in lines and "#SBATCH --signal" not in out  # the script did not ask for one
+    assert lines[-1] == ('srun --kill-on-bad-exit=1 bash -c \'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" '
+                         'WORLD_SIZE="$SLURM_NTASKS" LOCAL_WORLD_SIZE=4; exec python my_train.py --epochs 5\'')
+    # without the option, one torchrun per node, and the script says which option a SLURM-variable script wants
+    code, out, err = submit("--dry-run", "--nodes", "2", "--ranks-per-node", "4", "--", "python", SCRIPT)
+    assert code == 0 and "torch.distributed.run" in out.splitlines()[-1] and "--mode per-rank" in out
+
+
 def test_a_signal_lead_in_the_config_files_slurm_table_is_asked_for_too(submit, tmp_path):
     (tmp_path / "job.toml").write_text("[slurm]\nsignal_lead_s = 300\n")
     code, out, err = submit("--dry-run", "--config", "job.toml", "--", SCRIPT)
@@ -84,9 +102,6 @@ def test_a_signal_lead_in_the_config_files_slurm_table_is_asked_for_too(submit, 
     (["--optim.lr", "0.1", "--", SCRIPT], "--optim.lr is an option of dptrain's own trainer, which this job does not "
                                           "run; give your script its own options after its name (-- my_train.py "
                                           "--epochs 5)."),
-    (["--mode", "per-rank", "--", SCRIPT], "--mode per-rank starts dptrain's own ranks with srun; a script of yours "
-                                           "runs under one torchrun per node, so leave --mode out (or give --mode "
-                                           "agent)."),
     (["--", "--nproc_per_node", "2", SCRIPT], "--nproc_per_node after -- is an option, not a training script; put "
                                               "dptrain submit's options before --, and the script and its arguments "
                                               "after it, e.g. dptrain submit --nodes 2 -- my_train.py --epochs 5."),

@@ -169,10 +169,12 @@ def test_the_dp_wrapper_hands_its_replicas_over_under_the_callers_autocast(monke
 # Finding 7: PowerSGD's buckets were put in order by the parameters' device, not by the backend.
 
 class PretendDDP:
-    """What comm_hooks.install reads of a DDP model: its parameters, its process group, the hook registered."""
+    """What comm_hooks.install reads of a DDP model: its module, its parameters, its process group, the hook
+    registered."""
 
     def __init__(self, device: str) -> None:
         self.params = [nn.Parameter(torch.zeros(4, 4, device=device))]
+        self.module = nn.Module()
         self.process_group = None
         self.hooks: list = []
 

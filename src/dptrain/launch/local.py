@@ -19,12 +19,13 @@ from dptrain.config import RunConfig
 from dptrain.distributed.ending import AGENT_PID, leave_now, record_for_launcher
 from dptrain.distributed.env import DistEnv, Nodes
 from dptrain.distributed.failures import cpp_log_level, cpp_warnings_off
-from dptrain.distributed.store import address_towards
+from dptrain.distributed.store import address_towards, loopback_interface
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError, UnsafeFileError
+from dptrain.launch import script_rank
 from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
                                        rendezvous_host_gone, rendezvous_timeout, rendezvous_times)
 from dptrain.prestart import local_workers
-from dptrain.runtime import libc_function, wants_cuda
+from dptrain.runtime import wants_cuda
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
@@ -43,7 +44,10 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
                  on_cuda: bool = True) -> None:
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks. An entrypoint
     that is a program's path (a Python running a script of the user's: launch/script.py) runs as a process of its
-    own in each worker, as torchrun runs it, with the same rendezvous, restarts and messages.
+    own in each worker, as torchrun runs it, with the same rendezvous, restarts and messages; each gets SIGTERM when
+    the agent dies, as dptrain's own workers do (launch/script_rank.py). On one node its ranks open nothing beyond
+    loopback: the agent serves them a store of its own on loopback (torch's rank 0 would host one on every
+    interface), and gloo's and nccl's sockets are pinned to the loopback interface where the user has not chosen one.
 
     On the CPU (on_cuda False) the agent forks the workers, which then start with everything already imported
     (WORKER_IMPORTS): a 1-step run of 2 workers on 2 cores takes 1.6 s instead of 2.9 s with fresh interpreters
@@ -65,6 +69,10 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
 
     if nodes is None:  # port 0: a free port, no hard-coded MASTER_PORT; rank 0's store listens on loopback too
         nodes = Nodes(count=1, rank=0, host="127.0.0.1", port=0)
+    program = isinstance(entrypoint, str)
+    serves_the_ranks_store = program and nodes.count == 1  # dptrain's own ranks host their store on loopback already
+    if program:  # the agent's pid: its child's parent, whose death the kernel then signals
+        entrypoint, args = sys.executable, ("-m", script_rank.__name__, str(os.getpid()), entrypoint, *args)
     # The launch sets variables for its workers (ours, below; torch's launcher and imports their own): all taken back.
     kept = dict(os.environ)
     times = rendezvous_times(timeout_s, nodes)  # a bad DPTRAIN_RDZV_* refused here, not later inside the agent
@@ -82,7 +90,7 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
         # node_rank None: the rendezvous numbers the nodes, the node at the endpoint's host hosting it as node 0
         rdzv_configs={"join_timeout": timeout_s, "is_host": nodes.rank == 0, "node_rank": nodes.rank,
                       "keep_alive_s": times.keep_alive_s, "last_call_s": times.last_call_s,
-                      "ranks_per_node": nproc_per_node},
+                      "ranks_per_node": nproc_per_node, "serves_the_ranks_store": serves_the_ranks_store},
         # The workers' MASTER_ADDR, where the node that gets global rank 0 is this one: this node's address on the
         # route to node 0, which every node reaches (the host name may resolve to 127.0.1.1 or another network).
         local_addr=address_towards(nodes.host),
@@ -96,7 +104,6 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
     def forward(signum: int, frame: Any) -> None:  # noqa: ARG001 - the signal module's signature
         raise SignalException(f"process {os.getpid()} got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
-    program = isinstance(entrypoint, str)
     if not on_cuda and not program:
         for module in WORKER_IMPORTS:
             importlib.import_module(module)
@@ -107,6 +114,9 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
         functools.partial(run_then_leave, entrypoint, os.getpid(), cpp_log_level()), entrypoint)  # its name in logs
     for key, value in AGENT_ENV.items():  # the workers inherit the agent's environment
         os.environ.setdefault(key, value)
+    if serves_the_ranks_store:  # every rank on this host: the collectives' sockets too on loopback (a user's choice wins)
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(key, loopback_interface())
     os.environ[REFUSAL_FILE] = str(Path(agent_dir.name) / "refused")
     try:
         with _agent_log_to(log_file), continuer, cpp_warnings_off(), restarts_said_on_the_console(max_restarts):
@@ -323,19 +333,12 @@ def leave_after_failure(exc: Exception) -> NoReturn:
     leave_now(1)
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def stop_with_the_agent(agent_pid: int) -> None:
     """Ask the kernel for SIGTERM when the agent dies (kill -9 of `dptrain train`, say): the worker then stops at
     its next step boundary with a snapshot, as on any SIGTERM, instead of training on as an orphan that holds
-    the run directory and the terminal. Linux only; elsewhere nothing changes."""
-    prctl = libc_function("prctl")
-    if prctl is None:
-        return
-    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != agent_pid:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    the run directory and the terminal. Linux only; elsewhere nothing changes. (A script's ranks ask the same, in
+    launch/script_rank.py.)"""
+    script_rank.stop_with(agent_pid, signal.SIGTERM)
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "dptrain.launch")

@@ -139,7 +139,9 @@ def _rendezvous(params: Any) -> Any:
         handler = DynamicRendezvousHandler.from_backend(
             params.run_id, store, Backend(store, params.run_id), params.min_nodes, params.max_nodes,
             local_addr=params.local_addr, timeout=timeout, **_keep_alive(DynamicRendezvousHandler, times.keep_alive_s))
-    return RefusalAware(handler, int(params.config.get("ranks_per_node", 1)), by_address=given_rank is None)
+    ranks_store_s = join_s if params.get_as_bool("serves_the_ranks_store", False) else None
+    return RefusalAware(handler, int(params.config.get("ranks_per_node", 1)), by_address=given_rank is None,
+                        ranks_store_s=ranks_store_s)
 
 
 ARRIVED = "dptrain/nodes-arrived"
@@ -194,16 +196,30 @@ def _keep_alive(handler_class: Any, keep_alive_s: float) -> dict[str, Any]:
 class RefusalAware:
     """torch's rendezvous handler, which the agent calls again before every restart: there a worker's refusal (see
     no_restart_changes) ends the launch instead, once, with its sentence; and a round without a node of the one
-    before says on this node's console which node was lost and with how many the run goes on (nodes_lost)."""
+    before says on this node's console which node was lost and with how many the run goes on (nodes_lost).
 
-    def __init__(self, handler: Any, ranks_per_node: int = 1, by_address: bool = False) -> None:
+    With ranks_store_s (a script of the user's on one node), each round also gets a store of the agent's own for the
+    ranks, on loopback, which the ranks join as torchrun's do its store (TORCHELASTIC_USE_AGENT_STORE): otherwise the
+    script's rank 0 hosts one on every interface (torch's TCPStore binds no address), open to anyone on the network.
+    A new one each round: a restarted round must not read the keys of the round before (pytorch/pytorch#135712)."""
+
+    def __init__(self, handler: Any, ranks_per_node: int = 1, by_address: bool = False,
+                 ranks_store_s: float | None = None) -> None:
         self._handler = handler
         self._ranks_per_node = ranks_per_node
         self._by_address = by_address  # nodes without a --node-rank are named by their address
         self._nodes_before: list[int] | list[str] = []
+        self._ranks_store_s = ranks_store_s  # the timeout of the ranks' store; None: the agent serves none
+        self._ranks_store: Any = None  # this round's (the round before's closes once nothing holds it)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handler, name)
+
+    @property
+    def use_agent_store(self) -> bool:
+        """What the agent tells its workers (TORCHELASTIC_USE_AGENT_STORE): join the store at MASTER_ADDR:MASTER_PORT
+        rather than host it on rank 0."""
+        return self._ranks_store_s is not None or self._handler.use_agent_store
 
     def next_rendezvous(self) -> Any:
         path = os.environ.get(REFUSAL_FILE)
@@ -217,6 +233,12 @@ class RefusalAware:
             log.warning("%s", sentence)  # in logs/launcher.log too
             print(f"dptrain: {sentence}", file=sys.stderr, flush=True)  # this node's console, as the CLI's sentences
         self._nodes_before = nodes
+        if self._ranks_store_s is not None:
+            from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+            self._ranks_store = listening_store("127.0.0.1", 0, self._ranks_store_s)
+            info = RendezvousInfo(info.store, info.rank, info.world_size,
+                                  RendezvousStoreInfo("127.0.0.1", self._ranks_store.port))
         return info
 
     def _node_ranks(self) -> list[int] | list[str]:

@@ -5,6 +5,11 @@ in place of dptrain's agent. torchrun's static rendezvous at MASTER_ADDR:MASTER_
 SLURM_NODEID puts global rank 0 on the job's first node, whose address MASTER_ADDR is; each rank finds its GPU at
 LOCAL_RANK, as the tutorials' scripts read it.
 
+A script that takes its rank from SLURM's own variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID: the tutorials'
+`srun python my_train.py` habit) would read there the one task of its node's torchrun, and each rank run as a world
+of its own: with --mode per-rank (per_rank_command) srun starts one task per rank instead, which runs the script
+itself, with torchrun's variables set from SLURM's, so that both kinds of script read the same ranks.
+
 What follows `--` is read by user_command.py. A leading python (srun python my_train.py, the tutorials' sbatch habit)
 names the interpreter: torchrun runs the script with the Python that runs it, so that python is the job's
 (slurm.python).
@@ -48,14 +53,13 @@ def user_script_shape(slurm: SlurmConfig, given: set[str]) -> SlurmConfig:
     per GPU unless slurm.ranks_per_node says otherwise), so that sbatch's --cpus-per-task is per node. given:
     the slurm.* fields set on the command line. No snapshot signal unless asked for (slurm.signal_lead_s or
     slurm.requeue, on the command line or another lead than the default in the file): the default's SIGUSR1 would
-    reach a script that may not expect it. ConfigError for per-rank mode asked for."""
-    if "mode" in given and slurm.mode == "per-rank":
-        raise ConfigError("--mode per-rank starts dptrain's own ranks with srun; a script of yours runs under one "
-                          "torchrun per node, so leave --mode out (or give --mode agent).")
+    reach a script that may not expect it. One torchrun per node unless --mode per-rank is given (per_rank_command):
+    a mode from a config file is the trainer's, not the script's."""
+    mode = slurm.mode if "mode" in given else "agent"
     default_lead = {f.name: f.default for f in dataclasses.fields(SlurmConfig)}["signal_lead_s"]
     signal_asked = bool({"signal_lead_s", "requeue"} & given) or slurm.requeue or slurm.signal_lead_s != default_lead
     lead = slurm.signal_lead_s if signal_asked else 0
-    shaped = dataclasses.replace(slurm, mode="agent", signal_lead_s=lead)
+    shaped = dataclasses.replace(slurm, mode=mode, signal_lead_s=lead)
     asked = slurm.sbatch_gpus_per_node()
     if asked is not None and shaped.gpus_here != slurm.gpus_here:  # gpus-per-task: one task per node gets fewer
         raise ConfigError(f"slurm.sbatch's {asked[0]} gives each task its GPUs, and a script of yours runs one task "
@@ -63,17 +67,53 @@ def user_script_shape(slurm: SlurmConfig, given: set[str]) -> SlurmConfig:
     return shaped
 
 
+def script_command(cfg: RunConfig, job: Job, script: UserScript) -> TaskCommand:
+    """What each task of the job runs: torchrun on each node (torchrun_command), or in per-rank mode the script itself
+    as each rank (per_rank_command)."""
+    return (per_rank_command if job.mode == "per-rank" else torchrun_command)(cfg, job, script)
+
+
+def _threads(cfg: RunConfig, job: Job) -> list[str]:
+    """The lines that give each rank its share of the node's cores, where the job asks for cores."""
+    if not cfg.slurm.cpus_per_node:
+        return []
+    return ["# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
+            "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
+            f"export OMP_NUM_THREADS={max(1, cfg.slurm.cpus_per_node // job.ranks_per_node)}"]
+
+
+def per_rank_command(cfg: RunConfig, job: Job, script: UserScript) -> TaskCommand:
+    """What each task runs in per-rank mode: the user's script, as one rank, with torchrun's variables (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) set by the task's bash from SLURM's, which the task has too; rank 0, on
+    the first node, hosts the script's store at MASTER_ADDR:MASTER_PORT, as its init_process_group makes it."""
+    s = cfg.slurm
+    python = script.python or python_for(s)
+    v = SLURM_VARS
+    in_the_task = (f'export RANK="${v["global_rank"]}" LOCAL_RANK="${v["local_rank"]}" WORLD_SIZE="${v["world_size"]}" '
+                   f'LOCAL_WORLD_SIZE={job.ranks_per_node}; exec {shlex.join([python, *script.target, *script.args])}')
+    said_signal: tuple[str, ...] = ()
+    if s.signal_lead_s:
+        said = f"SIGUSR1 {s.signal_lead_s} s before the time limit reaches each rank of the script"
+        if s.requeue:
+            said += (f"; to requeue the job, rank 0 then runs scontrol requeue \"${v['job_id']}\" where "
+                     f"{REQUEUE_VAR}=1, or writes the file {REQUEUE_VAR} names (in a container)")
+        said_signal = tuple(f"# {part}" for part in textwrap.wrap(said + ".", 113))
+    return TaskCommand(
+        f"{script.target[-1]}'s training", ("bash", "-c", in_the_task), each="rank", environment=tuple(_threads(cfg, job)),
+        said_first=(f"# Each srun task is one rank of the script, which reads {v['global_rank']}, {v['world_size']} and "
+                    f"{v['local_rank']}, or",
+                    "# torchrun's RANK, WORLD_SIZE and LOCAL_RANK, set from them by the task's bash; rank 0, on the "
+                    "first node, hosts",
+                    "# the script's store at MASTER_ADDR:MASTER_PORT.",
+                    *said_signal))
+
+
 def torchrun_command(cfg: RunConfig, job: Job, script: UserScript) -> TaskCommand:
     """What each task of the job runs: torchrun, starting the node's ranks of the user's script; the node's rank is
     its SLURM_NODEID, so that rank 0 is on the first node, at MASTER_ADDR."""
     s = cfg.slurm
     python = script.python or python_for(s)
-    environment: list[str] = []
-    if s.cpus_per_node:
-        environment += [
-            "# Each rank's share of the node's cores, as dptrain's ranks take theirs from --cpus-per-task (torchrun",
-            "# alone gives one thread to each of several ranks, and torch gives one rank every core it sees).",
-            f"export OMP_NUM_THREADS={max(1, s.cpus_per_node // job.ranks_per_node)}"]
+    environment = _threads(cfg, job)
     signals = ("--signals-to-handle", SIGNALS_TO_PASS_ON) if s.signal_lead_s else ()
     said_signal: tuple[str, ...] = ()
     if s.signal_lead_s:
@@ -95,5 +135,7 @@ def torchrun_command(cfg: RunConfig, job: Job, script: UserScript) -> TaskComman
                     "MASTER_ADDR:MASTER_PORT, on the",
                     f"# first node, whose ranks come first (--node-rank: the task's own {SLURM_VARS['node_rank']}, "
                     "read by its bash); each rank",
-                    "# reads RANK, LOCAL_RANK and WORLD_SIZE.",
+                    "# reads RANK, LOCAL_RANK and WORLD_SIZE (a script that reads SLURM_PROCID and SLURM_NTASKS instead "
+                    "wants",
+                    "# --mode per-rank: one srun task per rank).",
                     *said_signal))

@@ -15,10 +15,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.config import CommHook
+from dptrain.strategies import powersgd
 
 
 @dataclass
@@ -111,34 +113,30 @@ def _counting(hook: Callable, counter: CommCounter, element_size: int | None) ->
 Hook = Callable[[object, dist.GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
-def _hook_allreduce(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
-                    ) -> tuple[object, Hook]:
+def _hook_allreduce(module: nn.Module, backend: str, powersgd_rank: int, counter: CommCounter,
+                    group: dist.ProcessGroup | None) -> tuple[object, Hook]:
     return group, _counting(default_hooks.allreduce_hook, counter, None)
 
 
-def _hook_fp16(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
-               ) -> tuple[object, Hook]:
+def _hook_fp16(module: nn.Module, backend: str, powersgd_rank: int, counter: CommCounter,
+               group: dist.ProcessGroup | None) -> tuple[object, Hook]:
     return group, _counting(default_hooks.fp16_compress_hook, counter, 2)
 
 
-def _hook_bf16(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
-               ) -> tuple[object, Hook]:
+def _hook_bf16(module: nn.Module, backend: str, powersgd_rank: int, counter: CommCounter,
+               group: dist.ProcessGroup | None) -> tuple[object, Hook]:
     return group, _counting(default_hooks.bf16_compress_hook, counter, 2)
 
 
-def _hook_powersgd(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
-                   ) -> tuple[object, Hook]:
-    # start_powerSGD_iter=2: compress from the third step (the first two run a plain all-reduce, as the
-    # algorithm requires to initialise its error feedback). Traffic is computed from the factors P, Q.
-    state = powerSGD_hook.PowerSGDState(
-        process_group=group, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2, use_error_feedback=True,
-        warm_start=True,
-    )
-    hook = InOrder(powerSGD_hook.powerSGD_hook, "dptrain-powersgd").hook if runs_buckets_out_of_order(backend) \
-        else powerSGD_hook.powerSGD_hook
+def _hook_powersgd(module: nn.Module, backend: str, powersgd_rank: int, counter: CommCounter,
+                   group: dist.ProcessGroup | None) -> tuple[object, Hook]:
+    # Compressing from the third step (powersgd.START_ITER), its memory kept whole for snapshots (powersgd.py).
+    # Traffic is computed from the factors P, Q.
+    state = powersgd.PowerSGD(module, group, powersgd_rank)
+    hook = InOrder(powersgd.hook, "dptrain-powersgd").hook if runs_buckets_out_of_order(backend) else powersgd.hook
     # counted as DDP hands each bucket over, not on InOrder's thread: a step's bytes are then the step's, even when
     # its buckets are still being sent (strategy.ddp.update_in_next_forward) as the epoch's count is taken
-    return state, _powersgd_counting(counter, hook, state.start_powerSGD_iter)
+    return state, _powersgd_counting(counter, hook)
 
 
 def runs_buckets_out_of_order(backend: str) -> bool:
@@ -149,23 +147,26 @@ def runs_buckets_out_of_order(backend: str) -> bool:
     return backend != "nccl"
 
 
-def _hook_ring(backend: str, powersgd_rank: int, counter: CommCounter, group: dist.ProcessGroup | None
-               ) -> tuple[object, Hook]:
+def _hook_ring(module: nn.Module, backend: str, powersgd_rank: int, counter: CommCounter,
+               group: dist.ProcessGroup | None) -> tuple[object, Hook]:
     return None, _ring_hook(counter)
 
 
-COMM_HOOKS: dict[str, Callable[[str, int, CommCounter, dist.ProcessGroup | None], tuple[object, Hook]]] = {
+COMM_HOOKS: dict[str, Callable[[nn.Module, str, int, CommCounter, dist.ProcessGroup | None], tuple[object, Hook]]] = {
     name: globals()[f"_hook_{name}"] for name in typing.get_args(CommHook)}
 """strategy.ddp.comm_hook's choices (config's CommHook, the one list of them) -> the _hook_<name> above, which makes
-its (state, hook) for a backend: the hook's collectives on `group` (None: the default group)."""
+its (state, hook) for the module DDP wraps and a backend: the hook's collectives on `group` (None: the default group)."""
 DEFERRABLE = ("allreduce", "fp16", "bf16", "powersgd")
 """The hooks whose communication may be left running when backward ends (strategy.ddp.update_in_next_forward): those
 that return a future of collectives in flight. The ring sums inside the hook: nothing of it is left to run."""
 
 
-def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> None:
-    """Register hook `name` on a DDP model; 'allreduce' registers a counting wrapper of DDP's default."""
-    model.register_comm_hook(*COMM_HOOKS[name](dist.get_backend(model.process_group), powersgd_rank, counter, None))
+def install(model: DistributedDataParallel, name: str, powersgd_rank: int, counter: CommCounter) -> object:
+    """Register hook `name` on a DDP model; 'allreduce' registers a counting wrapper of DDP's default. Returns the
+    hook's state (PowerSGD's: its memory, which snapshots keep)."""
+    state, hook = COMM_HOOKS[name](model.module, dist.get_backend(model.process_group), powersgd_rank, counter, None)
+    model.register_comm_hook(state, hook)
+    return state
 
 
 class InOrder:
@@ -200,17 +201,16 @@ class InOrder:
                 future.set_result(result)
 
 
-def _powersgd_counting(counter: CommCounter, hook: Hook, start_iter: int) -> Hook:
+def _powersgd_counting(counter: CommCounter, hook: Hook) -> Hook:
     """PowerSGD's hook (or InOrder's of it), counting what it sends: a plain all-reduce of the bucket in the first
-    start_iter steps, then the factors. The steps are counted here as PowerSGD counts them (a step ends with the bucket
-    DDP hands over last), so the count never reads its state while its thread moves it on."""
-    steps = 0
+    start_powerSGD_iter steps, then the factors. The steps are counted here as PowerSGD counts them (a step ends with
+    the bucket DDP hands over last), in a field of their own (PowerSGD.handed_over, which a resume sets too), so the
+    count never reads the step count the hook's thread moves on."""
 
-    def counted(st: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        nonlocal steps
+    def counted(st: powersgd.PowerSGD, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         world = dist.get_world_size()
         size = bucket.buffer().element_size()
-        if steps < start_iter:
+        if st.handed_over < st.start_powerSGD_iter:
             counter.bytes_sent += bytes_per_allreduce(bucket.buffer().numel(), size, world)
         else:
             # Uncompressed: 1-D tensors (biases) all-reduced as they are; each matrix n x m sends P (n x r) and Q (m x r).
@@ -226,7 +226,7 @@ def _powersgd_counting(counter: CommCounter, hook: Hook, start_iter: int) -> Hoo
                     numel += compressed if compressed * st.min_compression_rate < n * m else n * m
             counter.bytes_sent += bytes_per_allreduce(numel, size, world)
         if bucket.is_last():
-            steps += 1
+            st.handed_over += 1
         return hook(st, bucket)
 
     return counted

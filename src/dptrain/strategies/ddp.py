@@ -9,7 +9,6 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.config import SPECS, RunConfig
@@ -17,6 +16,8 @@ from dptrain.errors import ConfigError
 from dptrain.strategies import comm_hooks, shared_memory, two_step
 from dptrain.strategies.base import CommTiming, Strategy, refuse_gloo_send_recv_on_gpus
 from dptrain.strategies.deferred_update import DeferredUpdate, priority_params
+from dptrain.strategies.powersgd import PowerSGD, PowerSGDPart
+from dptrain.strategies.state import StatePart
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class DDP(Strategy):
 
     deferred: DeferredUpdate | None = None
     """strategy.ddp.update_in_next_forward's hooks, once wrapped on more than one rank."""
+    powersgd: PowerSGD | None = None
+    """comm_hook powersgd's state, once wrapped on more than one rank: its memory, which snapshots keep."""
 
     @classmethod
     def check_run(cls, cfg: RunConfig, world_size: int, on_cpu: bool) -> None:
@@ -122,7 +125,8 @@ class DDP(Strategy):
             self.deferred = self.deferred_update(ddp)
             self.deferred.install(ddp)
         elif self.cfg.ddp.comm_hook != "allreduce":
-            comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
+            state = comm_hooks.install(ddp, self.cfg.ddp.comm_hook, self.cfg.ddp.powersgd_rank, self.counter)
+            self.powersgd = state if isinstance(state, PowerSGD) else None
         elif self.shared_memory_sum is not None:
             ddp.register_comm_hook(None, shared_memory.allreduce_mean_hook(self.shared_memory_sum))
         elif self.two_step_sum is not None:
@@ -143,12 +147,19 @@ class DDP(Strategy):
         if name == "allreduce":
             return DeferredUpdate(self.module, self.env.world_size, group=new_group(), priority_group=new_group(),
                                   priority_params=priority_params(self.module))
-        state, hook = comm_hooks.COMM_HOOKS[name](dist.get_backend(ddp.process_group), self.cfg.ddp.powersgd_rank,
-                                                  self.counter, new_group())
-        # PowerSGD draws its first factors in its first compressed step: settled at once, as the steps before it
-        settled = state.start_powerSGD_iter + 1 if isinstance(state, PowerSGDState) else 1
-        return DeferredUpdate(self.module, self.env.world_size, comm_hook=hook, comm_hook_state=state,
-                              settled_steps=settled)
+        state, hook = comm_hooks.COMM_HOOKS[name](self.module, dist.get_backend(ddp.process_group),
+                                                  self.cfg.ddp.powersgd_rank, self.counter, new_group())
+        self.powersgd = state if isinstance(state, PowerSGD) else None
+        return DeferredUpdate(self.module, self.env.world_size, comm_hook=hook, comm_hook_state=state)
+
+    def state_parts(self, optimizer: torch.optim.Optimizer) -> list[StatePart]:
+        return [*super().state_parts(optimizer), *self.hook_state_parts()]
+
+    def hook_state_parts(self) -> list[StatePart]:
+        """The state of the comm hook, where it has one to keep (PowerSGD's memory; the others keep none)."""
+        if self.cfg.ddp.comm_hook != "powersgd":
+            return []
+        return [PowerSGDPart(self.powersgd, self.env.global_rank, self.env.world_size)]
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.deferred is None:

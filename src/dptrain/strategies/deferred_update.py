@@ -71,8 +71,8 @@ class DeferredUpdate:
     comm_hook_state: object = None
     settled_steps: int = 1
     """The first steps settled at once: DDP rebuilds its buckets in the second forward, copying the gradients into new
-    ones, so none may be in flight then; PowerSGD draws its first random factors from the global generator in its
-    first compressed step (start_powerSGD_iter + 1), which must not run beside a forward drawing dropout masks."""
+    ones, so none may be in flight then. (PowerSGD's first factors, drawn in its first compressed step, come from
+    generators of their own, powersgd.py, not from the global one that a forward draws dropout masks from.)"""
     group: Any = None
     """The process group of the all-reduces (not the first layers'); None: the default group."""
     priority_group: Any = None

@@ -2,10 +2,11 @@
 
 A strategy lists its parts (Strategy.state_parts); the Snapshotter saves and loads every part alike, in this order:
 save() on every rank (the files of the part's own), then one DCP write of every part's shards(); on load, one DCP
-load into every part's shards(), then load() on every rank. Three kinds, by where the state lives:
+load into every part's shards(), then load() on every rank. Three kinds here, by where the state lives:
   Shards     the tensors as each rank holds them, through DCP; reshardable to another world size.
   WholeFile  one file written by rank 0 (a state DCP cannot see into); loads at any world size.
   OwnFolder  the files an engine writes itself into a subfolder (DeepSpeed); resumes at the same world size only.
+and a strategy's own where none fits (PowerSGD's memory: one file per rank, strategies/powersgd.py).
 """
 
 from __future__ import annotations
@@ -30,10 +31,19 @@ class StatePart:
     """How the part is stored, in words (a manifest records it beside the part's files)."""
     same_world_only = False
     """True when the part cannot be resharded: a snapshot holding it resumes at the world size it was written at."""
+    without_it: str | None = None
+    """For a part that snapshots written before dptrain kept it lack: what a resume from such a snapshot does without
+    it, in words (logged); None: a snapshot without the part's files is damaged."""
 
-    def files(self) -> set[str]:
-        """The files of the part's own that load() reads, relative to the snapshot (DCP's files are DCP's to name)."""
+    def files(self, world_size: int) -> set[str]:
+        """The files of the part's own that load() reads, relative to a snapshot written by world_size ranks (DCP's
+        files are DCP's to name)."""
         return set()
+
+    def resumes_on(self, written: int, world_size: int) -> str | None:
+        """None if the part's state in a snapshot of `written` ranks can go on at world_size; else why not and on how
+        many it can, in words that follow 'snapshot PATH' (the Snapshotter ends the sentence)."""
+        return None
 
     def shards(self) -> dict[str, Any]:
         """What DCP writes and loads in place: top-level keys of the snapshot's DCP state, each rank its own."""
@@ -42,8 +52,9 @@ class StatePart:
     def save(self, folder: Path, save_file: SaveFile) -> None:
         """Write the part's own files into the snapshot folder (every rank calls it; it may be a collective)."""
 
-    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile) -> None:
-        """Restore the part from a verified snapshot folder, after DCP has loaded `shards` (every rank)."""
+    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile, world_size: int) -> None:
+        """Restore the part from a verified snapshot folder written by world_size ranks, after DCP has loaded `shards`
+        (every rank)."""
 
 
 @dataclass
@@ -59,7 +70,7 @@ class Shards(StatePart):
     def shards(self) -> dict[str, Any]:
         return self.state()
 
-    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile) -> None:
+    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile, world_size: int) -> None:
         self.restore(shards)
 
 
@@ -73,7 +84,7 @@ class WholeFile(StatePart):
     restore: Callable[[dict[str, Any]], None]
     storage = "one file by rank 0"
 
-    def files(self) -> set[str]:
+    def files(self, world_size: int) -> set[str]:
         return {self.file}
 
     def save(self, folder: Path, save_file: SaveFile) -> None:
@@ -81,7 +92,7 @@ class WholeFile(StatePart):
         if whole is not None:
             save_file(whole, folder / self.file)
 
-    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile) -> None:
+    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile, world_size: int) -> None:
         self.restore(load_file(folder / self.file))
 
 
@@ -96,11 +107,11 @@ class OwnFolder(StatePart):
     storage = "the strategy's own folder"
     same_world_only = True
 
-    def files(self) -> set[str]:
-        return self.own_files()
+    def files(self, world_size: int) -> set[str]:
+        return self.own_files()  # at world_size only: same_world_only
 
     def save(self, folder: Path, save_file: SaveFile) -> None:
         self.write(folder)
 
-    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile) -> None:
+    def load(self, folder: Path, shards: dict[str, Any], load_file: LoadFile, world_size: int) -> None:
         self.read(folder)

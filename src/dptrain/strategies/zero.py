@@ -29,13 +29,15 @@ class Zero1(DDP):
 
     def state_parts(self, optimizer: torch.optim.Optimizer) -> list[StatePart]:
         """The model in DCP; ZeroRedundancyOptimizer's state_dict is its whole state, consolidated on rank 0 (every
-        rank sends its partition), written as one file; on load each rank keeps its own partition, at any world size."""
+        rank sends its partition), written as one file; on load each rank keeps its own partition, at any world size. And
+        the comm hook's state, as DDP's."""
 
         def consolidated() -> dict[str, Any] | None:
             optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # a collective
             return optimizer.state_dict() if self.env.global_rank == 0 else None
 
-        return [model_shards(self.eval_module), WholeFile("optimizer", WHOLE_OPTIMIZER, consolidated, optimizer.load_state_dict)]
+        return [model_shards(self.eval_module), WholeFile("optimizer", WHOLE_OPTIMIZER, consolidated, optimizer.load_state_dict),
+                *self.hook_state_parts()]
 
     def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer.optim  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer's own shard optimizer
