@@ -124,6 +124,7 @@ def fill(folder: Path) -> None:
 
 # Every write on 1 worker; on 2, one case of each sentence (the run resumes: the final weights after two snapshots;
 # it starts again: the first snapshot), which is what a second worker adds (its failure heard as the same one sentence)
+@pytest.mark.slow
 @pytest.mark.parametrize("what, snapshots, workers", [
     ("the final weights", "at the end", 1), ("the final weights", "every 2 steps", 1),
     ("a snapshot", "at the end", 1), ("a snapshot", "every 2 steps", 1),
