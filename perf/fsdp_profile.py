@@ -8,7 +8,7 @@ FSDP2 loop (dptrain_bench/tutorial.py), both on 2 gloo ranks of one thread each,
 Each variant is one way of wrapping the model and stepping it, on the same random batch (64 images per rank):
 - tutorial: fully_shard on the root only, Adam with torch's default (foreach) kernels, mean loss: tutorial.py's loop.
 - dptrain: dptrain's strategies.fsdp.FSDP.wrap under its defaults, fused Adam and the summed loss scaled by
-  Strategy.backward: train.Trainer._train_step.
+  Strategy.backward: train.TrainStep.eager.
 - dptrain-<wrap>: the same under strategy.fsdp.wrap <wrap> (block, size, whole).
 - dptrain-nchw: the same with train.channels_last false (NCHW weights and batches).
 - dptrain-gloo: the same with FSDP2's own collectives on gloo instead of dptrain's through shared memory.

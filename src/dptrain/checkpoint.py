@@ -30,12 +30,14 @@ import torch.distributed as dist
 from dptrain import config as config_mod, faults
 from dptrain.config import RunConfig
 from dptrain.data import input_record
+from dptrain.distributed.failures import Phase
 from dptrain.distributed.world import barrier
 from dptrain.errors import ConfigError, SnapshotError, UnsafeFileError
 from dptrain.files import fsync_dir, written_whole
 from dptrain.run_folder import RunFolder
 from dptrain.safe_load import (check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private,
                                read_metadata)
+from dptrain.stopping import StopRequest, Stopped
 from dptrain.strategies import STRATEGIES
 from dptrain.train_state import TrainState
 
@@ -128,8 +130,8 @@ class Snapshotter:
 
     The parts: the loop's TrainState, the scheduler, the strategy's state parts (Strategy.state_parts:
     each says how it is stored and which files it reads; all are saved and loaded alike), each rank's
-    RNG streams and partial-epoch sums. The loop calls save_if_due() after every step and after every
-    evaluation; the rule of when lives in due() alone.
+    RNG streams and partial-epoch sums. The loop calls at_step_boundary() after every step (a snapshot when
+    due, or a stop's) and save_if_due() after every epoch's evaluation; the rule of when lives in due() alone.
 
     With async_save the DCP shards are copied to CPU memory at the step (DCP's staging), then
     written in the background over a gloo group of their own, so that their collectives never
@@ -182,6 +184,22 @@ class Snapshotter:
             return on_step and state.step < self.total_steps and not state.epoch_done(self.steps_per_epoch)
         on_epoch = bool(every_epochs) and (state.epoch + 1) % every_epochs == 0
         return state.epoch_done(self.steps_per_epoch) and (on_epoch or on_step)
+
+    def at_step_boundary(self, state: TrainState, stop: StopRequest, phase: Phase, before_saving: Callable[[], None]) -> None:
+        """The snapshotter's turn after every step: a snapshot when due; then the stop signals exchanged, and once every
+        rank has agreed on one, a whole snapshot of this step, then Stopped. before_saving(): the loop's check that
+        the state is fit to keep (train.Trainer._check_loss: never a snapshot of a diverged state)."""
+        with phase(f"snapshot after step {state.step}"):
+            if self.due(state, after_evaluation=False):
+                before_saving()
+            self.save_if_due(state)
+        with phase(f"signal exchange after step {state.step}"):
+            signal_name = stop.agreed()
+        if signal_name:
+            with phase(f"snapshot at step {state.step}"):
+                before_saving()
+                self.save(state, wait=True)
+            raise Stopped.after_step(signal_name, state.step)
 
     def save_if_due(self, state: TrainState, after_evaluation: bool = False) -> None:
         """At a step boundary (or after an evaluation): save if due(), else commit a finished background write."""

@@ -9,9 +9,10 @@ logs exact metrics.
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import logging
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,13 +32,13 @@ from dptrain.errors import OutputError
 from dptrain.evaluate import evaluate, sync
 from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, STEP, STEP_EVENT
 from dptrain.files import written_whole
-from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler, peak_memory_mb, per_rank
-from dptrain.metrics.epoch_account import EpochAccount, EpochTotals, train_fields
+from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
+from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.step_graph import StepGraph
-from dptrain.stopping import StopRequest, Stopped
+from dptrain.stopping import StopRequest
 from dptrain.strategies import Strategy, build_strategy, check_world
 from dptrain.strategies.base import OptimizerSpec, optimizer_choice
 from dptrain.train_state import TrainState
@@ -61,17 +62,61 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
 
 
 @dataclass(kw_only=True)
+class TrainStep:
+    """One optimizer step on a batch: forward, the loss summed over this rank's share, backward (the strategy syncs
+    the gradients), clipping, the update, then the schedule's step. Eager, or where train.cuda_graph applies, a CUDA
+    graph's replay of the eager step (graph)."""
+
+    strategy: Strategy
+    model: nn.Module
+    """What the strategy's wrap() returned (maybe compiled): the training forward."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Schedule
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    grad_clip: float | None
+    graph: StepGraph | None = None
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sum of this rank's losses, its correct predictions), on the device."""
+        if self.graph is not None:
+            out = self.graph(batch.images, batch.labels)
+        else:
+            out = self.eager(batch.images, batch.labels, batch.global_count)
+        self.scheduler.step()
+        if self.graph is not None:
+            self.graph.after_schedule_step()
+        return out
+
+    def eager(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.strategy.zero_grad(self.optimizer)
+        with self.autocast():
+            logits = self.model(images)
+        # The loss in at least float32 (bf16 logits are summed in float32), float64 stays float64 (the tests' exact mode).
+        loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
+        self.strategy.backward(loss_sum, global_count)
+        if self.grad_clip is not None:
+            self.strategy.clip_grad_norm(self.model, self.grad_clip)
+        self.strategy.optimizer_step(self.optimizer)
+        return loss_sum.detach(), (logits.argmax(1) == labels).sum()
+
+    def graphed(self, batch_size: int) -> "TrainStep":
+        """This step replayed as a CUDA graph, captured from its eager form (one device: the batch is global). Made
+        after a resume: the graph records the addresses of the optimizer state it loaded."""
+        eager = lambda images, labels: self.eager(images, labels, len(labels))  # noqa: E731
+        return dataclasses.replace(self, graph=StepGraph(eager, self.optimizer, batch_size))
+
+
+@dataclass(kw_only=True)
 class Trainer:
-    """One rank's training: build_trainer() makes it whole, fit() runs it. Its shape, each boundary in its own
+    """One rank's training, built whole by build_trainer(), run by fit(). Its shape, each boundary in its own
     `phase`, so that a failure names the rank and where it stood:
 
         fit()          for each epoch from where `state` stands (TrainState answers where a resume puts it):
-          run_epoch()    enter the epoch (afresh, or mid-way after a resume); for each remaining batch:
-                           step (_run_batch -> _train_step), counted in the EpochAccount;
-                           _after_step(): the step's loss reduced and logged when due, a snapshot when due, the
-                           stop signals exchanged, then the on_step hook;
-                         the epoch's metrics reduction (_reduce_epoch: float64, exact) -> the event's training fields
-          evaluation when due, the epoch event (events.EPOCH_EVENT), a snapshot when due
+          run_epoch()    enter the epoch (afresh, or mid-way after a resume); for each remaining batch: the step
+                         (TrainStep), counted in the EpochAccount, then the step's boundary (_after_step: its loss
+                         logged when due, then the snapshotter's turn: a snapshot when due, or a stop's);
+                         then the epoch's numbers reduced over the ranks (EpochAccount.reduce: exact, float64)
+          _end_epoch()   the evaluation when due, the epoch event (events.EPOCH_EVENT), a snapshot when due
         then _finish(): the final weights and the final snapshot.
     """
 
@@ -79,7 +124,6 @@ class Trainer:
     env: DistEnv
     device: torch.device
     strategy: Strategy
-    model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Schedule
     train_loader: Loader
@@ -88,22 +132,21 @@ class Trainer:
     events: EventLog
     phase: Phase
     total_steps: int
+    step: TrainStep
     snapshots: Snapshotter
-    state: TrainState = field(default_factory=TrainState)
+    state: TrainState
     """Where the loop stands; the snapshots save and restore it."""
-    stop: StopRequest | None = None
-    """SIGTERM/SIGUSR1 seen by any rank: snapshot at the next step boundary, then raise Stopped."""
-    step_graph: StepGraph | None = None
-    """train.cuda_graph: replays the captured training step (None: every step runs eagerly)."""
-    utilisation: UtilisationSampler | None = None
-    """This rank's CPU, memory and GPU use, sampled on a thread while fit() runs (None: no utilisation fields)."""
+    stop: StopRequest
+    """SIGTERM/SIGUSR1 seen by any rank: a snapshot at the next step boundary, then Stopped."""
     flops_per_sample: int | None = None
     """The model's floating-point operations per training sample, forward and backward (counted on rank 0 only)."""
-    finite_through: int = 0
-    """The last step up to which every training loss was checked finite (fit() starts it at the resumed step)."""
     on_step: Callable[[TrainState], None] | None = None
     """Called on this rank after each step's boundary (logged, snapshot taken if due, stop checked), with the state:
     a profiler's hook (perf/gpu_profile.py steps torch.profiler with it). It runs outside any phase."""
+    utilisation: UtilisationSampler | None = None
+    """This rank's CPU, memory and GPU use, sampled on a thread while fit() runs (None: no utilisation fields)."""
+    finite_through: int = 0
+    """The last step up to which every training loss was checked finite (fit() starts it at the resumed step)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -126,8 +169,7 @@ class Trainer:
         finally:
             progress.stop()
             sampler.close()  # joins the sampler thread, on failure too
-            if self.stop is not None:
-                self.stop.close(wait=completed)
+            self.stop.close(wait=completed)
         return last
 
     def run_epoch(self, epoch: int, progress: ProgressBar | None = None) -> dict:
@@ -140,63 +182,26 @@ class Trainer:
         account = self._start_account()
         for batch in self.train_loader.epoch_batches(epoch, state.batches_consumed):
             with self.phase(f"step {state.step + 1}"):
-                loss_sum, correct = self._run_batch(batch)
+                loss_sum, correct = self.step(batch)
             account.count(loss_sum, correct, len(batch.labels), batch.global_count)
             self._after_step(epoch, loss_sum, batch.global_count, progress)
             if state.step >= self.total_steps:
                 break
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
-            totals = self._reduce_epoch(account)
+            totals = account.reduce(state.epoch_sums, self.strategy.all_reduce, self.device, self._measured(account))
         self._check_loss(totals.loss_sum)  # before the epoch's evaluation, snapshot and the final weights
         return train_fields(totals)
 
-    def _run_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (sum of this rank's losses, its correct predictions), on the device."""
-        if self.step_graph is not None:
-            out = self.step_graph(batch.images, batch.labels)
-        else:
-            out = self._train_step(batch.images, batch.labels, batch.global_count)
-        self.scheduler.step()
-        if self.step_graph is not None:
-            self.step_graph.after_schedule_step()
-        return out
-
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.strategy.zero_grad(self.optimizer)
-        with self._autocast():
-            logits = self.model(images)
-        # The loss in at least float32 (bf16 logits are summed in float32), float64 stays float64 (the tests' exact mode).
-        loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
-        self.strategy.backward(loss_sum, global_count)
-        if self.cfg.train.grad_clip is not None:
-            self.strategy.clip_grad_norm(self.model, self.cfg.train.grad_clip)
-        self.strategy.optimizer_step(self.optimizer)
-        return loss_sum.detach(), (logits.argmax(1) == labels).sum()
-
-    # ---- the boundaries: between two steps, at an epoch's end ------------------------------------------------------
-
-    def _start_account(self) -> EpochAccount:
-        """The epoch's account, its clock started once the device has finished earlier work; utilisation's window too."""
-        self.model.train()
-        sync(self.device)
-        account = EpochAccount(self.state, self.env.world_size, self.env.global_rank)
-        if self.utilisation is not None:
-            self.utilisation.restart()
-        return account
-
     def _after_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int, progress: ProgressBar) -> None:
-        """After a step, in order: its loss logged when due, progress, a snapshot when due, a stop when asked, on_step."""
+        """The step's boundary: its loss logged when due, progress, then the snapshotter's turn (a snapshot when due,
+        or a stop's), then on_step."""
         state, step_loss = self.state, None
         if state.step % self.cfg.train.log_every == 0:  # a collective: a failure in it names the rank and the step
             with self.phase(f"loss reduction of step {state.step}"):
                 step_loss = self._log_step(epoch, loss_sum, global_count)
         progress.advance(step_loss, state.step, global_count)
         faults.signal_if_due(self.env.global_rank, state.step)
-        with self.phase(f"snapshot after step {state.step}"):
-            if self.snapshots.due(state, after_evaluation=False):  # never a snapshot of a diverged state
-                self._check_loss()
-            self.snapshots.save_if_due(state)
-        self._stop_if_asked()
+        self.snapshots.at_step_boundary(state, self.stop, self.phase, before_saving=self._check_loss)
         if self.on_step is not None:
             self.on_step(state)
 
@@ -206,41 +211,13 @@ class Trainer:
         if self._evaluation_due(epoch):
             with self.phase(f"evaluation after epoch {epoch + 1}"):
                 self.strategy.settle()
-                evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self._autocast, self.strategy.all_reduce)
+                evaluation = evaluate(self.strategy.eval_module, self.eval_loader, self.step.autocast,
+                                      self.strategy.all_reduce)
         event = self.events.emit(EPOCH_EVENT.name, **{EPOCH: epoch + 1, STEP: self.state.step}, **train, **evaluation)
         self.state.epoch_reported = True
         with self.phase(f"snapshot after epoch {epoch + 1}"):
             self.snapshots.save_if_due(self.state, after_evaluation=True)
         return event
-
-    def _evaluation_due(self, epoch: int) -> bool:
-        """train.eval_every_epochs; the run's last epoch (or the partial epoch a max_steps stop ends in) always."""
-        every = self.cfg.train.eval_every_epochs
-        last = epoch + 1 == self.cfg.train.epochs or self.state.step >= self.total_steps
-        return last or bool(every and (epoch + 1) % every == 0)
-
-    def _reduce_epoch(self, account: EpochAccount) -> EpochTotals:
-        """The epoch's numbers over every rank, in this order of collectives (each rank the same): the float64 sums,
-        the peak memory, the footprint table, the communication times' table, the utilisation table."""
-        state, reduce, device = self.state, self.strategy.all_reduce, self.device
-        assert state.epoch_sums is not None
-        totals = reduce(state.epoch_sums.clone())  # also waits for every rank: the time covers the slowest
-        elapsed = account.stop_clock()
-        peak = reduce(torch.tensor([peak_memory_mb(device)], device=device), op="max")
-        held = self.strategy.memory_bytes(self.optimizer)
-        sent = self.strategy.comm_bytes(account.steps) // max(account.steps, 1)
-        footprint = reduce(account.own_row([held["params"], held["grads"], held["optim"], sent], device)).t().tolist()
-        timing = None  # the same answer on every rank (they all run the same strategy): the same collectives
-        if self.env.world_size > 1 and type(self.strategy).comm_timing is not Strategy.comm_timing:
-            sampled = self.strategy.comm_timing()  # ddp, zero1: a sampled step of DDP's
-            row = [-1.0, -1.0] if sampled is None else [sampled.total_ms, sampled.exposed_ms]
-            timing = reduce(account.own_row(row, device)).t().tolist()
-        utilisation = {} if self.utilisation is None else per_rank(
-            self.utilisation.take(), self.env.world_size, self.env.global_rank, reduce, device)
-        loss_sum, correct, samples = totals.tolist()
-        return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=state.epoch_seen, elapsed_s=elapsed,
-                           peak_mem_mb=peak.item(), lr=self._lr(), footprint=footprint, comm_timing=timing,
-                           utilisation=utilisation, flops_per_sample=self.flops_per_sample)
 
     def _finish(self) -> None:
         """The final weights, then the final snapshot, whole on disk before fit() returns."""
@@ -248,6 +225,35 @@ class Trainer:
             self._save_weights(self.cfg.output.folder.model)
         with self.phase(f"snapshot at step {self.state.step}"):
             self.snapshots.save(self.state, wait=True)
+
+    # ---- what the loop's steps above call ----------------------------------------------------------------------
+
+    def _start_account(self) -> EpochAccount:
+        """The epoch's account, its clock started once the device has finished earlier work; utilisation's window too."""
+        self.step.model.train()
+        sync(self.device)
+        account = EpochAccount(self.state, self.env.world_size, self.env.global_rank)
+        if self.utilisation is not None:
+            self.utilisation.restart()
+        return account
+
+    def _measured(self, account: EpochAccount) -> RankMeasures:
+        """What this rank measured of the epoch besides its sums: memory held, bytes sent, communication times,
+        utilisation, the learning rate."""
+        held = self.strategy.memory_bytes(self.optimizer)
+        timing = self.strategy.comm_timing() if self.strategy.times_comm and self.env.world_size > 1 else None
+        return RankMeasures(held_bytes=[held["params"], held["grads"], held["optim"]],
+                            sent_bytes_per_step=self.strategy.comm_bytes(account.steps) // max(account.steps, 1),
+                            lr=self._lr(), times_comm=self.strategy.times_comm,
+                            comm_ms=None if timing is None else (timing.total_ms, timing.exposed_ms),
+                            utilisation=None if self.utilisation is None else self.utilisation.take(),
+                            flops_per_sample=self.flops_per_sample)
+
+    def _evaluation_due(self, epoch: int) -> bool:
+        """train.eval_every_epochs; the run's last epoch (or the partial epoch a max_steps stop ends in) always."""
+        every = self.cfg.train.eval_every_epochs
+        last = epoch + 1 == self.cfg.train.epochs or self.state.step >= self.total_steps
+        return last or bool(every and (epoch + 1) % every == 0)
 
     def _save_weights(self, path: Path) -> None:
         """The whole model on rank 0, whatever the sharding (every rank takes part in gathering it)."""
@@ -264,16 +270,6 @@ class Trainer:
                 rerun = checkpoint.rerun_ending(self.snapshots.root, ": it resumes from the last snapshot.")
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
                                   f"there, then run the same command{rerun}") from exc
-
-    def _stop_if_asked(self) -> None:
-        """Once every rank has agreed on a stop signal: a whole snapshot of this step, then Stopped."""
-        with self.phase(f"signal exchange after step {self.state.step}"):
-            signal_name = self.stop.agreed() if self.stop is not None else None
-        if signal_name:
-            with self.phase(f"snapshot at step {self.state.step}"):
-                self._check_loss()
-                self.snapshots.save(self.state, wait=True)
-            raise Stopped.after_step(signal_name, self.state.step)
 
     def _lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
@@ -309,10 +305,6 @@ class Trainer:
         raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
                                          last.name if last is not None else None, self.cfg.output.elsewhere))
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        return bf16_autocast(self.device, self.cfg.train.bf16, cache=self.step_graph is None)
-
-
 
 def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last_snapshot: str | None,
                       elsewhere: str = checkpoint.AFRESH) -> str:
@@ -326,7 +318,8 @@ def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last
 
 
 def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Trainer:
-    """Everything the loop needs, in order: data, model, strategy, optimizer, schedule."""
+    """Everything the loop needs, in order: data, model, strategy, optimizer, schedule, snapshots, the resume, the
+    step; the Trainer, whole."""
     strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s)
     data_rank, data_world = strategy.data_share()
     with phase("data loading"):
@@ -352,19 +345,20 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
     snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
-    trainer = Trainer(cfg=cfg, env=env, device=device, strategy=strategy, model=wrapped, optimizer=optimizer,
-                      scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, info=info, events=events,
-                      phase=phase, total_steps=total_steps, snapshots=snapshots, flops_per_sample=flops)
+    state = TrainState()
     snapshots.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
     with phase("resume"):
         path = checkpoint.choose(cfg, env.is_main, env.world_size)
         if path is not None:
-            snapshots.load(path, trainer.state)
-    trainer.stop = StopRequest(env.world_size)
+            snapshots.load(path, state)
+    step = TrainStep(strategy=strategy, model=wrapped, optimizer=optimizer, scheduler=scheduler,
+                     autocast=lambda: bf16_autocast(device, cfg.train.bf16, cache=not graphed), grad_clip=cfg.train.grad_clip)
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
-        step = lambda images, labels: trainer._train_step(images, labels, len(labels))  # noqa: E731 - one device: the batch is global
-        trainer.step_graph = StepGraph(step, optimizer, cfg.train.global_batch_size)
-    return trainer
+        step = step.graphed(cfg.train.global_batch_size)
+    return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
+                   train_loader=train_loader, eval_loader=eval_loader, info=info, events=events, phase=phase,
+                   total_steps=total_steps, step=step, snapshots=snapshots, state=state,
+                   stop=StopRequest(env.world_size), flops_per_sample=flops)
 
 
 def use_step_graph(cfg: RunConfig, device: torch.device, strategy: Strategy) -> bool:

@@ -174,7 +174,7 @@ def run_cfg(optim: str, schedule: str, grad_clip: float | None, stage: int = 2) 
 
 
 def train(cfg: RunConfig, env: DistEnv) -> dict:
-    """As train.build_trainer() and Trainer._train_step() do it: the whole model after each step, the logits of the evaluation
+    """As train.build_trainer() and TrainStep.eager() do it: the whole model after each step, the logits of the evaluation
     module on the last batch, and what memory_bytes() counts."""
     strategy = build_strategy(cfg.strategy, env, torch.device("cpu"))
     wrapped = strategy.wrap(initial_model(torch.float32))

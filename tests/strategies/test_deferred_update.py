@@ -38,7 +38,7 @@ HOOKED = {"fp16": DDPOptions(comm_hook="fp16"), "bf16": DDPOptions(comm_hook="bf
 
 
 def train(cfg: StrategyConfig, env: DistEnv, optim: str, settle_after: tuple[int, ...] = ()) -> dict[str, list]:
-    """As Trainer._train_step does it, through the strategy's zero_grad, optimizer_step and settle, in float64, the
+    """As TrainStep.eager does it, through the strategy's zero_grad, optimizer_step and settle, in float64, the
     learning rate halved after every step (a scheduler moves it on before the deferred update runs): the weights
     after each step in settle_after and at the end (settled first), and the updates owed after each step."""
     strategy = build_strategy(cfg, env, torch.device("cpu"))

@@ -105,7 +105,7 @@ def train(cfg: StrategyConfig, env: DistEnv, optim: str, dtype: torch.dtype, ste
     """On rank 0: the whole model after each step, and each step's gradients as the optimizer sees them (ddp); on
     every rank: the bytes the strategy counts as sent in each step (comm_bytes, the worker's comm_bytes_per_step).
 
-    As train.build_trainer() and Trainer._train_step() do it: the seeded model, channels_last, wrapped by the
+    As train.build_trainer() and TrainStep.eager() do it: the seeded model, channels_last, wrapped by the
     strategy; the optimizer from optimizer_spec; this rank's share of each global batch; backward
     through the strategy.
     """

@@ -1,9 +1,7 @@
-"""One epoch's accounting on one rank: the loop hands it each step's numbers, then the epoch's numbers reduced over
-the ranks, and takes the epoch event's training fields from it (loss, accuracy, samples, time, rates, memory,
-communication, utilisation), named and ordered as events.EPOCH_EVENT has them.
-
-Arithmetic and a clock only: the collectives that reduce the epoch stay in the loop (train.Trainer._reduce_epoch),
-written out there in their order, with float64 sums so that the totals are exact.
+"""One epoch's accounting on one rank: the loop hands it each step's numbers, then what the rank measured of the
+epoch; the account reduces them over the ranks (EpochAccount.reduce: its collectives written out in their order, with
+float64 sums so that the totals are exact) and gives the epoch event's training fields (loss, accuracy, samples, time,
+rates, memory, communication, utilisation), named and ordered as events.EPOCH_EVENT has them.
 """
 
 from __future__ import annotations
@@ -16,12 +14,14 @@ import torch
 
 from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LR, MODEL_FLOPS_PER_SAMPLE,
                             PEAK_MEM_MB, SAMPLES_PER_S, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+from dptrain.metrics.utilisation import peak_memory_mb, per_rank
 
 
 class StepCount(Protocol):
     """What the account keeps up to date in the loop's TrainState (metrics sits beside train_state: no import)."""
 
     epoch_elapsed: float
+    epoch_seen: int
 
     def count_step(self, loss_sum: torch.Tensor, correct: torch.Tensor, rank_count: int, global_count: int) -> None: ...
 
@@ -48,12 +48,55 @@ class EpochAccount:
         self.state.epoch_elapsed = self.clock() - self.started
         return self.state.epoch_elapsed
 
+    def reduce(self, sums: torch.Tensor, all_reduce: AllReduce, device: torch.device, measured: RankMeasures) -> EpochTotals:
+        """The epoch over every rank (a collective), in this order of all-reduces, the same on each rank: this rank's
+        float64 sums (loss, correct, samples), which also wait for every rank, so that the clock, stopped after them,
+        covers the slowest; the peak memory; the footprint table; the communication times' table (where the strategy
+        times them, with 2 ranks or more); the utilisation table."""
+        totals = all_reduce(sums.clone())
+        elapsed = self.stop_clock()
+        peak = all_reduce(torch.tensor([peak_memory_mb(device)], device=device), op="max")
+        footprint = all_reduce(self.own_row([*measured.held_bytes, measured.sent_bytes_per_step], device)).t().tolist()
+        timing = None
+        if measured.times_comm and self.world_size > 1:
+            row = [-1.0, -1.0] if measured.comm_ms is None else list(measured.comm_ms)
+            timing = all_reduce(self.own_row(row, device)).t().tolist()
+        utilisation = {} if measured.utilisation is None else per_rank(
+            measured.utilisation, self.world_size, self.global_rank, all_reduce, device)
+        loss_sum, correct, samples = totals.tolist()
+        return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
+                           elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
+                           comm_timing=timing, utilisation=utilisation, flops_per_sample=measured.flops_per_sample)
+
     def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:
         """A world_size x len(values) float64 table, this rank's values in its row and zeros in the others': summed
         over the ranks (one all-reduce for all of them), it holds every rank's values, exactly."""
         table = torch.zeros(self.world_size, len(values), dtype=torch.float64, device=device)
         table[self.global_rank] = torch.tensor(list(values), dtype=torch.float64)
         return table
+
+
+class AllReduce(Protocol):
+    """A strategy's all_reduce: a tensor summed (or op="max") over the ranks, returned."""
+
+    def __call__(self, tensor: torch.Tensor, op: str = ...) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMeasures:
+    """What one rank measured of its epoch besides the sums, for EpochAccount.reduce."""
+
+    held_bytes: Sequence[int]
+    """The parameters', gradients' and optimizer state's bytes this rank holds (events.FOOTPRINT's first three)."""
+    sent_bytes_per_step: int
+    lr: float
+    times_comm: bool = False
+    """Whether the strategy times its communication (Strategy.times_comm): the epoch then has comm_timing columns."""
+    comm_ms: tuple[float, float] | None = None
+    """A sampled step's communication, (total, exposed) ms; None before the first sample."""
+    utilisation: dict[str, float] | None = None
+    """This rank's utilisation (UtilisationSampler.take); None: no utilisation fields."""
+    flops_per_sample: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

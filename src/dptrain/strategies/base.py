@@ -107,6 +107,8 @@ class Strategy:
     resumes_on_another_world = True
     """Whether its snapshots resume on another number of processes (resharded on load): what a run whose node count
     may change (--nnodes MIN:MAX) needs to go on after losing a node."""
+    times_comm = False
+    """Whether comm_timing() times its gradient communication (the epoch event's comm_ms_per_step fields)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

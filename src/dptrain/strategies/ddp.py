@@ -66,6 +66,7 @@ class DDP(Strategy):
 
     spec = SPECS["ddp"]
     syncs_batchnorm = True  # zero1's forward is DDP's too
+    times_comm = True  # from DDP's own timers, or the deferred update's
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
     """The all-reduce through /dev/shm that the gradients take (strategy.ddp.shared_memory), once wrapped; None: gloo's."""
     two_step_sum: two_step.TwoStepAllReduce | None = None
