@@ -23,13 +23,10 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dptrain_bench import engines
 from dptrain.config import RunConfig
-
-if TYPE_CHECKING:
-    from dptrain.data.spec import Normalise
 
 ENGINE = "deepspeed"
 PACKAGE = "deepspeed"
@@ -83,32 +80,23 @@ def main(run_dir: Path) -> None:
     run_files = engines.RunFiles(run_dir, rank, ENGINE)
     run_files.run_start(cfg, world, device, len(loader), zero_stage=STAGES[cfg.strategy.name])
     run_files.env(device, world, {"deepspeed": deepspeed.__version__})
-    meter, step = engines.EpochMeter(device, world), 0
-    for epoch in range(1, cfg.train.epochs + 1):
-        loader.sampler.set_epoch(epoch)
-        step = train_epoch(engine, loader, normalize, meter, step)
-        record = meter.record() | engines.evaluate_test_split(engine, test_batches, normalize, device)
-        run_files.write({"event": "epoch", "epoch": epoch, "step": step, **record})
-    run_files.write({"event": "run_end", "step": step})
+    engines.train_epochs(cfg, engine, training_step(engine), loader, test_batches, normalize, device, world, run_files,
+                         prepare=normalize)
     engines.leave_world()
 
 
-def train_epoch(engine: Any, loader: Any, normalize: Normalise, meter: engines.EpochMeter, step: int) -> int:
-    """One epoch of DeepSpeed's loop (engine.backward and engine.step: its all-reduce or ZeRO's reduce-scatter, and
-    the optimizer) on the meter's clock; the step count after it."""
+def training_step(engine: Any) -> engines.TrainingStep:
+    """DeepSpeed's step: engine.backward and engine.step (its all-reduce or ZeRO's reduce-scatter, the optimizer, and
+    the gradients zeroed)."""
     import torch.nn.functional as F
 
-    engine.train()
-    meter.start()
-    for x, y in loader:
-        x, y = normalize(x.to(meter.device, non_blocking=True)), y.to(meter.device, non_blocking=True)
+    def step(x: Any, y: Any) -> tuple[Any, Any]:
         logits = engine(x)
         loss = F.cross_entropy(logits, y)
         engine.backward(loss)
-        engine.step()  # also zeroes the gradients
-        meter.add(loss, logits, y)
-        step += 1
-    meter.stop()
+        engine.step()
+        return loss, logits
+
     return step
 
 

@@ -19,7 +19,7 @@ import platform
 import resource
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError
@@ -178,6 +178,32 @@ class EpochMeter:
                 "epoch_time_s": self.seconds, "samples_per_s": samples / self.seconds,
                 "peak_mem_mb": max(p[2] for p in per_rank), "cpu_util_pct": [p[0] for p in per_rank],
                 "rss_max_mb": [p[1] for p in per_rank]}
+
+
+TrainingStep = Callable[[Any, Any], tuple[Any, Any]]
+"""(images, labels) on the device -> (the batch's mean loss, its logits), the model trained once: an engine's step."""
+
+
+def train_epochs(cfg: RunConfig, model: Any, step: TrainingStep, loader: Any, test_batches: list[tuple[Any, Any]],
+                 normalize: Normalise, device: Any, world: int, run_files: RunFiles,
+                 prepare: Callable[[Any], Any] = lambda x: x) -> None:
+    """The plain loop every peer engine runs (tutorial, deepspeed): each epoch's batches through the engine's step on
+    the meter's clock, then the test split; an epoch event for each, and the run's end. prepare: what the engine does
+    to a batch's images on the device before its step (a normalisation where the loader yields raw pixels)."""
+    meter, done = EpochMeter(device, world), 0
+    for epoch in range(1, cfg.train.epochs + 1):
+        loader.sampler.set_epoch(epoch)
+        model.train()
+        meter.start()
+        for x, y in loader:
+            x, y = prepare(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)
+            loss, logits = step(x, y)
+            meter.add(loss, logits, y)
+            done += 1
+        meter.stop()
+        record = meter.record() | evaluate_test_split(model, test_batches, normalize, device)
+        run_files.write({"event": "epoch", "epoch": epoch, "step": done, **record})
+    run_files.write({"event": "run_end", "step": done})
 
 
 def eval_batches(images: Any, labels: Any, batch_size: int, rank: int, world: int) -> list[tuple[Any, Any]]:

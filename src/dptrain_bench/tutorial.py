@@ -47,13 +47,8 @@ def main(run_dir: Path) -> None:
     run_files = engines.RunFiles(run_dir, rank, ENGINE)
     run_files.run_start(cfg, world, device, len(loader))
     run_files.env(device, world)
-    meter, step = engines.EpochMeter(device, world), 0
-    for epoch in range(1, cfg.train.epochs + 1):
-        loader.sampler.set_epoch(epoch)
-        step = train_epoch(model, loader, optimizer, meter, step)
-        record = meter.record() | engines.evaluate_test_split(model, test_batches, normalize, device)
-        run_files.write({"event": "epoch", "epoch": epoch, "step": step, **record})
-    run_files.write({"event": "run_end", "step": step})
+    engines.train_epochs(cfg, model, training_step(model, optimizer), loader, test_batches, normalize, device, world,
+                         run_files)
     engines.leave_world()
 
 
@@ -85,22 +80,18 @@ def wrap(model: Any, strategy: str, device: Any) -> Any:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def train_epoch(model: Any, loader: Any, optimizer: Any, meter: engines.EpochMeter, step: int) -> int:
-    """One epoch of the plain loop on the meter's clock; the step count after it."""
+def training_step(model: Any, optimizer: Any) -> engines.TrainingStep:
+    """The plain loop's step: the mean loss's backward (DDP's all-reduce, or FSDP's reduce-scatter), the update."""
     import torch.nn.functional as F
 
-    model.train()
-    meter.start()
-    for x, y in loader:
-        x, y = x.to(meter.device, non_blocking=True), y.to(meter.device, non_blocking=True)
+    def step(x: Any, y: Any) -> tuple[Any, Any]:
         optimizer.zero_grad(set_to_none=True)
         logits = model(x)
         loss = F.cross_entropy(logits, y)
         loss.backward()
         optimizer.step()
-        meter.add(loss, logits, y)
-        step += 1
-    meter.stop()
+        return loss, logits
+
     return step
 
 
