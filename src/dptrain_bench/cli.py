@@ -88,11 +88,11 @@ def cmd_sweep(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> int:
 
 
 def cmd_tune(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> int:
-    """`dptrain bench tune`: probe the candidates, write tuned.toml and the table of what was tried."""
+    """`dptrain bench tune`: try the candidates, write tuned.toml and the table of what was tried."""
     from dptrain_bench import tune
     from dptrain_bench.sweep import DEFAULT_RUN_TIMEOUT_S
 
-    check_job_options(args, pairs, each="probe")
+    check_job_options(args, pairs, each="trial")
     lines = job_lines(args)
     if lines:  # tune's probe jobs take the [slurm] table of --config as it is (tune.tuner_from_options)
         name = next(iter(lines))
@@ -117,7 +117,7 @@ def check_job_options(args: argparse.Namespace, pairs: list[tuple[str, str]], ea
     if args.slurm:
         return
     given = [*job_options_given(args), *(f"--{key}" for key, _ in pairs if key.startswith("slurm."))]
-    if each == "probe":
+    if each == "trial":
         given = [option for option in given if option != "--nodes"]
     if given:
         raise ConfigError(f"{given[0]} is a job option; add --slurm to run every {each} as a SLURM job, or drop it.")

@@ -13,7 +13,7 @@ output of its command as it runs.
       report.md, *.png    `dptrain report BENCH`: epoch_time, speedup, validation, memory, scaling_model
       tuned.toml, tune.csv, tune.md   `dptrain bench tune`: the configuration chosen, what was tried, why
       runs/<point>/       each point's run folder (a RunFolder), with the lab's own files:
-        bench.log, bench_error.txt, job_id.txt, probe.toml
+        bench.log, bench_error.txt, job_id.txt, trial.toml
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SCALING_PLOT = "scaling_model.png"
 LOG_FILE = "bench.log"  # the point's command's output
 ERROR_FILE = "bench_error.txt"  # why its command failed (none: it ran through)
 JOB_ID_FILE = "job_id.txt"  # the id of the job submitted for it, so that a resumed sweep can ask about it
-PROBE_CONFIG_FILE = "probe.toml"  # a `bench tune` probe's configuration
+TRIAL_CONFIG_FILE = "trial.toml"  # a `bench tune` trial run's configuration
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A short link probe: how long the collectives of the strategies take between W processes, fitted to a latency and
-a bandwidth (the alpha-beta model), the link half of the scaling model (dptrain_bench/model.py) as peak.json is its compute
+a bandwidth (the alpha-beta model), the link half of the scaling model (dptrain_bench/scaling_model.py) as peak.json is its compute
 half.
 
     $ dptrain bench probe link --world 2,4                     # processes of this machine, gloo on the CPU

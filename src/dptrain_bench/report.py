@@ -15,8 +15,8 @@ from dptrain_bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive
                                    summarize, write_csv, write_results)
 from dptrain_bench.folder import SWEEP_FILE, BenchFolder
 from dptrain_bench.link import LINK_FILE, load_link, read_link
-from dptrain_bench.model import STRATEGIES as MODEL_STRATEGIES
-from dptrain_bench.model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
+from dptrain_bench.scaling_model import STRATEGIES as MODEL_STRATEGIES
+from dptrain_bench.scaling_model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
                                  Workload, calibrate, compute_seconds, curve, fit_basis, named_link,
                                  predicted, split_for_fit)
 from dptrain_bench.peak import MAX_PROCESSES, load_peaks, read_peaks
@@ -273,7 +273,7 @@ def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]], left_out
     return "\n".join(parts)
 
 
-# The scaling model (dptrain_bench/model.py) against the measured points, once the sweep has measured its link (link.json):
+# The scaling model (dptrain_bench/scaling_model.py) against the measured points, once the sweep has measured its link (link.json):
 # fitted on the smaller shapes of each dptrain strategy, it predicts the larger ones (the error table) and every node
 # count to 256 (the curves), for the measured link and a named one.
 

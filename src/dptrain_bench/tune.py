@@ -1,5 +1,5 @@
 """`dptrain bench tune`: how to run the user's configuration fastest here, or on the SLURM nodes it is given,
-from a short probe of the candidates the scaling model ranks first.
+from short trial runs of the candidates the scaling model ranks first.
 
     $ dptrain bench tune --config run.toml                        # this machine's cores
     $ dptrain bench tune --slurm --nodes 2 --config run.toml      # jobs on 2 nodes
@@ -10,12 +10,12 @@ node (each node's cores are split among them as threads), and DDP's bucket size;
 optimizer stay the user's, so the math does too (dptrain's same-math promise over strategies and world sizes). With
 --lossy the compressing comm hooks (fp16, bf16, powersgd) are candidates too: they round every gradient.
 Candidates that make the same run on the chosen shape (same_run: at one rank DDP's bucket cap and comm hook are never
-used) are one candidate, probed once.
+used) are one candidate, tried once.
 
-How: (1) one rank alone probes the compute per sample; (2) the scaling model (dptrain_bench/model.py) predicts every
+How: (1) one rank alone measures the compute per sample (a trial run); (2) the scaling model (dptrain_bench/scaling_model.py) predicts every
 candidate over the link (--link NAME, else link.json of the tune folder, else one measured now); (3) the KEEP best
-predicted and the user's own configuration (the default) are probed for STEPS steps each, one after another; (4) the
-default and the CONTENDERS candidates whose probe beat it run again, in turns, up to REPEATS runs each; a candidate is
+predicted and the user's own configuration (the default) are tried for STEPS steps each, one after another; (4) the
+default and the CONTENDERS candidates whose trial beat it run again, in turns, up to REPEATS runs each; a candidate is
 chosen only if each of its runs was faster than each of the default's (it beat the default by more than the spread
 the runs measured), else the default is kept with the reason. Written into the tune folder: tuned.toml (the user's
 configuration with the choice), tune.csv and tune.md (each candidate's predicted images/s and each of its runs).
@@ -38,8 +38,8 @@ from typing import Callable
 
 from dptrain import config as config_mod
 from dptrain import read_back
-from dptrain_bench import link as link_mod, model
-from dptrain_bench.folder import LOG_FILE, PROBE_CONFIG_FILE, BenchFolder
+from dptrain_bench import link as link_mod, scaling_model
+from dptrain_bench.folder import LOG_FILE, TRIAL_CONFIG_FILE, BenchFolder
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.files import write_whole, written_whole
@@ -49,16 +49,16 @@ from dptrain.run_folder import RunFolder
 log = logging.getLogger(__name__)
 
 STEPS = 30
-"""Steps of each probe run; the first WARM_STEPS are left out of its timing (start-up, first allocations)."""
+"""Steps of each trial run; the first WARM_STEPS are left out of its timing (start-up, first allocations)."""
 WARM_STEPS = 10
 LOG_EVERY = 5  # a step event (its time) every 5 steps: the timing's ticks, at one small loss reduction each
 KEEP = 3
-"""Candidates probed besides the default: those the model predicts fastest."""
+"""Candidates tried besides the default: those the model predicts fastest."""
 REPEATS = 3
 """Runs a winner and the default each need: a candidate is chosen only if its slowest was faster than the default's
 fastest (were the two the same run, all 3 runs of one would beat all 3 of the other 1 time in 20)."""
 CONTENDERS = 2
-"""Candidates run again beside the default: those whose probe beat it, fastest first (each repeat is a probe run)."""
+"""Candidates run again beside the default: those whose trial beat it, fastest first (each repeat is a trial run)."""
 BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
 STRATEGIES = ("ddp", "zero1", "fsdp")  # those tried: the parameter server's one link and one process's never win
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
@@ -111,12 +111,12 @@ class Candidate:
             pairs.append(("strategy.ddp.update_in_next_forward", str(self.update_in_next_forward).lower()))
         return pairs
 
-    def plan(self, shared_memory: bool) -> model.Plan:
+    def plan(self, shared_memory: bool) -> scaling_model.Plan:
         """The model's view of it. shared_memory: ddp's sum on one host goes through /dev/shm in one bucket."""
         bucket = (self.bucket_mb * 2**20 if self.bucket_mb is not None
-                  else float("inf") if shared_memory else model.DDP_BUCKET_BYTES)
+                  else float("inf") if shared_memory else scaling_model.DDP_BUCKET_BYTES)
         # on one host the option gives way to the shared-memory sum (strategies/ddp.py): the run of plain ddp
-        return model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket,
+        return scaling_model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket,
                           update_in_next_forward=self.update_in_next_forward and not (
                               shared_memory and self.comm_hook == "allreduce"))
 
@@ -154,7 +154,7 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
     return list(dict.fromkeys(found))
 
 
-def workload(cfg: RunConfig, compute_s_per_sample: float) -> model.Workload:
+def workload(cfg: RunConfig, compute_s_per_sample: float) -> scaling_model.Workload:
     """What a step of cfg's model computes and sends, for the model: its parameters and their matrices."""
     from dptrain.data import describe
     from dptrain.models import build_model
@@ -164,17 +164,17 @@ def workload(cfg: RunConfig, compute_s_per_sample: float) -> model.Workload:
     params = [p for p in net.parameters() if p.requires_grad]
     matrices = tuple((p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() >= 2)
     units = sum(1 for child in net.children() if any(True for _ in child.parameters()))
-    return model.Workload(param_bytes=float(sum(p.numel() * p.element_size() for p in params)),
+    return scaling_model.Workload(param_bytes=float(sum(p.numel() * p.element_size() for p in params)),
                           element_size=params[0].element_size() if params else 4,  # what fp16/bf16/PowerSGD count in
                           global_batch=cfg.train.global_batch_size, compute_s_per_sample=compute_s_per_sample,
                           matrices=matrices, fsdp_units=max(1, units),
                           buffer_bytes=float(sum(b.numel() * b.element_size() for b in net.buffers())))
 
 
-def rank_by_model(found: list[Candidate], work: model.Workload, link: model.Timed, nodes: int,
-                  local_link: model.Timed | None, overlap: float) -> list[tuple[Candidate, model.Prediction]]:
+def rank_by_model(found: list[Candidate], work: scaling_model.Workload, link: scaling_model.Timed, nodes: int,
+                  local_link: scaling_model.Timed | None, overlap: float) -> list[tuple[Candidate, scaling_model.Prediction]]:
     """Each candidate with its prediction, fastest first (the order of `found` among equals)."""
-    predicted = [(c, model.predict(c.plan(shared_memory=nodes == 1), work, link, nodes, c.ranks_per_node, overlap,
+    predicted = [(c, scaling_model.predict(c.plan(shared_memory=nodes == 1), work, link, nodes, c.ranks_per_node, overlap,
                                    local_link)) for c in found]
     return sorted(predicted, key=lambda cp: -cp[1].images_per_s)
 
@@ -210,7 +210,7 @@ def distinct(found: list[Candidate], nodes: int, gradient_bytes: float) -> dict[
 
 
 Runs = dict[Candidate, list[float | None]]
-"""Each probed candidate's runs in images/s, in the order they ran (None: a run that failed)."""
+"""Each tried candidate's runs in images/s, in the order they ran (None: a run that failed)."""
 
 
 def rates(runs: list[float | None]) -> list[float]:
@@ -229,7 +229,7 @@ def ahead_of(theirs: list[float | None], default: list[float | None]) -> bool:
 def contenders(default: Candidate, runs: Runs) -> list[Candidate]:
     """The candidates worth running again beside the default: the CONTENDERS fastest of those ahead of it (ahead_of),
     and beside each, the candidate that differs from it only in keeping the user's bucket cap, where that one was
-    probed and is ahead too (choose() keeps the user's cap unless the other wins beyond the spread)."""
+    tried and is ahead too (choose() keeps the user's cap unless the other wins beyond the spread)."""
     ahead = [c for c in runs if c != default and ahead_of(runs[c], runs[default])]
     fastest = sorted(ahead, key=lambda c: -statistics.fmean(rates(runs[c])))[:CONTENDERS]
     keeping = [replace(c, bucket_mb=default.bucket_mb) for c in fastest]
@@ -275,11 +275,11 @@ def choose(default: Candidate, runs: Runs) -> tuple[Candidate, str]:
                          f"than it, and your configuration is kept")
     ran = {c: rs for c, rs in runs.items() if c != default and rates(rs)}
     if not ran:
-        return default, "no other candidate's probe gave a rate, so your configuration is kept"
+        return default, "no other candidate's trial gave a rate, so your configuration is kept"
     repeated = [c for c in ran if len(ran[c]) > 1]
     if not repeated:
         closest = max(ran, key=lambda c: max(rates(ran[c])))
-        return default, (f"no candidate's probe was faster than your configuration (the fastest, {closest.name}: "
+        return default, (f"no candidate's trial was faster than your configuration (the fastest, {closest.name}: "
                          f"{spread(ran[closest])}, against your {spread(ours)}), so your configuration is kept")
     closest = max(repeated, key=lambda c: statistics.fmean(rates(ran[c])))
     return default, (f"no candidate beat your configuration by more than the spread of their runs (the closest, "
@@ -300,7 +300,7 @@ def spread(runs: list[float | None]) -> str:
 
 
 def images_per_s(run_dir: Path, global_batch: int) -> float | None:
-    """A probe run's rate from its step events: the global batches between its first step event after WARM_STEPS and
+    """A trial run's rate from its step events: the global batches between its first step event after WARM_STEPS and
     its last, over the time between them; None where it has fewer than two such events."""
     ticks = []
     try:
@@ -334,13 +334,13 @@ class Tuner:
     run_timeout_s: float = 300.0
     keep: int = KEEP
     run: Callable[["Tuner", Candidate, str], float | None] | None = None
-    """How a probe runs (None: run_probe): the tests swap in runs whose speed they control."""
+    """How a trial runs (None: run_trial): the tests swap in runs whose speed they control."""
     shares: dict[int, float] | None = None
     """R ranks on a node -> each one's rate over one rank's alone (None: rank_shares measures them)."""
     rows: list[dict] = dataclasses.field(default_factory=list)
 
-    def probe_config(self, candidate: Candidate, label: str, steps: int = STEPS) -> RunConfig:
-        """cfg as the candidate, for a probe of `steps` steps in its own folder, saving nothing."""
+    def trial_config(self, candidate: Candidate, label: str, steps: int = STEPS) -> RunConfig:
+        """cfg as the candidate, for a trial of `steps` steps in its own folder, saving nothing."""
         pairs = [*self.user_pairs, *candidate.pairs(), ("train.max_steps", str(steps)),
                  ("train.log_every", str(LOG_EVERY)), ("checkpoint.every_epochs", "0"),
                  ("checkpoint.every_steps", "0"), ("train.eval_every_epochs", "0"), ("train.resume", "never"),
@@ -355,15 +355,15 @@ class Tuner:
         return cfg
 
     def measure(self, candidate: Candidate, label: str) -> float | None:
-        rate = (self.run or run_probe)(self, candidate, label)
+        rate = (self.run or run_trial)(self, candidate, label)
         log.info(f"tune: {label} {candidate.name}: "
                  + (f"{rate:,.0f} images/s" if rate is not None else "failed (see its bench.log)"))
         return rate
 
 
-def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
-    """Run the candidate's probe (here, or as a SLURM job) in a fresh folder; its images/s, None where it failed."""
-    cfg = tuner.probe_config(candidate, label)
+def run_trial(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
+    """Run the candidate's trial (here, or as a SLURM job) in a fresh folder; its images/s, None where it failed."""
+    cfg = tuner.trial_config(candidate, label)
     run_dir = cfg.output.run_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -376,9 +376,9 @@ def run_probe(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
 
 
 def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
-    probe_toml = run_dir / PROBE_CONFIG_FILE
-    write_whole(probe_toml, config_mod.to_toml(cfg))
-    command = [sys.executable, "-m", "dptrain", "train", "--config", str(probe_toml)]
+    trial_toml = run_dir / TRIAL_CONFIG_FILE
+    write_whole(trial_toml, config_mod.to_toml(cfg))
+    command = [sys.executable, "-m", "dptrain", "train", "--config", str(trial_toml)]
     with (run_dir / LOG_FILE).open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -392,7 +392,7 @@ def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
 
 
 def _run_job(cfg: RunConfig) -> bool:
-    """The probe as a job, waited for (its --time, if any, bounds it, as a --slurm sweep's jobs)."""
+    """The trial as a job, waited for (its --time, if any, bounds it, as a --slurm sweep's jobs)."""
     from dptrain_bench.jobs import run_to_its_end
     from dptrain.slurm import job as slurm_job, script as slurm_script
 
@@ -403,16 +403,16 @@ def _run_job(cfg: RunConfig) -> bool:
     return state == "COMPLETED"
 
 
-def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
+def find_link(tuner: Tuner) -> tuple[scaling_model.Timed, scaling_model.Timed | None, str]:
     """(the link between nodes, the one within a node or None, where they came from)."""
     if tuner.link_name is not None:
-        named = model.named_link(tuner.link_name)
+        named = scaling_model.named_link(tuner.link_name)
         return named, None, f"the named link {named.name} ({named.assumption})"
     record = link_mod.read_link(tuner.tune_dir)
     if record is None or (tuner.nodes > 1 and record.across_hosts is None):
         if tuner.nodes > 1:
             raise ConfigError(f"bench tune over {tuner.nodes} nodes needs the link between them: give --link NAME "
-                              f"({', '.join(model.NAMED_LINKS)}), or measure it first into {tuner.tune_dir}/link.json "
+                              f"({', '.join(scaling_model.NAMED_LINKS)}), or measure it first into {tuner.tune_dir}/link.json "
                               f"(srun -N {tuner.nodes} dptrain bench probe link --launched --record "
                               f"{tuner.tune_dir}).")
         record, _ = link_mod.record(tuner.tune_dir, "cpu", worlds=(2,))
@@ -424,16 +424,16 @@ def find_link(tuner: Tuner) -> tuple[model.Timed, model.Timed | None, str]:
 def tune(tuner: Tuner) -> Path:
     """Probe, run the contenders again, choose; write tuned.toml, tune.csv and tune.md into the tune folder; the path of
     tuned.toml."""
-    base = workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed probe
+    base = workload(tuner.cfg, 1.0)  # the data and the model: a mistake there is one sentence now, not a failed trial
     tuner.tune_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     user = default_candidate(tuner.cfg, min(tuner.max_ranks, _user_ranks(tuner)))
     # one rank's compute: the user's strategy, unless it gathers its parameters even alone (fsdp), then ddp's bare model
     alone = Candidate(user.strategy if not _gathers_params(user.strategy) else "ddp", 1)
-    first = alone if tuner.nodes == 1 else user  # over nodes, the compute probe is the user's own configuration
+    first = alone if tuner.nodes == 1 else user  # over nodes, the compute trial is the user's own configuration
     one_rank_rate = tuner.measure(first, "compute")
     if one_rank_rate is None:
-        raise LaunchError(f"the first probe run failed, so nothing can be tuned; see "
+        raise LaunchError(f"the first trial run failed, so nothing can be tuned; see "
                           f"{tuner.tune_dir / 'runs'}/compute-*/bench.log.")
     between, within, link_source = find_link(tuner)
     if tuner.nodes == 1:  # one rank alone: its time per sample is the compute of every candidate
@@ -448,15 +448,15 @@ def tune(tuner: Tuner) -> Path:
     predicted = dict(ranked)
     runs: Runs = {c: [] for c in same}
     first_run = same_run(first, tuner.nodes, base.param_bytes)
-    for candidate in same:  # the compute probe is a run of the candidate that makes the same run, if one does
+    for candidate in same:  # the compute trial is a run of the candidate that makes the same run, if one does
         if same_run(candidate, tuner.nodes, base.param_bytes) == first_run:
             runs[candidate].append(one_rank_rate)
     for candidate in [user, *[c for c, _ in ranked if c != user][:tuner.keep]]:
         if not runs[candidate]:
-            runs[candidate].append(tuner.measure(candidate, "probe"))
+            runs[candidate].append(tuner.measure(candidate, "trial"))
     if not rates(runs[user]):
-        raise LaunchError(f"the probe of your own configuration ({user.name}) failed, so nothing can be compared; see "
-                          f"{tuner.tune_dir / 'runs'}/probe-{user.name}/bench.log.")
+        raise LaunchError(f"the trial of your own configuration ({user.name}) failed, so nothing can be compared; see "
+                          f"{tuner.tune_dir / 'runs'}/trial-{user.name}/bench.log.")
     run_again(tuner, user, runs)
     final, reason = choose(user, runs)
     for candidate, prediction in ranked:
@@ -518,11 +518,11 @@ def _user_ranks(tuner: Tuner) -> int:
     return local_workers(tuner.cfg.launch, tuner.cfg.strategy)
 
 
-def _compute_from(user: Candidate, rate: float, tuner: Tuner, work: model.Workload, between: model.Timed,
-                  within: model.Timed | None) -> float:
+def _compute_from(user: Candidate, rate: float, tuner: Tuner, work: scaling_model.Workload, between: scaling_model.Timed,
+                  within: scaling_model.Timed | None) -> float:
     """The compute per sample that makes the model predict the user's measured rate over the nodes with no overlap:
     the measured step less its modelled communication, per sample of one rank."""
-    nothing = model.predict(user.plan(shared_memory=False), replace(work, compute_s_per_sample=0.0), between,
+    nothing = scaling_model.predict(user.plan(shared_memory=False), replace(work, compute_s_per_sample=0.0), between,
                             tuner.nodes, user.ranks_per_node, 0.0, within)
     step_s = tuner.cfg.train.global_batch_size / rate
     compute_step = max(step_s - nothing.comm_s, step_s * 0.05)  # never below a twentieth: a link fit off by a lot
@@ -548,11 +548,11 @@ def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
 
 COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "same_run", "predicted_images_per_s",
            "runs", "measured_images_per_s", "min_images_per_s", "max_images_per_s", "default", "chosen")
-"""tune.csv: one row per distinct run (same_run: the other candidates that make it, not probed apart); runs: each
+"""tune.csv: one row per distinct run (same_run: the other candidates that make it, not tried apart); runs: each
 run's images/s in the order they ran ("failed" for one that failed), measured: their mean, min and max."""
 
 
-def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: model.Prediction) -> None:
+def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: scaling_model.Prediction) -> None:
     folder = BenchFolder(tuner.tune_dir)
     with written_whole(folder.tune_table) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -560,7 +560,7 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
         writer.writerows(tuner.rows)
     where = f"{tuner.nodes} SLURM nodes" if tuner.slurm else "this machine"
     lines = [f"# dptrain bench tune on {where}", "",
-             f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each probe: {STEPS} steps, timed from step "
+             f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each trial: {STEPS} steps, timed from step "
              f"{WARM_STEPS}; the global batch ({tuner.cfg.train.global_batch_size}) is the same in every candidate.", "",
              "| candidate | predicted images/s | each run, images/s | slowest-fastest | |",
              "| --- | --- | --- | --- | --- |"]
@@ -572,12 +572,12 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
         slowest_fastest = f"{row['min_images_per_s']:,.0f}-{row['max_images_per_s']:,.0f}" if rated > 1 else ""
         lines.append(f"| {name} | {row['predicted_images_per_s']:,.0f} | {each} | {slowest_fastest} | {marks} |")
     lines += ["", f"A candidate is chosen only if each of its {REPEATS} runs was faster than each of your "
-              f"configuration's {REPEATS}: your configuration and the {CONTENDERS} fastest candidates whose probe beat "
+              f"configuration's {REPEATS}: your configuration and the {CONTENDERS} fastest candidates whose trial beat "
               f"it ran again, in turns, a candidate stopping at its first run no faster than one of yours.", "",
               "The same run: candidates that compute the same thing the same way on this shape (at one rank DDP wraps "
               "nothing, so its bucket cap and comm hook are never used; gradients under 1 MiB make one bucket whatever "
-              "the cap), probed once as the first one named.", "",
-              "Candidates without a run were ranked below the probed ones by the model and not run."]
+              "the cap), tried once as the first one named.", "",
+              "Candidates without a run were ranked below the tried ones by the model and not run."]
     with written_whole(folder.tune_notes) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
@@ -585,18 +585,18 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
 def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], slurm: bool,
                        job_pairs: list[tuple[str, str]], nodes: str | None, lossy: bool, link_name: str | None,
                        run_timeout_s: float, keep: int = KEEP) -> Tuner:
-    """Check what `dptrain bench tune` was given, once, before any probe; the Tuner."""
+    """Check what `dptrain bench tune` was given, once, before any trial; the Tuner."""
     tune_dir: Path | None = None
     user_pairs = []
     for key, value in pairs:
         if key == "output.dir":  # the tune folder; tuned.toml keeps the configuration's own output.dir
             tune_dir = Path(value)
-        else:  # the user's strategy and ranks are the default candidate; the probes set their steps and saving
+        else:  # the user's strategy and ranks are the default candidate; the trials set their steps and saving
             user_pairs.append((key, value))
     if keep < 1:
-        raise ConfigError(f"--candidates {keep} probes nothing but your own configuration; give 1 or more.")
+        raise ConfigError(f"--candidates {keep} tries nothing but your own configuration; give 1 or more.")
     if link_name is not None:
-        model.named_link(link_name)  # one sentence for a name the model does not know
+        scaling_model.named_link(link_name)  # one sentence for a name the model does not know
     node_count = 1
     if slurm:
         if nodes is not None and ("," in nodes or not nodes.strip().isdigit() or int(nodes) < 1):

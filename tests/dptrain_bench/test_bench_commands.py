@@ -104,7 +104,7 @@ def test_bench_help_lists_the_subcommands(capsys):
 
 
 def test_the_job_options_need_slurm_in_sweep_and_tune(capsys):
-    for argv, each in ((["sweep", "--partition", "gpu"], "point"), (["tune", "--partition", "gpu"], "probe")):
+    for argv, each in ((["sweep", "--partition", "gpu"], "point"), (["tune", "--partition", "gpu"], "trial")):
         assert main(["bench", *argv]) == 2
         err = capsys.readouterr().err
         assert f"--partition is a job option; add --slurm to run every {each} as a SLURM job, or drop it." in err

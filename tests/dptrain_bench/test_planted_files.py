@@ -138,7 +138,7 @@ def assert_finite_numbers(text: str) -> None:
 @FAST
 @given(tree=planted(link_tree()))
 def test_a_planted_link_json_is_taken_checked_or_refused_in_one_sentence(tree):
-    from dptrain_bench.model import Plan, Workload, curve
+    from dptrain_bench.scaling_model import Plan, Workload, curve
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / link.LINK_FILE

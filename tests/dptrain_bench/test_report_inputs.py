@@ -261,7 +261,7 @@ def write_link(bench: Path, latency_s: float, bandwidth_bps: float, hosts: int =
 
 @pytest.mark.slow
 def test_report_draws_the_scaling_model_and_states_its_error_on_held_out_points(tmp_path, capsys):
-    from dptrain_bench.model import Link, Plan, Workload, predict
+    from dptrain_bench.scaling_model import Link, Plan, Workload, predict
     from dptrain_bench.report import SCALING_PLOT, write_report
 
     # 1, 2 and 4 hosts of one rank each on a 1 Gbit/s link; the images/s of 1 and 2 hosts follow the model with an
@@ -303,7 +303,7 @@ def write_lab_sweep(bench: Path, link, overlap: float, hosts: tuple[int, ...], s
     runs' env.json say so, their images/s follow the model (times `slower` at a host count), link.json is `link`.
     With comm_cpu_s_per_byte, moving a byte between hosts costs a rank that much CPU, and results.csv has each
     point's CPU use (its compute's, a core's worth at 1 ms a sample, plus the bytes' over its step)."""
-    from dptrain_bench.model import Plan, Workload, bytes_sent_per_rank, predict
+    from dptrain_bench.scaling_model import Plan, Workload, bytes_sent_per_rank, predict
 
     work = Workload(param_bytes=4e6, global_batch=128, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1,
                     cores_busy_alone=1.0, comm_cpu_s_per_byte=comm_cpu_s_per_byte)
@@ -333,7 +333,7 @@ def errors_of(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit_predicts_another_link(tmp_path):
-    from dptrain_bench.model import Link
+    from dptrain_bench.scaling_model import Link
     from dptrain_bench.report import write_report
 
     # the 4-host point computes at half speed (4 ranks on 2 cores), which env.json's placement lets the model know
@@ -367,7 +367,7 @@ def test_hosts_sharing_one_machine_are_predicted_with_its_cores_shared_and_a_fit
 
 @pytest.mark.slow
 def test_the_cpu_that_moving_bytes_costs_is_fitted_on_the_runs_cpu_use_and_carried_to_another_link(tmp_path):
-    from dptrain_bench.model import Link
+    from dptrain_bench.scaling_model import Link
     from dptrain_bench.report import write_report
 
     # 3 ns of a rank's CPU a byte sent: on 4 hosts of a 2-core machine, each rank with half a core, it costs twice the
@@ -395,7 +395,7 @@ def test_a_fit_from_another_sweep_rests_on_every_one_of_its_points(tmp_path):
     """A source sweep of 1 and 2 hosts (1 Gbit/s) predicts 3 hosts on another link: with the source's own split the
     fit would rest on its 1-host point alone (the overlap assumed 0, no CPU a byte) and predict the 3-host point 27.8%
     too fast; fitted on both points it carries the overlap and the CPU a byte from the 2-host point, and is exact."""
-    from dptrain_bench.model import Link
+    from dptrain_bench.scaling_model import Link
     from dptrain_bench.report import write_report
 
     source = tmp_path / "1gbit"
@@ -447,7 +447,7 @@ def test_the_models_plan_comes_from_the_sweeps_strategy_table():
 def test_fitted_on_reads_another_sweep_without_writing_in_it(tmp_path, capsys):
     """--fitted-on OTHER whose results.csv is gone: rebuilt from OTHER's runs to fit on, but never written there (it
     was written into the other sweep's folder)."""
-    from dptrain_bench.model import Link
+    from dptrain_bench.scaling_model import Link
 
     bench, other = tmp_path / "bench", tmp_path / "other"
     write_lab_sweep(bench, Link("lab", 50e-6, 125e6, ""), 0.3, (1, 2))

@@ -19,7 +19,7 @@ TINY = [("data.name", "synthetic"), ("data.synthetic_train_size", "512"), ("data
 
 
 def tuner(tmp_path, speeds: dict[str, float | list[float | None]], keep: int = 3, max_ranks: int = 2) -> Tuner:
-    """A Tuner of TINY on this machine as if it had max_ranks cores, over the named 1gbit link, whose probe runs take
+    """A Tuner of TINY on this machine as if it had max_ranks cores, over the named 1gbit link, whose trial runs take
     the images/s the test gives each candidate by name (a list: its 1st, 2nd, ... run's, the last one's after that;
     None: a failed run; 100 for a name not given)."""
     ran: list[tuple[str, str]] = []
@@ -87,7 +87,7 @@ def test_a_candidates_options_make_its_configuration():
 
 def test_the_model_ranks_more_ranks_first_where_they_compute_faster_and_the_link_is_free():
     work = tune.workload(config.load(None, TINY), compute_s_per_sample=1e-3)
-    from dptrain_bench.model import Link
+    from dptrain_bench.scaling_model import Link
 
     free = Link("free", 0.0, 1e15, "no cost")
     ranked = tune.rank_by_model([Candidate("ddp", 1), Candidate("ddp", 2)], work.__class__(**{
@@ -95,12 +95,12 @@ def test_the_model_ranks_more_ranks_first_where_they_compute_faster_and_the_link
     assert [c.ranks_per_node for c, _ in ranked] == [2, 1]  # 2 x 0.9 of a rank's rate beats 1 x 1.0
 
 
-def test_tune_probes_the_models_best_picks_the_fastest_and_writes_a_config_that_trains(tmp_path):
+def test_tune_tries_the_models_best_picks_the_fastest_and_writes_a_config_that_trains(tmp_path):
     t = tuner(tmp_path, speeds={"zero1-r2": 900.0, "ddp-r1": 500.0})
     tuned = tune.tune(t)
-    probed = [name for label, name in t.ran if label == "probe"]
-    assert probed[0] == "ddp-r1" or ("compute", "ddp-r1") in t.ran  # the default, measured once
-    assert len([n for n in probed if n != "ddp-r1"]) <= 3  # the model's 3 best besides it, no more
+    tried = [name for label, name in t.ran if label == "trial"]
+    assert tried[0] == "ddp-r1" or ("compute", "ddp-r1") in t.ran  # the default, measured once
+    assert len([n for n in tried if n != "ddp-r1"]) <= 3  # the model's 3 best besides it, no more
     table = rows(t)
     assert all(row["predicted_images_per_s"] for row in table.values())  # every candidate predicted
     measured = {n: float(r["measured_images_per_s"]) for n, r in table.items() if r["measured_images_per_s"]}
@@ -113,14 +113,14 @@ def test_tune_probes_the_models_best_picks_the_fastest_and_writes_a_config_that_
     assert "Chosen:" in (t.tune_dir / "tune.md").read_text()
 
 
-def test_a_probe_winner_slower_when_run_again_leaves_the_default(tmp_path):
+def test_a_trial_winner_slower_when_run_again_leaves_the_default(tmp_path):
     fast_once = {c.name: [1000.0, 100.0] for c in tune.candidates(Candidate("ddp", 1), 2, 1, 32, False)}
     t = tuner(tmp_path, speeds={**fast_once, "ddp-r1": [100.0, 500.0]})
     tuned = tune.tune(t)
     assert runs_of(t, "ddp-r1") == ["compute", "repeat2"]
     table = rows(t)
     again = [n for n, r in table.items() if n != "ddp-r1" and len(r["runs"].split()) == 2]
-    assert len(again) == tune.CONTENDERS  # the two best probes ran again, once: slower than yours, they stopped there
+    assert len(again) == tune.CONTENDERS  # the two best trials ran again, once: slower than yours, they stopped there
     chosen = [n for n, r in table.items() if r["chosen"] == "True"]
     assert chosen == ["ddp-r1"]
     assert config.load(tuned).strategy.name == "ddp" and config.load(tuned).launch.nproc_per_node == 1
@@ -185,7 +185,7 @@ def test_a_candidate_wins_only_when_each_of_its_runs_beats_each_of_the_defaults(
     assert tune.choose(user, one_failed)[0] == user
     nothing_faster = {user: [1865.0], other: [1800.0], third: []}
     chosen, reason = tune.choose(user, nothing_faster)
-    assert chosen == user and "no candidate's probe was faster than your configuration" in reason
+    assert chosen == user and "no candidate's trial was faster than your configuration" in reason
 
 
 def test_the_contenders_are_the_fastest_few_ahead_of_the_default():
@@ -199,7 +199,7 @@ def test_the_contenders_are_the_fastest_few_ahead_of_the_default():
     assert tune.contenders(user, {user: [1000.0], others[0]: [None]}) == []
 
 
-def test_tune_probes_one_of_the_candidates_that_make_the_same_run_and_keeps_your_bucket(tmp_path):
+def test_tune_tries_one_of_the_candidates_that_make_the_same_run_and_keeps_your_bucket(tmp_path):
     # the issue: at one rank, ddp-bucket4mb-r1 measured 2,058 once against your ddp-r1's 1,865
     t = tuner(tmp_path, speeds={"ddp-r1": 1865.0, "ddp-bucket4mb-r1": 2058.0, "ddp-bucket1mb-r1": 2000.0},
               max_ranks=1)
@@ -214,14 +214,14 @@ def test_tune_probes_one_of_the_candidates_that_make_the_same_run_and_keeps_your
     assert "ddp-r1 (the same run: ddp-bucket1mb-r1, ddp-bucket4mb-r1)" in (t.tune_dir / "tune.md").read_text()
 
 
-def test_a_probe_winner_within_the_spread_of_repeated_runs_leaves_the_default_and_tune_md_shows_each_run(tmp_path):
-    # faster in its probe and again in its second run, slower than one of yours in its third
+def test_a_trial_winner_within_the_spread_of_repeated_runs_leaves_the_default_and_tune_md_shows_each_run(tmp_path):
+    # faster in its trial and again in its second run, slower than one of yours in its third
     t = tuner(tmp_path, speeds={"ddp-r1": [1865.0, 1900.0, 1880.0], "zero1-r1": [2058.0, 1950.0, 1850.0]})
     tuned = tune.tune(t)
     table = rows(t)
     assert [n for n, r in table.items() if r["chosen"] == "True"] == ["ddp-r1"]
     assert runs_of(t, "ddp-r1") == ["compute", "repeat2", "repeat3"]
-    assert runs_of(t, "zero1-r1") == ["probe", "repeat2", "repeat3"]
+    assert runs_of(t, "zero1-r1") == ["trial", "repeat2", "repeat3"]
     assert [float(r) for r in table["zero1-r1"]["runs"].split()] == [2058.0, 1950.0, 1850.0]
     assert config.load(tuned).strategy.name == "ddp"
     text = (t.tune_dir / "tune.md").read_text()
@@ -251,7 +251,7 @@ def test_tune_options_are_checked_in_one_sentence(tmp_path, capsys):
         (["tune", "--link", "5gbit"], "--link '5gbit' is no link the model knows"),
         (["sweep", "--link", "1gbit"], "--link is an option of `dptrain bench tune`, not of `dptrain bench sweep`"),
         (["tune", "--nodes", "2"], "--nodes of bench tune is the SLURM nodes to tune for; add --slurm"),
-        (["tune", "--candidates", "0"], "--candidates 0 probes nothing but your own configuration"),
+        (["tune", "--candidates", "0"], "--candidates 0 tries nothing but your own configuration"),
     ]:
         code = main(["bench", *argv, "--output.dir", str(tmp_path / "t")])  # refused before anything runs
         err = capsys.readouterr().err
@@ -273,9 +273,9 @@ def test_tune_for_real_on_tiny_data_writes_its_table_and_a_config_that_trains(tm
     assert len(measured) >= 2 and all(float(row["measured_images_per_s"]) > 0 for row in measured)
     assert sum(row["chosen"] == "True" for row in table) == 1
     folded = {name for row in table for name in row["same_run"].split()}
-    assert "ddp-bucket4mb-r1" in folded  # at one rank, the same run as ddp-r1: not probed apart
-    probed = [run.name for run in (tmp_path / "tune" / "runs").iterdir()]
-    assert not [name for name in probed if name.endswith(tuple(f"-{same}" for same in folded))], probed
+    assert "ddp-bucket4mb-r1" in folded  # at one rank, the same run as ddp-r1: not tried apart
+    tried = [run.name for run in (tmp_path / "tune" / "runs").iterdir()]
+    assert not [name for name in tried if name.endswith(tuple(f"-{same}" for same in folded))], tried
     default, chosen = [next(row for row in table if row[mark] == "True") for mark in ("default", "chosen")]
     if chosen is not default:  # each of its runs faster than each of the default's
         assert len(chosen["runs"].split()) == tune.REPEATS

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain_bench.model import Plan, Workload, bytes_sent_per_rank
+from dptrain_bench.scaling_model import Plan, Workload, bytes_sent_per_rank
 from dptrain.config import DDPOptions, OptimConfig, PSOptions, RunConfig, StrategyConfig
 from dptrain.distributed.env import DistEnv
 from dptrain.strategies import build_strategy
@@ -50,7 +50,7 @@ LOSSY = {hook: StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook=hook)) for ho
 # while backward goes on (comm_hooks.InOrder); interleaved on gloo, their chained all-reduces mismatched.
 LOSSY["powersgd-buckets"] = StrategyConfig(name="ddp", ddp=DDPOptions(comm_hook="powersgd", bucket_mb=0.004))
 EXACT_STEPS = {"powersgd": 2, "powersgd-buckets": 2, "fp16": 0, "bf16": 0}
-# The scaling model (dptrain_bench/model.py) counts a ring over gloo. ddp's and zero1's gradients and fsdp's collectives go
+# The scaling model (dptrain_bench/scaling_model.py) counts a ring over gloo. ddp's and zero1's gradients and fsdp's collectives go
 # through shared memory between ranks of one host, as here, and count what a rank writes there instead; these twins
 # send through gloo, as ranks on hosts of their own do, for test_the_scaling_models_bytes_are_what_each_case_counts
 # (fsdp-gloo's ranks are told they are alone on their hosts: fsdp has no switch of its own). Once, float32 and SGD.

@@ -25,7 +25,7 @@ Part = Literal["params", "grads", "optim"]
 
 @dataclass(frozen=True)
 class Exchange:
-    """One collective a step runs, as the scaling model (dptrain_bench/model.py) times it."""
+    """One collective a step runs, as the scaling model (dptrain_bench/scaling_model.py) times it."""
 
     kind: Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send"]
     """A collective of link.ring_terms, or send (point to point: alpha + bytes / B)."""

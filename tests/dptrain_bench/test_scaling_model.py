@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from dptrain_bench.model import (NAMED_LINKS, Link, Measured, Plan, Workload, bytes_sent_per_rank, calibrate,
+from dptrain_bench.scaling_model import (NAMED_LINKS, Link, Measured, Plan, Workload, bytes_sent_per_rank, calibrate,
                                  collectives, comm_cpu_per_byte, curve, fit_overlap, memory_per_rank, named_link,
                                  node_counts, powersgd_elements, predict, split_for_fit)
 from dptrain.errors import ConfigError
