@@ -332,8 +332,8 @@ def _refusal(path) -> str:
 
 def test_a_config_file_that_is_no_small_text_file_is_one_sentence(tmp_path):
     # /dev/zero was read until memory ran out (7 GB); a folder and a binary file gave tracebacks.
-    assert _refusal("/dev/zero") == ("config file /dev/zero is a device, a FIFO or a socket, not a regular file; check "
-                                     "that the path names the right file.")
+    assert _refusal("/dev/zero") == ("config file /dev/zero is a character device, not a regular file; check that the "
+                                     "path names the right file.")
     big = tmp_path / "big.toml"
     big.write_text("# padding\n" * (config.MAX_CONFIG_BYTES // 10) + "[optim]\nlr = 0.1\n")
     assert "is larger than 1 MiB" in _refusal(big)

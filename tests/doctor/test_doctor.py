@@ -122,6 +122,52 @@ def test_a_dataset_missing_or_different_on_one_node_fails_naming_the_file():
     assert by_name(judge(findings))["dataset on every node"].status == "warn"
 
 
+
+IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def planted_dataset(root: Path, planted: str) -> None:
+    """The four IDX names under root, each a real FIFO or a link to /dev/zero."""
+    root.mkdir(parents=True)
+    for name in IDX_NAMES:
+        os.mkfifo(root / name) if planted == "fifo" else (root / name).symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("planted, kind", [("fifo", "a FIFO"), ("link to /dev/zero", "a character device")])
+def test_a_dataset_the_run_would_refuse_fails_the_dataset_check_without_waiting(tmp_path, planted, kind):
+    # FIFOs hung the doctor for ever; links to /dev/zero passed it as "0 files, 0.0 MB", and training refuses them.
+    import threading
+
+    from dptrain.config import load
+    from dptrain.doctor.facts import dataset_files
+
+    planted_dataset(tmp_path / "data", planted)
+    cfg = load(None, [("data.name", "mnist"), ("data.root", str(tmp_path / "data"))])
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(dataset_files(cfg)), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the doctor's look at the dataset did not return"
+    [facts] = found
+    assert facts["kind"] == "refused"
+    assert facts["why"] == (f"{tmp_path / 'data' / IDX_NAMES[0]} is {kind}, not a regular file; put the dataset's own "
+                            f"file there, or give another --data.root.")
+    findings = healthy()
+    findings.nodes[1]["dataset"] = facts
+    line = by_name(judge(findings))["dataset on every node"]
+    assert line.status == "fail" and line.seen == f"node 1 (n1): {facts['why']}"
+
+
+@pytest.mark.slow
+def test_the_doctor_fails_fifos_as_dataset_files_and_ends(tmp_path):
+    planted_dataset(tmp_path / "data", "fifo")
+    done = subprocess.run([sys.executable, "-m", "dptrain", "doctor", "--data.name", "mnist", "--data.root", "data"],
+                          cwd=tmp_path, env={**os.environ, **SOURCE}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    line = table_lines(done.stdout)["dataset on every node"]
+    assert line.startswith("FAIL") and "data/train-images-idx3-ubyte is a FIFO, not a regular file" in line
+
+
 def test_a_folder_one_node_does_not_see_disk_and_shm_too_small_fail():
     findings = healthy()
     findings.shared_folder["1"] = "cannot read /runs/run/.doctor-1 (No such file or directory)"
