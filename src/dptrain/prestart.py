@@ -21,6 +21,7 @@ from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
 from dptrain.imports import import_object
 from dptrain.models import check_input
+from dptrain.read_back import special_kind
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import wants_cuda
 from dptrain.safe_load import check_private_file
@@ -189,6 +190,10 @@ def check_output_dir(run_dir: Path) -> None:
         if path.is_dir() != folder:
             raise ConfigError(f"{path} is a {'file' if folder else 'folder'} where the run keeps its "
                               f"{'folder' if folder else 'file'}; move it away, or choose another --output.dir.")
+        kind = None if folder else special_kind(path.stat().st_mode)
+        if kind is not None:  # metrics.jsonl, appended to: a FIFO there held the run at its open for ever
+            raise ConfigError(f"{path} is {kind} where the run keeps its file; move it away, or choose another "
+                              f"--output.dir.")
         if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
             raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
                               f"choose another --output.dir.")
@@ -228,7 +233,7 @@ def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers:
     before any worker starts."""
     snapshot = checkpoint.find_snapshot(given)
     saved = RunFolder(snapshot.parent.parent).config
-    if not saved.is_file():
+    if not saved.exists():  # a FIFO or a device there is not missing: check_private_file says what it is
         raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
                           f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
     try:  # it names the data and the model (even code to import): it is as much input from others as the snapshot
