@@ -217,7 +217,6 @@ def test_the_time_and_the_master_address_are_checked_with_the_config(submit, tmp
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 @pytest.mark.parametrize("options, line", [
     (["--sbatch", "comment=x --job-name=INJECTED"], "comment=x --job-name=INJECTED"),  # the job ran as INJECTED
-    (["--gres", "gpu:4 --chdir=/"], "gres=gpu:4 --chdir=/"),  # --gres is read as --sbatch gres=...
     (["--sbatch", "mail-type=END", "--sbatch", "-G 4 -J INJECTED"], "-G 4 -J INJECTED"),
     (["--sbatch", "comment=x\t--job-name=INJECTED"], "comment=x\t--job-name=INJECTED"),
     (["--sbatch", 'comment="x --job-name=INJECTED"'], 'comment="x --job-name=INJECTED"'),  # quotes: sbatch's own syntax
@@ -234,6 +233,41 @@ def test_an_sbatch_line_that_would_smuggle_another_option_is_refused_before_anyt
     assert sentence.endswith("; give each option its own --sbatch line, as --sbatch NAME=VALUE with no space, quote, "
                              "backslash or # in VALUE.")
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("option", ["--job-name", "--mail-user", "--nodelist", "-w", "--gres", "--exclude"])
+@pytest.mark.parametrize("value, reading", [("a b --chdir=/", "reads as more than one option"),
+                                            ("a#b", "reads otherwise than written (quotes and backslashes are its own "
+                                                    "syntax there, and # starts a comment)")])
+def test_an_sbatch_name_sbatch_would_read_otherwise_is_refused_naming_that_option(submit, tmp_path, option, value,
+                                                                                   reading):
+    """--job-name's refusal advised about --output.dir; --mail-user's and --nodelist's named slurm.sbatch, which was
+    not given."""
+    code, out, err = submit("--dry-run", option, value, *DATA)
+    name = {"-w": "--nodelist"}.get(option, option)
+    source = "the job's name (--job-name)" if name == "--job-name" else f"{name} {value!r}"
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"dptrain: error: {source} would be written as '#SBATCH {name}={value}', which "
+                                        f"sbatch {reading}; give {name} one word, without spaces, quotes, backslashes "
+                                        f"or #."]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--output", "/etc"], "--output '/etc' names a folder; give the file SLURM writes to, e.g. /etc/slurm-%j.log."),
+    (["--sbatch", "chdir=/"], "slurm.sbatch's line 'chdir=/' sets sbatch's --chdir, which dptrain writes itself; run "
+                              "dptrain submit from the folder the job is to run in instead."),
+    (["--output", "logs/a#b.out"], "the job's output file (--output) would be written as '#SBATCH --output={tmp}/logs/"
+                                   "a#b.out', which sbatch reads otherwise than written (quotes and backslashes are its "
+                                   "own syntax there, and # starts a comment); give --output a plain path, without "
+                                   "spaces, quotes, backslashes or #."),
+])
+def test_a_refused_job_file_or_folder_is_an_option_error(submit, tmp_path, options, says):
+    for dry_run in ([], ["--dry-run"]):
+        code, out, err = submit(*dry_run, *options, *DATA)
+        assert code == 2 and out == ""
+        assert err.strip().splitlines() == ["dptrain: error: " + says.format(tmp=tmp_path)]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_an_option_and_its_value_as_two_words_are_one_sbatch_line(submit):
