@@ -67,7 +67,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         *_strategy_file_lines(cfg),
         f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/"
         + (", model.pt)" if cfg.output.weights == cfg.output.run_dir / "model.pt" else f"); the final weights to "
-           f"{cfg.output.weights}"),
+           f"{cfg.output.weights}") + ("; they replace the earlier final weights there" if cfg.output.weights.exists()
+                                       else ""),
         f"  resume     {resume}",
     ]
     warning = warmup_warning(cfg, total_steps)

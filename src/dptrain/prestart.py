@@ -10,18 +10,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
 from dptrain import checkpoint, config as config_mod
-from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, TrainConfig
+from dptrain.config import LaunchConfig, OutputConfig, RunConfig, StrategyConfig, TrainConfig
 from dptrain.data import describe
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
 from dptrain.imports import import_object
 from dptrain.models import check_input
-from dptrain.read_back import special_kind
+from dptrain.read_back import open_regular, special_kind
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import wants_cuda
 from dptrain.safe_load import check_private_file
@@ -43,7 +44,7 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
     if job_on_cuda is None:
         check_backend(cfg.launch.backend, on_cuda)
     check_output_dir(cfg.output.run_dir)
-    check_weights_file(cfg.output.weights)
+    check_weights_file(cfg.output)
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
@@ -199,12 +200,27 @@ def check_output_dir(run_dir: Path) -> None:
                               f"choose another --output.dir.")
 
 
-def check_weights_file(path: Path) -> None:
-    """The final weights' file (output.weights_dir/weights_file) can be written at the run's end: not a folder, in a
-    folder this user can write in or make (the run makes it). Found there, a bad path cost the whole run's training."""
+def check_weights_file(output: OutputConfig) -> None:
+    """The final weights' file (output.weights_dir/weights_file) can be written at the run's end: none of the run
+    folder's own files or folders (--model_filename config.toml replaced the run's configuration with the weights;
+    checkpoints made the final snapshot fail), not a folder, no file of the user's but earlier final weights (as
+    predict and export replace none), in a folder this user can write in or make (the run makes it). Found there, a
+    bad path cost the whole run's training."""
+    path = output.weights
+    kept = RunFolder(output.run_dir).keeps(path)
+    if kept is not None:
+        own, what = kept
+        if own.resolve() == path.resolve():
+            raise ConfigError(f"output.weights_file {path.name} would put the final weights in place of {own}, the run's "
+                              f"{what}; give another --output.weights_file, such as model.pt.")
+        raise ConfigError(f"the final weights' file {path} lies in {own}, where the run keeps its {what}; give another "
+                          f"--output.weights_dir.")
     if path.is_dir():
         raise ConfigError(f"the final weights' file {path} is a folder; give another --output.weights_file, or "
                           f"another --output.weights_dir.")
+    if (path.exists() or path.is_symlink()) and not is_final_weights(path):
+        raise ConfigError(f"the final weights' file {path} already exists and holds no weights that torch.save wrote, "
+                          f"so the run would destroy it; give another --output.weights_file, or move that file away.")
     existing = path.parent
     while not existing.exists():
         existing = existing.parent
@@ -214,6 +230,16 @@ def check_weights_file(path: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced whole: its folder is what is written
         raise ConfigError(f"the final weights cannot be written to {path}: {existing} is not writable for you; give "
                           f"another --output.weights_dir, or fix its permissions.")
+
+
+def is_final_weights(path: Path) -> bool:
+    """Whether path is a regular file (after links) that torch.save wrote: a zip archive with a data.pkl, as the
+    final weights are (an earlier run's, which the same command replaces); read without unpickling anything."""
+    try:
+        with open_regular(path) as file, zipfile.ZipFile(file) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):  # NotRegularFile (a FIFO, a device) too
+        return False
 
 
 def preflight_job(cfg: RunConfig, world_size: int) -> None:
