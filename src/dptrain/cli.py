@@ -37,8 +37,8 @@ from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, 
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.launch.rendezvous import rendezvous_times
-from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_predictions_path, preflight, preflight_job,
-                              resolve_batch, snapshot_and_its_run)
+from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_output_dir, check_predictions_path, preflight,
+                              preflight_job, resolve_batch, snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -110,6 +110,7 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.doctor.command import run_doctor, run_doctor_job
 
     cfg = resolve_config(args, extra)
+    check_output_dir(cfg.output.run_dir)  # doctor.json goes there (and the doctor's job with --slurm)
     if args.slurm:
         given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "master_addr", "master_port",
                                                               "rdzv_endpoint") if getattr(args, name) is not None]
@@ -149,6 +150,8 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     if script is not None:
         cfg = user_command.named_after(cfg, script, pairs)
     job = slurm_job.job_for(cfg, workdir, **job_files(args))
+    if script is not None:  # its logs/ and job.sbatch go there (the trainer's job: preflight_job checks it below)
+        check_output_dir(job.run_dir)
     if script is None:
         # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch`
         # trains N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)

@@ -183,6 +183,11 @@ def check_output_dir(run_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
                           f"choose another --output.dir, or fix its permissions.")
+    if existing == run_dir and _has_entries(run_dir) and not RunFolder(run_dir).holds_a_run():
+        # `--output.dir /etc -- script.py` made /etc/logs/launcher.log; a run would have written config.toml there
+        raise ConfigError(f"the run directory {run_dir} holds files but no run of dptrain's (none of config.toml, "
+                          f"metrics.jsonl, logs/, checkpoints/, ...); choose a new or empty folder, or an earlier run's, "
+                          f"with another --output.dir or --output.name.")
     # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
     # checkpoints/ cost the steps before it, and 2 workers printed 15 lines of C++ frames around the sentence.
     for path, folder in RunFolder(run_dir).written_by_a_run():
@@ -198,6 +203,15 @@ def check_output_dir(run_dir: Path) -> None:
         if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
             raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
                               f"choose another --output.dir.")
+
+
+def _has_entries(folder: Path) -> bool:
+    """Whether folder holds anything (a folder that cannot be listed is left to the writes that follow)."""
+    try:
+        with os.scandir(folder) as entries:
+            return next(entries, None) is not None
+    except OSError:
+        return False
 
 
 def check_weights_file(output: OutputConfig) -> None:

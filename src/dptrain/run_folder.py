@@ -105,6 +105,11 @@ class RunFolder:
                 self.job_config: ("job's configuration", False), self.report: ("card", True),
                 self.doctor: ("doctor's report", False), self.doctor_job: ("doctor's job", True)}
 
+    def holds_a_run(self) -> bool:
+        """Whether the folder holds something a run (or submit, or the doctor) makes there: one of its own names, or
+        model.pt; a folder of other files (/etc, a project's folder) is no run's to adopt."""
+        return any(p.exists() or p.is_symlink() for p in (*self.own_names(), self.root / "model.pt"))
+
     def keeps(self, path: Path) -> tuple[Path, str] | None:
         """(the run folder's own file or folder, what the run keeps there) where path is it, lies inside it, or is the
         run directory itself ((root, "directory")); None where path is none of the run's own (the final weights'

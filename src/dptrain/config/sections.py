@@ -284,7 +284,8 @@ class OutputConfig:
     """Run name; the run directory is runs/<name> unless output.dir is set. Up to 100 letters, digits and ._-+=@,
     starting with a letter, digit or _ (a folder elsewhere is output.dir)."""
     dir: str | None = may_change_at_resume(None)
-    """Run directory (None: runs/<name>)."""
+    """Run directory (None: runs/<name>): a new or empty folder, or an earlier run's; a folder that holds other files
+    but none of a run's (/etc, a project's folder) is refused, as it is no run's to write into."""
     weights_dir: str | None = may_change_at_resume(None)
     """Folder the final weights are saved in (None: the run directory), made if missing; a relative path is from
     the current folder, as output.dir's. The tutorials' --model_dir."""
