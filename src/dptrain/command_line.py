@@ -185,8 +185,9 @@ def with_sbatch_names(args: argparse.Namespace, slurm: SlurmConfig) -> SlurmConf
     and those dptrain has no option for as #SBATCH lines after slurm.sbatch's (gres=gpu:4, nodelist=dgx01)."""
     given = [(option.name, getattr(args, option.dest)) for option in SBATCH_NAMES
              if option.becomes == AS_GIVEN and getattr(args, option.dest, None) is not None]
-    for name, value in given:  # checked here, where the option's own name is known (slurm.sbatch's check names the line)
-        check_sbatch_option(SbatchOption(f"--{name}={value}", f"--{name} {value!r}", f"give --{name} one word, {ONE_WORD}"))
+    for name, value in given:  # checked here, where the option's own name is known (slurm.sbatch's names the line)
+        check_sbatch_option(SbatchOption(f"--{name}={value}", f"--{name} {value!r}",
+                                         f"give --{name} one word, {ONE_WORD}"))
     lines = tuple(f"{name}={value}" for name, value in given)
     if lines:  # first: GPUs asked for as given (--gres gpu:4) decide the ranks, and so the tasks, per node
         slurm = dataclasses.replace(slurm, sbatch=(*slurm.sbatch, *lines))

@@ -1,6 +1,6 @@
 """Class probabilities for new inputs: what they must look like, how they are read, shared out and written.
 
-    $ dptrain predict --checkpoint runs/run --input new.npy --nproc-per-node 2 --output predictions.csv
+    $ dptrain predict --checkpoint runs/fashion-mnist_mnist-cnn_ddp --input new.npy --nproc-per-node 2 --output predictions.csv
 
 A snapshot's manifest records, under "input", what the model was trained on: image shape [C, H, W],
 the per-channel mean and std of the normalisation, the number of classes and the dataset's name.

@@ -100,20 +100,55 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
                     torch_version=str(torch.__version__))
 
 
-def adopt_strategy_settings(cfg: RunConfig, config_path: str | None, pairs: list[tuple[str, str]]) -> RunConfig:
-    """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
-    tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
-    nor the command line sets; cfg itself where the strategy has none."""
-    from dptrain.strategies import STRATEGIES  # imports torch: only once a run is wanted
-
+def given_options(config_path: str | None, pairs: list[tuple[str, str]]) -> set[str]:
+    """The options the --config file or the command line's --section.option pairs set, by dotted name (load() has
+    read and checked the file already)."""
     given = {key for key, _ in pairs}
-    if config_path is not None:  # load() has read and checked it already
+    if config_path is not None:
         def names(table: dict[str, Any], prefix: str) -> list[str]:
             return [n for key, value in table.items()
                     for n in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
         given |= set(names(config_mod.read_toml(Path(config_path), f"config file {config_path}"), ""))
+    return given
+
+
+def adopt_strategy_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
+    tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
+    nor the command line sets (given_options); cfg itself where the strategy has none."""
+    from dptrain.strategies import STRATEGIES  # imports torch: only once a run is wanted
+
     return STRATEGIES[cfg.strategy.name].adopt_settings(cfg, given)
+
+
+def named_after_its_experiment(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """cfg with its run folder named after its experiment (config.experiment_name: runs/fashion-mnist_mnist-cnn_ddp),
+    where neither output.name nor output.dir was given: the same command finds its folder again and resumes, and a
+    new experiment (another dataset, model, strategy or option a resume must keep) starts afresh in a folder of its
+    own, instead of being refused by the snapshot of the last one. A runs/run of an earlier dptrain (whose default
+    name that was) holding the same experiment is kept: the same command goes on resuming there."""
+    if {"output.name", "output.dir"} & given:
+        return cfg
+    name = config_mod.experiment_name(cfg)
+    earlier = RunFolder(dataclasses.replace(cfg.output, name=OutputConfig().name).run_dir)
+    if _holds_the_same_experiment(earlier, cfg):
+        log.info("%s holds this experiment, written by an earlier dptrain: the run goes on there (it would be named "
+                 "%s now)", earlier.root, name)
+        name = OutputConfig().name
+    return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=name))
+
+
+def _holds_the_same_experiment(folder: RunFolder, cfg: RunConfig) -> bool:
+    """Whether folder's config.toml is that of a run with cfg's options a resume must keep (nothing where it is
+    missing, unreadable, or of options this dptrain does not know)."""
+    if not folder.config.exists():
+        return False
+    try:
+        theirs = config_mod.load(folder.config)
+    except (ConfigError, OSError):
+        return False
+    return config_mod.fixed_at_resume(theirs) == config_mod.fixed_at_resume(cfg)
 
 
 def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:

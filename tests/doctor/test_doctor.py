@@ -222,10 +222,11 @@ def test_two_ranks_here_pass_and_write_doctor_json(tmp_path):
     done = subprocess.run(doctor_argv("--nproc-per-node", "2"), cwd=tmp_path, env={**os.environ, **SOURCE},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    report = json.loads((tmp_path / "runs" / "run" / "doctor.json").read_text())
+    run = tmp_path / "runs" / "synthetic_mnist-cnn_ddp"  # the run train would make of these options: the experiment's
+    report = json.loads((run / "doctor.json").read_text())
     assert {c["status"] for c in report["checks"]} == {"ok"} and len(report["ranks"]) == 2
     assert table_lines(done.stdout)["ranks met"].startswith("ok ") and "0 failed" in done.stdout
-    assert not list((tmp_path / "runs" / "run").glob(".doctor-*"))  # node 0's file for the others is gone
+    assert not list(run.glob(".doctor-*"))  # node 0's file for the others is gone
 
 
 def two_hosts_reason() -> str | None:
@@ -356,8 +357,9 @@ def test_as_a_slurm_job_on_the_private_cluster_every_check_passes(slurm_cluster,
     assert set(lines) >= {"ranks met", "nodes reach each other", "link speed", "run folder shared"}
     assert all(line.startswith("ok ") for line in lines.values()), out
     assert "2 rank(s) on 2 of 2 node(s)" in lines["ranks met"]
-    assert (tmp_path / "runs" / "run" / "doctor.json").is_file()
-    assert not (tmp_path / "runs" / "run" / "job.sbatch").exists()  # the run's own job files are left alone
+    run = tmp_path / "runs" / "synthetic_mnist-cnn_ddp"  # the experiment's, as train names it
+    assert (run / "doctor.json").is_file()
+    assert not (run / "job.sbatch").exists()  # the run's own job files are left alone
 
 
 def test_the_doctors_job_runs_the_doctor_in_each_task_of_the_runs_job(tmp_path, monkeypatch, capsys):

@@ -58,8 +58,11 @@ def rendered(options: list[str]) -> str:
     """The script `dptrain submit OPTIONS` writes, as from WORKDIR with PYTHON."""
     from dptrain.cli import build_parser, split_overrides, submit_overrides
 
+    from dptrain.prestart import named_after_its_experiment
+
     args, extra = build_parser().parse_known_args(["submit", *options])
-    cfg = config_mod.load(None, [*split_overrides(extra), *submit_overrides(args)])
+    pairs = [*split_overrides(extra), *submit_overrides(args)]
+    cfg = named_after_its_experiment(config_mod.load(None, pairs), {key for key, _ in pairs})  # as submit names it
     if args.setup or args.sbatch:
         import dataclasses
 
@@ -79,16 +82,19 @@ def test_the_cli_writes_what_its_dry_run_prints_and_the_dry_run_writes_nothing(s
     assert code == 0, err
     assert not (tmp_path / "runs").exists()  # nothing written
     expected = (GOLDEN / "cpu-4nodes.sbatch").read_text().replace(PYTHON, sys.executable).replace(str(WORKDIR), str(tmp_path))
+    expected = expected.replace("runs/fashion-mnist_", "runs/synthetic_").replace("dptrain-fashion-mnist_",
+                                                                                 "dptrain-synthetic_")  # DATA's run
     assert dry == expected
     # Without sbatch on PATH the script and its config are kept, and one sentence says what to do.
+    run_dir = tmp_path / "runs" / "synthetic_mnist-cnn_ddp"
     monkeypatch.setenv("PATH", "/nonexistent")
     code, _, err = submit(*options, *DATA)
     assert code == 1
     assert err.strip().splitlines() == [f"dptrain: error: sbatch is not on PATH here; run dptrain submit on a "
-                                                f"SLURM login node, or submit {tmp_path / 'runs/run/job.sbatch'} with sbatch "
+                                                f"SLURM login node, or submit {run_dir / 'job.sbatch'} with sbatch "
                                                 f"yourself."]
-    assert (tmp_path / "runs/run/job.sbatch").read_text() == dry
-    job_cfg = config_mod.load(tmp_path / "runs/run/job.toml")
+    assert (run_dir / "job.sbatch").read_text() == dry
+    job_cfg = config_mod.load(run_dir / "job.toml")
     assert (job_cfg.slurm.nodes, job_cfg.slurm.cpus_per_node, job_cfg.slurm.ranks_here) == (4, 16, 2)
     assert job_cfg.data.name == "synthetic"
 
@@ -405,7 +411,7 @@ def test_output_and_error_move_the_job_log_and_submit_prints_the_real_one(submit
     monkeypatch.setenv("PATH", str(fake))  # and no sinfo: the partition is not checked
     code, out, err = submit("--job-name", "fmnist", "--output", "logs/%x-%j.out", *DATA)
     assert code == 0, err
-    script = (tmp_path / "runs/run/job.sbatch").read_text()
+    script = (tmp_path / "runs/synthetic_mnist-cnn_ddp/job.sbatch").read_text()  # the run's name: the experiment's
     lines = sbatch_lines_of(script)
     assert lines[0] == "--job-name=fmnist"
     assert f"--output={tmp_path}/logs/%x-%j.out" in lines
@@ -414,7 +420,7 @@ def test_output_and_error_move_the_job_log_and_submit_prints_the_real_one(submit
     assert (tmp_path / "logs").is_dir()  # SLURM writes no file into a folder that is not there
     code, out, err = submit("--output", "out/run.log", "--error", "out/run.err", *DATA)
     assert code == 0, err
-    lines = sbatch_lines_of((tmp_path / "runs/run/job.sbatch").read_text())
+    lines = sbatch_lines_of((tmp_path / "runs/synthetic_mnist-cnn_ddp/job.sbatch").read_text())
     assert {f"--output={tmp_path}/out/run.log", f"--error={tmp_path}/out/run.err"} <= set(lines)
     assert f"  follow it: tail -f {tmp_path}/out/run.log\n" in out
 

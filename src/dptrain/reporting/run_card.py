@@ -1,6 +1,6 @@
 """A run card: RUN_DIR/report/report.md and its PNGs for one run, from the run's own files, offline.
 
-    $ dptrain card runs/run
+    $ dptrain card runs/fashion-mnist_mnist-cnn_ddp
 
 It reads config.toml, env.json, metrics.jsonl (through events.read_run_events, which names the lines it
 cannot use) and the snapshots' manifest.json files, and writes the configuration, the environment, the loss and
