@@ -108,7 +108,7 @@ class RunFolder:
     def holds_a_run(self) -> bool:
         """Whether the folder holds something a run (or submit, or the doctor) makes there: one of its own names, or
         model.pt; a folder of other files (/etc, a project's folder) is no run's to adopt."""
-        return any(p.exists() or p.is_symlink() for p in (*self.own_names(), self.root / "model.pt"))
+        return any(p.exists() or p.is_symlink() for p in (*self.own_names(), RunFolder(self.root).model))
 
     def keeps(self, path: Path) -> tuple[Path, str] | None:
         """(the run folder's own file or folder, what the run keeps there) where path is it, lies inside it, or is the
