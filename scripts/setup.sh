@@ -2,11 +2,24 @@
 # Set up dptrain in ./.venv: the package (with test tools given --dev) and, where apt can, the real
 # FashionMNIST. torch is pinned by constraints.txt so that a CPU machine never pulls a CUDA build;
 # on a GPU machine, install your own torch (>=2.6) into the venv first and it is kept.
+#
+#   scripts/setup.sh [--dev] [--torchvision]
+#
+# --torchvision: also the torchvision that matches the venv's torch, for the tutorials' scripts
+# (scripts/torchvision-for); where the package index has none for that torch build, one sentence says
+# what to do instead, and setup ends with exit status 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+torchvision=""
+for option in "$@"; do
+  case "$option" in
+    --dev) extras="[dev]" ;;
+    --torchvision) torchvision=yes ;;
+    *) echo "setup: unknown option $option; give --dev, --torchvision, or neither." >&2; exit 2 ;;
+  esac
+done
 
 python=${PYTHON:-python3}
 "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
@@ -52,3 +65,6 @@ constraint=(-c constraints.txt)
 .venv/bin/python -c 'import torch' 2>/dev/null && constraint=()
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "${constraint[@]}" -e ".${extras}"
 .venv/bin/python -c 'import torch, dptrain; print(f"setup: dptrain {dptrain.__version__} with torch {torch.__version__} in .venv")'
+if [[ -n "$torchvision" ]]; then
+  .venv/bin/python scripts/torchvision-for
+fi

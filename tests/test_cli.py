@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dptrain.cli import main, split_overrides
+from dptrain.config import experiment_name, load
 from dptrain.errors import ConfigError
 from tests.idx_files import idx_bytes, write_idx_dataset
 
@@ -62,10 +63,11 @@ def test_corrupt_dataset_names_the_file_and_keeps_earlier_results(capsys, tmp_pa
     write_idx_dataset(raw, train_size=50, test_size=20, gz=False)
     whole = (raw / "train-images-idx3-ubyte").read_bytes()
     (raw / "train-images-idx3-ubyte").write_bytes(whole[: len(whole) // 2])  # truncated mid-data
-    run_dir = tmp_path / "runs" / "run"
+    options = ["--data.name", "mnist", "--train.global_batch_size", "10"]
+    run_dir = tmp_path / "runs" / experiment_name(load(None, split_overrides(options)))  # the run's default folder
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"event": "epoch", "epoch": 1}\n')
-    code, err = run_main(capsys, "train", "--data.name", "mnist", "--train.global_batch_size", "10")
+    code, err = run_main(capsys, "train", *options)
     assert code == 1
     assert "rank 0 failed during data loading" in err and "train-images-idx3-ubyte is truncated" in err
     assert len(err.splitlines()) == 1
@@ -78,10 +80,10 @@ def test_one_process_run_in_this_process(capsys, tmp_path, monkeypatch):
     raw = tmp_path / "data"
     write_idx_dataset(raw, train_size=64, test_size=7)
     (raw / "extra.bin").write_bytes(idx_bytes(__import__("numpy").zeros(3, dtype="uint8")))  # ignored
-    code = main(["train", "--data.name", "mnist", "--data.root", str(raw), "--strategy.name", "single",
-                 "--train.global_batch_size", "16", "--train.epochs", "1"])
-    assert code == 0
-    text = (tmp_path / "runs" / "run" / "metrics.jsonl").read_text()
+    options = ["--data.name", "mnist", "--data.root", str(raw), "--strategy.name", "single",
+               "--train.global_batch_size", "16", "--train.epochs", "1"]
+    assert main(["train", *options]) == 0
+    text = (tmp_path / "runs" / experiment_name(load(None, split_overrides(options))) / "metrics.jsonl").read_text()
     assert '"eval_count": 7' in text and '"train_samples": 64' in text
 
 
@@ -155,13 +157,16 @@ def test_help_lists_every_option_of_every_section_with_its_default_and_docstring
         assert f"[{section}] options:" in lines
         for key, f, docs in options(section, cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            shown = f.metadata.get("shown_default", _shown(default))  # output.name: made from the experiment
             [line] = [line for line in lines if line.startswith(f"--{key} ")]
-            assert line.endswith(f"(default: {_shown(default)})"), line
+            assert line.endswith(f"(default: {shown})"), line
             assert docs.get(f.name, "").strip(), f"{key} has no docstring: --help cannot document it"
             assert " ".join(docs[f.name].split()) in flat
 
 
 def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path, monkeypatch):
+    import dataclasses
+
     from dptrain import config
 
     monkeypatch.chdir(tmp_path)
@@ -176,10 +181,11 @@ def test_config_prints_toml_that_loads_back_to_the_same_config(capsys, tmp_path,
     resolved = tmp_path / "resolved.toml"
     resolved.write_text(captured.out)
     cfg = config.load(resolved)
-    assert cfg == config.load(base, [("optim.lr", "3e-4"), ("train.bf16", "true"), ("data.synthetic_shape", "3,32,32"),
-                                     ("train.grad_clip", "1.5"), ("data.root", 'a "quoted" folder'),
-                                     ("launch.nproc_per_node", "2"), ("data.name", "synthetic"),
-                                     ("model.name", "cifar-cnn")])
+    given = config.load(base, [("optim.lr", "3e-4"), ("train.bf16", "true"), ("data.synthetic_shape", "3,32,32"),
+                               ("train.grad_clip", "1.5"), ("data.root", 'a "quoted" folder'),
+                               ("launch.nproc_per_node", "2"), ("data.name", "synthetic"), ("model.name", "cifar-cnn")])
+    # and the run's name, which none of them gave: made from the experiment, as train names its folder
+    assert cfg == dataclasses.replace(given, output=dataclasses.replace(given.output, name=config.experiment_name(given)))
     assert (cfg.optim.name, cfg.optim.lr, cfg.train.epochs, cfg.launch.nproc_per_node) == ("sgd", 3e-4, 3, 2)
     assert main(["config", "--config", str(resolved)]) == 0
     assert capsys.readouterr().out == captured.out  # a fixed point

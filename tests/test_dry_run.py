@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.cli import main
+from tests.conftest import read_events
 
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "300", "--data.synthetic_test_size", "40",
          "--train.global_batch_size", "64"]
@@ -73,8 +74,48 @@ def test_a_dry_run_names_the_snapshot_it_would_resume_from(tmp_path, capsys, mon
     assert main(["train", "--dry-run", *SMALL, "--train.max_steps", "6", "--output.name", "r"]) == 0
     assert f"resume     from {Path('runs/r/checkpoints/step-00000003')} (step 3, written by 1 ranks)" in capsys.readouterr().out
     assert tree(tmp_path) == before
-    assert main(["train", "--dry-run", *SMALL, "--optim.lr", "0.5", "--output.name", "r"]) == 2  # a resume would refuse
-    assert "was written with optim.lr = 0.001 but this run has 0.5" in capsys.readouterr().err
+    # a resume the run would refuse is what the run would do: the dry run says so, and ends well
+    assert main(["train", "--dry-run", *SMALL, "--optim.lr", "0.5", "--output.name", "r"]) == 0
+    out = capsys.readouterr().out
+    assert (f"  resume     refused, so the run would stop before its first step: snapshot "
+            f"{Path('runs/r/checkpoints/step-00000003')} was written with optim.lr = 0.001 but this run has 0.5; use the "
+            f"snapshot's setting, or another --output.name to start afresh.\n") in out
+    assert tree(tmp_path) == before
+
+
+def test_each_experiment_gets_its_own_default_run_folder_and_the_same_command_resumes(tmp_path, capsys, monkeypatch):
+    """After a small synthetic run in the one default folder (runs/run), the dry run of the tutorials' dataset was
+    refused (`snapshot ... was written with data.name = 'synthetic' ...`)."""
+    from tests.idx_files import write_idx_dataset
+
+    monkeypatch.chdir(tmp_path)
+    synthetic = ["train", *SMALL, "--train.epochs", "1", "--train.max_steps", "2"]
+    assert main(synthetic) == 0
+    [folder] = Path("runs").iterdir()
+    assert folder.name.startswith("synthetic_mnist-cnn_ddp_")  # and 8 hex digits: SMALL's sizes are not the defaults
+    capsys.readouterr()
+    assert main([*synthetic[:-1], "3"]) == 0  # the same command, a step further: it resumes in its folder
+    assert [p.name for p in Path("runs").iterdir()] == [folder.name]
+    assert [e["step"] for e in read_events(folder, "run_start")] == [0, 2]
+    write_idx_dataset(tmp_path / "Data" / "FashionMNIST" / "raw", 128, 32)
+    capsys.readouterr()
+    assert main(["train", "--dry-run", "--data.root", "./Data"]) == 0
+    out = capsys.readouterr().out
+    assert f"  writes     {Path('runs/fashion-mnist_mnist-cnn_ddp')} (config.toml" in out
+    assert "  resume     nothing to resume from: a fresh start\n" in out
+
+
+def test_a_run_folder_of_an_earlier_dptrain_goes_on_for_its_own_experiment_only(tmp_path, capsys, monkeypatch):
+    """runs/run, the one default folder of earlier versions: the same command goes on resuming there; another
+    experiment starts in a folder of its own."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *SMALL, "--train.epochs", "1", "--train.max_steps", "2", "--output.name", "run"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--dry-run", *SMALL, "--train.epochs", "1"]) == 0
+    assert f"resume     from {Path('runs/run/checkpoints/step-00000002')} (step 2" in capsys.readouterr().out
+    assert main(["train", "--dry-run", *SMALL, "--train.epochs", "1", "--optim.lr", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "writes     runs/synthetic_mnist-cnn_ddp_" in out and "nothing to resume from: a fresh start" in out
 
 
 def test_a_model_that_fails_on_one_batch_is_one_sentence(tmp_path, capsys, monkeypatch):

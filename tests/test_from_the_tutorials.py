@@ -194,7 +194,8 @@ def test_each_tutorial_flag_is_read_as_the_table_says(flag, folder, capsys, capl
 def test_their_model_dir_and_filename_are_where_the_final_weights_go(folder, capsys, caplog):
     """`--model_dir DIR --model_filename NAME`: the final weights go to DIR/NAME; the run's folder stays runs/<name>."""
     code, printed = dptrain(["train", "--dry-run", "--model_dir", "saved", "--model_filename", "m.pt"], capsys, caplog)
-    assert code == 0 and "writes     runs/run (" in printed and "the final weights to saved/m.pt" in printed
+    assert code == 0 and "writes     runs/fashion-mnist_mnist-cnn_ddp (" in printed, printed
+    assert "the final weights to saved/m.pt" in printed
 
 
 def test_an_unknown_option_is_answered_with_the_closest_name(folder, capsys, caplog):
@@ -272,12 +273,13 @@ def test_a_submitted_job_keeps_the_batch_per_rank_and_prints_its_log(folder, cap
     for job_id in (first[1], second[1]):
         assert slurm_cluster.job(int(job_id))["JobState"] == "PENDING"
         assert slurm_cluster.run("scancel", job_id).returncode == 0
-    job = config_mod.load(folder / "runs" / "run" / "job.toml")
+    named = config_mod.experiment_name(config_mod.load(None, [("train.batch_size_per_rank", "64")]))
+    job = config_mod.load(folder / "runs" / named / "job.toml")
     assert job.train.batch_size_per_rank == 64
     # each rank resolves it at the world size it finds: 2 nodes of 1 rank after `sbatch --nodes=2`
     assert resolve_batch(job, 2).train.global_batch_size == 128
     assert f"tail -f {folder / 'logs' / f'ddp_{second[1]}.out'}" in printed
-    assert "#SBATCH --output=" in (folder / "runs" / "run" / "job.sbatch").read_text()
+    assert "#SBATCH --output=" in (folder / "runs" / named / "job.sbatch").read_text()
 
 
 LAUNCHERS = {  # the variables each launcher gives the process it starts: rank 0 of 4
@@ -313,7 +315,9 @@ def test_their_files_and_output_from_one_tiny_run(folder, capsys, caplog):
                "--model_filename", "m.pt"]
     code, printed = dptrain(command, capsys, caplog)
     assert code == 0, printed
-    run = folder / "runs" / "run"
+    run = folder / "runs" / config_mod.experiment_name(config_mod.load(None, [
+        ("data.name", "synthetic"), ("data.synthetic_train_size", "64"), ("data.synthetic_test_size", "32"),
+        ("train.batch_size_per_rank", "32")]))  # named after the experiment: the same command finds it again
     # Their batch size: printed as the run starts, saved as train.global_batch_size in the run's config.toml
     assert "global batch 32 = train.batch_size_per_rank 32 x 1 ranks" in printed
     assert "global_batch_size = 32\n" in (run / "config.toml").read_text()
@@ -330,9 +334,10 @@ def test_their_files_and_output_from_one_tiny_run(folder, capsys, caplog):
     code, printed = dptrain(command, capsys, caplog)  # "resumed by running the same command"
     assert code == 0 and f"resumed from {snapshot.relative_to(folder)} at step 2" in printed, printed
 
-    # "a resume at another world size is refused" (the dry run makes the check)
+    # "a resume at another world size is refused" (the dry run says so on its resume line)
     code, printed = dptrain([*command, "--train.epochs", "2", "--nproc-per-node", "2", "--dry-run"], capsys, caplog)
-    assert code == 2 and "was written with train.global_batch_size = 32 but this run has 64" in printed, printed
+    assert code == 0 and "refused, so the run would stop before its first step: snapshot" in printed, printed
+    assert "was written with train.global_batch_size = 32 but this run has 64" in printed, printed
 
     code, printed = dptrain(["checkpoint", "export", str(snapshot.relative_to(folder)), "model.pt"], capsys, caplog)
     assert code == 0, printed

@@ -205,3 +205,45 @@ def test_a_metrics_line_cut_short_by_a_full_disk_goes_before_the_next_is_appende
     sink.write({"event": "run_start"})
     sink.close()
     assert path.read_text() == kept + '{"event": "run_start"}\n'
+
+
+ADOPTED = ("dptrain: error: the run directory {folder} holds files but no run of dptrain's (none of config.toml, "
+           "metrics.jsonl, logs/, checkpoints/, ...); choose a new or empty folder, or an earlier run's, with another "
+           "--output.dir or --output.name.")
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "--dry-run", "--data.name", "synthetic"],
+    ["train", "--data.name", "synthetic"],
+    ["config", "--data.name", "synthetic"],
+    ["doctor", "--data.name", "synthetic"],
+    ["submit", "--dry-run", "--data.name", "synthetic"],
+    ["train", "--", "script.py"],
+    ["submit", "--dry-run", "--", "script.py"],
+], ids=["dry run", "train", "config", "doctor", "submit", "train a script", "submit a script"])
+def test_a_folder_of_other_files_is_not_adopted_as_a_run_folder(tmp_path, command):
+    """`--output.dir /etc -- script.py` made /etc/logs/launcher.log, and the dry run said it would write config.toml
+    into /etc: a folder that holds files but none of a run's is refused before anything is written there."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    (tmp_path / "script.py").write_text("print('ran')\n")
+    at = command.index("--") if "--" in command else len(command)
+    done = run_cli([*command[:at], "--output.dir", str(project), *command[at:]], tmp_path, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ADOPTED.format(folder=project)
+    assert "ran" not in done.stdout and sorted(p.name for p in project.iterdir()) == ["notes.txt"]
+
+
+def test_an_empty_folder_and_an_earlier_runs_folder_are_taken(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--dry-run", *RUN[1:], "--output.dir", str(empty)]) == 0
+    scripts = tmp_path / "scripts_run"  # what a script's launch leaves: its logs only
+    (scripts / "logs").mkdir(parents=True)
+    (scripts / "logs" / "launcher.log").write_text("")
+    assert main(["train", "--dry-run", *RUN[1:], "--output.dir", str(scripts)]) == 0
+    doctored = tmp_path / "doctored"  # what `dptrain doctor` leaves
+    doctored.mkdir()
+    (doctored / "doctor.json").write_text("{}")
+    assert main(["train", "--dry-run", *RUN[1:], "--output.dir", str(doctored)]) == 0

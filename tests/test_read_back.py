@@ -45,8 +45,8 @@ def test_what_is_no_regular_file_of_its_size_is_refused_in_one_sentence_without_
     assert not reader.is_alive(), "the read did not return"
     [error] = outcome
     assert isinstance(error, UnreadableFile) and str(error).count(";") == 1 and "\n" not in str(error)
-    device = "is a device, a FIFO or a socket, not a regular file"
-    says = {"link to /dev/zero": device, "fifo": device, "folder": "is a folder, not a file",
+    says = {"link to /dev/zero": "is a character device, not a regular file", "fifo": "is a FIFO, not a regular file",
+            "folder": "is a folder, not a file",
             "too large": "is larger than 1 MiB, far more than dptrain writes there"}[planted]
     assert str(error).startswith(f"{path} {says}; delete it, or give another folder")
 

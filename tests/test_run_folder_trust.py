@@ -64,8 +64,8 @@ def test_a_config_of_another_user_or_a_link_is_refused(run_dir, tmp_path, capsys
     try:
         config.symlink_to(moved)
         assert main(["eval", "--checkpoint", str(run_dir)]) == 2
-        assert capsys.readouterr().err.strip() == (f"dptrain: error: the run's configuration {config} is a link or a "
-                                                   f"device, not a plain file; it is not read.")
+        assert capsys.readouterr().err.strip() == (f"dptrain: error: the run's configuration {config} is a symbolic "
+                                                   f"link, not a plain file; it is not read.")
         config.unlink()
         moved.rename(config)
         os.chown(config, 65534, 65534)
@@ -93,3 +93,45 @@ def test_a_run_named_as_an_older_dptrain_allowed_is_still_read(tmp_path, capsys)
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run)]) == 0, capsys.readouterr().err
     assert "eval_acc=" in capsys.readouterr().out
+
+
+# ---- a FIFO in place of a file of the run: named as one, never taken for a missing file, never waited on -------------
+
+def with_fifo(path):
+    """path (a file) moved aside, a real FIFO in its place; the file back on leaving."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def swapped():
+        aside = path.with_name(path.name + ".aside")
+        path.rename(aside)
+        os.mkfifo(path)
+        try:
+            yield
+        finally:
+            path.unlink()
+            aside.rename(path)
+
+    return swapped()
+
+
+@pytest.mark.parametrize("name, command, says", [
+    ("metrics.jsonl", ["card", "{run}"], "dptrain: error: {path} is a FIFO, not a regular file; delete it, or give another folder."),
+    ("metrics.jsonl", [*RUN, "--output.dir", "{run}"],
+     "dptrain: error: {path} is a FIFO where the run keeps its file; move it away, or choose another --output.dir."),
+    ("config.toml", ["eval", "--checkpoint", "{run}"],
+     "dptrain: error: the run's configuration {path} is a FIFO, not a plain file; it is not read."),
+    ("checkpoints/step-00000002/manifest.json", ["checkpoint", "verify", "{run}/checkpoints/step-00000002"],
+     "dptrain: error: snapshot {run}/checkpoints/step-00000002 holds {path}, which is a FIFO, not a plain file; a "
+     "snapshot holds plain files only, so it is not read."),
+], ids=["card", "train", "eval", "verify"])
+def test_a_fifo_in_place_of_a_file_of_the_run_is_said_to_be_one(run_dir, tmp_path, name, command, says):
+    """metrics.jsonl, config.toml and manifest.json as FIFOs were reported as missing (`has no metrics.jsonl`, `is
+    missing`, `has no manifest.json: it is incomplete`), and a run into the folder waited for ever at metrics.jsonl."""
+    from tests.conftest import run_cli
+
+    path = run_dir / name
+    with with_fifo(path):
+        done = run_cli([word.format(run=run_dir) for word in command], tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [says.format(run=run_dir, path=path)]

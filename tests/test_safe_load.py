@@ -202,5 +202,5 @@ def test_a_link_inside_a_snapshot_is_refused(snapshots, tmp_path):
     """A link to /dev/zero listed with 0 bytes would make the sha256 check read forever."""
     snapshot = copy_run(snapshots["single"], tmp_path)
     (snapshot / "zeros").symlink_to("/dev/zero")
-    with pytest.raises(SnapshotError, match="holds .*zeros, which is a link or a device, not a plain file"):
+    with pytest.raises(SnapshotError, match="holds .*zeros, which is a symbolic link, not a plain file"):
         checkpoint.verify(snapshot)

@@ -85,7 +85,8 @@ def test_a_schedule_planned_for_the_run_length_refuses_another_length(tmp_path, 
     checkpoint.check_compatible(manifest_of(constant, 100), constant, tmp_path, 150)  # a constant rate may run longer
 
 
-@pytest.mark.parametrize("manifest", ["{}", '{"files": []}', "[1, 2]", '{"world_size": 2, "strategy": "ddp"}', "not json"])
+@pytest.mark.parametrize("manifest", ["{}", '{"files": []}', "[1, 2]", '{"world_size": 2, "strategy": "ddp"}', "not json",
+                                      "[" * 200_000], ids=["{}", "no files", "a list", "a part", "not json", "nested"])
 def test_a_damaged_manifest_is_one_sentence(tmp_path, manifest):
     snapshot = tmp_path / "step-00000003"
     snapshot.mkdir()
@@ -95,6 +96,31 @@ def test_a_damaged_manifest_is_one_sentence(tmp_path, manifest):
     assert str(damaged.value) == f"snapshot {snapshot} has a damaged manifest.json."
     with pytest.raises(SnapshotError, match="no snapshot in .* can be used .*has a damaged manifest.json"):
         checkpoint.find_latest(tmp_path)  # refused, not crashed on, and not taken as "no snapshot: start afresh"
+
+
+def test_a_nested_manifest_in_the_newest_snapshot_is_skipped_by_every_command_and_the_run_resumes_before_it(
+        tmp_path, capsys, monkeypatch):
+    """200 KB of brackets in the newest manifest.json: eval, verify and list printed a RecursionError's traceback,
+    and a resume failed with the raw message instead of taking the intact snapshot before it."""
+    from dptrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "128", "--data.synthetic_test_size", "32",
+           "--train.global_batch_size", "64", "--checkpoint.every_epochs", "1", "--output.name", "r"]
+    assert main([*run, "--train.epochs", "2"]) == 0
+    newest, older = Path("runs/r/checkpoints/step-00000004"), Path("runs/r/checkpoints/step-00000002")
+    (newest / checkpoint.MANIFEST).write_text("[" * 200_000)
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", str(newest)]) == 2
+    assert capsys.readouterr().err == f"dptrain: error: snapshot {newest} has a damaged manifest.json.\n"
+    assert main(["checkpoint", "list", "runs/r"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{newest}  (latest): snapshot {newest} has a damaged manifest.json.",
+        f"{older}: ok: step 2, world size 1, strategy ddp"]
+    assert main(["eval", "--checkpoint", "runs/r"]) == 0
+    assert main([*run, "--train.epochs", "3"]) == 0  # resumed from step 2, step 4 written again
+    assert [e["step"] for e in read_events(Path("runs/r"), "run_start")] == [0, 2]
+    checkpoint.verify(newest)
 
 
 def test_a_manifest_listing_a_file_that_is_gone_is_incomplete(tmp_path):

@@ -26,11 +26,11 @@ SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--da
 @pytest.mark.slow
 def test_max_steps_stops_mid_epoch_and_still_reports_the_partial_epoch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *SMALL, "--train.epochs", "3", "--train.max_steps", "5"]) == 0
-    epochs = read_events(tmp_path / "runs" / "run", "epoch")
+    assert main(["train", *SMALL, "--train.epochs", "3", "--train.max_steps", "5", "--output.name", "r"]) == 0
+    epochs = read_events(tmp_path / "runs" / "r", "epoch")
     assert [(e["epoch"], e["step"], e["train_samples"]) for e in epochs] == [(1, 4, 100), (2, 5, 32)]
     assert all(e["eval_count"] == 30 for e in epochs)
-    assert len(read_events(tmp_path / "runs" / "run", "step")) == 5
+    assert len(read_events(tmp_path / "runs" / "r", "step")) == 5
 
 
 @pytest.mark.slow

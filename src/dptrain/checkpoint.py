@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain import config as config_mod, faults
+from dptrain import config as config_mod, faults, read_back
 from dptrain.config import RunConfig
 from dptrain.data import input_record
 from dptrain.distributed.failures import Phase
@@ -482,12 +482,16 @@ def _first_reason(rows: list[tuple[Path, str]]) -> str:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    """The well-formed manifest of snapshot folder `path`, read up to MANIFEST_MAX_BYTES; OSError if it cannot be read."""
-    with (path / MANIFEST).open("rb") as f:
-        text = f.read(MANIFEST_MAX_BYTES + 1)
-    if len(text) > MANIFEST_MAX_BYTES:
-        raise SnapshotError(f"snapshot {path} has a {MANIFEST} of more than {MANIFEST_MAX_BYTES >> 20} MiB, far more than "
-                            f"any manifest holds; it is damaged.")
+    """The well-formed manifest of snapshot folder `path`, read up to MANIFEST_MAX_BYTES from a regular file
+    (read_back's bounded read: a FIFO there is refused, not waited on); SnapshotError in one sentence where it is
+    damaged (brackets nested thousands deep too: a RecursionError in Python's parser), OSError if it cannot be read."""
+    try:
+        text = read_back.read_bytes(path / MANIFEST, MANIFEST_MAX_BYTES)
+    except read_back.UnreadableFile as exc:
+        if exc.problem.startswith("is larger"):
+            raise SnapshotError(f"snapshot {path} has a {MANIFEST} of more than {MANIFEST_MAX_BYTES >> 20} MiB, far more "
+                                f"than any manifest holds; it is damaged.") from None
+        raise SnapshotError(f"snapshot {path} has a {MANIFEST} that {exc.problem}; it is damaged.") from None
     try:
         manifest = json.loads(text)
         files = manifest["files"]
@@ -495,7 +499,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                        and isinstance(files, dict) and isinstance(manifest["step"], int) and isinstance(manifest["world_size"], int)
                        and all(isinstance(m, dict) and "bytes" in m and "sha256" in m for m in files.values())
                        and _parts_well_formed(manifest.get("parts", {})))
-    except (ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
+    except (ValueError, KeyError, TypeError, RecursionError):  # ValueError: not JSON, or not UTF-8
         well_formed = False
     if not well_formed:
         raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.")
@@ -542,19 +546,22 @@ def _verify(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise SnapshotError(f"snapshot {path} is a file, not a snapshot folder; give a snapshot folder that "
                             f"dptrain checkpoint list shows as ok.")
-    if not (path / MANIFEST).is_file():
+    if not (path / MANIFEST).exists():  # a FIFO there is no missing manifest: _read_manifest says what it is
         raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
     try:
         check_private(path, "snapshot")
         manifest = _read_manifest(path)
         listed = set(manifest["files"])
-        present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+        present = {str(p.relative_to(path)) for p in path.rglob("*") if p.exists() and not p.is_dir()} - {MANIFEST}
         for name in sorted(listed - present):
             raise SnapshotError(f"snapshot {path} lacks {name}: it is incomplete.")
         for name in sorted(present - listed):
             raise SnapshotError(f"snapshot {path} holds {name}, which its manifest does not list; it was changed after it was written.")
         for name, meta in sorted(manifest["files"].items()):
             file = path / name
+            kind = read_back.special_kind(file.stat().st_mode)
+            if kind is not None:  # hashing a FIFO would wait for ever, a device never end
+                raise SnapshotError(f"snapshot {path} has a {name} that is {kind}, not a regular file; it is damaged.")
             if file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
                 raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
         metadata = read_metadata(path) if ".metadata" in listed else None
@@ -736,7 +743,7 @@ def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
 
 def find_snapshot(path: Path) -> Path:
     """A snapshot folder as given, or the newest valid one of a run directory."""
-    if (path / MANIFEST).is_file():
+    if (path / MANIFEST).exists():  # whatever it is: verify says what is wrong with it
         return path
     snapshots = RunFolder(path).checkpoints
     found = find_latest(snapshots) if snapshots.is_dir() else None

@@ -4,13 +4,13 @@ launching in launch/).
     $ dptrain train --nproc-per-node 2 --train.epochs 3 --optim.lr 3e-4
     $ dptrain train --config run.toml --strategy.name single
     $ dptrain train --nproc-per-node 2 -- my_train.py --epochs 5     (a script of yours, as torchrun starts it)
-    $ dptrain eval --checkpoint runs/run --nproc-per-node 2
-    $ dptrain checkpoint list runs/run
+    $ dptrain eval --checkpoint runs/fashion-mnist_mnist-cnn_ddp --nproc-per-node 2
+    $ dptrain checkpoint list runs/fashion-mnist_mnist-cnn_ddp
     $ dptrain config --optim.lr 3e-4 > run.toml
     $ dptrain submit --nodes 2 --gpus-per-node 4 --time 02:00:00 --partition gpu --config run.toml
     $ dptrain submit --nodes 2 --gres gpu:4 -- my_train.py --epochs 5     (a script of yours, one torchrun per node)
-    $ dptrain tensorboard runs/run
-    $ dptrain card runs/run
+    $ dptrain tensorboard runs/fashion-mnist_mnist-cnn_ddp
+    $ dptrain card runs/fashion-mnist_mnist-cnn_ddp
     $ dptrain doctor --nnodes 2 --node-rank 0 --master-addr node0 --config run.toml
     $ dptrain doctor --slurm --config run.toml     (as a job on the [slurm] table's nodes)
     $ dptrain bench ...; dptrain report ...     (the measuring lab's commands, from dptrain_bench: see its cli.py)
@@ -37,8 +37,9 @@ from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, 
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.launch.rendezvous import rendezvous_times
-from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_predictions_path, preflight, preflight_job,
-                              resolve_batch, snapshot_and_its_run)
+from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_output_dir, check_predictions_path,
+                              given_options, named_after_its_experiment, preflight, preflight_job, resolve_batch,
+                              snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -49,10 +50,14 @@ USER_ERRORS = (ConfigError, DataError, LaunchError, SnapshotError, WorkerFailure
 
 
 def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
+    """The configuration of train, config and doctor: the file, the overrides, the strategy's own file's settings, and
+    the run's name where none was given."""
     overrides = split_overrides(extra)
     if args.nproc_per_node is not None:
         overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
-    return adopt_strategy_settings(config_mod.load(args.config, overrides), args.config, overrides)
+    cfg = config_mod.load(args.config, overrides)
+    given = given_options(args.config, overrides)
+    return named_after_its_experiment(adopt_strategy_settings(cfg, given), given)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
@@ -110,6 +115,7 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.doctor.command import run_doctor, run_doctor_job
 
     cfg = resolve_config(args, extra)
+    check_output_dir(cfg.output.run_dir)  # doctor.json goes there (and the doctor's job with --slurm)
     if args.slurm:
         given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "master_addr", "master_port",
                                                               "rdzv_endpoint") if getattr(args, name) is not None]
@@ -137,7 +143,8 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         user_script.refuse_options_of_the_trainer(overrides)
     pairs = [*overrides, *submit_overrides(args), *sbatch_name_pairs(args)]
     if script is None:
-        cfg = adopt_strategy_settings(config_mod.load(args.config, pairs), args.config, pairs)
+        given = given_options(args.config, pairs)
+        cfg = named_after_its_experiment(adopt_strategy_settings(config_mod.load(args.config, pairs), given), given)
     else:  # the strategy's files are the trainer's, which this job does not run
         cfg = config_mod.load(args.config, pairs)
     lines = job_lines(args)
@@ -150,6 +157,8 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     if script is not None:
         cfg = user_command.named_after(cfg, script, pairs)
     job = slurm_job.job_for(cfg, workdir, **job_files(args))
+    if script is not None:  # its logs/ and job.sbatch go there (the trainer's job: preflight_job checks it below)
+        check_output_dir(job.run_dir)
     if script is None:
         # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch`
         # trains N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)
@@ -386,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start TensorBoard on 127.0.0.1 over the runs' tb/ folders, reloading every second, and print its "
         "URL and the ssh command that reaches it from a laptop. Runs until Ctrl-C.",
     )
-    board.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, such as runs/run")
+    board.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                       help="run directories, such as runs/fashion-mnist_mnist-cnn_ddp")
     board.add_argument("--port", type=int, help="the port to listen on (default: a free one)")
     board.set_defaults(func=cmd_tensorboard)
     doctor = sub.add_parser(
@@ -411,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write RUN_DIR/report/report.md with its plots (configuration, environment, curves, throughput, "
         "communication, memory, starts and snapshots) from the run's own files, offline; prints its path.",
     )
-    card.add_argument("run_dir", metavar="RUN_DIR", help="a run's folder, such as runs/run")
+    card.add_argument("run_dir", metavar="RUN_DIR", help="a run's folder, such as runs/fashion-mnist_mnist-cnn_ddp")
     card.set_defaults(func=cmd_card)
     add_plugin_commands(sub)
     return parser

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from dptrain import config as config_mod, spellings
 from dptrain.config import SlurmConfig
 from dptrain.errors import ConfigError
+from dptrain.slurm.sbatch_lines import ONE_WORD, SbatchOption, check_sbatch_option
 
 
 def split_overrides(extra: list[str]) -> list[tuple[str, str]]:
@@ -182,8 +183,12 @@ def sbatch_name_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
 def with_sbatch_names(args: argparse.Namespace, slurm: SlurmConfig) -> SlurmConfig:
     """slurm with the sbatch names given applied: a value per task (--cpus-per-task C) as C times the tasks per node,
     and those dptrain has no option for as #SBATCH lines after slurm.sbatch's (gres=gpu:4, nodelist=dgx01)."""
-    lines = tuple(f"{option.name}={getattr(args, option.dest)}" for option in SBATCH_NAMES
-                  if option.becomes == AS_GIVEN and getattr(args, option.dest, None) is not None)
+    given = [(option.name, getattr(args, option.dest)) for option in SBATCH_NAMES
+             if option.becomes == AS_GIVEN and getattr(args, option.dest, None) is not None]
+    for name, value in given:  # checked here, where the option's own name is known (slurm.sbatch's names the line)
+        check_sbatch_option(SbatchOption(f"--{name}={value}", f"--{name} {value!r}",
+                                         f"give --{name} one word, {ONE_WORD}"))
+    lines = tuple(f"{name}={value}" for name, value in given)
     if lines:  # first: GPUs asked for as given (--gres gpu:4) decide the ranks, and so the tasks, per node
         slurm = dataclasses.replace(slurm, sbatch=(*slurm.sbatch, *lines))
     for option in SBATCH_NAMES:

@@ -18,7 +18,7 @@ from dptrain.data.catalog import DATASETS, locate
 from dptrain.data.sharding import num_batches
 from dptrain.distributed.env import Nodes
 from dptrain.distributed.world import pick_backend
-from dptrain.errors import ConfigError, DataError
+from dptrain.errors import ConfigError, DataError, SnapshotError
 from dptrain.models import build_model
 from dptrain.runtime import wants_cuda
 from dptrain.schedule import peak_lr, warmup_warning
@@ -27,7 +27,9 @@ from dptrain.strategies import STRATEGIES
 
 def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Nodes | None = None) -> str:
     """The checks that need data and model, then a summary of the run; raises ConfigError (or DataError,
-    SnapshotError) with one sentence if the run would fail. nodes: the run's nodes, for a run over several."""
+    SnapshotError) with one sentence if the run would fail, but for the snapshot it would resume from: a resume it
+    would refuse (another experiment's snapshot, none whole) is what the run would do, and the summary says so on its
+    resume line. nodes: the run's nodes, for a run over several."""
     info = describe(cfg.data)
     strategy = STRATEGIES[cfg.strategy.name]
     data_world = strategy.data_world_size(cfg.strategy, world_size)
@@ -36,7 +38,10 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
     present = _data_present(cfg)
     model, batch_shape = _forward_one_batch(cfg, data_world, present)
     parameters = sum(p.numel() for p in model.parameters())
-    resume = _resume_plan(cfg, total_steps)
+    try:
+        resume = _resume_plan(cfg, total_steps)
+    except (ConfigError, SnapshotError) as exc:  # what the run would do: stop there; the dry run says so, and ends well
+        resume = f"refused, so the run would stop before its first step: {exc}"
     on_cuda = wants_cuda(cfg.launch.device)
     device = "cuda:<local rank>" if on_cuda else "cpu"
     if launched_outside:
@@ -67,7 +72,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         *_strategy_file_lines(cfg),
         f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/"
         + (", model.pt)" if cfg.output.weights == cfg.output.run_dir / "model.pt" else f"); the final weights to "
-           f"{cfg.output.weights}"),
+           f"{cfg.output.weights}") + ("; they replace the earlier final weights there" if cfg.output.weights.exists()
+                                       else ""),
         f"  resume     {resume}",
     ]
     warning = warmup_warning(cfg, total_steps)

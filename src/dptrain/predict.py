@@ -1,6 +1,6 @@
 """Class probabilities for new inputs: what they must look like, how they are read, shared out and written.
 
-    $ dptrain predict --checkpoint runs/run --input new.npy --nproc-per-node 2 --output predictions.csv
+    $ dptrain predict --checkpoint runs/fashion-mnist_mnist-cnn_ddp --input new.npy --nproc-per-node 2 --output predictions.csv
 
 A snapshot's manifest records, under "input", what the model was trained on: image shape [C, H, W],
 the per-channel mean and std of the normalisation, the number of classes and the dataset's name.
@@ -35,6 +35,7 @@ from dptrain.data.sharding import num_batches, rank_batch_positions
 from dptrain.data.spec import Normalise
 from dptrain.errors import ConfigError, DataError
 from dptrain.files import check_replaceable, written_whole
+from dptrain.read_back import NotRegularFile, open_regular, special_kind
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 IMAGE_FORMATS = ["PNG", "JPEG"]  # the Pillow decoders predict uses: never EPS (Ghostscript) or others, whatever the suffix
@@ -86,39 +87,6 @@ def snapshot_input(manifest: dict[str, Any], cfg: RunConfig, snapshot: Path) -> 
 
 
 # ---------------------------------------------------------------- inputs
-
-
-class NotRegularFile(OSError):
-    """The path is a FIFO, device, socket or folder: opening or reading it could block for ever or never end."""
-
-
-def special_kind(mode: int) -> str | None:
-    """What a stat mode names, where it is not a regular file; None for a regular file."""
-    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
-    if stat.S_ISREG(mode):
-        return None
-    return next((kind for is_kind, kind in kinds if is_kind(mode)), "not a file")
-
-
-def open_regular(path: Path) -> BinaryIO:
-    """path opened for binary reading if it is a regular file (NotRegularFile otherwise; OSError if it cannot be opened).
-
-    Checked before the open (opening a device can have effects of its own) and again on the open file, for a path
-    swapped since; O_NONBLOCK makes that open of a swapped-in FIFO return at once instead of waiting for a writer."""
-    kind = special_kind(os.stat(path).st_mode)
-    if kind is not None:
-        raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        kind = special_kind(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", str(path))
-        os.set_blocking(fd, True)  # a regular file, read as usual from here
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def resolve_input(raw: str) -> Path:

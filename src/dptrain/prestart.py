@@ -10,17 +10,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
 from dptrain import checkpoint, config as config_mod
-from dptrain.config import LaunchConfig, RunConfig, StrategyConfig, TrainConfig
+from dptrain.config import LaunchConfig, OutputConfig, RunConfig, StrategyConfig, TrainConfig
 from dptrain.data import describe
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError, UnsafeFileError
 from dptrain.files import check_replaceable
 from dptrain.imports import import_object
 from dptrain.models import check_input
+from dptrain.read_back import open_regular, special_kind
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import wants_cuda
 from dptrain.safe_load import check_private_file
@@ -42,7 +44,7 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
     if job_on_cuda is None:
         check_backend(cfg.launch.backend, on_cuda)
     check_output_dir(cfg.output.run_dir)
-    check_weights_file(cfg.output.weights)
+    check_weights_file(cfg.output)
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
@@ -98,20 +100,55 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
                     torch_version=str(torch.__version__))
 
 
-def adopt_strategy_settings(cfg: RunConfig, config_path: str | None, pairs: list[tuple[str, str]]) -> RunConfig:
-    """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
-    tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
-    nor the command line sets; cfg itself where the strategy has none."""
-    from dptrain.strategies import STRATEGIES  # imports torch: only once a run is wanted
-
+def given_options(config_path: str | None, pairs: list[tuple[str, str]]) -> set[str]:
+    """The options the --config file or the command line's --section.option pairs set, by dotted name (load() has
+    read and checked the file already)."""
     given = {key for key, _ in pairs}
-    if config_path is not None:  # load() has read and checked it already
+    if config_path is not None:
         def names(table: dict[str, Any], prefix: str) -> list[str]:
             return [n for key, value in table.items()
                     for n in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
         given |= set(names(config_mod.read_toml(Path(config_path), f"config file {config_path}"), ""))
+    return given
+
+
+def adopt_strategy_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
+    tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
+    nor the command line sets (given_options); cfg itself where the strategy has none."""
+    from dptrain.strategies import STRATEGIES  # imports torch: only once a run is wanted
+
     return STRATEGIES[cfg.strategy.name].adopt_settings(cfg, given)
+
+
+def named_after_its_experiment(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """cfg with its run folder named after its experiment (config.experiment_name: runs/fashion-mnist_mnist-cnn_ddp),
+    where neither output.name nor output.dir was given: the same command finds its folder again and resumes, and a
+    new experiment (another dataset, model, strategy or option a resume must keep) starts afresh in a folder of its
+    own, instead of being refused by the snapshot of the last one. A runs/run of an earlier dptrain (whose default
+    name that was) holding the same experiment is kept: the same command goes on resuming there."""
+    if {"output.name", "output.dir"} & given:
+        return cfg
+    name = config_mod.experiment_name(cfg)
+    earlier = RunFolder(dataclasses.replace(cfg.output, name=OutputConfig().name).run_dir)
+    if _holds_the_same_experiment(earlier, cfg):
+        log.info("%s holds this experiment, written by an earlier dptrain: the run goes on there (it would be named "
+                 "%s now)", earlier.root, name)
+        name = OutputConfig().name
+    return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=name))
+
+
+def _holds_the_same_experiment(folder: RunFolder, cfg: RunConfig) -> bool:
+    """Whether folder's config.toml is that of a run with cfg's options a resume must keep (nothing where it is
+    missing, unreadable, or of options this dptrain does not know)."""
+    if not folder.config.exists():
+        return False
+    try:
+        theirs = config_mod.load(folder.config)
+    except (ConfigError, OSError):
+        return False
+    return config_mod.fixed_at_resume(theirs) == config_mod.fixed_at_resume(cfg)
 
 
 def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -181,6 +218,11 @@ def check_output_dir(run_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
                           f"choose another --output.dir, or fix its permissions.")
+    if existing == run_dir and _has_entries(run_dir) and not RunFolder(run_dir).holds_a_run():
+        # `--output.dir /etc -- script.py` made /etc/logs/launcher.log; a run would have written config.toml there
+        raise ConfigError(f"the run directory {run_dir} holds files but no run of dptrain's (none of config.toml, "
+                          f"metrics.jsonl, logs/, checkpoints/, ...); choose a new or empty folder, or an earlier run's, "
+                          f"with another --output.dir or --output.name.")
     # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
     # checkpoints/ cost the steps before it, and 2 workers printed 15 lines of C++ frames around the sentence.
     for path, folder in RunFolder(run_dir).written_by_a_run():
@@ -189,17 +231,45 @@ def check_output_dir(run_dir: Path) -> None:
         if path.is_dir() != folder:
             raise ConfigError(f"{path} is a {'file' if folder else 'folder'} where the run keeps its "
                               f"{'folder' if folder else 'file'}; move it away, or choose another --output.dir.")
+        kind = None if folder else special_kind(path.stat().st_mode)
+        if kind is not None:  # metrics.jsonl, appended to: a FIFO there held the run at its open for ever
+            raise ConfigError(f"{path} is {kind} where the run keeps its file; move it away, or choose another "
+                              f"--output.dir.")
         if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
             raise ConfigError(f"{path} is not writable for you, and the run writes there; fix its permissions, or "
                               f"choose another --output.dir.")
 
 
-def check_weights_file(path: Path) -> None:
-    """The final weights' file (output.weights_dir/weights_file) can be written at the run's end: not a folder, in a
-    folder this user can write in or make (the run makes it). Found there, a bad path cost the whole run's training."""
+def _has_entries(folder: Path) -> bool:
+    """Whether folder holds anything (a folder that cannot be listed is left to the writes that follow)."""
+    try:
+        with os.scandir(folder) as entries:
+            return next(entries, None) is not None
+    except OSError:
+        return False
+
+
+def check_weights_file(output: OutputConfig) -> None:
+    """The final weights' file (output.weights_dir/weights_file) can be written at the run's end: none of the run
+    folder's own files or folders (--model_filename config.toml replaced the run's configuration with the weights;
+    checkpoints made the final snapshot fail), not a folder, no file of the user's but earlier final weights (as
+    predict and export replace none), in a folder this user can write in or make (the run makes it). Found there, a
+    bad path cost the whole run's training."""
+    path = output.weights
+    kept = RunFolder(output.run_dir).keeps(path)
+    if kept is not None:
+        own, what = kept
+        if own.resolve() == path.resolve():
+            raise ConfigError(f"output.weights_file {path.name} would put the final weights in place of {own}, the run's "
+                              f"{what}; give another --output.weights_file, such as model.pt.")
+        raise ConfigError(f"the final weights' file {path} lies in {own}, where the run keeps its {what}; give another "
+                          f"--output.weights_dir.")
     if path.is_dir():
         raise ConfigError(f"the final weights' file {path} is a folder; give another --output.weights_file, or "
                           f"another --output.weights_dir.")
+    if (path.exists() or path.is_symlink()) and not is_final_weights(path):
+        raise ConfigError(f"the final weights' file {path} already exists and holds no weights that torch.save wrote, "
+                          f"so the run would destroy it; give another --output.weights_file, or move that file away.")
     existing = path.parent
     while not existing.exists():
         existing = existing.parent
@@ -209,6 +279,16 @@ def check_weights_file(path: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced whole: its folder is what is written
         raise ConfigError(f"the final weights cannot be written to {path}: {existing} is not writable for you; give "
                           f"another --output.weights_dir, or fix its permissions.")
+
+
+def is_final_weights(path: Path) -> bool:
+    """Whether path is a regular file (after links) that torch.save wrote: a zip archive with a data.pkl, as the
+    final weights are (an earlier run's, which the same command replaces); read without unpickling anything."""
+    try:
+        with open_regular(path) as file, zipfile.ZipFile(file) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):  # NotRegularFile (a FIFO, a device) too
+        return False
 
 
 def preflight_job(cfg: RunConfig, world_size: int) -> None:
@@ -228,7 +308,7 @@ def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers:
     before any worker starts."""
     snapshot = checkpoint.find_snapshot(given)
     saved = RunFolder(snapshot.parent.parent).config
-    if not saved.is_file():
+    if not saved.exists():  # a FIFO or a device there is not missing: check_private_file says what it is
         raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
                           f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
     try:  # it names the data and the model (even code to import): it is as much input from others as the snapshot

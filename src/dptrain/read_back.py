@@ -11,12 +11,13 @@ is not what dptrain writes is refused in one sentence (UnreadableFile) that name
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, BinaryIO, Callable, TypeVar
 
 from dptrain.errors import ConfigError
 
@@ -47,34 +48,66 @@ class BadValue(ValueError):
 ADVICE = "delete it, or give another folder"
 
 
+class NotRegularFile(OSError):
+    """The path is a FIFO, a device, a socket or a folder (after links): opening or reading it could block for ever or
+    never end. strerror says what it is: 'a FIFO, not a regular file'."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", str(path))
+        self.kind = kind
+
+
+def special_kind(mode: int) -> str | None:
+    """What a stat mode names, where it is not a regular file ('a FIFO', 'a character device'); None for a regular
+    file."""
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for is_kind, kind in kinds if is_kind(mode)), "not a file")
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """path opened for binary reading if it is a regular file, after links (NotRegularFile otherwise; FileNotFoundError
+    or another OSError if it cannot be opened): the one way dptrain opens a file that others may have put there.
+
+    Checked before the open (opening a device can have effects of its own) and again on the open file, for a path
+    swapped since; O_NONBLOCK makes that open of a swapped-in FIFO return at once instead of waiting for a writer."""
+    kind = special_kind(os.stat(path).st_mode)
+    if kind is not None:
+        raise NotRegularFile(path, kind)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        kind = special_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise NotRegularFile(path, kind)
+        os.set_blocking(fd, True)  # a regular file, read as usual from here
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def not_regular_problem(exc: NotRegularFile) -> str:
+    """The phrase an UnreadableFile (or a caller's own sentence) says of a path that is no regular file."""
+    return "is a folder, not a file" if exc.kind == "a folder" else f"is {exc.kind}, not a regular file"
+
+
 def read_bytes(path: Path, limit: int = SMALL_BYTES, advice: str = ADVICE, *, cut: bool = False) -> bytes:
     """The bytes of a regular file of at most `limit` bytes (cut: its first `limit` bytes, however large it is).
     FileNotFoundError passes through (a missing file is often no fault: the caller words it); anything else that is
     not such a file is UnreadableFile, whose sentence ends with `advice`."""
     try:
-        # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer, then fails the regular-file check below
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open_regular(path) as file:
+            data = file.read(limit if cut else limit + 1)
     except FileNotFoundError:
         raise
+    except NotRegularFile as exc:
+        raise UnreadableFile(path, not_regular_problem(exc), advice) from None
     except IsADirectoryError:
         raise UnreadableFile(path, "is a folder, not a file", advice) from None
     except OSError as exc:
         raise UnreadableFile(path, f"cannot be read ({exc.strerror or type(exc).__name__})", advice) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise UnreadableFile(path, "is a folder, not a file", advice)
-        if not stat.S_ISREG(mode):
-            raise UnreadableFile(path, "is a device, a FIFO or a socket, not a regular file",
-                                 advice)
-        with os.fdopen(fd, "rb", closefd=True) as file:
-            fd = -1
-            data = file.read(limit if cut else limit + 1)
-    except OSError as exc:
-        raise UnreadableFile(path, f"cannot be read ({exc.strerror or type(exc).__name__})", advice) from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
     if len(data) > limit:
         raise UnreadableFile(path, f"is larger than {_size(limit)}, far more than dptrain writes there", advice)
     return data

@@ -14,6 +14,7 @@
       job.toml        the configuration as given to `dptrain submit`, which the job trains from
       report/         the run's card, report.md and its plots (`dptrain card`)
       doctor.json     what `dptrain doctor` checked and found, node 0's table as data
+      doctor-job/     the job `dptrain doctor --slurm` submits: its script, config and output
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class RunFolder:
         return self.root / "doctor.json"
 
     @property
+    def doctor_job(self) -> Path:
+        return self.root / "doctor-job"
+
+    @property
     def launcher_log(self) -> Path:
         return self.logs / "launcher.log"
 
@@ -90,3 +95,31 @@ class RunFolder:
     def written_by_a_run(self) -> tuple[tuple[Path, bool], ...]:
         """(path, whether it is a folder) of what a run writes into or appends to, rather than replaces whole."""
         return ((self.checkpoints, True), (self.logs, True), (self.tb, True), (self.metrics, False))
+
+    def own_names(self) -> dict[Path, tuple[str, bool]]:
+        """Every file and folder of the run named here but the final weights -> (what the run keeps there, whether it
+        is a folder)."""
+        return {self.config: ("configuration", False), self.env: ("environment record", False),
+                self.metrics: ("metrics", False), self.logs: ("logs", True), self.checkpoints: ("snapshots", True),
+                self.tb: ("TensorBoard files", True), self.job_script: ("job script", False),
+                self.job_config: ("job's configuration", False), self.report: ("card", True),
+                self.doctor: ("doctor's report", False), self.doctor_job: ("doctor's job", True)}
+
+    def holds_a_run(self) -> bool:
+        """Whether the folder holds something a run (or submit, or the doctor) makes there: one of its own names, or
+        model.pt; a folder of other files (/etc, a project's folder) is no run's to adopt."""
+        return any(p.exists() or p.is_symlink() for p in (*self.own_names(), RunFolder(self.root).model))
+
+    def keeps(self, path: Path) -> tuple[Path, str] | None:
+        """(the run folder's own file or folder, what the run keeps there) where path is it, lies inside it, or is the
+        run directory itself ((root, "directory")); None where path is none of the run's own (the final weights'
+        file, a file of the user's). Paths compare resolved: runs/run/../run/config.toml is config.toml."""
+        target = path.resolve()
+        if target == self.root.resolve():
+            return self.root, "directory"
+        for own, (what, folder) in self.own_names().items():
+            mine = own.resolve()
+            if target == mine or (folder and mine in target.parents):
+                return own, what
+        return None
+

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from dptrain.errors import UnsafeFileError
+from dptrain.read_back import special_kind
 
 
 def check_private(folder: Path, what: str) -> None:
@@ -43,7 +44,7 @@ def check_private_file(path: Path, what: str) -> None:
     problem = _not_private(path, plain=True)
     if problem is not None:
         kind, wrong = problem
-        sentence = {"link": f"{what} {path} is a link or a device, not a plain file; it is not read.",
+        sentence = {"link": f"{what} {path} is {wrong.removeprefix('which is ')}; it is not read.",
                     "owner": f"{what} {path} is {wrong}; a file written by someone else could change what is loaded or "
                              f"run code, so it is not read.",
                     "mode": f"{what} {path} is a file {wrong}; if you trust it, run 'chmod go-w {path}', else do not "
@@ -56,7 +57,8 @@ def _not_private(path: Path, plain: bool) -> tuple[str, str] | None:
     info = path.lstat()
     me = os.geteuid()
     if plain and not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-        return "link", "which is a link or a device, not a plain file"
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else special_kind(info.st_mode)
+        return "link", f"which is {kind}, not a plain file"
     if info.st_uid != me:
         return "owner", f"owned by user id {info.st_uid}, not by you ({me})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):

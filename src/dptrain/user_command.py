@@ -78,8 +78,8 @@ def refuse_trainer_options(pairs: list[tuple[str, str]], sections: tuple[str, ..
 
 
 def named_after(cfg: RunConfig, script: UserScript, pairs: list[tuple[str, str]]) -> RunConfig:
-    """cfg with its run folder runs/<the script's name> (runs/my_train, not runs/run), where no --output.* option
-    and no file's [output] table chose another."""
+    """cfg with its run folder runs/<the script's name> (runs/my_train, not one named after the trainer's options,
+    which a script does not take), where no --output.* option and no file's [output] table chose another."""
     if any(key.startswith("output.") for key, _ in pairs) or cfg.output.dir is not None or \
             cfg.output.name != OutputConfig().name:
         return cfg

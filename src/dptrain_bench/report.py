@@ -63,7 +63,7 @@ def load_rows(bench_dir: Path, write: bool = True) -> tuple[list[dict[str, Any]]
     if not bench_dir.is_dir():
         raise ConfigError(f"{bench_dir} does not exist; give the --output.dir of a `dptrain bench` sweep.")
     results = BenchFolder(bench_dir).results
-    if results.is_file():
+    if results.exists():  # a FIFO or a device there is refused by read_results as what it is, not rebuilt over
         rows, left_out = read_results(results)
         if left_out:
             several = len(left_out) > 1  # report.md, when there is one to write, lists every one of them
@@ -93,7 +93,7 @@ def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | Non
                           f"more epochs than warm-up ones.")
     if not summary:
         raise ConfigError(f"{bench_dir} holds no finished runs (no results.csv, and no run under {bench_dir / 'runs'} "
-                          f"ended); run `dptrain bench --output.dir {bench_dir}` first.")
+                          f"ended); run `dptrain bench sweep --output.dir {bench_dir}` first.")
     lines, notes, links = scaling_lines(bench_dir, rows, link, fitted_on)  # a bad --link or --fitted-on: nothing written
     folder = BenchFolder(bench_dir)
     write_csv(folder.summary, SUMMARY_COLUMNS, summarize(rows))

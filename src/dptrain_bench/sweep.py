@@ -494,7 +494,7 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
     run_dir = sweep.run_dir(point)
     if run_dir.exists():
         shutil.rmtree(run_dir)  # half done: a fresh start, never a resume from a partial run
-    run_dir.mkdir(parents=True)
+    RunFolder(run_dir).logs.mkdir(parents=True)  # a run's folder, which `dptrain train --output.dir` takes as one
     command = train_command(sweep, point, run_dir)
     # the command's output as it runs (tail -f), so not written whole; the folder was made afresh just above
     with (run_dir / LOG_FILE).open("w") as out:

@@ -16,7 +16,31 @@ from dptrain.strategies import check_world, data_world_size
 def test_defaults_are_the_readme_main_job():
     cfg = config.load()
     assert (cfg.data.name, cfg.model.name, cfg.strategy.name) == ("fashion-mnist", "mnist-cnn", "ddp")
-    assert cfg.output.run_dir == Path("runs/run")
+    assert config.experiment_name(cfg) == "fashion-mnist_mnist-cnn_ddp"  # train's run folder: runs/<this>
+
+
+def test_the_default_run_name_says_which_experiment_and_changes_with_every_option_a_resume_keeps():
+    """One runs/run for every experiment: a small synthetic run's snapshot refused even the dry run of the next
+    experiment. The name now changes with what a resume must keep, and with nothing else."""
+    def name(*pairs):
+        return config.experiment_name(config.load(None, list(pairs)))
+
+    base = name()
+    assert name(("data.name", "synthetic")) == "synthetic_mnist-cnn_ddp"
+    assert name(("strategy.name", "fsdp"), ("model.name", "cifar-cnn")) == "fashion-mnist_cifar-cnn_fsdp"
+    assert name(("model.name", "tests.user_code:TinyNet")) == "fashion-mnist_tests.user_code-TinyNet_ddp"
+    for pair in (("train.epochs", "9"), ("train.max_steps", "7"), ("data.root", "Data"), ("launch.nproc_per_node", "4"),
+                 ("checkpoint.every_steps", "10"), ("optim.lr", str(OptimConfig().lr)), ("train.log_every", "3")):
+        assert name(pair) == base, pair  # the same run: a resume may change these
+    changed = {pair: name(pair) for pair in (("optim.lr", "0.01"), ("train.seed", "3"), ("train.global_batch_size", "64"),
+                                             ("strategy.ddp.comm_hook", "fp16"), ("train.batch_size_per_rank", "64"))}
+    for pair, other in changed.items():
+        assert other.startswith(base + "_") and len(other) == len(base) + 9, (pair, other)  # _ and 8 hex digits
+    assert len(set(changed.values())) == len(changed)
+    assert name(("optim.lr", "0.01"), ("train.epochs", "5")) == changed["optim.lr", "0.01"]
+    long = name(("data.name", "tests.user_code:" + "D" * 80), ("model.name", "tests.user_code:" + "M" * 80),
+                ("optim.lr", "0.5"))
+    assert len(long) == 100 and config.OutputConfig(name=long).name == long  # a valid run name, cut to fit
 
 
 def test_toml_then_overrides_take_precedence(tmp_path):
@@ -292,8 +316,12 @@ def test_every_option_has_a_docstring_and_a_default_that_reads_back():
     """--help is generated from these; a new option without a docstring fails here."""
     listed = {f"{o.section}.{o.name}": o for o in config.options()}
     assert set(listed) == set(leaf_options(RunConfig, ""))
+    made = {"output.name": "DATA_MODEL_STRATEGY[_HASH]"}  # shown as what a run gets, which train makes for it
     for key, option in listed.items():
         assert option.doc.strip(), f"{key} has no docstring"
+        if key in made:
+            assert option.default == made[key], key
+            continue
         assert config.load(None, [(key, option.default)]) == RunConfig(), key  # the shown default is the default
 
 
@@ -332,8 +360,8 @@ def _refusal(path) -> str:
 
 def test_a_config_file_that_is_no_small_text_file_is_one_sentence(tmp_path):
     # /dev/zero was read until memory ran out (7 GB); a folder and a binary file gave tracebacks.
-    assert _refusal("/dev/zero") == ("config file /dev/zero is a device, a FIFO or a socket, not a regular file; check "
-                                     "that the path names the right file.")
+    assert _refusal("/dev/zero") == ("config file /dev/zero is a character device, not a regular file; check that the "
+                                     "path names the right file.")
     big = tmp_path / "big.toml"
     big.write_text("# padding\n" * (config.MAX_CONFIG_BYTES // 10) + "[optim]\nlr = 0.1\n")
     assert "is larger than 1 MiB" in _refusal(big)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -229,3 +230,17 @@ def test_load_negative_cifar_labels_are_corrupt(tmp_path):
     write_cifar_batch(folder / "test_batch", np.zeros((3, 3, 32, 32), np.uint8), [0, -1, 2])
     with pytest.raises(DataError, match=r"test labels in .* range over -1\.\.2 but cifar10 has classes 0\.\.9"):
         load(DataConfig(name="cifar10", root=str(tmp_path)))
+
+
+def test_fifos_named_as_the_dataset_files_are_one_sentence_not_a_hang(tmp_path):
+    """`mkfifo` the four IDX names under --data.root: `dptrain train` waited for ever, printing nothing."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "data").mkdir()
+    for stem in IDX_STEMS:
+        os.mkfifo(tmp_path / "data" / stem)
+    done = run_cli(["train", "--data.name", "mnist", "--data.root", "data"], tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"dptrain: error: {Path('data') / IDX_STEMS[1]} is a FIFO, not a regular "
+                                                f"file; put the dataset's own file there, or give another --data.root."]
+    assert not (tmp_path / "runs").exists()  # refused before anything was written

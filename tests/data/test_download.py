@@ -344,3 +344,15 @@ def test_downloaded_files_follow_the_umask_not_0600(tmp_path, file_server):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_fifo_in_place_of_a_file_to_download_is_one_sentence_not_a_hang(tmp_path):
+    """The md5 of a file already there was read with a plain open: a FIFO in its place held the download for ever."""
+    from .test_formats import returns_within
+
+    target = tmp_path / "train-images-idx3-ubyte.gz"
+    os.mkfifo(target)
+    error = returns_within(lambda: download.fetch(tmp_path, [(target.name, "0" * 32)], ["http://127.0.0.1:9/"]))
+    assert isinstance(error, DataError) and str(error) == (f"{target} is a FIFO, not a regular file; put the dataset's "
+                                                           f"own file there, or give another --data.root.")
+    assert target.is_fifo()  # left as it was

@@ -7,6 +7,7 @@ import os
 import codecs
 import pickle
 import struct
+import threading
 import tracemalloc
 import zlib
 
@@ -507,3 +508,41 @@ def test_read_cifar_admits_only_the_calls_protocol_2_writes(tmp_path, call):
     assert "refusing to call" in assert_names_file(info, path)
 
 
+
+
+# ---------------------------------------------------------------- what is no regular file
+
+def returns_within(call, seconds: float = 30.0):
+    """call()'s outcome (its value or the exception it raised), from a thread: a read that blocks on a FIFO or runs
+    on through a device never returns, and the bound says so instead of hanging the suite."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # noqa: BLE001 - the test inspects whatever came out
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"{call} did not return within {seconds:g} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("reader, name, planted", [
+    (lambda path: read_idx(path, 3), "train-images-idx3-ubyte", "fifo"),
+    (lambda path: read_idx(path, 1), "t10k-labels-idx1-ubyte.gz", "link to /dev/zero"),
+    (read_cifar_batch, "data_batch_1", "fifo"),  # (not /dev/zero: before the fix it read on until memory ran out)
+], ids=["idx fifo", "idx link to /dev/zero", "cifar fifo"])
+def test_a_dataset_file_that_is_no_regular_file_is_refused_without_waiting_on_it(tmp_path, reader, name, planted):
+    # A FIFO named as a dataset file hung `dptrain train` and `dptrain doctor` for ever (the open waited for a writer).
+    path = tmp_path / name
+    if planted == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    error = returns_within(lambda: reader(path))
+    kind = "a FIFO" if planted == "fifo" else "a character device"
+    assert isinstance(error, DataError) and str(error) == (f"{path} is {kind}, not a regular file; put the dataset's own "
+                                                           f"file there, or give another --data.root.")

@@ -122,6 +122,52 @@ def test_a_dataset_missing_or_different_on_one_node_fails_naming_the_file():
     assert by_name(judge(findings))["dataset on every node"].status == "warn"
 
 
+
+IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def planted_dataset(root: Path, planted: str) -> None:
+    """The four IDX names under root, each a real FIFO or a link to /dev/zero."""
+    root.mkdir(parents=True)
+    for name in IDX_NAMES:
+        os.mkfifo(root / name) if planted == "fifo" else (root / name).symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("planted, kind", [("fifo", "a FIFO"), ("link to /dev/zero", "a character device")])
+def test_a_dataset_the_run_would_refuse_fails_the_dataset_check_without_waiting(tmp_path, planted, kind):
+    # FIFOs hung the doctor for ever; links to /dev/zero passed it as "0 files, 0.0 MB", and training refuses them.
+    import threading
+
+    from dptrain.config import load
+    from dptrain.doctor.facts import dataset_files
+
+    planted_dataset(tmp_path / "data", planted)
+    cfg = load(None, [("data.name", "mnist"), ("data.root", str(tmp_path / "data"))])
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(dataset_files(cfg)), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the doctor's look at the dataset did not return"
+    [facts] = found
+    assert facts["kind"] == "refused"
+    assert facts["why"] == (f"{tmp_path / 'data' / IDX_NAMES[0]} is {kind}, not a regular file; put the dataset's own "
+                            f"file there, or give another --data.root.")
+    findings = healthy()
+    findings.nodes[1]["dataset"] = facts
+    line = by_name(judge(findings))["dataset on every node"]
+    assert line.status == "fail" and line.seen == f"node 1 (n1): {facts['why']}"
+
+
+@pytest.mark.slow
+def test_the_doctor_fails_fifos_as_dataset_files_and_ends(tmp_path):
+    planted_dataset(tmp_path / "data", "fifo")
+    done = subprocess.run([sys.executable, "-m", "dptrain", "doctor", "--data.name", "mnist", "--data.root", "data"],
+                          cwd=tmp_path, env={**os.environ, **SOURCE}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    line = table_lines(done.stdout)["dataset on every node"]
+    assert line.startswith("FAIL") and "data/train-images-idx3-ubyte is a FIFO, not a regular file" in line
+
+
 def test_a_folder_one_node_does_not_see_disk_and_shm_too_small_fail():
     findings = healthy()
     findings.shared_folder["1"] = "cannot read /runs/run/.doctor-1 (No such file or directory)"
@@ -176,10 +222,11 @@ def test_two_ranks_here_pass_and_write_doctor_json(tmp_path):
     done = subprocess.run(doctor_argv("--nproc-per-node", "2"), cwd=tmp_path, env={**os.environ, **SOURCE},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    report = json.loads((tmp_path / "runs" / "run" / "doctor.json").read_text())
+    run = tmp_path / "runs" / "synthetic_mnist-cnn_ddp"  # the run train would make of these options: the experiment's
+    report = json.loads((run / "doctor.json").read_text())
     assert {c["status"] for c in report["checks"]} == {"ok"} and len(report["ranks"]) == 2
     assert table_lines(done.stdout)["ranks met"].startswith("ok ") and "0 failed" in done.stdout
-    assert not list((tmp_path / "runs" / "run").glob(".doctor-*"))  # node 0's file for the others is gone
+    assert not list(run.glob(".doctor-*"))  # node 0's file for the others is gone
 
 
 def two_hosts_reason() -> str | None:
@@ -311,8 +358,9 @@ def test_as_a_slurm_job_on_the_private_cluster_every_check_passes(slurm_cluster,
     assert set(lines) >= {"ranks met", "nodes reach each other", "link speed", "run folder shared"}
     assert all(line.startswith("ok ") for line in lines.values()), out
     assert "2 rank(s) on 2 of 2 node(s)" in lines["ranks met"]
-    assert (tmp_path / "runs" / "run" / "doctor.json").is_file()
-    assert not (tmp_path / "runs" / "run" / "job.sbatch").exists()  # the run's own job files are left alone
+    run = tmp_path / "runs" / "synthetic_mnist-cnn_ddp"  # the experiment's, as train names it
+    assert (run / "doctor.json").is_file()
+    assert not (run / "job.sbatch").exists()  # the run's own job files are left alone
 
 
 @pytest.mark.usefixtures("no_slurm_clients")  # a dry run of the job: no SLURM on PATH (conftest)

@@ -300,16 +300,16 @@ def test_a_link_to_dev_zero_planted_in_a_sweep_is_left_out_in_one_line(tmp_path,
     (bench / name).unlink()
     (bench / name).symlink_to("/dev/zero")
     assert main(["report", str(bench)]) == 0
-    assert any(m.startswith(f"{bench / name} is a device, a FIFO or a socket, not a regular file") for m in
+    assert any(m.startswith(f"{bench / name} is a character device, not a regular file") for m in
                caplog.messages)
     for option in (["--fitted-on", str(bench)], ["--probes-from"]):
         if option[0] == "--fitted-on" and name != "sweep.json":
             code = main(["report", str(bench), *option])
             assert code == 2
             [line] = capsys.readouterr().err.splitlines()
-            assert line.startswith(f"dptrain: error: --fitted-on {bench}: {name} is a device")
+            assert line.startswith(f"dptrain: error: --fitted-on {bench}: {name} is a character device")
     if name != "sweep.json":
-        with pytest.raises(ConfigError, match=f"^--probes-from {bench}: {name} is a device"):
+        with pytest.raises(ConfigError, match=f"^--probes-from {bench}: {name} is a character device"):
             adopt_probes(bench, tmp_path / "new")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -131,8 +132,22 @@ def test_report_without_results_is_one_sentence(tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()
     monkeypatch.chdir(tmp_path)
     assert main(["report", "empty"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("dptrain: error: empty holds no finished runs") and err.count("\n") == 1
+    assert capsys.readouterr().err == ("dptrain: error: empty holds no finished runs (no results.csv, and no run under "
+                                       "empty/runs ended); run `dptrain bench sweep --output.dir empty` first.\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_results_csv_is_said_to_be_one_not_rebuilt_over(tmp_path, monkeypatch, capsys):
+    # It was taken for a missing results.csv: "holds no finished runs (no results.csv ...)".
+    from dptrain.cli import main
+
+    (tmp_path / "sweep" / "runs").mkdir(parents=True)
+    os.mkfifo(tmp_path / "sweep" / "results.csv")
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "sweep"]) == 2
+    assert capsys.readouterr().err == ("dptrain: error: sweep/results.csv is a FIFO, not a regular file; delete it, and "
+                                       "`dptrain report` writes it again from the runs.\n")
+    assert (tmp_path / "sweep" / "results.csv").is_fifo()
 
 
 @pytest.mark.timeout(60)

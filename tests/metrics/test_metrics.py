@@ -153,7 +153,7 @@ def test_without_a_flop_count_or_a_sampled_step_on_every_rank_those_fields_are_l
 @pytest.mark.slow
 def test_an_epoch_event_carries_the_utilisation_lists(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *SMALL, "--train.max_steps", "6"]) == 0
+    assert main(["train", *SMALL, "--train.max_steps", "6", "--output.name", "run"]) == 0
     run = tmp_path / "runs" / "run"
     epochs = read_events(run, "epoch")
     threads = psutil.Process().num_threads()

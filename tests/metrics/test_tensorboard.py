@@ -40,9 +40,10 @@ def test_a_resumed_run_continues_the_curves_with_one_point_per_step(tmp_path, mo
     C resumes from B's end to step 10. Every step tag then has exactly one point per step."""
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "run"
-    assert main(["train", *SMALL, "--train.max_steps", "6"]) == 0
-    assert main(["train", *SMALL, "--train.max_steps", "8", "--train.resume", str(run / "checkpoints" / "step-00000004")]) == 0
-    assert main(["train", *SMALL, "--train.max_steps", "10"]) == 0
+    named = [*SMALL, "--output.name", "run"]
+    assert main(["train", *named, "--train.max_steps", "6"]) == 0
+    assert main(["train", *named, "--train.max_steps", "8", "--train.resume", str(run / "checkpoints" / "step-00000004")]) == 0
+    assert main(["train", *named, "--train.max_steps", "10"]) == 0
     board = read_board(run / "tb")
     scalars = board.Tags()["scalars"]
     assert {"train/loss", "train/lr", "epoch/train_loss", "epoch/eval_acc", "epoch/samples_per_s", "epoch/epoch_time_s",
@@ -92,7 +93,7 @@ def test_a_missing_run_dir_or_one_without_tb_is_one_sentence(tmp_path, capsys):
     assert main(["tensorboard", str(tmp_path / "nope")]) == 2
     assert main(["tensorboard", str(tmp_path / "empty")]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [f"dptrain: error: the run directory {tmp_path / 'nope'} does not exist; give a run directory such as runs/run.",
+    assert lines == [f"dptrain: error: the run directory {tmp_path / 'nope'} does not exist; give a run directory, runs/<name> or an --output.dir.",
                      f"dptrain: error: {tmp_path / 'empty'} has no tb/ folder: no run with TensorBoard files has been "
                      f"written there yet."]
 
@@ -108,7 +109,7 @@ def _get(url: str) -> dict | None:
 @pytest.mark.slow
 def test_the_tensorboard_command_serves_the_runs_on_loopback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *SMALL, "--train.max_steps", "3"]) == 0
+    assert main(["train", *SMALL, "--train.max_steps", "3", "--output.name", "run"]) == 0
     assert main(["train", *SMALL, "--train.max_steps", "2", "--output.name", "other"]) == 0
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -154,7 +155,7 @@ def test_a_port_that_is_no_port_or_is_taken_and_a_file_given_as_run_dir_are_one_
         "dptrain: error: --port -1 is not a TCP port; pick one from 1024 to 65535, or leave --port out for a free one.",
         f"dptrain: error: port {port} on 127.0.0.1 is taken by another program; choose another --port, or leave it out "
         f"for a free one.",
-        f"dptrain: error: {tmp_path / 'notes.txt'} is a file, not a run directory; give a run directory such as runs/run.",
+        f"dptrain: error: {tmp_path / 'notes.txt'} is a file, not a run directory; give a run directory, runs/<name> or an --output.dir.",
     ]
 
 

@@ -61,8 +61,11 @@ def rendered(options: list[str]) -> str:
     """The script `dptrain submit OPTIONS` writes, as from WORKDIR with PYTHON."""
     from dptrain.cli import build_parser, split_overrides, submit_overrides
 
+    from dptrain.prestart import named_after_its_experiment
+
     args, extra = build_parser().parse_known_args(["submit", *options])
-    cfg = config_mod.load(None, [*split_overrides(extra), *submit_overrides(args)])
+    pairs = [*split_overrides(extra), *submit_overrides(args)]
+    cfg = named_after_its_experiment(config_mod.load(None, pairs), {key for key, _ in pairs})  # as submit names it
     if args.setup or args.sbatch:
         import dataclasses
 
@@ -82,16 +85,19 @@ def test_the_cli_writes_what_its_dry_run_prints_and_the_dry_run_writes_nothing(s
     assert code == 0, err
     assert not (tmp_path / "runs").exists()  # nothing written
     expected = (GOLDEN / "cpu-4nodes.sbatch").read_text().replace(PYTHON, sys.executable).replace(str(WORKDIR), str(tmp_path))
+    expected = expected.replace("runs/fashion-mnist_", "runs/synthetic_").replace("dptrain-fashion-mnist_",
+                                                                                 "dptrain-synthetic_")  # DATA's run
     assert dry == expected
     # Without sbatch on PATH the script and its config are kept, and one sentence says what to do.
+    run_dir = tmp_path / "runs" / "synthetic_mnist-cnn_ddp"
     monkeypatch.setenv("PATH", "/nonexistent")
     code, _, err = submit(*options, *DATA)
     assert code == 1
     assert err.strip().splitlines() == [f"dptrain: error: sbatch is not on PATH here; run dptrain submit on a "
-                                                f"SLURM login node, or submit {tmp_path / 'runs/run/job.sbatch'} with sbatch "
+                                                f"SLURM login node, or submit {run_dir / 'job.sbatch'} with sbatch "
                                                 f"yourself."]
-    assert (tmp_path / "runs/run/job.sbatch").read_text() == dry
-    job_cfg = config_mod.load(tmp_path / "runs/run/job.toml")
+    assert (run_dir / "job.sbatch").read_text() == dry
+    job_cfg = config_mod.load(run_dir / "job.toml")
     assert (job_cfg.slurm.nodes, job_cfg.slurm.cpus_per_node, job_cfg.slurm.ranks_here) == (4, 16, 2)
     assert job_cfg.data.name == "synthetic"
 
@@ -220,7 +226,6 @@ def test_the_time_and_the_master_address_are_checked_with_the_config(submit, tmp
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 @pytest.mark.parametrize("options, line", [
     (["--sbatch", "comment=x --job-name=INJECTED"], "comment=x --job-name=INJECTED"),  # the job ran as INJECTED
-    (["--gres", "gpu:4 --chdir=/"], "gres=gpu:4 --chdir=/"),  # --gres is read as --sbatch gres=...
     (["--sbatch", "mail-type=END", "--sbatch", "-G 4 -J INJECTED"], "-G 4 -J INJECTED"),
     (["--sbatch", "comment=x\t--job-name=INJECTED"], "comment=x\t--job-name=INJECTED"),
     (["--sbatch", 'comment="x --job-name=INJECTED"'], 'comment="x --job-name=INJECTED"'),  # quotes: sbatch's own syntax
@@ -237,6 +242,41 @@ def test_an_sbatch_line_that_would_smuggle_another_option_is_refused_before_anyt
     assert sentence.endswith("; give each option its own --sbatch line, as --sbatch NAME=VALUE with no space, quote, "
                              "backslash or # in VALUE.")
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("option", ["--job-name", "--mail-user", "--nodelist", "-w", "--gres", "--exclude"])
+@pytest.mark.parametrize("value, reading", [("a b --chdir=/", "reads as more than one option"),
+                                            ("a#b", "reads otherwise than written (quotes and backslashes are its own "
+                                                    "syntax there, and # starts a comment)")])
+def test_an_sbatch_name_sbatch_would_read_otherwise_is_refused_naming_that_option(submit, tmp_path, option, value,
+                                                                                   reading):
+    """--job-name's refusal advised about --output.dir; --mail-user's and --nodelist's named slurm.sbatch, which was
+    not given."""
+    code, out, err = submit("--dry-run", option, value, *DATA)
+    name = {"-w": "--nodelist"}.get(option, option)
+    source = "the job's name (--job-name)" if name == "--job-name" else f"{name} {value!r}"
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"dptrain: error: {source} would be written as '#SBATCH {name}={value}', which "
+                                        f"sbatch {reading}; give {name} one word, without spaces, quotes, backslashes "
+                                        f"or #."]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--output", "/etc"], "--output '/etc' names a folder; give the file SLURM writes to, e.g. /etc/slurm-%j.log."),
+    (["--sbatch", "chdir=/"], "slurm.sbatch's line 'chdir=/' sets sbatch's --chdir, which dptrain writes itself; run "
+                              "dptrain submit from the folder the job is to run in instead."),
+    (["--output", "logs/a#b.out"], "the job's output file (--output) would be written as '#SBATCH --output={tmp}/logs/"
+                                   "a#b.out', which sbatch reads otherwise than written (quotes and backslashes are its "
+                                   "own syntax there, and # starts a comment); give --output a plain path, without "
+                                   "spaces, quotes, backslashes or #."),
+])
+def test_a_refused_job_file_or_folder_is_an_option_error(submit, tmp_path, options, says):
+    for dry_run in ([], ["--dry-run"]):
+        code, out, err = submit(*dry_run, *options, *DATA)
+        assert code == 2 and out == ""
+        assert err.strip().splitlines() == ["dptrain: error: " + says.format(tmp=tmp_path)]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_an_option_and_its_value_as_two_words_are_one_sbatch_line(submit):
@@ -387,7 +427,7 @@ def test_output_and_error_move_the_job_log_and_submit_prints_the_real_one(submit
     monkeypatch.setenv("PATH", str(fake))  # and no sinfo: the partition is not checked
     code, out, err = submit("--job-name", "fmnist", "--output", "logs/%x-%j.out", *DATA)
     assert code == 0, err
-    script = (tmp_path / "runs/run/job.sbatch").read_text()
+    script = (tmp_path / "runs/synthetic_mnist-cnn_ddp/job.sbatch").read_text()  # the run's name: the experiment's
     lines = sbatch_lines_of(script)
     assert lines[0] == "--job-name=fmnist"
     assert f"--output={tmp_path}/logs/%x-%j.out" in lines
@@ -396,7 +436,7 @@ def test_output_and_error_move_the_job_log_and_submit_prints_the_real_one(submit
     assert (tmp_path / "logs").is_dir()  # SLURM writes no file into a folder that is not there
     code, out, err = submit("--output", "out/run.log", "--error", "out/run.err", *DATA)
     assert code == 0, err
-    lines = sbatch_lines_of((tmp_path / "runs/run/job.sbatch").read_text())
+    lines = sbatch_lines_of((tmp_path / "runs/synthetic_mnist-cnn_ddp/job.sbatch").read_text())
     assert {f"--output={tmp_path}/out/run.log", f"--error={tmp_path}/out/run.err"} <= set(lines)
     assert f"  follow it: tail -f {tmp_path}/out/run.log\n" in out
 

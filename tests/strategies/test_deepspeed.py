@@ -99,8 +99,8 @@ def test_a_missing_or_unreadable_file_is_one_sentence(tmp_path):
     assert refusal(folder) == f"strategy.deepspeed.config {tmp_path} is a directory, not a file; give the path of the file."
     # /dev/zero was read without a bound (7 GB before a MemoryError under a cap).
     endless = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", "/dev/zero")])
-    assert refusal(endless) == ("strategy.deepspeed.config /dev/zero is a device, a FIFO or a socket, not a regular "
-                                "file; check that the path names the right file.")
+    assert refusal(endless) == ("strategy.deepspeed.config /dev/zero is a character device, not a regular file; "
+                                "check that the path names the right file.")
     binary = tmp_path / "weights.bin"
     binary.write_bytes(b"\x80\x02}q\x00")
     wrong = load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(binary))])

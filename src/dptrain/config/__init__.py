@@ -17,7 +17,8 @@ What the rest of dptrain uses is importable from `dptrain.config` itself, below.
 from __future__ import annotations
 
 from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
-from dptrain.config.codec import current_name, fixed_at_resume, from_dict, load, to_dict, to_toml, upgraded
+from dptrain.config.codec import (current_name, experiment_name, fixed_at_resume, from_dict, load, to_dict, to_toml,
+                                  upgraded)
 from dptrain.config.fields import is_import_path
 from dptrain.config.help import Option, field_docs, options, options_help
 from dptrain.config.reading import MAX_CONFIG_BYTES, read_config_text, read_toml
@@ -34,6 +35,6 @@ __all__ = [
     "DeepSpeedOptions", "Exchange", "FLOAT32_MAX", "FLOAT32_TINY", "FSDPOptions", "FloatDtype", "LEGACY_STRATEGY_KEYS",
     "LaunchConfig", "MAX_CONFIG_BYTES", "MAX_TIMEOUT_S", "MODEL_NAMES", "ModelConfig", "OPTIMIZER_CLASSES", "OptimConfig",
     "Option", "OutputConfig", "PSOptions", "RunConfig", "SPECS", "SlurmConfig", "StrategyConfig", "StrategySpec",
-    "TrainConfig", "Traffic", "current_name", "field_docs", "fixed_at_resume", "from_dict", "is_import_path", "load",
-    "options", "options_help", "read_config_text", "read_toml", "sbatch_gpus", "to_dict", "to_toml", "upgraded",
+    "TrainConfig", "Traffic", "current_name", "experiment_name", "field_docs", "fixed_at_resume", "from_dict",
+    "is_import_path", "load", "options", "options_help", "read_config_text", "read_toml", "sbatch_gpus", "to_dict", "to_toml", "upgraded",
 ]

@@ -5,7 +5,10 @@ tables (refused in a config, read in an old snapshot's record); the options a re
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any, Iterator, Literal
 
 from dptrain.config.fields import choice, field_types, is_table, key_shown
 from dptrain.config.reading import read_toml
-from dptrain.config.sections import LEGACY_STRATEGY_KEYS, RunConfig
+from dptrain.config.sections import LEGACY_STRATEGY_KEYS, MAX_RUN_NAME_CHARS, RunConfig
 from dptrain.errors import ConfigError
 
 
@@ -204,6 +207,27 @@ def fixed_at_resume(cfg: RunConfig) -> dict[str, Any]:
                     value = getattr(value, part)
                 fixed[name] = value
     return fixed
+
+
+def experiment_name(cfg: RunConfig) -> str:
+    """The run's default name: what makes it another run than others, so that a new experiment starts afresh in a
+    folder of its own while the same command finds its own folder again and resumes. <data.name>_<model.name>_
+    <strategy.name> (fashion-mnist_mnist-cnn_ddp), and, where any other option a resume must keep (fixed_at_resume,
+    train.batch_size_per_rank too) differs from its default, _ and 8 hex digits of a hash of those options and their
+    values: an option added to dptrain later, at its default, leaves the names of earlier runs as they were."""
+    named = ("data.name", "model.name", "strategy.name")
+    defaults = fixed_at_resume(RunConfig())
+    changed = {key: value for key, value in fixed_at_resume(cfg).items()
+               if key not in named and value != defaults.get(key)}
+    if cfg.train.batch_size_per_rank is not None:  # it sets the global batch, as the world size resolves it
+        changed["train.batch_size_per_rank"] = cfg.train.batch_size_per_rank
+    suffix = ""
+    if changed:
+        text = json.dumps(changed, sort_keys=True, default=str)
+        suffix = "_" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    parts = "_".join(re.sub(r"[^A-Za-z0-9._+=@-]", "-", str(value)) for value in
+                     (cfg.data.name, cfg.model.name, cfg.strategy.name))  # a user's pkg.mod:Class as pkg.mod-Class
+    return parts[:MAX_RUN_NAME_CHARS - len(suffix)] + suffix
 
 
 def current_name(name: str) -> str:

@@ -55,6 +55,11 @@ live, how often to save, how evaluation is batched, which device). Every other o
 resume refuses it (checkpoint.check_compatible); the world size may change too (the shards are resharded on load)."""
 
 
+SHOWN_DEFAULT = "shown_default"
+"""A field's metadata key: the default as --help and the option reference show it, where the value the field holds
+is not what a run gets when the option is not given (output.name: a name made from the experiment)."""
+
+
 REFUSED_ELSEWHERE = {"refused_elsewhere": True}
 """A strategy option's metadata: set (to other than its default) with a strategy its table does not apply to, the run is
 refused, since the user expects an effect that would not come (a comm hook with fsdp, a ZeRO stage with ddp)."""

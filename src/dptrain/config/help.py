@@ -4,6 +4,7 @@ its field's docstring (read from the sections' source, which Python keeps nowher
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import textwrap
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from dptrain.config import sections, slurm, strategy_specs
 from dptrain.config.codec import to_dict
-from dptrain.config.fields import field_types, is_table
+from dptrain.config.fields import SHOWN_DEFAULT, field_types, is_table
 from dptrain.config.sections import RunConfig
 
 
@@ -95,7 +96,9 @@ def options() -> tuple[Option, ...]:
 
     def add(section: str, cls: type, defaults: dict[str, Any]) -> None:
         types_ = field_types(cls)
-        found.extend(Option(section, name, _metavar(tp), _cli_value(defaults[name]), field_docs(cls).get(name, ""))
+        shown = {f.name: f.metadata[SHOWN_DEFAULT] for f in dataclasses.fields(cls) if SHOWN_DEFAULT in f.metadata}
+        found.extend(Option(section, name, _metavar(tp), shown.get(name, _cli_value(defaults[name])),
+                            field_docs(cls).get(name, ""))
                      for name, tp in types_.items() if not is_table(tp))
         for name, tp in types_.items():
             if is_table(tp):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
-from dptrain.config.fields import (MAY_CHANGE_AT_RESUME, field_types, is_table, may_change_at_resume,
+from dptrain.config.fields import (MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT, field_types, is_table, may_change_at_resume,
                                    name_or_import_path, not_negative, positive, shown)
 from dptrain.config.slurm import SlurmConfig
 from dptrain.config.strategy_specs import StrategyConfig
@@ -275,22 +275,30 @@ class CheckpointConfig:
 # A run name is one folder's name, a job's name and a word in log lines: no path separator, no '..', no control
 # character or escape that could forge a log line, no comma (TensorBoard's --logdir_spec splits on commas), and
 # never an option (a leading '-').
-RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,99}")
+MAX_RUN_NAME_CHARS = 100
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,%d}" % (MAX_RUN_NAME_CHARS - 1))
 
 
 @dataclass(frozen=True, kw_only=True)
 class OutputConfig:
-    name: str = may_change_at_resume("run")
+    name: str = field(default="run", metadata={**MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT: "DATA_MODEL_STRATEGY[_HASH]"})
     """Run name; the run directory is runs/<name> unless output.dir is set. Up to 100 letters, digits and ._-+=@,
-    starting with a letter, digit or _ (a folder elsewhere is output.dir)."""
+    starting with a letter, digit or _ (a folder elsewhere is output.dir). Given neither, train, config, submit and
+    doctor name the run after what makes it another run: data.name, model.name and strategy.name
+    (fashion-mnist_mnist-cnn_ddp), then, where another option a resume must keep differs from its default, 8 hex
+    digits of a hash of those options; so the same command resumes in its folder and a new experiment starts afresh
+    in another. A runs/run of an earlier dptrain holding the same experiment is resumed there."""
     dir: str | None = may_change_at_resume(None)
-    """Run directory (None: runs/<name>)."""
+    """Run directory (None: runs/<name>): a new or empty folder, or an earlier run's; a folder that holds other files
+    but none of a run's (/etc, a project's folder) is refused, as it is no run's to write into."""
     weights_dir: str | None = may_change_at_resume(None)
     """Folder the final weights are saved in (None: the run directory), made if missing; a relative path is from
     the current folder, as output.dir's. The tutorials' --model_dir."""
     weights_file: str = may_change_at_resume("model.pt")
     """Name of the final weights' file in output.weights_dir: the whole model's state_dict, for plain torch.load
-    (written by rank 0 at the run's end, replaced whole). The tutorials' --model_filename."""
+    (written by rank 0 at the run's end, replaced whole). It may replace earlier final weights only: a name of the run
+    folder's own (config.toml, checkpoints, ...) or a file of other content is refused before the run starts. The
+    tutorials' --model_filename."""
     rank_epoch_lines: bool = may_change_at_resume(False)
     """Every rank prints its own epoch line (`rank 1 epoch 2: 469 steps, ...`) on the console and in the job's
     output, as the tutorials' print in every process does; otherwise other ranks' lines go to logs/rank<R>.log only."""

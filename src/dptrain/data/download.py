@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from dptrain.data.formats import open_data_file
 from dptrain.errors import DataError
 from dptrain.files import written_whole
 
@@ -25,8 +26,9 @@ HTTP_TIMEOUT_S = 60
 
 
 def md5sum(path: Path) -> str:
+    """The md5 of a regular file; DataError in one sentence for a FIFO or a device there (never waited on)."""
     digest = hashlib.md5()
-    with path.open("rb") as f:
+    with open_data_file(path) as f:
         for chunk in iter(lambda: f.read(CHUNK), b""):
             digest.update(chunk)
     return digest.hexdigest()

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 from dptrain.errors import DataError
+from dptrain.read_back import NotRegularFile, not_regular_problem, open_regular
 
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_UBYTE = 0x08
@@ -34,6 +35,21 @@ DEFLATE_MAX_RATIO = 1032
 READ_CHUNK_BYTES = 1 << 20
 
 
+def open_data_file(path: Path) -> BinaryIO:
+    """A dataset file opened for reading, if it is a regular file (after links): a FIFO would block the read for ever,
+    a link to /dev/zero never end it. DataError in one sentence otherwise, read_back.open_regular's check."""
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; check data.root or use --data.download true.") from None
+    except NotRegularFile as exc:
+        raise DataError(f"{path} {not_regular_problem(exc)}; put the dataset's own file there, or give another "
+                        f"--data.root.") from None
+    except OSError as exc:
+        raise DataError(f"{path} cannot be read ({exc.strerror or type(exc).__name__}); make it readable for you, or "
+                        f"give another --data.root.") from None
+
+
 def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:
     """An IDX file of unsigned bytes as a uint8 tensor of expect_ndim dimensions.
 
@@ -41,11 +57,7 @@ def read_idx(path: str | Path, expect_ndim: int) -> torch.Tensor:
     by gigabytes of zeros) is refused after unpacking one byte more than the header promised, not all of it.
     """
     path = Path(path)
-    try:
-        file = path.open("rb")
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist; check data.root or use --data.download true.") from None
-    with file:
+    with open_data_file(path) as file:
         file_size = os.fstat(file.fileno()).st_size
         is_gzip = file.read(2) == GZIP_MAGIC
         file.seek(0)
@@ -160,10 +172,8 @@ class _ArrayUnpickler(pickle.Unpickler):
 def read_cifar_batch(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """One CIFAR-10 python batch -> (N x 3 x 32 x 32 uint8, N int64 labels)."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist; check data.root or use --data.download true.") from None
+    with open_data_file(path) as file:
+        raw = file.read()
     try:
         batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as exc:  # truncation surfaces as EOFError, UnpicklingError, ValueError...

@@ -221,6 +221,11 @@ def dataset(f: Findings) -> Check:
                      "the run downloads it on those nodes (--data.download true)" if downloads else
                      "copy the dataset to every node under --data.root (or a shared folder), or give --data.download "
                      "true")
+    refused = [i for i, k in kinds.items() if k == "refused"]
+    if refused:  # a FIFO, a device, a damaged file: the run stops at it on that node
+        return Check("dataset on every node", "fail",
+                     "; ".join(f"{host_of(f, i)}: {f.nodes[i]['dataset']['why']}" for i in refused[:3]),
+                     "put the dataset's own files there (regular files, whole), or give another --data.root")
     reference = f.nodes[0]["dataset"]["files"]
     differ = []
     for i, n in enumerate(f.nodes[1:], 1):

@@ -32,7 +32,6 @@ from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_sc
 
 DOCTOR_TIMEOUT_S = 30.0  # the rendezvous and the store: a node that has not come by then is named, not waited for
 MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL"}
-DOCTOR_JOB = "doctor-job"  # the doctor's job's folder in the run folder: its script, config and output
 SHOWN_OUTPUT = 1 << 20  # of the job's output, printed: node 0's table and the other nodes' lines fit well within
 
 
@@ -103,7 +102,7 @@ def doctor_job(cfg: RunConfig, workdir: Path) -> tuple[RunConfig, slurm_job.Job,
     cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=str(run_dir)),
                               slurm=dataclasses.replace(cfg.slurm, signal_lead_s=0, requeue=False))
     job = slurm_job.job_for(cfg, workdir)
-    job = dataclasses.replace(job, run_dir=job.run_dir / DOCTOR_JOB, name=f"{job.name}-doctor")
+    job = dataclasses.replace(job, run_dir=RunFolder(job.run_dir).doctor_job, name=f"{job.name}-doctor")
     command = dataclasses.replace(slurm_script.dptrain_command(cfg, job, "doctor", "dptrain doctor"),
                                   written_by="dptrain doctor --slurm")
     return cfg, job, slurm_script.render(cfg, job, command)

@@ -104,8 +104,13 @@ def git_revision() -> str | None:
 
 def dataset_files(cfg: RunConfig) -> dict[str, Any]:
     """The dataset's files this node finds: each one's size and the sha256 of its first HEADER_BYTES; or why none
-    (synthetic data and a user's Dataset have no files dptrain knows)."""
-    from dptrain.data.catalog import DATASETS, locate
+    (synthetic data and a user's Dataset have no files dptrain knows), or why the run would refuse them here (a
+    file that is a FIFO, a device, a link to /dev/zero, truncated, another dataset's): read and checked as the run
+    reads them (catalog.load), the one reader, which opens regular files only, so this never waits on a FIFO."""
+    import dataclasses
+
+    from dptrain.data.catalog import DATASETS, idx_file, load, locate
+    from dptrain.data.formats import open_data_file
     from dptrain.errors import DataError
 
     name = cfg.data.name
@@ -116,12 +121,16 @@ def dataset_files(cfg: RunConfig) -> dict[str, Any]:
         folder = locate(spec, Path(cfg.data.root))
     except DataError as exc:
         return {"kind": "missing", "why": str(exc), "download": bool(cfg.data.download)}
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and any(path.name in (req, req + ".gz") for req in spec.required):
-            with open(path, "rb") as handle:
+    try:
+        load(dataclasses.replace(cfg.data, download=False))  # what the run would read there, and refuse
+        files = {}
+        for path in (idx_file(folder, required) for required in spec.required):  # the raw file, else its .gz
+            with open_data_file(path) as handle:
                 head = handle.read(HEADER_BYTES)
-            files[path.name] = {"bytes": path.stat().st_size, "head_sha256": hashlib.sha256(head).hexdigest()}
+                size = os.fstat(handle.fileno()).st_size
+            files[path.name] = {"bytes": size, "head_sha256": hashlib.sha256(head).hexdigest()}
+    except DataError as exc:
+        return {"kind": "refused", "folder": str(folder), "why": str(exc)}
     return {"kind": "files", "folder": str(folder), "files": files}
 
 

@@ -1,6 +1,6 @@
 """TensorBoard: rank 0's event files in runs/<name>/tb/, and `dptrain tensorboard RUN_DIR...` to watch them.
 
-    $ dptrain tensorboard runs/run                 # http://127.0.0.1:PORT/, and the ssh tunnel line to reach it
+    $ dptrain tensorboard runs/fashion-mnist_mnist-cnn_ddp  # http://127.0.0.1:PORT/, and the ssh tunnel line to reach it
     $ dptrain tensorboard runs/a runs/b --port 6006
 
 Every point's x value is the run's global optimizer step, so a resumed run continues the same curves: its writer
@@ -211,9 +211,11 @@ def logdir_args(run_dirs: list[Path]) -> list[str]:
     TensorBoard lists a run as its name, where a plain --logdir of one tb/ folder listed it as "."."""
     for run_dir in run_dirs:
         if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(f"{run_dir} is a file, not a run directory; give a run directory such as runs/run.")
+            raise ConfigError(f"{run_dir} is a file, not a run directory; give a run directory, runs/<name> or an "
+                              f"--output.dir.")
         if not run_dir.is_dir():
-            raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory such as runs/run.")
+            raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory, runs/<name> or an "
+                              f"--output.dir.")
         if not RunFolder(run_dir).tb.is_dir():
             raise ConfigError(f"{run_dir} has no tb/ folder: no run with TensorBoard files has been written there yet.")
         if "," in str(run_dir.resolve()):  # --logdir_spec splits on commas

@@ -1,6 +1,6 @@
 """A run card: RUN_DIR/report/report.md and its PNGs for one run, from the run's own files, offline.
 
-    $ dptrain card runs/run
+    $ dptrain card runs/fashion-mnist_mnist-cnn_ddp
 
 It reads config.toml, env.json, metrics.jsonl (through events.read_run_events, which names the lines it
 cannot use) and the snapshots' manifest.json files, and writes the configuration, the environment, the loss and
@@ -64,7 +64,7 @@ def is_run_dir(path: Path) -> bool:
     """Whether `path` is one run's folder (what `dptrain train` writes: metrics.jsonl or env.json at its top), as
     opposed to a `dptrain bench` sweep, whose runs sit under runs/."""
     folder = RunFolder(Path(path))
-    return Path(path).is_dir() and (folder.metrics.is_file() or folder.env.is_file())
+    return Path(path).is_dir() and (folder.metrics.exists() or folder.env.exists())  # a FIFO there: the reader says so
 
 
 def _number(value: Any) -> float | None:
@@ -355,7 +355,7 @@ def write_run_card(run_dir: Path) -> Path:
     folder = RunFolder(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} does not exist; give the --output.dir of a `dptrain train` run.")
-    if not folder.metrics.is_file():
+    if not folder.metrics.exists():  # whatever else is there (a FIFO, a device) is refused by its reader, as what it is
         raise ConfigError(f"{run_dir} has no metrics.jsonl, so there is nothing to report; give the folder of a run "
                           f"that started training (its --output.dir).")
     events, skipped = read_run_events(folder.metrics)

@@ -1,7 +1,7 @@
 """The queue: submitting a job script (sbatch), how submitted jobs are doing (squeue) and waiting until they have
 ended, for `dptrain bench sweep --slurm`.
 
-    job_id = submit(Path("runs/run/job.sbatch"))
+    job_id = submit(Path("runs/fashion-mnist_mnist-cnn_ddp/job.sbatch"))
     states = job_states(["12", "13"])  # {"12": "RUNNING"}: 13 is forgotten, so it has ended
     wait_for(["12"], on_end=lambda job_id, state: print(job_id, state))
 """

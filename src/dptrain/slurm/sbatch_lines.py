@@ -27,43 +27,52 @@ SBATCH_OWN_SYNTAX = "\"'\\#"
 SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=\S*)?|-[A-Za-z]\S*")  # one word: --name, --name=value, -G8
 SBATCH_OPTION_NAME = re.compile(r"--[A-Za-z][A-Za-z0-9-]*|-[A-Za-z]")  # the first of two: --gres gpu:4, -G 8
 PATH_REMEDY = "choose a plain path (--output.dir, or submit from another folder)"
-WORD_REMEDY = ("give one word, as sbatch takes it, without spaces, quotes, backslashes or # (other sbatch options go in "
-               "slurm.sbatch)")
+ONE_WORD = "without spaces, quotes, backslashes or #"
+WORD_REMEDY = f"give one word, as sbatch takes it, {ONE_WORD} (other sbatch options go in slurm.sbatch)"
 LINE_REMEDY = ("give each option its own --sbatch line, as --sbatch NAME=VALUE with no space, quote, backslash or # in "
                "VALUE")
 
 
 @dataclass(frozen=True)
 class JobLine:
-    """An #SBATCH line of the job itself, which no slurm.* field gives: its option (as SbatchOf), its value and
-    source (as an error names it) in a job, and what a user who wants another value does instead."""
+    """An #SBATCH line of the job itself, which no slurm.* field gives: its option (as SbatchOf), its value, its
+    source and what to do where sbatch would not read it as written (as an error names them) in a job, and what a
+    user who wants another value does instead (advice that ends a sentence)."""
 
     of: SbatchOf
     value: Callable[[Job], object]
     source: Callable[[Job], str]
+    remedy: Callable[[Job], str]
     instead: str
 
 
-def _file_source(stream: str, given: Callable[[Job], object]) -> Callable[[Job], str]:
-    """The source of the job's output or error line, as an error names it: the file given (--output), or the run's."""
-    return lambda job: (f"the job's {stream} file (--{stream})" if given(job)
-                        else f"the job's {stream} file (in the run directory {job.run_dir})")
+def _file_line(stream: str, given: Callable[[Job], object]) -> tuple[Callable[[Job], str], Callable[[Job], str]]:
+    """The source of the job's output or error line and its remedy, as an error names them: the file given
+    (--output), or the run's."""
+    return (lambda job: (f"the job's {stream} file (--{stream})" if given(job)
+                         else f"the job's {stream} file (in the run directory {job.run_dir})"),
+            lambda job: f"give --{stream} a plain path, {ONE_WORD}" if given(job) else PATH_REMEDY)
 
 
 JOB_LINES = (
     JobLine(SbatchOf("--job-name", 0, "-J"), lambda job: job.name,
             lambda job: f"the job's name (from the run directory {job.run_dir})" if job.named_after_its_run
-            else "the job's name (--job-name)", "dptrain submit's --job-name NAME"),
+            else "the job's name (--job-name)",
+            lambda job: PATH_REMEDY if job.named_after_its_run else f"give --job-name one word, {ONE_WORD}",
+            "give dptrain submit's --job-name NAME instead"),
     JobLine(SbatchOf("--chdir", 12, "-D"), lambda job: job.workdir,
             lambda job: f"the folder dptrain submit runs in ({job.workdir})",
-            "dptrain submit from the folder the job is to run in"),
+            lambda job: "submit from another folder, with a plain path",
+            "run dptrain submit from the folder the job is to run in instead"),
     JobLine(SbatchOf("--output", 13, "-o"), lambda job: job.output(),
-            _file_source("output", lambda job: job.output_file), "dptrain submit's --output FILE"),
+            *_file_line("output", lambda job: job.output_file), "give dptrain submit's --output FILE instead"),
     JobLine(SbatchOf("--error", 14, "-e"), lambda job: job.errors(),
-            _file_source("error", lambda job: job.error_file or job.output_file), "dptrain submit's --error FILE"),
+            *_file_line("error", lambda job: job.error_file or job.output_file),
+            "give dptrain submit's --error FILE instead"),
     # a requeued job keeps writing to the same files
     JobLine(SbatchOf("--open-mode", 15), lambda job: "append", lambda job: "the job's --open-mode",
-            "nothing: dptrain appends, so that a requeued job writes on at the end of its files"),
+            lambda job: PATH_REMEDY,
+            "leave it out: dptrain appends, so that a requeued job writes on at the end of its files"),
 )
 
 
@@ -82,7 +91,8 @@ def sbatch_options(s: SlurmConfig, job: Job) -> list[SbatchOption]:
     the fields' and the job's own by their places, then slurm.sbatch's lines as given."""
     placed: list[tuple[int, SbatchOption]] = []
     for line in JOB_LINES:
-        placed.append((line.of.place, SbatchOption(f"{line.of.option}={line.value(job)}", line.source(job))))
+        placed.append((line.of.place, SbatchOption(f"{line.of.option}={line.value(job)}", line.source(job),
+                                                    line.remedy(job))))
     for field in dataclasses.fields(SlurmConfig):
         of: SbatchOf | None = field.metadata.get(SBATCH)
         value = None if of is None else of.of(s, field.name)
@@ -107,12 +117,13 @@ def sbatch_options(s: SlurmConfig, job: Job) -> list[SbatchOption]:
 
 def own_options() -> dict[str, tuple[str, str]]:
     """sbatch's name (ntasks-per-node) and one-letter form (N) of every option dptrain writes itself -> (the option,
-    what to give instead); the GPU options, which an --sbatch line may ask with (gres=gpu:4), left out."""
+    what to do instead, as the end of a sentence); the GPU options, which an --sbatch line may ask with (gres=gpu:4),
+    left out."""
     owned: dict[str, tuple[str, str]] = {}
     for field in dataclasses.fields(SlurmConfig):
         of = field.metadata.get(SBATCH)
         if of is not None and of.option.removeprefix("--") not in GPU_SBATCH_OPTIONS:
-            owned.update(_names(of, f"--{field.name.replace('_', '-')} (slurm.{field.name})"))
+            owned.update(_names(of, f"give --{field.name.replace('_', '-')} (slurm.{field.name}) instead"))
     for line in JOB_LINES:
         owned.update(_names(line.of, line.instead))
     return owned
@@ -146,8 +157,8 @@ def check_extra_line(line: str) -> None:
     owned = own_options().get(name)
     if owned is not None:
         option, instead = owned
-        raise ConfigError(f"slurm.sbatch's line {line!r} sets sbatch's {option}, which dptrain writes itself; give "
-                          f"{instead} instead.")
+        raise ConfigError(f"slurm.sbatch's line {line!r} sets sbatch's {option}, which dptrain writes itself; "
+                          f"{instead}.")
 
 
 def check_sbatch_option(option: SbatchOption) -> None:
