@@ -96,6 +96,7 @@ def wheel(folder: Path, name: str, version: str, init: str, requires: str | None
             archive.writestr(path, text)
 
 
+@pytest.mark.nightly  # a real pip in a fresh venv; the default run keeps the choice and the refusal above
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pip_installs_the_match_keeps_torch_and_takes_back_one_that_does_not_import(tmp_path):

@@ -110,7 +110,6 @@ ELASTIC = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "
            "--node-rank", "0", "--master-addr", "127.0.0.1", "--dry-run"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("extra, sentence", [
     ([], "--nnodes 1:2 goes on after losing a node by restarting the workers of the nodes left, from the last snapshot; "
          "give --launch.max_restarts 1 (one per node it may lose; more to restart after other failures too)."),
@@ -121,20 +120,24 @@ ELASTIC = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "
     (["--launch.max_restarts", "3", "--nnodes", "1:3", "--nproc-per-node", "1", "--train.global_batch_size", "3"],
      "train.global_batch_size 3 is not divisible by the world size 2"),
 ])
-def test_an_elastic_run_is_refused_before_start_where_it_could_not_go_on(tmp_path, extra, sentence):
-    done = run_cli([*ELASTIC, "--output.dir", str(tmp_path / "run"), *extra], tmp_path, timeout=60)
-    assert done.returncode == 2, done.stderr
-    assert sentence in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+def test_an_elastic_run_is_refused_before_start_where_it_could_not_go_on(tmp_path, capsys, extra, sentence):
+    from dptrain.cli import main
+
+    code = main([*ELASTIC, "--output.dir", str(tmp_path / "run"), *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert sentence in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_an_elastic_dry_run_says_how_small_the_run_may_get(tmp_path):
-    done = run_cli([*ELASTIC, "--launch.max_restarts", "2", "--nproc-per-node", "2", "--output.dir", str(tmp_path / "run")],
-                   tmp_path, timeout=60)
-    assert done.returncode == 0, done.stderr
+def test_an_elastic_dry_run_says_how_small_the_run_may_get(tmp_path, capsys):
+    from dptrain.cli import main
+
+    code = main([*ELASTIC, "--launch.max_restarts", "2", "--nproc-per-node", "2", "--output.dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     assert ("4 ranks, 2 local workers on each of 2 nodes (this is node 0); it goes on with 2 ranks on 1 nodes or more "
-            "after losing nodes") in done.stdout
+            "after losing nodes") in out
 
 
 def test_deepspeed_cannot_run_elastic():
@@ -195,13 +198,15 @@ def test_the_rendezvous_times_that_fit_are_taken(monkeypatch):
     assert rendezvous_times(300, ELASTIC_NODES).lost_after_s == 16  # the defaults: 3 beats of 2 s, 10 s
 
 
-@pytest.mark.slow
-def test_an_elastic_dry_run_refuses_a_rendezvous_time_out_of_range_in_one_sentence(tmp_path):
-    done = run_cli([*ELASTIC, "--launch.max_restarts", "2", "--output.dir", str(tmp_path / "run")], tmp_path,
-                   timeout=60, env={LAST_CALL_ENV: "1e5"})
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("dptrain: error: a --nnodes 1:2 run notices a lost node after 3 missed heart beats")
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+def test_an_elastic_dry_run_refuses_a_rendezvous_time_out_of_range_in_one_sentence(tmp_path, capsys, monkeypatch):
+    from dptrain.cli import main
+
+    monkeypatch.setenv(LAST_CALL_ENV, "1e5")
+    code = main([*ELASTIC, "--launch.max_restarts", "2", "--output.dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("dptrain: error: a --nnodes 1:2 run notices a lost node after 3 missed heart beats")
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_the_lost_node_and_the_nodes_left_in_one_sentence():

@@ -37,7 +37,8 @@ with open(f"rank{rank}.json", "w") as f:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script, args", [
-    ("tutorial_ddp.py", ["--epochs", "2", "--model_dir", "saved"]),
+    # the default run keeps it on the private cluster (tests/slurm/test_slurm_jobs.py) and the local launches below
+    pytest.param("tutorial_ddp.py", ["--epochs", "2", "--model_dir", "saved"], marks=pytest.mark.nightly),
     ("tutorial_lightning.py", ["--gpus", "2", "--epochs", "2", "--model_dir", "saved"]),
 ], ids=["ddp", "lightning"])
 def test_the_tutorials_scripts_train_on_two_local_workers_and_save_their_model(tmp_path, script, args):
