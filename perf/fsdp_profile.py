@@ -47,7 +47,7 @@ def build(variant: str, rank: int, world: int) -> tuple[torch.nn.Module, torch.o
     from dptrain.distributed.env import DistEnv
     from dptrain.models import build_model
     from dptrain.strategies.base import optimizer_choice
-    from dptrain.strategies.fsdp import FSDP
+    from dptrain.strategies.fsdp.strategy import FSDP
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="mnist-cnn"), (1, 28, 28), 10)

@@ -243,7 +243,7 @@ def evaluation_syncs(check: Check, name: str, device: torch.device) -> None:
 def replica_dtype(check: Check, name: str, device: torch.device) -> None:
     from torch.nn.parallel import parallel_apply
 
-    from dptrain.strategies.dp import AutocastDataParallel, in_callers_autocast
+    from dptrain.strategies.dp.strategy import AutocastDataParallel, in_callers_autocast
 
     model = torch.nn.Linear(16, 16).to(device)
     replicas = [model, copy.deepcopy(model)]

@@ -107,7 +107,7 @@ def test_eval_refuses_to_write_predictions_over_another_file(tmp_path, capsys):
                                                             ("2.7.0", True, False), ("2.13.0+cpu", True, False)])
 def test_fsdp_on_the_cpu_is_refused_where_torch_cannot_run_it(version, on_cpu, refused):
     from dptrain import config
-    from dptrain.strategies import check_world
+    from dptrain.strategies.registry import check_world
 
     cfg = config.load(None, [("strategy.name", "fsdp")])
     if not refused:

@@ -38,7 +38,7 @@ from dptrain.run_folder import RunFolder
 from dptrain.safe_load import (check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private,
                                read_metadata)
 from dptrain.stopping import StopRequest, Stopped
-from dptrain.strategies import STRATEGIES
+from dptrain.strategies.registry import STRATEGIES
 from dptrain.train_state import TrainState
 
 log = logging.getLogger("dptrain")

@@ -22,7 +22,7 @@ from dptrain.errors import ConfigError, DataError, SnapshotError
 from dptrain.models import build_model
 from dptrain.runtime import wants_cuda
 from dptrain.schedule import peak_lr, warmup_warning
-from dptrain.strategies import STRATEGIES
+from dptrain.strategies.registry import STRATEGIES
 
 
 def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Nodes | None = None) -> str:
@@ -84,7 +84,7 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
 
 def _strategy_file_lines(cfg: RunConfig) -> list[str]:
     """The settings a file of the strategy's own states (a ds_config.json), as the run prints them at start."""
-    from dptrain.strategies import STRATEGIES
+    from dptrain.strategies.registry import STRATEGIES
 
     line = STRATEGIES[cfg.strategy.name].settings_from_file(cfg)
     return [] if line is None else [f"  ds_config  {line}"]

@@ -36,7 +36,7 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
     job_on_cuda: whether a job submitted from here runs on GPUs (None: the run is here, on what this machine has)."""
     import torch
 
-    from dptrain.strategies import check_world  # imports torch.distributed: only once a run is wanted
+    from dptrain.strategies.registry import check_world  # imports torch.distributed: only once a run is wanted
 
     on_cuda = wants_cuda(cfg.launch.device) if job_on_cuda is None else job_on_cuda
     if job_on_cuda is None and cfg.launch.device == "cuda" and not torch.cuda.is_available():
@@ -65,7 +65,7 @@ def check_batch_fits(cfg: RunConfig, world_size: int, train_size: int) -> None:
     if per_rank is None:
         raise ConfigError(f"train.global_batch_size {batch} is larger than the training split ({train_size} samples), "
                           f"so every step would take the whole split; choose {train_size} or less.")
-    from dptrain.strategies import data_world_size  # imports torch: only once a run is wanted
+    from dptrain.strategies.registry import data_world_size  # imports torch: only once a run is wanted
 
     takers = data_world_size(cfg.strategy, world_size)
     raise ConfigError(f"train.batch_size_per_rank {per_rank} x {takers} ranks is a global batch of {batch}, larger "
@@ -79,7 +79,7 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
     every world size), snapshots that reshard, and a valid split at every world size it may have."""
     import torch
 
-    from dptrain.strategies import STRATEGIES, check_world
+    from dptrain.strategies.registry import STRATEGIES, check_world
 
     spelled = f"--nnodes {fewest_nodes}:{most_nodes}"
     if cfg.launch.max_restarts < 1:
@@ -117,7 +117,7 @@ def adopt_strategy_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
     """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
     tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
     nor the command line sets (given_options); cfg itself where the strategy has none."""
-    from dptrain.strategies import STRATEGIES  # imports torch: only once a run is wanted
+    from dptrain.strategies.registry import STRATEGIES  # imports torch: only once a run is wanted
 
     return STRATEGIES[cfg.strategy.name].adopt_settings(cfg, given)
 
@@ -157,7 +157,7 @@ def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
     per_rank = cfg.train.batch_size_per_rank
     if per_rank is None:
         return cfg
-    from dptrain.strategies import data_world_size  # imports torch: only once a run is wanted
+    from dptrain.strategies.registry import data_world_size  # imports torch: only once a run is wanted
 
     takers = data_world_size(cfg.strategy, world_size)
     total = per_rank * takers
@@ -339,7 +339,7 @@ def local_workers(launch: LaunchConfig, strategy: StrategyConfig | None = None) 
         gpus = torch.cuda.device_count()
     one_process = False
     if strategy is not None:
-        from dptrain.strategies import STRATEGIES  # imports torch.distributed: only once a run is wanted
+        from dptrain.strategies.registry import STRATEGIES  # imports torch.distributed: only once a run is wanted
 
         one_process = STRATEGIES[strategy.name].one_process
     return workers_for(launch.nproc_per_node, gpus, one_process)

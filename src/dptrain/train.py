@@ -39,7 +39,8 @@ from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.step_graph import StepGraph
 from dptrain.stopping import StopRequest
-from dptrain.strategies import Strategy, build_strategy, check_world
+from dptrain.strategies.registry import build_strategy, check_world
+from dptrain.strategies.base import Strategy
 from dptrain.strategies.base import OptimizerSpec, optimizer_choice
 from dptrain.train_state import TrainState
 

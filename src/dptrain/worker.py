@@ -34,7 +34,7 @@ from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed
 from dptrain.slurm.env import slurm_count, slurm_value
 from dptrain.slurm.requeue import requeue_after_stop
 from dptrain.stopping import EXIT_STOPPED, Stopped
-from dptrain.strategies import STRATEGIES
+from dptrain.strategies.registry import STRATEGIES
 
 log = logging.getLogger("dptrain")
 

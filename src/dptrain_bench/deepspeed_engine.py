@@ -64,7 +64,7 @@ def main(run_dir: Path) -> None:
     from dptrain.data.catalog import load
     from dptrain.data.spec import Normalise
     from dptrain.models import build_model
-    from dptrain.strategies.deepspeed import skip_shared_memory_op
+    from dptrain.strategies.deepspeed.strategy import skip_shared_memory_op
 
     skip_shared_memory_op()  # its build costs a minute on a fresh CPU machine and no training step uses it
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

@@ -14,7 +14,7 @@ comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP
 copies and sums), time its compute waits for; a rank of less than a core (more ranks than cores on a machine) waits
 longer. It is fitted on the multi-node runs' own CPU time (calibrate, comm_cpu_per_byte).
 
-The collectives of a step (collectives()) are each strategy's own Traffic (dptrain.config.strategy_specs: SPECS),
+The collectives of a step (collectives()) are each strategy's own Traffic (each strategy's options.py: its SPEC; dptrain.config.SPECS),
 read here without a strategy's name: ddp and zero1 all-reduce the gradients in buckets during backward (fp16 and bf16
 hooks halve the bytes, PowerSGD sends r (rows + cols) per matrix in two all-reduces and the vectors in a third), zero1
 then all-gathers the parameters, DDP broadcasts the module's buffers each forward; fsdp all-gathers each unit's
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Protocol
 
 from dptrain_bench.link import collective_seconds
-from dptrain.config import SPECS, CommHook, Exchange, Traffic
+from dptrain.config import SPECS, Exchange, Traffic
+from dptrain.strategies.ddp.options import CommHook
 from dptrain.errors import ConfigError
 
 MAX_NODES = 256

@@ -159,7 +159,7 @@ def refused_worlds(cfgs: dict[str, RunConfig], counts: tuple[int, ...], on_cpu: 
     run checks it); a strategy refused at every count is refused in one sentence."""
     import torch
 
-    from dptrain.strategies import STRATEGIES  # imports torch: only once a sweep is planned
+    from dptrain.strategies.registry import STRATEGIES  # imports torch: only once a sweep is planned
 
     refused: dict[tuple[str, int], str] = {}
     for name, cfg in cfgs.items():

@@ -10,7 +10,7 @@ import pytest
 from dptrain import config
 from dptrain.config import OptimConfig, RunConfig
 from dptrain.errors import ConfigError
-from dptrain.strategies import check_world, data_world_size
+from dptrain.strategies.registry import check_world, data_world_size
 
 
 def test_defaults_are_the_readme_main_job():

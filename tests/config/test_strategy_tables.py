@@ -21,6 +21,7 @@ from dptrain import config
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError
 from dptrain.safe_load import make_private
+from dptrain.strategies.ddp.options import DDPOptions
 from tests.conftest import log_tail
 
 BEFORE = Path(__file__).parents[1] / "fixtures" / "before-strategy-tables"
@@ -34,7 +35,7 @@ def test_a_strategys_options_are_set_in_its_table_in_toml_and_on_the_command_lin
     toml.write_text('[strategy]\nname = "zero1"\n[strategy.ddp]\ncomm_hook = "fp16"\npowersgd_rank = 2\n')
     assert config.load(toml) == from_cli
     assert config.load(tmp_path / "run.toml", [("strategy.ddp.comm_hook", "bf16")]).strategy.ddp == \
-        config.DDPOptions(comm_hook="bf16", powersgd_rank=2)  # the command line wins, option by option
+        DDPOptions(comm_hook="bf16", powersgd_rank=2)  # the command line wins, option by option
     written = config.to_toml(from_cli)
     assert "[strategy.ddp]\ncomm_hook = \"fp16\"" in written
     toml.write_text(written)

@@ -258,7 +258,7 @@ def test_the_model_reads_a_strategys_traffic_from_its_spec(monkeypatch):
     """No strategy name in the formulas: a spec added to SPECS with its traffic is timed, counted and sized from it."""
     from dptrain.config import SPECS, Exchange, StrategySpec, Traffic
 
-    local_sgd = StrategySpec(name="local-sgd", runs="tests.nowhere:LocalSGD", traffic=Traffic(
+    local_sgd = StrategySpec(name="local-sgd", about="averages every few steps", traffic=Traffic(
         exchanges=(Exchange("all_reduce", "parameters", "after", "one"),), sharded=("optim",)))
     monkeypatch.setitem(SPECS, "local-sgd", local_sgd)
     [average] = collectives(Plan(strategy="local-sgd"), WORK, 4)

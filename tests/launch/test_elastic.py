@@ -16,7 +16,7 @@ from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
 from dptrain.launch.rendezvous import (KEEP_ALIVE_ENV, LAST_CALL_ENV, NodeInOrder, RefusalAware, nodes_lost,
                                        rendezvous_times, seconds_from_env)
-from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, read_events, run_cli
+from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, read_events
 from tests.ranks import free_port
 from tests.launch.test_multinode import MULTINODE
 

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 from dptrain import checkpoint
 from dptrain.cli import main
-from dptrain.config import DeepSpeedOptions, OptimConfig, RunConfig, StrategyConfig, TrainConfig, load as load_config
+from dptrain.config import OptimConfig, RunConfig, StrategyConfig, TrainConfig, load as load_config
+from dptrain.strategies.deepspeed.options import DeepSpeedOptions
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.schedule import build_scheduler
-from dptrain.strategies import build_strategy, check_world
-from dptrain.strategies.deepspeed import engine_config
+from dptrain.strategies.registry import build_strategy, check_world
+from dptrain.strategies.deepspeed.ds_config import engine_config
 from dptrain.train import optimizer_spec
 from tests.conftest import read_events
 from tests.ranks import run_cli_on_ranks, run_on_ranks
@@ -134,7 +135,7 @@ def test_the_deepspeed_options_belong_to_strategy_deepspeed():
 
 
 def test_without_deepspeed_installed_train_says_how_to_install_it(tmp_path, monkeypatch, capsys):
-    import dptrain.strategies.deepspeed as module
+    import dptrain.strategies.deepspeed.strategy as module
 
     real = module.importlib.util.find_spec
     monkeypatch.setattr(module.importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.config import DDPOptions, OptimConfig, RunConfig, StrategyConfig
+from dptrain.config import OptimConfig, RunConfig, StrategyConfig
+from dptrain.strategies.ddp.options import DDPOptions
 from dptrain.distributed.env import DistEnv
-from dptrain.strategies import build_strategy
-from dptrain.strategies.deferred_update import priority_params, update_only
+from dptrain.strategies.registry import build_strategy
+from dptrain.strategies.ddp.deferred_update import priority_params, update_only
 from dptrain.train import optimizer_spec
 from tests.ranks import run_on_ranks
 from tests.strategies.test_parity import CNN, GLOBAL_BATCH, LR, batch, initial_model, worst

@@ -15,9 +15,9 @@ from torch import nn
 from dptrain.cli import main
 from dptrain.config import OptimConfig, RunConfig, load as load_config
 from dptrain.errors import ConfigError
-from dptrain.strategies import check_world
+from dptrain.strategies.registry import check_world
 from dptrain.strategies.base import optimizer_choice
-from dptrain.strategies.deepspeed import adopt_user_config, file_options
+from dptrain.strategies.deepspeed.ds_config import adopt_user_config, file_options
 
 # Seed 003's ds_config.json: the same keys and values, as data.
 TUTORIAL = {
@@ -293,7 +293,7 @@ def test_warmup_lr_rises_as_deepspeeds_own_scheduler(tmp_path, warmup_type):
 
 
 def test_the_settings_taken_from_the_file_are_one_line(tmp_path):
-    from dptrain.strategies.deepspeed import settings_line
+    from dptrain.strategies.deepspeed.ds_config import settings_line
 
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(TUTORIAL))
@@ -311,7 +311,7 @@ def test_the_run_prints_the_files_settings_once_as_it_starts(tmp_path, monkeypat
     is faked here (its set-up is timed elsewhere): the line is the strategy's, on rank 0."""
     from types import SimpleNamespace
 
-    from dptrain.strategies.deepspeed import DeepSpeed
+    from dptrain.strategies.deepspeed.strategy import DeepSpeed
 
     cfg = adopt_user_config(run_config(tmp_path, TUTORIAL))
     model = nn.Linear(2, 1)

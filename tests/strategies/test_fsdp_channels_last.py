@@ -10,7 +10,7 @@ from torch import nn
 
 from dptrain.config import ModelConfig
 from dptrain.models import build_model
-from dptrain.strategies.fsdp import channels_last_convolutions
+from dptrain.strategies.fsdp.strategy import channels_last_convolutions
 from tests.ranks import run_on_ranks
 
 
@@ -34,7 +34,7 @@ def _layouts(rank: int, world: int) -> dict[bool, tuple[list[tuple[bool, bool]],
 
     from dptrain.config import StrategyConfig
     from dptrain.distributed.env import DistEnv
-    from dptrain.strategies.fsdp import FSDP
+    from dptrain.strategies.fsdp.strategy import FSDP
 
     found = {}
     for channels_last in (False, True):

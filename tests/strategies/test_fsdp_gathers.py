@@ -21,7 +21,7 @@ CASES = [("whole", True), ("whole", False), ("block", True), ("block", False), (
 def _strategy(rank: int, world: int, wrap: str, reshard: bool, shared: bool, **options):
     from dptrain.config import StrategyConfig
     from dptrain.distributed.env import DistEnv
-    from dptrain.strategies.fsdp import FSDP
+    from dptrain.strategies.fsdp.strategy import FSDP
 
     base = StrategyConfig(name="fsdp")
     fsdp = replace(base.fsdp, wrap=wrap, wrap_min_params=100_000, reshard_after_forward=reshard, **options)

@@ -7,7 +7,7 @@ import pytest
 from dptrain import config
 from dptrain.errors import ConfigError
 from dptrain.models import build_model
-from dptrain.strategies.fsdp import units
+from dptrain.strategies.fsdp.strategy import units
 
 
 def names(model, modules) -> list[str]:

@@ -18,10 +18,11 @@ from dptrain.config import LaunchConfig, StrategyConfig
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
 from dptrain.prestart import local_workers, workers_for
-from dptrain.strategies import STRATEGIES, build_strategy, check_world, comm_hooks
+from dptrain.strategies.registry import STRATEGIES, build_strategy, check_world
+from dptrain.strategies import comm_hooks
 from dptrain.strategies.comm_hooks import CommCounter, InOrder
-from dptrain.strategies.ddp import comm_timing_from
-from dptrain.strategies.dp import AutocastDataParallel, in_callers_autocast
+from dptrain.strategies.ddp.strategy import comm_timing_from
+from dptrain.strategies.dp.strategy import AutocastDataParallel, in_callers_autocast
 
 
 # Finding 2: `nproc_per_node = auto` on a machine with 2+ GPUs started one worker per GPU, which single and dp refuse.

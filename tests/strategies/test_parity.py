@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain_bench.scaling_model import Plan, Workload, bytes_sent_per_rank
-from dptrain.config import DDPOptions, OptimConfig, PSOptions, RunConfig, StrategyConfig
+from dptrain.config import OptimConfig, RunConfig, StrategyConfig
+from dptrain.strategies.ddp.options import DDPOptions
+from dptrain.strategies.ps.options import PSOptions
 from dptrain.distributed.env import DistEnv
-from dptrain.strategies import build_strategy
+from dptrain.strategies.registry import build_strategy
 from dptrain.train import optimizer_spec
 from tests.ranks import run_on_ranks
 

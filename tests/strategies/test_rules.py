@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import dataclasses
 import typing
 
 import pytest
 
 from dptrain import config
-from dptrain.config import SPECS, PSOptions, StrategyConfig
-from dptrain.config.strategy_specs import readers_of
+from dptrain.config import SPECS, StrategyConfig
+from dptrain.strategies.catalog import FOLDERS, readers_of
+from dptrain.strategies.ddp.options import CommHook
+from dptrain.strategies.ps.options import PSOptions
 from dptrain.errors import ConfigError
-from dptrain.strategies import STRATEGIES, check_world, data_world_size
+from dptrain.strategies.registry import STRATEGIES, check_world, data_world_size
 
 
-def test_the_strategies_are_the_specs_classes():
-    """config.SPECS is the one registry of names: strategy.name's choices, and STRATEGIES, in its order; each class
-    is the one its spec names, and names that spec (its name, its table) back."""
-    assert typing.get_args(typing.get_type_hints(StrategyConfig)["name"]) == tuple(SPECS) == tuple(STRATEGIES)
+def test_the_strategies_are_the_catalogs_folders():
+    """The catalog's FOLDERS is the one registry of names: strategy.name's choices, SPECS and STRATEGIES, in its order;
+    each strategy's spec is its folder's options.SPEC, its class its folder's strategy module's, naming that spec."""
+    assert typing.get_args(typing.get_type_hints(StrategyConfig)["name"]) == tuple(SPECS) == tuple(STRATEGIES) == FOLDERS
     for name, cls in STRATEGIES.items():
         assert cls.spec is SPECS[name] and cls.name == name
-        assert SPECS[name].runs == f"{cls.__module__}:{cls.__qualname__}"
+        assert cls.__module__ == f"dptrain.strategies.{name}.strategy"
+        assert importlib.import_module(f"dptrain.strategies.{name}.options").SPEC is SPECS[name]
 
 
 def test_the_choices_tables_are_built_from_the_configs_lists():
@@ -29,9 +33,9 @@ def test_the_choices_tables_are_built_from_the_configs_lists():
 
     from dptrain.strategies.base import OPTIMIZERS
     from dptrain.strategies.comm_hooks import COMM_HOOKS, _hook_powersgd
-    from dptrain.strategies.fsdp import DTYPES
+    from dptrain.strategies.fsdp.strategy import DTYPES
 
-    assert tuple(COMM_HOOKS) == typing.get_args(config.CommHook) and COMM_HOOKS["powersgd"] is _hook_powersgd
+    assert tuple(COMM_HOOKS) == typing.get_args(CommHook) and COMM_HOOKS["powersgd"] is _hook_powersgd
     assert DTYPES == {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     assert OPTIMIZERS == {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     assert typing.get_args(typing.get_type_hints(config.OptimConfig)["name"]) == tuple(config.OPTIMIZER_CLASSES)
@@ -78,7 +82,7 @@ def test_a_dedicated_server_leaves_the_data_to_the_others():
 
 
 def test_dp_drives_the_listed_gpus_the_first_as_root():
-    from dptrain.strategies.dp import driven_gpus, root_gpu
+    from dptrain.strategies.dp.strategy import driven_gpus, root_gpu
 
     chosen = config.load(None, [("strategy.name", "dp"), ("strategy.dp.devices", "2,0")]).strategy.dp
     assert chosen.devices == (2, 0)
@@ -99,7 +103,7 @@ def _ddp_bucket_cap(rank: int, world: int, bucket_mb: str) -> int:
     import torch
 
     from dptrain.distributed.env import DistEnv
-    from dptrain.strategies.ddp import DDP
+    from dptrain.strategies.ddp.strategy import DDP
 
     cfg = config.load(None, [("strategy.ddp.bucket_mb", bucket_mb), ("strategy.ddp.shared_memory", "false")]).strategy
     ddp = DDP(cfg, DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun"), torch.device("cpu"))

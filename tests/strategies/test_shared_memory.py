@@ -133,10 +133,11 @@ def test_a_silent_peer_is_an_error_after_the_timeout_naming_it():
 
 def _ddp_steps(rank: int, world: int, shared: bool) -> dict[str, torch.Tensor]:
     """Three SGD steps of DDP on the tutorials' CNN, gradients summed through shared memory or gloo."""
-    from dptrain.config import DDPOptions, StrategyConfig
+    from dptrain.config import StrategyConfig
+    from dptrain.strategies.ddp.options import DDPOptions
     from dptrain.distributed.env import DistEnv
     from dptrain.models.mnist_cnn import MnistCNN
-    from dptrain.strategies.ddp import DDP
+    from dptrain.strategies.ddp.strategy import DDP
 
     env = DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun")
     strategy = DDP(StrategyConfig(ddp=DDPOptions(shared_memory=shared)), env, torch.device("cpu"), timeout_s=30)

@@ -8,7 +8,7 @@ import pytest
 from dptrain.cli import main
 from dptrain.config import load as load_config
 from dptrain.errors import ConfigError
-from dptrain.strategies import check_world
+from dptrain.strategies.registry import check_world
 
 ONE = "model.sync_batchnorm synchronises BatchNorm over processes, and strategy {} runs one; drop it, or use " \
       "--strategy.name ddp (one process per GPU)."

@@ -35,7 +35,7 @@ def _two_step_sums(rank: int, world: int, hosts_of: list[str], max_numel: int) -
     """(each size's two-step mean through the hook, and gloo's flat mean), bytes sent, whether this rank leads."""
     import torch.distributed as dist
 
-    from dptrain.strategies import two_step
+    from dptrain.strategies.ddp import two_step
 
     with host_named(hosts_of[rank]):
         summing = two_step.open_across_hosts(max_numel=max_numel, element_size=8, timeout_s=30)
@@ -76,7 +76,7 @@ def test_one_rank_a_host_or_one_host_is_left_to_the_flat_sum():
 
 
 def _opened(rank: int, world: int, hosts_of: list[str]) -> bool:
-    from dptrain.strategies import two_step
+    from dptrain.strategies.ddp import two_step
 
     with host_named(hosts_of[rank]):
         return two_step.open_across_hosts(max_numel=10, element_size=4, timeout_s=30) is not None

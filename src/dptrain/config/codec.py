@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from dptrain.config.fields import choice, field_types, is_table, key_shown
+from dptrain.option_fields import choice, field_types, is_table, key_shown
 from dptrain.config.reading import read_toml
 from dptrain.config.sections import LEGACY_STRATEGY_KEYS, MAX_RUN_NAME_CHARS, RunConfig
 from dptrain.errors import ConfigError

@@ -13,9 +13,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dptrain.config import sections, slurm, strategy_specs
 from dptrain.config.codec import to_dict
-from dptrain.config.fields import SHOWN_DEFAULT, field_types, is_table
+from dptrain.option_fields import SHOWN_DEFAULT, field_types, is_table
 from dptrain.config.sections import RunConfig
 
 
@@ -61,31 +60,22 @@ def _cli_value(value: Any) -> str:
 
 
 @functools.cache
-def _docs_by_class() -> dict[str, dict[str, str]]:
-    """Class name -> field -> the field's attribute docstring (the string literal after the field), which Python
-    keeps nowhere at run time; the sections' modules' source is parsed once (getsource per class would parse it per
-    class)."""
-    docs: dict[str, dict[str, str]] = {}
-    for module in (sections, slurm, strategy_specs):
-        try:
-            tree = ast.parse(inspect.getsource(module))
-        except (OSError, TypeError):  # no source shipped (a frozen app): --help lists the options without their docs
-            return {}
-        docs |= {
-            cls.name: {
-                node.target.id: inspect.cleandoc(doc.value.value)
-                for node, doc in zip(cls.body, cls.body[1:])
-                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
-            }
-            for cls in tree.body if isinstance(cls, ast.ClassDef)
-        }
-    return docs
-
-
 def field_docs(cls: type) -> dict[str, str]:
-    """Field -> docstring of a section dataclass (config.sections, config.slurm, config.strategy_specs)."""
-    return _docs_by_class().get(cls.__name__, {})
+    """Field -> docstring of a section dataclass: each field's attribute docstring (the string literal after the field),
+    which Python keeps nowhere at run time, from the class's source; or its FIELD_DOCS where it is made at run time
+    (StrategyConfig, from the strategies' catalog)."""
+    made = getattr(cls, "FIELD_DOCS", None)
+    if made is not None:
+        return dict(made)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source shipped (a frozen app): --help lists the options without their docs
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]  # the class
+    return {node.target.id: inspect.cleandoc(doc.value.value)
+            for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
 
 
 @functools.cache

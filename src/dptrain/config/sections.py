@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
-from dptrain.config.fields import (MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT, field_types, is_table, may_change_at_resume,
+from dptrain.option_fields import (MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT, field_types, is_table, may_change_at_resume,
                                    name_or_import_path, not_negative, positive, shown)
 from dptrain.config.slurm import SlurmConfig
-from dptrain.config.strategy_specs import StrategyConfig
+from dptrain.strategies.catalog import StrategyConfig
 from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
 

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from dptrain.config.fields import not_negative, positive, shown
+from dptrain.option_fields import not_negative, positive, shown
 from dptrain.errors import ConfigError
 
 

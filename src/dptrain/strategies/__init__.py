@@ -1,74 +1,10 @@
-"""STRATEGIES: name -> class, built from config.SPECS (the one registry of strategy names: each spec names the class
-that runs it); the one place a strategy name is resolved to torch code."""
+"""The strategies: how the model is replicated and kept in sync, each in a folder of its own.
 
-from __future__ import annotations
+    strategies/<name>/options.py   its torch-free half: SPEC (name, table of options, rules, traffic) and the table,
+                                   which the configuration reads before torch is imported
+    strategies/<name>/strategy.py  its torch half: a Strategy subclass, registered by being defined
+    catalog.py                     FOLDERS, the one registry line a strategy adds; SPECS and StrategyConfig from it
+    registry.py                    STRATEGIES (name -> class), build_strategy, check_world: torch
 
-import importlib
-
-import torch
-
-from dptrain.config import SPECS, LaunchConfig, RunConfig, StrategyConfig
-from dptrain.distributed.env import DistEnv
-from dptrain.errors import ConfigError
-from dptrain.strategies.base import Strategy
-
-
-def _class(runs: str) -> type[Strategy]:
-    """The class a spec's `package.module:Class` names (a path of dptrain's own: an error here is a bug)."""
-    module, _, name = runs.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-STRATEGIES: dict[str, type[Strategy]] = {name: _class(spec.runs) for name, spec in SPECS.items()}
-
-
-def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device,
-                   timeout_s: float = LaunchConfig.timeout_s) -> Strategy:
-    """timeout_s: launch.timeout_s, for the collectives a strategy runs itself."""
-    return STRATEGIES[cfg.name](cfg, env, device, timeout_s)
-
-
-def data_world_size(cfg: StrategyConfig, world_size: int) -> int:
-    """How many of `world_size` ranks take a share of each global batch."""
-    return STRATEGIES[cfg.name].data_world_size(cfg, world_size)
-
-
-def check_sync_batchnorm(strategy: type[Strategy], on_cpu: bool) -> None:
-    """model.sync_batchnorm where torch's SyncBatchNorm can run: several processes of DDP, on GPUs."""
-    if strategy.one_process:
-        raise ConfigError(f"model.sync_batchnorm synchronises BatchNorm over processes, and strategy {strategy.name} "
-                          f"runs one; drop it, or use --strategy.name ddp (one process per GPU).")
-    if not strategy.syncs_batchnorm:
-        takers = " and ".join(name for name, cls in STRATEGIES.items() if cls.syncs_batchnorm)
-        raise ConfigError(f"model.sync_batchnorm runs under strategy {takers} only (torch's SyncBatchNorm is made for "
-                          f"DDP), not {strategy.name}; drop it, or use --strategy.name ddp.")
-    if on_cpu:
-        raise ConfigError("model.sync_batchnorm needs GPUs (torch's SyncBatchNorm takes no CPU tensors in training); "
-                          "drop it on the CPU, or run on GPUs with --launch.device cuda.")
-
-
-def check_world(cfg: RunConfig, world_size: int, train_size: int, on_cpu: bool = False,
-                torch_version: str | None = None) -> None:
-    """Refuse settings impossible for this world, dataset and torch, before any worker starts (and in every worker).
-
-    The strategy's own rules first (Strategy.check_world, then Strategy.check_run against the run's other
-    settings), then the split of the global batch over the ranks that take data. on_cpu: the workers will
-    run on the CPU; torch_version: theirs (None: this one).
-    """
-    strategy = STRATEGIES[cfg.strategy.name]
-    strategy.check_world(cfg.strategy, world_size, on_cpu, torch.__version__ if torch_version is None else torch_version)
-    strategy.check_run(cfg, world_size, on_cpu)
-    if cfg.model.sync_batchnorm:
-        check_sync_batchnorm(strategy, on_cpu)
-    data_world = strategy.data_world_size(cfg.strategy, world_size)
-    gb = cfg.train.global_batch_size
-    if gb % data_world:
-        who = "the world size" if data_world == world_size else "the number of training ranks"
-        raise ConfigError(
-            f"train.global_batch_size {gb} is not divisible by {who} {data_world}; "
-            f"choose a multiple of {data_world}, for example {max(data_world, gb - gb % data_world)}."
-        )
-    if data_world > train_size:
-        raise ConfigError(
-            f"world size {data_world} is larger than the training split ({train_size} samples); use fewer workers."
-        )
+Nothing is imported here: the configuration imports the catalog without torch.
+"""

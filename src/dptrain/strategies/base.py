@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import (OPTIMIZER_CLASSES, SPECS, LaunchConfig, OptimConfig, RunConfig, StrategyConfig,
+from dptrain.config import (OPTIMIZER_CLASSES, LaunchConfig, OptimConfig, RunConfig, StrategyConfig,
                             StrategySpec)
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError
@@ -87,6 +87,10 @@ class CommTiming:
     exposed_ms: float
 
 
+REGISTERED: dict[str, type["Strategy"]] = {}
+"""Strategy name -> the class that runs it, as each class registers itself (registry.STRATEGIES reads it)."""
+
+
 class Strategy:
     """The one-process case; subclasses override what their parallelism changes.
 
@@ -96,9 +100,9 @@ class Strategy:
     computes it, even when the last batch is shared out unevenly.
     """
 
-    spec: ClassVar[StrategySpec] = SPECS["single"]
-    """Its torch-free half (config.strategy_specs): its name, its table of options, its rules, its traffic."""
-    name: ClassVar[str] = spec.name  # each subclass's from its spec (__init_subclass__)
+    spec: ClassVar[StrategySpec]
+    """Its torch-free half (strategies/<name>/options.py: SPEC): its name, its table of options, its rules, its traffic."""
+    name: ClassVar[str]  # each subclass's from its spec (__init_subclass__)
     one_process = False
     """Whether it drives every device of a node from one process (single, dp): launch.nproc_per_node auto then starts
     one worker, not one per GPU (which the strategy would refuse)."""
@@ -111,8 +115,12 @@ class Strategy:
     """Whether comm_timing() times its gradient communication (the epoch event's comm_ms_per_step fields)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that states its own spec registers itself as the strategy of that name (registry.STRATEGIES)."""
         super().__init_subclass__(**kwargs)
         cls.name = cls.spec.name
+        if "spec" in cls.__dict__:
+            assert cls.spec.name not in REGISTERED, f"two classes run strategy {cls.spec.name}"
+            REGISTERED[cls.spec.name] = cls
 
     # What a strategy needs of the world, asked before any worker starts (prestart.preflight) and again by
     # every worker (train.build_trainer): each refusal is one sentence saying what to change.

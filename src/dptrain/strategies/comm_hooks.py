@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from dptrain.config import CommHook
-from dptrain.strategies import powersgd
+from dptrain.strategies.ddp.options import CommHook
+from dptrain.strategies.ddp import powersgd
 
 
 @dataclass
@@ -154,7 +154,7 @@ def _hook_ring(module: nn.Module, backend: str, powersgd_rank: int, counter: Com
 
 COMM_HOOKS: dict[str, Callable[[nn.Module, str, int, CommCounter, dist.ProcessGroup | None], tuple[object, Hook]]] = {
     name: globals()[f"_hook_{name}"] for name in typing.get_args(CommHook)}
-"""strategy.ddp.comm_hook's choices (config's CommHook, the one list of them) -> the _hook_<name> above, which makes
+"""strategy.ddp.comm_hook's choices (ddp's options.CommHook, the one list of them) -> the _hook_<name> above, which makes
 its (state, hook) for the module DDP wraps and a backend: the hook's collectives on `group` (None: the default group)."""
 DEFERRABLE = ("allreduce", "fp16", "bf16", "powersgd")
 """The hooks whose communication may be left running when backward ends (strategy.ddp.update_in_next_forward): those

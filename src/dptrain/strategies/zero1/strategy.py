@@ -7,18 +7,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.config import SPECS
 from dptrain.strategies import comm_hooks
 from dptrain.strategies.base import OptimizerSpec, model_shards
-from dptrain.strategies.ddp import DDP
+from dptrain.strategies.ddp.strategy import DDP
 from dptrain.strategies.state import WHOLE_OPTIMIZER, StatePart, WholeFile
+from dptrain.strategies.zero1.options import SPEC
 
 
 class Zero1(DDP):
     """After its local step each rank broadcasts its updated partition; traffic is the gradient all-reduce (as DDP
     counts or computes it) plus an all-gather of the parameters, computed as (N-1)/N of their bytes per step."""
 
-    spec = SPECS["zero1"]
+    spec = SPEC
     step_is_local = False  # collectives inside the step
 
     def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:

@@ -1,11 +1,12 @@
 """One process, one device: the base Strategy as it is."""
 
-from dptrain.config import SPECS, StrategyConfig
+from dptrain.config import StrategyConfig
 from dptrain.strategies.base import Strategy, refuse_more_than_one_process
+from dptrain.strategies.single.options import SPEC
 
 
 class SingleDevice(Strategy):
-    spec = SPECS["single"]
+    spec = SPEC
     one_process = True
 
     @classmethod

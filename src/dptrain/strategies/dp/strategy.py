@@ -10,10 +10,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from dptrain.config import SPECS, DPOptions, RunConfig, StrategyConfig
+from dptrain.config import RunConfig, StrategyConfig
 from dptrain.errors import ConfigError
 from dptrain.runtime import wants_cuda
 from dptrain.strategies.base import Strategy, refuse_more_than_one_process
+from dptrain.strategies.dp.options import SPEC, DPOptions
 
 log = logging.getLogger("dptrain")
 
@@ -62,7 +63,7 @@ class AutocastDataParallel(nn.DataParallel):
 
 
 class DataParallel(Strategy):
-    spec = SPECS["dp"]
+    spec = SPEC
     one_process = True
 
     @classmethod

@@ -11,13 +11,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dptrain.config import SPECS, RunConfig
+from dptrain.config import RunConfig
 from dptrain.errors import ConfigError
-from dptrain.strategies import comm_hooks, shared_memory, two_step
+from dptrain.strategies import comm_hooks, shared_memory
+from dptrain.strategies.ddp import two_step
 from dptrain.strategies.base import CommTiming, Strategy, refuse_gloo_send_recv_on_gpus
-from dptrain.strategies.deferred_update import DeferredUpdate, priority_params
-from dptrain.strategies.powersgd import PowerSGD, PowerSGDPart
+from dptrain.strategies.ddp.deferred_update import DeferredUpdate, priority_params
+from dptrain.strategies.ddp.powersgd import PowerSGD, PowerSGDPart
 from dptrain.strategies.state import StatePart
+from dptrain.strategies.ddp.options import SPEC
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class DDP(Strategy):
     others: its gradients, and its 1/N of their sum); for gloo's or nccl's all-reduce computed from the gradient
     sizes as a ring all-reduce, 2 (N-1)/N of the gradient bytes per step."""
 
-    spec = SPECS["ddp"]
+    spec = SPEC
     syncs_batchnorm = True  # zero1's forward is DDP's too
     times_comm = True  # from DDP's own timers, or the deferred update's
     shared_memory_sum: shared_memory.SharedMemoryAllReduce | None = None
@@ -111,15 +113,8 @@ class DDP(Strategy):
                 defer = False
         elif self.cfg.ddp.comm_hook == "allreduce" and self.may_sum_in_two_steps() and not defer:
             self.two_step_sum = two_step.open_across_hosts(**sizes)
-        buckets = {}
-        if self.cfg.ddp.bucket_mb is not None:
-            buckets["bucket_cap_mb"] = self.cfg.ddp.bucket_mb
-        elif self.shared_memory_sum is not None:
-            # One bucket, summed once at the end of backward. The sum runs inside backward on the rank's own
-            # thread, so smaller buckets would overlap nothing; each would only be one more point where the
-            # ranks wait for the slowest. (For the tutorials' CNN, 1 bucket against DDP's 2 measured within
-            # noise: 1.485x against 1.463x the plain loop, 3 interleaved repeats.)
-            buckets["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
+        cap = self.bucket_cap_mb(gradients)
+        buckets = {} if cap is None else {"bucket_cap_mb": cap}
         # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving one copy per step.
         ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True, **buckets)
         if defer:  # its own hook: gloo's or nccl's all-reduce (or the compressing hook's), left running
@@ -134,6 +129,19 @@ class DDP(Strategy):
             ddp.register_comm_hook(None, self.two_step_sum.hook)
         self.ddp = ddp
         return ddp
+
+    def bucket_cap_mb(self, gradients: list[nn.Parameter]) -> float | None:
+        """The most MiB of gradients DDP sends in one bucket (strategy.ddp.bucket_mb); None: DDP's own (25 MiB, its
+        first 1 MiB)."""
+        if self.cfg.ddp.bucket_mb is not None:
+            return self.cfg.ddp.bucket_mb
+        if self.shared_memory_sum is not None:
+            # One bucket, summed once at the end of backward. The sum runs inside backward on the rank's own
+            # thread, so smaller buckets would overlap nothing; each would only be one more point where the
+            # ranks wait for the slowest. (For the tutorials' CNN, 1 bucket against DDP's 2 measured within
+            # noise: 1.485x against 1.463x the plain loop, 3 interleaved repeats.)
+            return sum(p.numel() * p.element_size() for p in gradients) / 2**20 + 1
+        return None
 
     def deferred_update(self, ddp: DistributedDataParallel) -> DeferredUpdate:
         """strategy.ddp.update_in_next_forward's hooks. The buckets go over process groups of their own, which nothing

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import SPECS, RunConfig, StrategyConfig
+from dptrain.config import RunConfig, StrategyConfig
 from dptrain.errors import ConfigError
 from dptrain.strategies.base import OptimizerSpec, Strategy, model_shards, refuse_gloo_send_recv_on_gpus
 from dptrain.strategies.state import WHOLE_OPTIMIZER, StatePart, WholeFile
+from dptrain.strategies.ps.options import SPEC
 
 SERVER = 0
 
@@ -95,7 +96,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
 
 class ParameterServer(Strategy):
-    spec = SPECS["ps"]
+    spec = SPEC
     step_is_local = False  # collectives inside the step
     clip_norm: float | None = None
     """train.grad_clip, applied by the server to the mean gradient: a worker holds only its partial one."""

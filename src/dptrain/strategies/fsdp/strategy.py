@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.config import SPECS, FloatDtype, StrategyConfig
+from dptrain.config import StrategyConfig
 from dptrain.errors import ConfigError
 from dptrain.strategies import shared_memory
 from dptrain.strategies.base import Strategy
+from dptrain.strategies.fsdp.options import SPEC, FloatDtype
 
 DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in typing.get_args(FloatDtype)}
 """strategy.fsdp's dtype options -> torch's dtype of that name; None: the parameters' own dtype, no cast (FSDP's
@@ -175,7 +176,7 @@ class FSDP(Strategy):
     bytes (a ring); through shared memory, what a rank writes there for the others: its shard of each all-gather and
     the whole of each reduce-scatter's input."""
 
-    spec = SPECS["fsdp"]
+    spec = SPEC
     step_is_local = False  # collectives inside the step
     shared_memory_collectives: SharedMemoryCollectives | None = None
     """The all-gathers and reduce-scatters through /dev/shm (CPU ranks all on one host), once wrapped; None: gloo's."""
