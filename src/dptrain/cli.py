@@ -36,10 +36,8 @@ from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, 
                                   sbatch_name_words, split_overrides, submit_overrides, with_sbatch_names)
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
-from dptrain.launch.rendezvous import rendezvous_times
-from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_output_dir, check_predictions_path,
-                              given_options, named_after_its_experiment, preflight, preflight_job, resolve_batch,
-                              snapshot_and_its_run)
+from dptrain.plan import plan
+from dptrain.prestart import check_output_dir, check_predictions_path, snapshot_and_its_run
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -49,15 +47,12 @@ COMMAND_PLUGINS = "dptrain.commands"  # the entry-point group of commands other 
 USER_ERRORS = (ConfigError, DataError, LaunchError, SnapshotError, WorkerFailure)
 
 
-def resolve_config(args: argparse.Namespace, extra: list[str]) -> RunConfig:
-    """The configuration of train, config and doctor: the file, the overrides, the strategy's own file's settings, and
-    the run's name where none was given."""
+def run_overrides(args: argparse.Namespace, extra: list[str]) -> list[tuple[str, str]]:
+    """The --section.option pairs of train, config and doctor, --nproc-per-node among them."""
     overrides = split_overrides(extra)
     if args.nproc_per_node is not None:
         overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
-    cfg = config_mod.load(args.config, overrides)
-    given = given_options(args.config, overrides)
-    return named_after_its_experiment(adopt_strategy_settings(cfg, given), given)
+    return overrides
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
@@ -65,34 +60,19 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     return Nodes.from_options(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
 
 
-def planned_run(args: argparse.Namespace, extra: list[str]) -> tuple[RunConfig, int, bool, Nodes | None]:
-    """(the configuration `dptrain train` runs with these arguments, its world size, whether a launcher outside dptrain
-    started this process, its nodes), after every check made before a worker starts; train and config share it, so
-    that config prints what train runs (the global batch of a per-rank one) and refuses what train refuses."""
-    cfg = resolve_config(args, extra)
-    nodes = nodes_of(args)
-    world_size, launched_outside = world_size_here(cfg, nodes)
-    if nodes is not None and nodes.elastic:
-        check_elastic(cfg, nodes.fewest, nodes.count, world_size // nodes.count)
-        rendezvous_times(cfg.launch.timeout_s, nodes)  # DPTRAIN_RDZV_*, checked in a dry run too
-    cfg = resolve_batch(cfg, world_size)
-    preflight(cfg, world_size)
-    return cfg, world_size, launched_outside, nodes
-
-
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.worker import train_worker
 
     if args.user_command is not None:
         return train_user_script(args, extra)
-    cfg, world_size, launched_outside, nodes = planned_run(args, extra)
+    run = plan(args.config, run_overrides(args, extra), nodes_of(args))
     if args.dry_run:
         from dptrain.dry_run import dry_run
 
-        print(dry_run(cfg, world_size, launched_outside, nodes))
+        print(dry_run(run.cfg, run.world_size, run.launched_outside, run.nodes))
         return 0
-    run_ranks(train_worker, (config_mod.to_dict(cfg),), cfg, world_size, launched_outside, cfg.output.folder.launcher_log,
-              nodes)
+    run_ranks(train_worker, (config_mod.to_dict(run.cfg),), run.cfg, run.world_size, run.launched_outside,
+              run.cfg.output.folder.launcher_log, run.nodes)
     return 0
 
 
@@ -102,10 +82,8 @@ def train_user_script(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.launch.script import EXAMPLE, SCRIPT_SECTIONS, run_script
 
     script = user_command.user_script(args.user_command, Path.cwd(), EXAMPLE, "each worker")
-    overrides = split_overrides(extra)
+    overrides = run_overrides(args, extra)
     user_command.refuse_trainer_options(overrides, SCRIPT_SECTIONS, "this launch")
-    if args.nproc_per_node is not None:
-        overrides.append(("launch.nproc_per_node", str(args.nproc_per_node)))
     cfg = user_command.named_after(config_mod.load(args.config, overrides), script, overrides)
     return run_script(script, cfg, nodes_of(args), args.dry_run)
 
@@ -114,20 +92,19 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
     """Check the world this configuration would train in, from every node: one table, doctor.json; 1 on a failure."""
     from dptrain.doctor.command import run_doctor, run_doctor_job
 
-    cfg = resolve_config(args, extra)
-    check_output_dir(cfg.output.run_dir)  # doctor.json goes there (and the doctor's job with --slurm)
+    nodes = None if args.slurm else nodes_of(args)
+    run = plan(args.config, run_overrides(args, extra), nodes, checked=False)  # the doctor's checks are its own
+    check_output_dir(run.cfg.output.run_dir)  # doctor.json goes there (and the doctor's job with --slurm)
     if args.slurm:
         given = [f"--{name.replace('_', '-')}" for name in ("nnodes", "node_rank", "master_addr", "master_port",
                                                               "rdzv_endpoint") if getattr(args, name) is not None]
         if given:
             raise ConfigError(f"{given[0]} means nothing with --slurm, whose job places the nodes; give the job's "
                               f"shape as --slurm.nodes N (and the other --slurm.* options) instead.")
-        return run_doctor_job(cfg, args.dry_run)
+        return run_doctor_job(run.given, args.dry_run)
     if args.dry_run:
         raise ConfigError("--dry-run prints the doctor's job script, so it needs --slurm; without it, run the doctor.")
-    nodes = nodes_of(args)
-    world_size, launched_outside = world_size_here(cfg, nodes)
-    return run_doctor(resolve_batch(cfg, world_size), world_size, launched_outside, nodes)
+    return run_doctor(run.cfg, run.world_size, run.launched_outside, run.nodes)
 
 
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
@@ -142,32 +119,33 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     if script is not None:
         user_script.refuse_options_of_the_trainer(overrides)
     pairs = [*overrides, *submit_overrides(args), *sbatch_name_pairs(args)]
+    job: slurm_job.Job | None = None
+
+    def shape(cfg: RunConfig) -> tuple[RunConfig, int]:
+        """The job's options in cfg, then its job and world size."""
+        nonlocal job
+        lines = job_lines(args)
+        if lines:  # lines on the command line replace the file's list
+            cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
+        if script is not None:  # its shape first: --cpus-per-task is then per torchrun, one a node
+            given = {key.removeprefix("slurm.") for key, _ in pairs if key.startswith("slurm.")}
+            cfg = dataclasses.replace(cfg, slurm=user_script.user_script_shape(cfg.slurm, given))
+        cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
+        if script is not None:
+            cfg = user_command.named_after(cfg, script, pairs)
+        job = slurm_job.job_for(cfg, workdir, **job_files(args))
+        return cfg, job.world_size
+
+    # the trainer's job: the strategy's files taken in, the batch resolved and checked (its job.toml keeps the batch
+    # as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch` trains N nodes' worth of it, as the
+    # tutorials' jobs do); a script's: its options are its own
+    run = plan(args.config, pairs, job=shape, trainer=script is None)
+    assert job is not None
+    cfg = run.cfg
     if script is None:
-        given = given_options(args.config, pairs)
-        cfg = named_after_its_experiment(adopt_strategy_settings(config_mod.load(args.config, pairs), given), given)
-    else:  # the strategy's files are the trainer's, which this job does not run
-        cfg = config_mod.load(args.config, pairs)
-    lines = job_lines(args)
-    if lines:  # lines on the command line replace the file's list
-        cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
-    if script is not None:  # its shape first: --cpus-per-task is then per torchrun, one a node
-        given = {key.removeprefix("slurm.") for key, _ in pairs if key.startswith("slurm.")}
-        cfg = dataclasses.replace(cfg, slurm=user_script.user_script_shape(cfg.slurm, given))
-    cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
-    if script is not None:
-        cfg = user_command.named_after(cfg, script, pairs)
-    job = slurm_job.job_for(cfg, workdir, **job_files(args))
-    if script is not None:  # its logs/ and job.sbatch go there (the trainer's job: preflight_job checks it below)
-        check_output_dir(job.run_dir)
-    if script is None:
-        # job.toml keeps the batch as given: a batch per rank stays one, so that `sbatch --nodes=N job.sbatch`
-        # trains N nodes' worth of it, as the tutorials' jobs do (each rank resolves it at the world size it finds)
-        given_cfg: RunConfig | None = cfg
-        cfg = resolve_batch(cfg, job.world_size)
-        preflight_job(cfg, job.world_size)
         text = slurm_script.render(cfg, job)
-    else:  # no job.toml: the script reads its own options
-        given_cfg = None
+    else:  # no job.toml: the script reads its own options; its logs/ and job.sbatch go to its run folder
+        check_output_dir(job.run_dir)
         text = slurm_script.render(cfg, job, user_script.script_command(cfg, job, script))
     # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
     # nothing is checked, and the dry run prints the script all the same
@@ -179,8 +157,8 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     for log_file in (job.output(), job.errors()):  # SLURM writes no file into a folder that is not there
         if "%" not in str(log_file.parent):
             log_file.parent.mkdir(parents=True, exist_ok=True)
-    if given_cfg is not None:
-        job.config.write_text(config_mod.to_toml(given_cfg))
+    if script is None:
+        job.config.write_text(config_mod.to_toml(run.given))
     job.script.write_text(text)
     job_id = queue.submit(job.script)
     print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"
@@ -250,8 +228,7 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
     """Print the config that `dptrain train` with the same arguments would run, as TOML that --config reads back."""
-    cfg, _, _, _ = planned_run(args, extra)
-    print(config_mod.to_toml(cfg), end="")
+    print(config_mod.to_toml(plan(args.config, run_overrides(args, extra), nodes_of(args)).cfg), end="")
     return 0
 
 

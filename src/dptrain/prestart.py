@@ -100,23 +100,10 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
                     torch_version=str(torch.__version__))
 
 
-def given_options(config_path: str | None, pairs: list[tuple[str, str]]) -> set[str]:
-    """The options the --config file or the command line's --section.option pairs set, by dotted name (load() has
-    read and checked the file already)."""
-    given = {key for key, _ in pairs}
-    if config_path is not None:
-        def names(table: dict[str, Any], prefix: str) -> list[str]:
-            return [n for key, value in table.items()
-                    for n in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
-
-        given |= set(names(config_mod.read_toml(Path(config_path), f"config file {config_path}"), ""))
-    return given
-
-
 def adopt_strategy_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
     """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
     tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file
-    nor the command line sets (given_options); cfg itself where the strategy has none."""
+    nor the command line sets (given: their dotted names, config.read); cfg itself where the strategy has none."""
     from dptrain.strategies.registry import STRATEGIES  # imports torch: only once a run is wanted
 
     return STRATEGIES[cfg.strategy.name].adopt_settings(cfg, given)

@@ -12,7 +12,7 @@ from dptrain.strategies.registry import check_world
 
 ONE = "model.sync_batchnorm synchronises BatchNorm over processes, and strategy {} runs one; drop it, or use " \
       "--strategy.name ddp (one process per GPU)."
-OTHER = "model.sync_batchnorm runs under strategy ddp and zero1 only (torch's SyncBatchNorm is made for DDP), not {}; " \
+OTHER = "model.sync_batchnorm runs under DDP's strategies only (torch's SyncBatchNorm is made for DDP), not {}; " \
         "drop it, or use --strategy.name ddp."
 CPU = ("model.sync_batchnorm needs GPUs (torch's SyncBatchNorm takes no CPU tensors in training); drop it on the CPU, "
        "or run on GPUs with --launch.device cuda.")

@@ -17,8 +17,8 @@ What the rest of dptrain uses is importable from `dptrain.config` itself, below.
 from __future__ import annotations
 
 from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
-from dptrain.config.codec import (current_name, experiment_name, fixed_at_resume, from_dict, load, to_dict, to_toml,
-                                  upgraded)
+from dptrain.config.codec import (current_name, experiment_name, fixed_at_resume, from_dict, load, read, to_dict,
+                                  to_toml, upgraded)
 from dptrain.option_fields import is_import_path
 from dptrain.config.help import Option, field_docs, options, options_help
 from dptrain.config.reading import MAX_CONFIG_BYTES, read_config_text, read_toml
@@ -36,5 +36,5 @@ __all__ = [
     "LaunchConfig", "MAX_CONFIG_BYTES", "MAX_TIMEOUT_S", "MODEL_NAMES", "ModelConfig", "OPTIMIZER_CLASSES", "OptimConfig",
     "Option", "OutputConfig", "RunConfig", "SPECS", "SlurmConfig", "StrategyConfig", "StrategySpec",
     "TrainConfig", "Traffic", "current_name", "experiment_name", "field_docs", "fixed_at_resume", "from_dict",
-    "is_import_path", "load", "options", "options_help", "read_config_text", "read_toml", "sbatch_gpus", "to_dict", "to_toml", "upgraded",
+    "is_import_path", "load", "options", "options_help", "read", "read_config_text", "read_toml", "sbatch_gpus", "to_dict", "to_toml", "upgraded",
 ]

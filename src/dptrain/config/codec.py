@@ -277,6 +277,12 @@ def _merge(base: dict[str, Any], over: dict[str, Any], where: str) -> None:
 
 def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> RunConfig:
     """TOML file (optional) with dotted overrides on top, validated."""
+    return read(path, overrides)[0]
+
+
+def read(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> tuple[RunConfig, set[str]]:
+    """(the TOML file (optional) with dotted overrides on top, validated; the options the file or the overrides set,
+    by dotted name), the file read once."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -285,8 +291,15 @@ def load(path: str | Path | None = None, overrides: list[tuple[str, str]] | None
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; check the path given to --config.") from None
     _refuse_flat_keys(tree)
+    given = set(_dotted_names(tree)) | {key for key, _ in overrides or []}
     _merge(tree, parse_overrides(overrides or []), str(path))
-    return from_dict(tree)
+    return from_dict(tree), given
+
+
+def _dotted_names(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every value's dotted name in a tree of tables (data.root, strategy.ddp.comm_hook)."""
+    return [name for key, value in tree.items()
+            for name in (_dotted_names(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
 
 def _toml_value(value: Any) -> str:

@@ -35,8 +35,7 @@ def check_sync_batchnorm(strategy: type[Strategy], on_cpu: bool) -> None:
         raise ConfigError(f"model.sync_batchnorm synchronises BatchNorm over processes, and strategy {strategy.name} "
                           f"runs one; drop it, or use --strategy.name ddp (one process per GPU).")
     if not strategy.syncs_batchnorm:
-        takers = " and ".join(name for name, cls in STRATEGIES.items() if cls.syncs_batchnorm)
-        raise ConfigError(f"model.sync_batchnorm runs under strategy {takers} only (torch's SyncBatchNorm is made for "
+        raise ConfigError(f"model.sync_batchnorm runs under DDP's strategies only (torch's SyncBatchNorm is made for "
                           f"DDP), not {strategy.name}; drop it, or use --strategy.name ddp.")
     if on_cpu:
         raise ConfigError("model.sync_batchnorm needs GPUs (torch's SyncBatchNorm takes no CPU tensors in training); "
