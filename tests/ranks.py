@@ -179,7 +179,7 @@ class _Pool:
         for _, procs, values in running.values():
             for rank, i in enumerate(procs):
                 proc = self.procs[i][0]
-                if rank not in values and not proc.is_alive() and self.results.empty():  # a result is written whole first
+                if rank not in values and not proc.is_alive() and self.results.empty():  # a result is written atomically first
                     raise AssertionError(f"rank {rank} ended without a result (exit code {proc.exitcode})")
 
     def kill(self) -> None:

@@ -170,7 +170,7 @@ def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_pat
 
 @pytest.mark.slow
 def test_a_disk_full_from_the_start_is_one_sentence_and_keeps_the_run_files(tmpfs, tmp_path):
-    """config.toml, rewritten by every run of the folder, is replaced whole or not at all (it was a 23-line OSError)."""
+    """config.toml, rewritten by every run of the folder, is replaced atomically (it was a 23-line OSError)."""
     run_dir = tmpfs(1) / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text("# an earlier run's\n")

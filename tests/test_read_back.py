@@ -93,10 +93,10 @@ def test_numbers_in_range_are_taken_and_the_low_end_only_where_allowed():
     assert read_back.number(0, "x", 0, 1) == 0.0 and isinstance(read_back.number(1, "x", 0, 1), float)
     with pytest.raises(BadValue, match="above 0 and at most 1"):
         read_back.number(0.0, "x", 0, 1, above_low=True)
-    assert read_back.whole("256", "size", 1, 1024) == 256 and read_back.whole(2.0, "n", 1, 4) == 2
+    assert read_back.integer("256", "size", 1, 1024) == 256 and read_back.integer(2.0, "n", 1, 4) == 2
     for bad in ("2.5", "-1", "²", 2.5, True, 5, "9" * 30):
         with pytest.raises(BadValue):
-            read_back.whole(bad, "n", 1, 4)
+            read_back.integer(bad, "n", 1, 4)
 
 
 def test_json_lines_skip_and_name_the_lines_they_cannot_use(tmp_path):

@@ -220,13 +220,13 @@ def resumed_from_2_past_a_damaged_4(tmp_path):
 
 
 def test_a_damaged_snapshot_does_not_take_the_place_of_a_whole_one(tmp_path, caplog):
-    """keep_last 2, snapshots 2 and 4, then 4 damaged: a resume from 2 that saves 6 keeps 2 and 6, the two whole ones.
+    """keep_last 2, snapshots 2 and 4, then 4 damaged: a resume from 2 that saves 6 keeps 2 and 6, the two verified ones.
     (Pruning counted every snapshot with this run's manifest: it deleted 2 and kept the damaged 4, one to fall back on.)"""
     damaged, resumed = resumed_from_2_past_a_damaged_4(tmp_path)
     with caplog.at_level(logging.WARNING, logger="dptrain"):
         save_at(resumed, 6)
-    assert steps_kept(tmp_path) == {6: "ok", 2: "ok"}  # 4, damaged and older than a whole one, deleted
-    assert said(caplog) == [f"deleted damaged snapshot step-00000004, older than a whole one; snapshot {damaged} has a "
+    assert steps_kept(tmp_path) == {6: "ok", 2: "ok"}  # 4, damaged and older than a verified one, deleted
+    assert said(caplog) == [f"deleted damaged snapshot step-00000004, older than a verified one; snapshot {damaged} has a "
                             f"damaged extra.pt (size or sha256 differs from the manifest)."]
 
 
@@ -243,7 +243,7 @@ def test_a_damaged_snapshot_at_a_step_the_run_saves_again_is_written_again(tmp_p
 
 
 def test_a_whole_snapshot_at_a_step_the_run_saves_again_is_kept(tmp_path):
-    """A resume is bit-identical: a whole snapshot of a step the run reaches again is not written twice."""
+    """A resume is bit-identical: a verified snapshot of a step the run reaches again is not written twice."""
     kept = save_at(snapshotter(tmp_path), 4)
     before = kept.stat().st_ino
     save_at(snapshotter(tmp_path), 4)
@@ -269,10 +269,10 @@ def test_pruning_keeps_the_newest_whole_snapshots_of_this_run_only(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="dptrain"):
         checkpoint._prune(tmp_path, keep_last=3, config_hash_="ours",
                           damage=lambda path: damaged.get(int(path.name.removeprefix("step-"))))
-    # 9: newer than every whole one (the run may write it again); 7, 4 and 2: the three newest whole ones; 5 and 3:
-    # damaged and older than a whole one; 1: past the three newest whole ones.
+    # 9: newer than every whole one (the run may write it again); 7, 4 and 2: the three newest verified ones; 5 and 3:
+    # damaged and older than a verified one; 1: past the three newest verified ones.
     assert sorted(int(p.name.removeprefix("step-")) for p in tmp_path.iterdir()) == [2, 4, 6, 7, 8, 9]
-    assert said(caplog) == ["deleted 2 damaged snapshots, step-00000003 to step-00000005, older than a whole one; "
+    assert said(caplog) == ["deleted 2 damaged snapshots, step-00000003 to step-00000005, older than a verified one; "
                             "the newest: damaged 5"]
 
 
@@ -374,7 +374,7 @@ def test_a_snapshot_file_that_cannot_be_read_is_one_sentence():
 
 
 def planted(root: Path, kind: str, elsewhere: Path) -> Path:
-    """A checkpoints/step-00000005 entry that dptrain never writes: a dangling link, a link to a whole snapshot (of
+    """A checkpoints/step-00000005 entry that dptrain never writes: a dangling link, a link to a verified snapshot (of
     another run, in elsewhere) or a file."""
     root.mkdir(parents=True, exist_ok=True)
     entry = root / "step-00000005"
@@ -397,7 +397,7 @@ def test_a_step_entry_that_is_no_folder_is_refused_as_the_run_starts(tmp_path, k
     """A dangling checkpoints/step-* link: the run trained to that step, then failed with a raw [Errno 20] at the
     snapshot's rename, once per restart. Now the run is refused before it trains, whatever train.resume says."""
     root = tmp_path / "run" / "checkpoints"
-    save_at(snapshotter(tmp_path / "run"), 2)  # a whole snapshot older than the entry: auto would resume from it
+    save_at(snapshotter(tmp_path / "run"), 2)  # a verified snapshot older than the entry: auto would resume from it
     entry = planted(root, kind, tmp_path / "other")
     target = os.readlink(entry) if entry.is_symlink() else None
     sentence = (f"{entry} is {WHAT[kind].format(target)}, not a snapshot folder: dptrain writes each snapshot as a "

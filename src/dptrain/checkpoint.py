@@ -33,7 +33,7 @@ from dptrain.data import input_record
 from dptrain.distributed.failures import Phase
 from dptrain.distributed.world import barrier
 from dptrain.errors import ConfigError, SnapshotError, UnsafeFileError
-from dptrain.files import fsync_dir, written_whole
+from dptrain.files import fsync_dir, written_atomically
 from dptrain.run_folder import RunFolder
 from dptrain.safe_load import (check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private,
                                read_metadata)
@@ -187,7 +187,7 @@ class Snapshotter:
 
     def at_step_boundary(self, state: TrainState, stop: StopRequest, phase: Phase, before_saving: Callable[[], None]) -> None:
         """The snapshotter's turn after every step: a snapshot when due; then the stop signals exchanged, and once every
-        rank has agreed on one, a whole snapshot of this step, then Stopped. before_saving(): the loop's check that
+        rank has agreed on one, a verified snapshot of this step, then Stopped. before_saving(): the loop's check that
         the state is fit to keep (train.Trainer._check_loss: never a snapshot of a diverged state)."""
         with phase(f"snapshot after step {state.step}"):
             if self.due(state, after_evaluation=False):
@@ -209,12 +209,12 @@ class Snapshotter:
             self.wait()
 
     def save(self, state: TrainState, wait: bool = False) -> Path:
-        """A snapshot of this step boundary (every rank calls this at the same step); with wait, also written whole."""
+        """A snapshot of this step boundary (every rank calls this at the same step); with wait, also written atomically."""
         self.strategy.settle()  # never half an update (strategy.ddp.update_in_next_forward)
         final = self.root / f"{PREFIX}{state.step:08d}"
-        # A run resumed from this step may stop at it again, and a resume is bit-identical: a whole snapshot of this
+        # A run resumed from this step may stop at it again, and a resume is bit-identical: a verified snapshot of this
         # step is kept, a damaged one (left by an earlier run, skipped by its resume) is written again.
-        if self.last_step != state.step and not self._whole_on_rank0(final):
+        if self.last_step != state.step and not self._verified_on_rank0(final):
             self.wait()
             self._write(state, final)
             self.last_step = state.step
@@ -277,8 +277,8 @@ class Snapshotter:
                 self.damage[path.name] = str(exc)
         return self.damage[path.name]
 
-    def _whole_on_rank0(self, final: Path) -> bool:
-        """Whether a whole snapshot `final` exists, as rank 0 sees it, on every rank (a collective with 2 ranks or more):
+    def _verified_on_rank0(self, final: Path) -> bool:
+        """Whether a verified snapshot `final` exists, as rank 0 sees it, on every rank (a collective with 2 ranks or more):
         the ranks write a snapshot together or not at all, and another node may not see rank 0's files yet."""
         whole = [self.env.is_main and final.is_dir() and self._damage(final) is None]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -311,14 +311,14 @@ class Snapshotter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SnapshotError(refusal)
         replaced = final.parent / f".replaced-{final.name}"
-        if final.is_dir():  # damaged (save() keeps a whole one): moved aside in one rename, as os.replace needs it gone
+        if final.is_dir():  # damaged (save() keeps a verified one): moved aside in one rename, as os.replace needs it gone
             log.warning("writing %s again, in place of the damaged one (%s)", final.name, (self._damage(final) or "").rstrip("."))
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(tmp, final)
         shutil.rmtree(replaced, ignore_errors=True)
         self.damage[final.name] = None  # every file was just hashed: whole, without reading it again
-        with written_whole(final.parent / LATEST) as pointer:
+        with written_atomically(final.parent / LATEST) as pointer:
             pointer.write_text(final.name + "\n")
         _prune(final.parent, self.cfg.checkpoint.keep_last, manifest["config_hash"], self._damage)
         log.info("snapshot %s written", final)
@@ -439,14 +439,14 @@ def _frozen_copy(state: Any) -> Any:
 def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path], str | None]) -> None:
     """Keep the keep_last newest snapshots of this run that verify (damage(path) is None), and delete this run's older ones.
 
-    Only a whole snapshot counts: a damaged one that kept a place pruned a whole one, and a resume then had fewer
-    to fall back on. Never deleted: the newest whole snapshot, a damaged one newer than it (the run may write that
+    Only a verified snapshot counts: a damaged one that kept a place pruned a verified one, and a resume then had fewer
+    to fall back on. Never deleted: the newest verified snapshot, a damaged one newer than it (the run may write that
     step again, and replaces it then), a snapshot of another configuration (its manifest says so), and a folder that
     is not ours alone (check_private: another user's, or one others may write to). A damaged one older than the
     newest whole one can never be resumed from: deleted, and named in one log line. Past the keep_last newest whole
     ones every snapshot of this run is deleted without being verified: verifying reads every byte.
     """
-    whole_kept, damaged = 0, []
+    verified_kept, damaged = 0, []
     for path in (p for p, refusal in _entries(root) if refusal is None):  # a link or a file is never ours to delete
         try:
             check_private(path, "snapshot")
@@ -457,17 +457,17 @@ def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path
             theirs = None  # no readable manifest (and the folder is ours): damaged, not another configuration's
         if theirs is not None and theirs != config_hash_:
             continue
-        if whole_kept < keep_last:
+        if verified_kept < keep_last:
             reason = damage(path)
             if reason is None:
-                whole_kept += 1
+                verified_kept += 1
                 continue
-            if whole_kept == 0:
+            if verified_kept == 0:
                 continue
             damaged.append((path, reason))
         shutil.rmtree(path, ignore_errors=True)
     if damaged:
-        log.warning("deleted %s, older than a whole one; %s", _span(damaged), _first_reason(damaged))
+        log.warning("deleted %s, older than a verified one; %s", _span(damaged), _first_reason(damaged))
 
 
 def _span(rows: list[tuple[Path, str]]) -> str:
@@ -526,7 +526,7 @@ def _required_files(manifest: dict[str, Any], metadata: Any) -> set[str]:
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """The manifest of a whole snapshot that is safe to load; SnapshotError naming the first thing wrong.
+    """The manifest of a verified snapshot that is safe to load; SnapshotError naming the first thing wrong.
 
     Safe: the folder is the user's own and nobody else may write to it. Whole: the manifest lists exactly
     the files the folder holds, those include every file the loader reads, each has its recorded size and
@@ -643,10 +643,10 @@ def list_snapshots(root: Path) -> list[tuple[Path, str]]:
 def rerun_ending(root: Path, resumes: str) -> str:
     """How a failure's sentence ends, after 'run the same command': `resumes` where a snapshot under root verifies,
     else that the run starts again from step 0 (a sentence must not promise a resume from nothing)."""
-    return resumes if newest_whole(root) is not None else " (no snapshot was written yet: it starts again from step 0)."
+    return resumes if newest_verified(root) is not None else " (no snapshot was written yet: it starts again from step 0)."
 
 
-def newest_whole(root: Path) -> Path | None:
+def newest_verified(root: Path) -> Path | None:
     """The newest snapshot under root that verifies, the one the same command resumes from; None if there is none.
     The older ones are not read (verifying reads every byte)."""
     return next((path for path, status in _snapshot_statuses(root) if status.startswith("ok")), None)
@@ -792,6 +792,6 @@ def export_weights(cfg: RunConfig, snapshot: Path, manifest: dict[str, Any], out
         warnings.simplefilter("ignore", UserWarning)
         model, _ = snapshot_model(cfg, snapshot, shape, classes, torch.device("cpu"))
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    with written_whole(output) as tmp:
+    with written_atomically(output) as tmp:
         torch.save(state, tmp)
     return len(state)

@@ -18,7 +18,7 @@ from torch import nn
 
 from dptrain.data.loader import Loader
 from dptrain.events import EVAL_ACC, EVAL_COUNT, EVAL_LOSS, EVAL_TIME_S
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.metrics import finite_or_none
 
 
@@ -67,9 +67,9 @@ PREDICTIONS_HEADER = ("index", "label", "predicted")
 
 
 def write_test_predictions(rows: torch.Tensor, path: Path) -> None:
-    """index,label,predicted per test sample, in the split's order; written whole, then renamed."""
+    """index,label,predicted per test sample, in the split's order; written atomically, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(path) as tmp, tmp.open("w", newline="") as f:
+    with written_atomically(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(PREDICTIONS_HEADER)
         writer.writerows(rows.tolist())

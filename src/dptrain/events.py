@@ -161,12 +161,12 @@ def event_problem(event: dict[str, Any]) -> str | None:
     if kind == RUN_START_EVENT.name:
         size = event.get(GLOBAL_BATCH_SIZE)
         if size is not None and not (_is_number(size) and size == int(size) and size >= 1):
-            return f"{GLOBAL_BATCH_SIZE} is {_shown(size)}, not a positive whole number"
+            return f"{GLOBAL_BATCH_SIZE} is {_shown(size)}, not a positive integer"
     if kind != EPOCH_EVENT.name:
         return None
     number = event.get(EPOCH)
     if not (_is_number(number) and number == int(number) and number >= 0):
-        return f"{EPOCH} is {_shown(number)}, not a whole number" if EPOCH in event else f"it has no {EPOCH}"
+        return f"{EPOCH} is {_shown(number)}, not an integer" if EPOCH in event else f"it has no {EPOCH}"
     for key in (EPOCH_TIME_S, TRAIN_SAMPLES):  # a rate divides one by the other: both must be above zero
         if key not in event:
             return f"it has no {key}"

@@ -1,4 +1,4 @@
-"""Files written whole or not at all: a reader (a resume, eval, a user's script) finds the old file or the new one,
+"""Files written atomically: a reader (a resume, eval, a user's script) finds the old file or the new one,
 never half of one, whatever kills the writer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dptrain.errors import ConfigError
 
 
 @contextlib.contextmanager
-def written_whole(path: Path, mode: int = 0o644) -> Iterator[Path]:
+def written_atomically(path: Path, mode: int = 0o644) -> Iterator[Path]:
     """Yields a temporary path beside path for the block to write; then flushes it to the disk and renames it over
     path. On any failure the temporary file is removed and path is left as it was.
 
@@ -35,9 +35,9 @@ def written_whole(path: Path, mode: int = 0o644) -> Iterator[Path]:
         raise
 
 
-def write_whole(path: Path, text: str) -> None:
-    """path's text replaced whole or not at all (written_whole), never written through a link planted there."""
-    with written_whole(path) as tmp:
+def write_atomically(path: Path, text: str) -> None:
+    """path's text replaced atomically (written_atomically), never written through a link planted there."""
+    with written_atomically(path) as tmp:
         tmp.write_text(text)
 
 

@@ -34,7 +34,7 @@ from dptrain.data.formats import read_idx
 from dptrain.data.sharding import num_batches, rank_batch_positions
 from dptrain.data.spec import Normalise
 from dptrain.errors import ConfigError, DataError
-from dptrain.files import check_replaceable, written_whole
+from dptrain.files import check_replaceable, written_atomically
 from dptrain.read_back import NotRegularFile, open_regular, special_kind
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -357,10 +357,10 @@ def check_output_path(path: Path) -> None:
 
 
 def write_input_predictions(inputs: Inputs, probs: torch.Tensor, errors: dict[int, str], path: Path) -> None:
-    """index,source,predicted,prob_0..prob_{K-1},error per input, in input order; written whole, then renamed."""
+    """index,source,predicted,prob_0..prob_{K-1},error per input, in input order; written atomically, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     predicted = probs.nan_to_num(-1.0).argmax(1).tolist()
-    with written_whole(path) as tmp, tmp.open("w", newline="") as f:
+    with written_atomically(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header(probs.shape[1]))
         for i, row in enumerate(probs.tolist()):

@@ -158,7 +158,7 @@ def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
 
 
 def check_resume_target(cfg: RunConfig) -> None:
-    """A snapshot named by train.resume is whole; `never` does not write over an earlier run's snapshots."""
+    """A snapshot named by train.resume verifies; `never` does not write over an earlier run's snapshots."""
     if cfg.train.resume not in ("auto", "never"):
         checkpoint.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
         return
@@ -263,7 +263,7 @@ def check_weights_file(output: OutputConfig) -> None:
     if not existing.is_dir():
         raise ConfigError(f"the folder of the final weights {path.parent} cannot be made: {existing} is a file; "
                           f"give another --output.weights_dir.")
-    if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced whole: its folder is what is written
+    if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced atomically: its folder is what is written
         raise ConfigError(f"the final weights cannot be written to {path}: {existing} is not writable for you; give "
                           f"another --output.weights_dir, or fix its permissions.")
 

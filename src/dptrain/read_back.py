@@ -186,12 +186,12 @@ def number(value: Any, name: str, low: float, high: float, *, above_low: bool = 
     return float(value)
 
 
-def whole(value: Any, name: str, low: int, high: int) -> int:
-    """value as an int where it is a whole number (1.0 counts) from low to high; else BadValue."""
+def integer(value: Any, name: str, low: int, high: int) -> int:
+    """value as an int where it is an integer (1.0 counts) from low to high; else BadValue."""
     if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit() and len(value) < 20:
         value = int(value)  # a JSON object's keys are strings: {"256": ...}
     if not is_number(value) or value != int(value) or not low <= value <= high:
-        raise BadValue(f"{name} = {shown(value)}, not a whole number from {low} to {high}")
+        raise BadValue(f"{name} = {shown(value)}, not an integer from {low} to {high}")
     return int(value)
 
 

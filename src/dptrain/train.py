@@ -31,7 +31,7 @@ from dptrain.distributed.world import barrier
 from dptrain.errors import OutputError
 from dptrain.evaluate import evaluate, sync
 from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, STEP, STEP_EVENT
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
 from dptrain.models import build_model, training_flops_per_sample
@@ -262,7 +262,7 @@ class Trainer:
         state = self.strategy.full_state_dict()
         if self.env.is_main:
             try:
-                with written_whole(path) as tmp:
+                with written_atomically(path) as tmp:
                     torch.save(state, tmp)
             except Exception as exc:
                 reason = checkpoint.write_failure(exc)
@@ -302,7 +302,7 @@ class Trainer:
             return
         self.snapshots.wait()  # a background write of an earlier step holds a finite state: finish it
         barrier()  # every rank leaves only once rank 0 has committed it
-        last = checkpoint.newest_whole(self.snapshots.root)
+        last = checkpoint.newest_verified(self.snapshots.root)
         raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
                                          last.name if last is not None else None, self.cfg.output.elsewhere))
 

@@ -25,7 +25,7 @@ from dptrain.errors import DataError, OutputError
 from dptrain.events import (AGENT_RESTARTS, DATA, DEVICE, EVAL_EVENT, EVENT, GLOBAL_BATCH_SIZE, MESSAGE, MODEL, RUN_END_EVENT,
                             RUN_START_EVENT, SLURM_JOB_ID, SLURM_RESTARTS, SNAPSHOT, STEP, STOPPED_EVENT, STRATEGY,
                             TOTAL_STEPS, WORLD_SIZE)
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.metrics import (CONSOLE, EVERY_RANK, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink,
                              gpu_log, run_epochs, tensorboard)
 from dptrain.run_folder import RunFolder
@@ -239,9 +239,9 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_run_file(path: Path, text: str) -> None:
-    """One of the run's own files, replaced whole or not at all (a resume rewrites them); a full disk is one sentence."""
+    """One of the run's own files, replaced atomically (a resume rewrites them); a full disk is one sentence."""
     try:
-        with written_whole(path) as tmp:
+        with written_atomically(path) as tmp:
             tmp.write_text(text)
     except OSError as exc:
         raise OutputError(f"could not write {path} ({exc.strerror or exc}); free space or fix permissions there, "

@@ -25,7 +25,7 @@ from dptrain.reporting.sweep_files import POINT_NAME
 from dptrain.events import flat_numbers, in_range, range_words, read_run_events
 from dptrain.errors import ConfigError
 from dptrain import read_back
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
@@ -143,7 +143,7 @@ def run_nodes(run_dir: Path) -> int:
     else:
         if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1:
             return nodes
-        problem = f"{path} has slurm.nodes = {_shown(nodes)}, not a positive whole number"
+        problem = f"{path} has slurm.nodes = {_shown(nodes)}, not a positive integer"
     log.warning(f"{run_dir.name} is counted as 1 node: {problem.rstrip('.')}.")
     return 1
 
@@ -236,7 +236,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    with written_whole(path) as tmp, tmp.open("w", newline="") as f:  # never half a table, nor through a planted link
+    with written_atomically(path) as tmp, tmp.open("w", newline="") as f:  # never half a table, nor through a planted link
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
@@ -263,16 +263,16 @@ def row_problem(row: dict[str | None, Any], width: int) -> str | None:
     for column in ("engine", "strategy"):
         if not NAME.fullmatch(row[column]):
             return f"{column} is {_shown(row[column])}, not a name of lowercase letters, digits and _"
-    if not _whole(row["workers"], minimum=1):
-        return f"workers is {_shown(row['workers'])}, not a positive whole number"
+    if not _integer(row["workers"], minimum=1):
+        return f"workers is {_shown(row['workers'])}, not a positive integer"
     if row["status"] not in STATUSES:
         return f"status is {_shown(row['status'])}, not one of {', '.join(STATUSES)}"
     if row["status"] != "ok":  # a run that did not finish is listed with its error; its numbers are not read
         return None
-    if not _whole(row.get("epochs_timed", "0"), minimum=0):
-        return f"epochs_timed is {_shown(row['epochs_timed'])}, not a whole number"
-    if row.get("global_batch_size", "") != "" and not _whole(row["global_batch_size"], minimum=1):
-        return f"global_batch_size is {_shown(row['global_batch_size'])}, not a positive whole number"
+    if not _integer(row.get("epochs_timed", "0"), minimum=0):
+        return f"epochs_timed is {_shown(row['epochs_timed'])}, not an integer"
+    if row.get("global_batch_size", "") != "" and not _integer(row["global_batch_size"], minimum=1):
+        return f"global_batch_size is {_shown(row['global_batch_size'])}, not a positive integer"
     for measure in MEASURES:
         value = row.get(measure, "")
         if value != "" and not in_range(measure, as_number(value)):
@@ -280,7 +280,7 @@ def row_problem(row: dict[str | None, Any], width: int) -> str | None:
     return None
 
 
-def _whole(text: str, minimum: int) -> bool:
+def _integer(text: str, minimum: int) -> bool:
     text = text.strip()  # ASCII digits only: no sign, point or exponent, and no "²", which isdigit() also takes
     return text.isascii() and text.isdigit() and int(text) >= minimum
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError
 from dptrain.run_folder import RunFolder
-from dptrain.files import write_whole
+from dptrain.files import write_atomically
 
 if TYPE_CHECKING:
     from dptrain.data.spec import Normalise
@@ -265,4 +265,4 @@ class RunFiles:
             record = {"engine": self.engine, **(versions or {}), "python": platform.python_version(),
                       "torch": torch.__version__, "host": platform.node(), "world_size": world,
                       "launched_by": "torchrun", "device": device.type, "cpu_threads_per_rank": torch.get_num_threads()}
-            write_whole(RunFolder(self.run_dir).env, json.dumps(record, indent=2) + "\n")
+            write_atomically(RunFolder(self.run_dir).env, json.dumps(record, indent=2) + "\n")

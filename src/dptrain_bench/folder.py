@@ -1,6 +1,6 @@
 """BenchFolder: the layout of a sweep's folder (`dptrain bench sweep --output.dir`, or a `dptrain bench tune` folder),
 every file and folder of it named once, as RunFolder names a run's. The lab's modules take their names from here;
-every file the lab writes here is written whole (dptrain.files.written_whole), but a point's bench.log, which is the
+every file the lab writes here is written atomically (dptrain.files.written_atomically), but a point's bench.log, which is the
 output of its command as it runs.
 
     BENCH/

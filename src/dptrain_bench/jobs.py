@@ -35,7 +35,7 @@ from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 from dptrain.slurm import job as slurm_job, partition as slurm_partition, queue as slurm_queue, script as slurm_script
 from dptrain.slurm.env import SLURM_VARS
-from dptrain.files import write_whole
+from dptrain.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def record_link_across_nodes(sweep: Sweep) -> None:
 def run_to_its_end(job: slurm_job.Job, script: str) -> tuple[str, str | None]:
     """Write the job's script, submit it and wait until it has ended: (its id, its last state; None where the
     scheduler has forgotten it). Its --time, if any, bounds it."""
-    write_whole(job.script, script)
+    write_atomically(job.script, script)
     job_id = slurm_queue.submit(job.script)
     ended: dict[str, str | None] = {}
     slurm_queue.wait_for([job_id], ended.__setitem__)
@@ -247,12 +247,12 @@ def submit_point(sweep: Sweep, point: Point) -> tuple[str, slurm_job.Job]:
         shutil.rmtree(run_dir)  # a job that ended without a run_end: a fresh start, never a resume from a partial run
     cfg, job, script = job_of(sweep, point)
     RunFolder(job.run_dir).logs.mkdir(parents=True)
-    write_whole(job.config, config_mod.to_toml(cfg))
+    write_atomically(job.config, config_mod.to_toml(cfg))
     if point.engine in OTHER_ENGINES:  # what the engine trains (dptrain train writes its own config.toml)
-        write_whole(RunFolder(job.run_dir).config, config_mod.to_toml(cfg))
-    write_whole(job.script, script)
+        write_atomically(RunFolder(job.run_dir).config, config_mod.to_toml(cfg))
+    write_atomically(job.script, script)
     job_id = slurm_queue.submit(job.script)
-    write_whole(run_dir / JOB_ID_FILE, job_id + "\n")
+    write_atomically(run_dir / JOB_ID_FILE, job_id + "\n")
     return job_id, job
 
 
@@ -314,7 +314,7 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
             log.info(prefix)
             return
         error = job_error(run_dir, job_id, state)
-        write_whole(run_dir / ERROR_FILE, error + "\n")
+        write_atomically(run_dir / ERROR_FILE, error + "\n")
         failures.append((point, error))
         log.info(f"{prefix}, failed: {error}")
 

@@ -51,7 +51,7 @@ from typing import Any, Iterable, Literal
 from dptrain import read_back
 from dptrain_bench.folder import LINK_FILE
 from dptrain_bench.peak import MAX_PROCESSES, first_report, probe_in_fresh_python
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.read_back import BadValue, UnreadableFile, field
 
 log = logging.getLogger(__name__)
@@ -219,11 +219,11 @@ class LinkProbe:
     def from_dict(cls, data: Any, name: str = "a probe") -> LinkProbe:
         """A probe as link.json holds it, each value checked (BadValue naming it)."""
         data = read_back.mapping(data, name)
-        world = read_back.whole(field(data, "world", name), f"{name}.world", 1, MAX_PROCESSES)
+        world = read_back.integer(field(data, "world", name), f"{name}.world", 1, MAX_PROCESSES)
         timings = read_back.sequence(field(data, "timings", name), f"{name}.timings", 10_000)
         return cls(backend=read_back.text(field(data, "backend", name), f"{name}.backend", 20),
                    device=read_back.text(field(data, "device", name), f"{name}.device", 20),
-                   world=world, hosts=read_back.whole(data.get("hosts", 1), f"{name}.hosts", 1, world),
+                   world=world, hosts=read_back.integer(data.get("hosts", 1), f"{name}.hosts", 1, world),
                    timings=[_timing(t, f"{name}.timings[{i}]") for i, t in enumerate(timings)])
 
 
@@ -232,8 +232,8 @@ def _timing(data: Any, name: str) -> Timing:
     collective = field(data, "collective", name)
     if collective not in COLLECTIVES:
         raise BadValue(f"{name}.collective = {read_back.shown(collective)}, not one of {', '.join(COLLECTIVES)}")
-    return Timing(collective, read_back.whole(field(data, "world", name), f"{name}.world", 1, MAX_PROCESSES),
-                  read_back.whole(field(data, "nbytes", name), f"{name}.nbytes", 1, MAX_BUFFER_BYTES),
+    return Timing(collective, read_back.integer(field(data, "world", name), f"{name}.world", 1, MAX_PROCESSES),
+                  read_back.integer(field(data, "nbytes", name), f"{name}.nbytes", 1, MAX_BUFFER_BYTES),
                   read_back.number(field(data, "seconds", name), f"{name}.seconds", *TIMING_S))
 
 
@@ -423,7 +423,7 @@ def _write(bench_dir: Path, probes: dict[tuple[int, int], LinkProbe]) -> None:
         if fitted is not None:
             text[name] = fitted.to_dict()
     bench_dir.mkdir(parents=True, exist_ok=True)
-    with written_whole(bench_dir / LINK_FILE) as tmp:  # a link planted there is replaced, never written through
+    with written_atomically(bench_dir / LINK_FILE) as tmp:  # a link planted there is replaced, never written through
         tmp.write_text(json.dumps(text, indent=2) + "\n")
 
 

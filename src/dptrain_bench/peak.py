@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.reporting.sweep_files import (MAX_PROCESSES, PEAK_FILE, TFLOPS, Probe,  # noqa: F401 (the lab's names)
                                             load_peaks, read_peaks)
 
@@ -213,7 +213,7 @@ def record(bench_dir: Path, device: Device, dtype: Dtype, workers: tuple[int, ..
         text = {"cpu": cpu_model(), "cores": usable_cores(), "torch": torch.__version__, "host": platform.node(),
                 "probes": {str(w): probes[w].to_dict() for w in sorted(probes)}}
         bench_dir.mkdir(parents=True, exist_ok=True)
-        with written_whole(path) as tmp:  # a link planted at path is replaced, never written through
+        with written_atomically(path) as tmp:  # a link planted at path is replaced, never written through
             tmp.write_text(json.dumps(text, indent=2) + "\n")
     return probes, missing
 

@@ -24,7 +24,7 @@ from dptrain import read_back
 from dptrain.config import SPECS
 from dptrain.errors import ConfigError
 from dptrain.events import read_run_events
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.read_back import BadValue, UnreadableFile
 from dptrain.reporting.markdown import md_text, save_figure
 from dptrain.run_folder import RunFolder
@@ -100,7 +100,7 @@ def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | Non
     plot_all(summary, bench_dir)
     if lines:
         plot_scaling(lines, bench_dir)
-    with written_whole(folder.report) as tmp:
+    with written_atomically(folder.report) as tmp:
         tmp.write_text(markdown(rows, summary, left_out, scaling_markdown(lines, notes, links) if links or notes else []))
     return folder.report
 
@@ -309,7 +309,7 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
         if ddp.get("bucket_mb") is not None:  # unset: DDP's own 25 MiB
             read_back.number(ddp["bucket_mb"], name("ddp.bucket_mb"), 0, 1e6, above_low=True)
         _one_of(ddp.get("comm_hook", "allreduce"), name("ddp.comm_hook"), HOOKS)
-        read_back.whole(ddp.get("powersgd_rank", 4), name("ddp.powersgd_rank"), 1, 1 << 16)
+        read_back.integer(ddp.get("powersgd_rank", 4), name("ddp.powersgd_rank"), 1, 1 << 16)
         _one_of(ddp.get("update_in_next_forward", False), name("ddp.update_in_next_forward"), (True, False))
         _one_of(fsdp.get("reshard_after_forward", True), name("fsdp.reshard_after_forward"), (True, False))
         for key in ("param_dtype", "reduce_dtype"):

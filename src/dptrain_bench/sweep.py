@@ -33,7 +33,7 @@ from dptrain_bench import deepspeed_engine, lightning_engine, peak, tutorial
 from dptrain_bench.folder import ERROR_FILE, LOG_FILE, SWEEP_FILE, SWEEPS_DIR, BenchFolder
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
@@ -105,7 +105,7 @@ def parse_counts(text: str, option: str, what: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(s) for s in split_list(text, option))
     except ValueError:
-        raise ConfigError(f"{option} {text} is not a comma-separated list of whole numbers; for example {option} "
+        raise ConfigError(f"{option} {text} is not a comma-separated list of integers; for example {option} "
                           f"1,2,4.") from None
     if any(c < 1 for c in counts):
         raise ConfigError(f"{option} {text} holds a count below 1; give {what} counts of 1 or more.")
@@ -411,7 +411,7 @@ def check_and_record(sweep: Sweep) -> None:
             raise ConfigError(f"{sweep.bench_dir} holds a sweep run {where[0]}; run it {where[1]} to resume it, or "
                               f"choose another --output.dir.")
     sweep.bench_dir.mkdir(parents=True, exist_ok=True)
-    with written_whole(path) as tmp:
+    with written_atomically(path) as tmp:
         tmp.write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -419,7 +419,7 @@ def read_warmup(bench_dir: Path) -> int | None:
     """sweep.json's warm-up epochs; None where it has none (collect then takes its default)."""
     def take(value: Any) -> int:
         data = read_back.mapping(value, "the file")
-        return read_back.whole(read_back.field(data, "warmup_epochs", "the file"), "warmup_epochs", 0, 1 << 20)
+        return read_back.integer(read_back.field(data, "warmup_epochs", "the file"), "warmup_epochs", 0, 1 << 20)
 
     try:
         return read_back.read_json(bench_dir / SWEEP_FILE, take)
@@ -433,7 +433,7 @@ def train_command(sweep: Sweep, point: Point, run_dir: Path) -> list[str]:
         cfg = sweep.config
         cfg = replace(cfg, strategy=replace(cfg.strategy, name=point.strategy),
                       launch=replace(cfg.launch, nproc_per_node=point.workers), output=replace(cfg.output, dir=str(run_dir)))
-        with written_whole(RunFolder(run_dir).config) as tmp:
+        with written_atomically(RunFolder(run_dir).config) as tmp:
             tmp.write_text(config_mod.to_toml(cfg))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(point.workers),
                 "-m", OTHER_ENGINES[point.engine].__name__, str(run_dir)]
@@ -496,7 +496,7 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
         shutil.rmtree(run_dir)  # half done: a fresh start, never a resume from a partial run
     RunFolder(run_dir).logs.mkdir(parents=True)  # a run's folder, which `dptrain train --output.dir` takes as one
     command = train_command(sweep, point, run_dir)
-    # the command's output as it runs (tail -f), so not written whole; the folder was made afresh just above
+    # the command's output as it runs (tail -f), so not written atomically; the folder was made afresh just above
     with (run_dir / LOG_FILE).open("w") as out:
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
@@ -514,7 +514,7 @@ def run_point(sweep: Sweep, point: Point) -> str | None:
     if error == "pending":
         error = first_error((run_dir / LOG_FILE).read_text(errors="replace"), returncode)
     if error:
-        with written_whole(run_dir / ERROR_FILE) as tmp:
+        with written_atomically(run_dir / ERROR_FILE) as tmp:
             tmp.write_text(error + "\n")
     return error
 
@@ -558,7 +558,7 @@ def adopt_probes(source: Path, bench_dir: Path) -> list[str]:
     for name, ok in readable.items():
         if ok and not (bench_dir / name).exists():  # the sweep's own probes are kept
             bench_dir.mkdir(parents=True, exist_ok=True)
-            with written_whole(bench_dir / name) as tmp:
+            with written_atomically(bench_dir / name) as tmp:
                 tmp.write_bytes(read_back.read_bytes(source / name))
             copied.append(name)
     return copied

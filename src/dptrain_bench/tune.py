@@ -42,7 +42,7 @@ from dptrain_bench import link as link_mod, scaling_model
 from dptrain_bench.folder import LOG_FILE, TRIAL_CONFIG_FILE, BenchFolder
 from dptrain.config import RunConfig
 from dptrain.errors import ConfigError, LaunchError
-from dptrain.files import write_whole, written_whole
+from dptrain.files import write_atomically, written_atomically
 from dptrain.read_back import UnreadableFile
 from dptrain.run_folder import RunFolder
 
@@ -377,7 +377,7 @@ def run_trial(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
 
 def _run_here(cfg: RunConfig, run_dir: Path, timeout_s: float) -> bool:
     trial_toml = run_dir / TRIAL_CONFIG_FILE
-    write_whole(trial_toml, config_mod.to_toml(cfg))
+    write_atomically(trial_toml, config_mod.to_toml(cfg))
     command = [sys.executable, "-m", "dptrain", "train", "--config", str(trial_toml)]
     with (run_dir / LOG_FILE).open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -398,7 +398,7 @@ def _run_job(cfg: RunConfig) -> bool:
 
     workdir = Path.cwd()
     job = slurm_job.job_for(cfg, workdir)
-    write_whole(job.config, config_mod.to_toml(cfg))
+    write_atomically(job.config, config_mod.to_toml(cfg))
     _, state = run_to_its_end(job, slurm_script.render(cfg, job))
     return state == "COMPLETED"
 
@@ -541,7 +541,7 @@ def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
     path = BenchFolder(tuner.tune_dir).tuned
     header = (f"# dptrain bench tune kept your configuration ({chosen.name}): see tune.md beside this file for why"
               if kept else f"# dptrain bench tune chose {chosen.name}: see tune.md beside this file")
-    with written_whole(path) as tmp:
+    with written_atomically(path) as tmp:
         tmp.write_text(f"{header}\n" + config_mod.to_toml(cfg))
     return path
 
@@ -554,7 +554,7 @@ run's images/s in the order they ran ("failed" for one that failed), measured: t
 
 def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: scaling_model.Prediction) -> None:
     folder = BenchFolder(tuner.tune_dir)
-    with written_whole(folder.tune_table) as tmp, tmp.open("w", newline="") as f:
+    with written_atomically(folder.tune_table) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(tuner.rows)
@@ -578,7 +578,7 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
               "nothing, so its bucket cap and comm hook are never used; gradients under 1 MiB make one bucket whatever "
               "the cap), tried once as the first one named.", "",
               "Candidates without a run were ranked below the tried ones by the model and not run."]
-    with written_whole(folder.tune_notes) as tmp:
+    with written_atomically(folder.tune_notes) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
 

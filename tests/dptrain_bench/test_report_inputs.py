@@ -188,7 +188,7 @@ def test_report_rebuilt_from_the_runs_lists_the_skipped_lines(tmp_path, capsys, 
 @pytest.mark.parametrize("job_toml, says", [
     ("[slurm]\nnodes = " + "[" * 10_000 + "]" * 10_000 + "\n", "nests brackets more than"),
     ("# padding\n" * 120_000 + "[slurm]\nnodes = 2\n", "is larger than 1 MiB"),
-    ("[slurm]\nnodes = 'two'\n", "has slurm.nodes = 'two', not a positive whole number"),
+    ("[slurm]\nnodes = 'two'\n", "has slurm.nodes = 'two', not a positive integer"),
 ])
 def test_an_unreadable_job_toml_counts_as_one_node_and_says_why(tmp_path, caplog, job_toml, says):
     bench = tmp_path / "bench"

@@ -164,7 +164,7 @@ def test_the_job_options_and_lines_reach_every_point(tmp_path, monkeypatch):
     (["--slurm", "--nodes", "0,2"], "--nodes 0,2 holds a count below 1; give node counts of 1 or more."),
     (["--slurm", "--nodes", "1,3"], "train.global_batch_size 32 is not divisible by 3 workers; choose a multiple of "
      "3, or drop 3 from --nodes."),
-    (["--slurm", "--nodes", "two"], "--nodes two is not a comma-separated list of whole numbers; for example --nodes "
+    (["--slurm", "--nodes", "two"], "--nodes two is not a comma-separated list of integers; for example --nodes "
      "1,2,4."),
     (["--slurm", "--workers", "1,2"], "2 workers take 2 nodes of 1 rank and --nodes is 1; give --nodes 2"),
     (["--slurm", "--workers", "4,6", "--gpus-per-node", "4", "--nodes", "2"], "6 workers do not fill whole nodes of 4"),

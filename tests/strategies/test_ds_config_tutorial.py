@@ -204,13 +204,13 @@ WRONG_VALUES = {  # name -> (the file's settings, the key, its value as shown, w
     # True, --optim.warmup_steps 1e+30, --train.global_batch_size 1616 (the text "16" times 2 ranks)
     "lr as text": ({"optimizer": {"type": "Adam", "params": {"lr": "0.01"}}}, "optimizer.params.lr", '"0.01"' + QUOTED,
                    RATE),
-    "batch as true": ({"train_batch_size": True}, "train_batch_size", "true", "a whole number above 0"),
+    "batch as true": ({"train_batch_size": True}, "train_batch_size", "true", "an integer above 0"),
     "warm-up of 1e30 steps": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e30}}},
-                              "scheduler.params.warmup_num_steps", "1e+30", "a whole number 0 or more"),
+                              "scheduler.params.warmup_num_steps", "1e+30", "an integer 0 or more"),
     "micro batch as text": ({"train_micro_batch_size_per_gpu": "16"}, "train_micro_batch_size_per_gpu", '"16"' + QUOTED,
-                            "a whole number above 0"),
+                            "an integer above 0"),
     "accumulation as text": ({"gradient_accumulation_steps": "1"}, "gradient_accumulation_steps", '"1"' + QUOTED,
-                             "a whole number above 0"),
+                             "an integer above 0"),
     "clipping as text": ({"gradient_clipping": "1.0"}, "gradient_clipping", '"1.0"' + QUOTED,
                          f"0 (no clipping) or {RATE}"),
     "negative clipping": ({"gradient_clipping": -1}, "gradient_clipping", "-1", f"0 (no clipping) or {RATE}"),
@@ -221,12 +221,12 @@ WRONG_VALUES = {  # name -> (the file's settings, the key, its value as shown, w
     "betas of 1": ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1]}}}, "optimizer.params.betas", "[0.9, 1]",
                    "two numbers from 0 up to (not including) 1, like [0.9, 0.999]"),
     "negative warm-up": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -5}}},
-                         "scheduler.params.warmup_num_steps", "-5", "a whole number 0 or more"),
+                         "scheduler.params.warmup_num_steps", "-5", "an integer 0 or more"),
     "fp16 off as text": ({"fp16": {"enabled": "false"}}, "fp16.enabled", '"false"' + QUOTED, 'true, false or "auto"'),
     "adam_w_mode as text": ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}},
                             "optimizer.params.adam_w_mode", '"false"' + QUOTED, "true or false"),
     "a long text": ({"train_batch_size": "x" * 500}, "train_batch_size",
-                    '"' + "x" * 59 + "... (502 characters)" + QUOTED, "a whole number above 0"),
+                    '"' + "x" * 59 + "... (502 characters)" + QUOTED, "an integer above 0"),
 }
 
 

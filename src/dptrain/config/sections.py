@@ -296,7 +296,7 @@ class OutputConfig:
     the current folder, as output.dir's. The tutorials' --model_dir."""
     weights_file: str = may_change_at_resume("model.pt")
     """Name of the final weights' file in output.weights_dir: the whole model's state_dict, for plain torch.load
-    (written by rank 0 at the run's end, replaced whole). It may replace earlier final weights only: a name of the run
+    (written by rank 0 at the run's end, replaced atomically). It may replace earlier final weights only: a name of the run
     folder's own (config.toml, checkpoints, ...) or a file of other content is refused before the run starts. The
     tutorials' --model_filename."""
     rank_epoch_lines: bool = may_change_at_resume(False)

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from dptrain.data.formats import open_data_file
 from dptrain.errors import DataError
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _fetch_one(dest: Path, name: str, md5: str, mirrors: list[str]) -> Path:
 def _download(url: str, target: Path, md5: str) -> None:
     """Stream to a temporary file beside target, check the md5, then rename: no half file is ever found."""
     # 0o666 less the umask, as any download: a shared data root needs the files readable by the group.
-    with written_whole(target, mode=0o666) as tmp:
+    with written_atomically(target, mode=0o666) as tmp:
         digest = hashlib.md5()
         with tmp.open("wb") as out, urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
             for chunk in iter(lambda: response.read(CHUNK), b""):

@@ -26,7 +26,7 @@ from dptrain.distributed.env import DistEnv
 from dptrain.distributed.store import join_store, pin_collective_interface, unpin_collective_interface
 from dptrain.doctor.checks import Check, Findings, judge
 from dptrain.doctor.facts import resolve
-from dptrain.files import write_whole
+from dptrain.files import write_atomically
 from dptrain.run_folder import RunFolder
 
 log = logging.getLogger("dptrain")
@@ -276,10 +276,10 @@ def finish(cfg: Any, findings: Findings, report: Path) -> None:
 
 
 def write_report(path: Path, checks: list[Check], findings: Findings) -> None:
-    """doctor.json, written whole: the checks and what they were judged on (where the ranks never all met, this
+    """doctor.json, written atomically: the checks and what they were judged on (where the ranks never all met, this
     node's facts alone, and no ranks, links or rates)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps({"checks": [c.to_dict() for c in checks], "nodes": findings.nodes,
+    write_atomically(path, json.dumps({"checks": [c.to_dict() for c in checks], "nodes": findings.nodes,
                                   "ranks": findings.ranks, "links": findings.links,
                                   "compute_tflops": findings.compute_tflops}, indent=2) + "\n")
 

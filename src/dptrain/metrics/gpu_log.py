@@ -48,7 +48,7 @@ class GpuReading:
 
 
 def reading_line(when: float, reading: GpuReading) -> str:
-    """One row under COLUMNS: local time, then the values right-aligned, whole numbers, `-` for an absent one."""
+    """One row under COLUMNS: local time, then the values right-aligned, integers, `-` for an absent one."""
     def cell(value: float | None, width: int, spec: str = ".0f") -> str:
         return f"{'-' if value is None else format(value, spec):>{width}}"
 

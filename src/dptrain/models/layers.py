@@ -42,7 +42,7 @@ class Dropout(nn.Dropout):
     """nn.Dropout whose mask, on the CPU, is cut from random bytes instead of drawn by bernoulli_.
 
     bernoulli_ draws one double per element. Here one int64 draw gives 8 bytes (4 elements for 16-bit levels),
-    and an element is dropped when its byte is below p * 256: exactly p where p * 256 is a whole number (the
+    and an element is dropped when its byte is below p * 256: exactly p where p * 256 is an integer (the
     tutorials' 0.25 and 0.5), else p rounded to 1/65536 with 16-bit levels. The tutorials' CNN's two masks
     (64 images, one thread): 0.44 ms instead of bernoulli_'s 2.16 (`python perf/micro.py`, dropout).
     Another random stream than nn.Dropout's, just as seeded per rank. On other devices, in place, or in

@@ -9,7 +9,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from dptrain.files import written_whole
+from dptrain.files import written_atomically
 
 # What Markdown reads as markup wherever it stands (code, emphasis, links and images, table cells, strikethrough, the
 # backslash itself); a backslash before it makes it plain text. <, > and & are left to html.escape.
@@ -41,6 +41,6 @@ def md_text(value: Any) -> str:
 
 def save_figure(fig: Any, path: Path, plt: Any) -> None:
     fig.tight_layout()
-    with written_whole(path) as tmp:  # a reader never sees half a PNG, and a link planted at path is replaced
+    with written_atomically(path) as tmp:  # a reader never sees half a PNG, and a link planted at path is replaced
         fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=110, bbox_inches="tight")  # tight: the legend
     plt.close(fig)

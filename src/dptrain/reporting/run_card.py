@@ -36,7 +36,7 @@ from dptrain.read_back import UnreadableFile
 from dptrain.reporting.markdown import md_text, save_figure
 from dptrain.reporting.sweep_files import PEAK_FILE, POINT_NAME, Probe, read_peaks
 from dptrain.run_folder import RunFolder
-from dptrain.files import write_whole
+from dptrain.files import write_atomically
 
 CARD = "report.md"
 LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT = ("loss_accuracy.png", "throughput.png", "communication.png",
@@ -80,7 +80,7 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _whole(value: Any) -> int | None:
+def _integer(value: Any) -> int | None:
     number = _number(value)
     return int(number) if number is not None and number == int(number) and number >= 0 else None
 
@@ -103,12 +103,12 @@ def card_problem(event: dict[str, Any]) -> str | None:
         return f"{TIME} is {_shown(event[TIME])}, not a number"
     # the events whose step the card reads
     counted = (STEP_EVENT.name, EPOCH_EVENT.name, RUN_START_EVENT.name, RUN_END_EVENT.name, STOPPED_EVENT.name)
-    if kind in counted and STEP in event and _whole(event[STEP]) is None:
-        return f"{STEP} is {_shown(event[STEP])}, not a whole number"
+    if kind in counted and STEP in event and _integer(event[STEP]) is None:
+        return f"{STEP} is {_shown(event[STEP])}, not an integer"
     if kind in (STEP_EVENT.name, EPOCH_EVENT.name) and STEP not in event:
         return f"it has no {STEP}"
-    if kind == RUN_START_EVENT.name and WORLD_SIZE in event and not (_whole(event[WORLD_SIZE]) or 0) >= 1:
-        return f"{WORLD_SIZE} is {_shown(event[WORLD_SIZE])}, not a positive whole number"
+    if kind == RUN_START_EVENT.name and WORLD_SIZE in event and not (_integer(event[WORLD_SIZE]) or 0) >= 1:
+        return f"{WORLD_SIZE} is {_shown(event[WORLD_SIZE])}, not a positive integer"
     if kind == STEP_EVENT.name and event.get(LOSS) is not None and _number(event[LOSS]) is None:
         return f"{LOSS} is {_shown(event[LOSS])}, not a number"
     if kind == EPOCH_EVENT.name:
@@ -162,17 +162,17 @@ def timeline(events: list[dict[str, Any]]) -> Timeline:
             where = f"epoch {event.get(EPOCH)}'s event" if kind == EPOCH_EVENT.name else f"a {kind} event"
             line.left_out.append(f"metrics.jsonl, {_cut(where)}: {problem}")
             continue
-        step = _whole(event.get(STEP))
+        step = _integer(event.get(STEP))
         if kind == RUN_START_EVENT.name:
             start_step = step or 0
             line.epochs = {n: e for n, e in line.epochs.items() if e[0][STEP] <= start_step}
             line.steps = {s: loss for s, loss in line.steps.items() if s <= start_step}
             line.starts.append(Start(step=start_step, time=_number(event.get(TIME)),
-                                     world_size=_whole(event.get(WORLD_SIZE)), device=_text(event.get(DEVICE)),
-                                     agent_restarts=_whole(event.get(AGENT_RESTARTS)),
-                                     slurm_restarts=_whole(event.get(SLURM_RESTARTS))))
-            line.global_batch_size = _whole(event.get(GLOBAL_BATCH_SIZE)) or line.global_batch_size
-            line.total_steps = _whole(event.get(TOTAL_STEPS)) or line.total_steps
+                                     world_size=_integer(event.get(WORLD_SIZE)), device=_text(event.get(DEVICE)),
+                                     agent_restarts=_integer(event.get(AGENT_RESTARTS)),
+                                     slurm_restarts=_integer(event.get(SLURM_RESTARTS))))
+            line.global_batch_size = _integer(event.get(GLOBAL_BATCH_SIZE)) or line.global_batch_size
+            line.total_steps = _integer(event.get(TOTAL_STEPS)) or line.total_steps
         elif kind == EPOCH_EVENT.name:
             line.epochs[int(event[EPOCH])] = (event, line.starts[-1] if line.starts else None)
         elif kind == STEP_EVENT.name and _number(event.get(LOSS)) is not None:
@@ -269,8 +269,8 @@ def read_snapshots(checkpoints: Path) -> tuple[list[Snapshot], str | None]:
                                       problem=f"{what}, not a snapshot folder (a run refuses it)"))
             continue
         manifest, problem = read_small_json(folder / SNAPSHOT_MANIFEST)
-        snapshots.append(Snapshot(name=folder.name, step=_whole(manifest.get("step")),
-                                  world_size=_whole(manifest.get("world_size")),
+        snapshots.append(Snapshot(name=folder.name, step=_integer(manifest.get("step")),
+                                  world_size=_integer(manifest.get("world_size")),
                                   strategy=str(manifest.get("strategy", "")), torch=str(manifest.get("torch", "")),
                                   problem=problem))
     return snapshots, latest
@@ -378,7 +378,7 @@ def write_run_card(run_dir: Path) -> Path:
         text = card_markdown(run_dir, line, options, config_problem, env, env_problem, snapshots, latest, probes,
                              peak_file, drawn)
         path = out / CARD
-        write_whole(path, text)
+        write_atomically(path, text)
     except OSError as exc:
         raise OutputError(f"could not write the run card in {out} ({exc.strerror or exc}); free space or fix "
                           f"permissions there, then run the same command.") from None
@@ -659,7 +659,7 @@ def _epoch_axis(ax: Any) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("epoch")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers: no tick at 1.2
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are integers: no tick at 1.2
     ax.grid(True, alpha=0.3)
 
 

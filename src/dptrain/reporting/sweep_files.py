@@ -56,9 +56,9 @@ class Probe:
             raise BadValue(f"{name}.tflops_by_size holds no size")
         return cls(device=_choice(field(data, "device", name), f"{name}.device", ("cpu", "cuda")),
                    dtype=_choice(field(data, "dtype", name), f"{name}.dtype", ("float32", "bfloat16")),
-                   workers=read_back.whole(field(data, "workers", name), f"{name}.workers", 1, MAX_PROCESSES),
-                   threads=read_back.whole(field(data, "threads", name), f"{name}.threads", 0, MAX_PROCESSES),
-                   tflops_by_size={read_back.whole(n, f"{name}.tflops_by_size key", 1, 1 << 20):
+                   workers=read_back.integer(field(data, "workers", name), f"{name}.workers", 1, MAX_PROCESSES),
+                   threads=read_back.integer(field(data, "threads", name), f"{name}.threads", 0, MAX_PROCESSES),
+                   tflops_by_size={read_back.integer(n, f"{name}.tflops_by_size key", 1, 1 << 20):
                                    read_back.number(t, f"{name}.tflops_by_size[{n!r}]", *TFLOPS)
                                    for n, t in sizes.items()})
 
@@ -74,7 +74,7 @@ def load_peaks(bench_dir: Path) -> dict[int, Probe]:
     it is not what record writes (too large, not a regular file, not JSON, a value out of its range)."""
     def take(data: Any) -> dict[int, Probe]:
         probes = read_back.mapping(field(read_back.mapping(data, "the file"), "probes", "the file"), "probes", 1024)
-        return {read_back.whole(w, "a probes key", 1, MAX_PROCESSES): Probe.from_dict(p, f"probes[{w!r}]")
+        return {read_back.integer(w, "a probes key", 1, MAX_PROCESSES): Probe.from_dict(p, f"probes[{w!r}]")
                 for w, p in probes.items()}
 
     try:

@@ -41,7 +41,7 @@ def slurm_value(what: str, environ: Mapping[str, str] | None = None) -> str | No
 
 def slurm_count(what: str, environ: Mapping[str, str] | None = None) -> int | None:
     """A SLURM variable that holds a count (task_cpus, node_rank, restarts), as a number; None where it is unset or
-    not a whole number."""
+    not an integer."""
     value = slurm_value(what, environ) or ""
     return int(value) if value.isdigit() else None
 

@@ -43,7 +43,7 @@ def ask_the_script_to_requeue(request: Path, step: int) -> str | None:
 
 
 def requeue_after_stop(step: int, emit: Callable[..., object]) -> None:
-    """In a job that `dptrain submit` wrote with requeue: put it back in the queue once the stop's snapshot is whole
+    """In a job that `dptrain submit` wrote with requeue: put it back in the queue once the stop's snapshot is written
     (every rank has passed its last barrier); the rerun resumes from it. SLURM then ends this job's processes.
     In a container, which has no scontrol, REQUEUE_VAR names a file instead: written here, the job's script requeues
     the job once srun returns. emit(event, **fields) records the requeue, and a refusal, in the run's event log."""

@@ -178,7 +178,7 @@ class DeferredUpdate:
         for p in bucket.params:
             p.grad = None  # DDP points it at its bucket again in the next backward
             del self.by_param[id(p)]
-        if not self.pending:  # the step's last bucket: its update is whole
+        if not self.pending:  # the step's last bucket: its update is complete
             self.hyperparameters = None
             self.timed.append(self.timing)
 

@@ -34,7 +34,7 @@ class FileValue:
     """A key of the file that dptrain reads: the JSON type its value must have, the option the value goes into (whose
     own checks it must pass too: a rate within 32-bit floats, a step count 0 or more), and a valid value in words."""
 
-    kind: Literal["count", "whole", "number", "pair", "switch"]
+    kind: Literal["count", "integer", "number", "pair", "switch"]
     option: str | None
     valid: str
     zero_is_none: bool = False  # gradient_clipping 0: no clipping, train.grad_clip none
@@ -48,9 +48,9 @@ BETAS = "two numbers from 0 up to (not including) 1, like [0.9, 0.999]"
 # 0.01, then the same sentence again; train_batch_size true -> --train.global_batch_size True); and one out of the
 # option's range was taken into it (warmup_num_steps 1e30). "auto" (Hugging Face's placeholder) is dptrain's value.
 FILE_VALUES = {
-    "train_batch_size": FileValue("count", "train.global_batch_size", "a whole number above 0"),
-    "train_micro_batch_size_per_gpu": FileValue("count", None, "a whole number above 0"),
-    "gradient_accumulation_steps": FileValue("count", None, "a whole number above 0"),
+    "train_batch_size": FileValue("count", "train.global_batch_size", "an integer above 0"),
+    "train_micro_batch_size_per_gpu": FileValue("count", None, "an integer above 0"),
+    "gradient_accumulation_steps": FileValue("count", None, "an integer above 0"),
     "gradient_clipping": FileValue("number", "train.grad_clip", f"0 (no clipping) or {RATE}", zero_is_none=True),
     "optimizer.params.lr": FileValue("number", "optim.lr", RATE),
     "optimizer.params.weight_decay": FileValue("number", "optim.weight_decay", f"0 or {RATE}"),
@@ -59,7 +59,7 @@ FILE_VALUES = {
     "optimizer.params.eps": FileValue("number", "optim.eps", RATE),
     "optimizer.params.adam_w_mode": FileValue("switch", None, "true or false"),
     "optimizer.params.torch_adam": FileValue("switch", None, "true or false"),
-    "scheduler.params.warmup_num_steps": FileValue("whole", "optim.warmup_steps", "a whole number 0 or more"),
+    "scheduler.params.warmup_num_steps": FileValue("integer", "optim.warmup_steps", "an integer 0 or more"),
     "scheduler.params.warmup_max_lr": FileValue("number", "optim.lr", RATE),
     "scheduler.params.warmup_min_lr": FileValue("number", None, "0"),
     **{f"{name}.enabled": FileValue("switch", None, SWITCH) for name in ("fp16", *PRECISION_SECTIONS)},
@@ -111,7 +111,7 @@ def _check_values(tree: dict[str, Any], path: str) -> None:
 
 
 def _valid(spec: FileValue, value: Any) -> bool:
-    typed = {"count": _whole(value) and value > 0, "whole": _whole(value), "number": _number(value),
+    typed = {"count": _integer(value) and value > 0, "integer": _integer(value), "number": _number(value),
              "pair": isinstance(value, list) and len(value) == 2 and all(map(_number, value)),
              "switch": isinstance(value, bool)}[spec.kind]
     if not typed or spec.option is None or (spec.zero_is_none and value == 0):
@@ -124,7 +124,7 @@ def _valid(spec: FileValue, value: Any) -> bool:
     return True
 
 
-def _whole(value: Any) -> bool:
+def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
