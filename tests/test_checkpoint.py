@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain import checkpoint
+from dptrain import snapshots
 from dptrain.faults import CRASH_BEFORE_RENAME, CRASH_EXIT_CODE, SIGNAL_AT
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import FLOAT64_ENV, log_tail, read_events
@@ -326,9 +326,9 @@ def _snapshot_into_the_folder_of(rank: int, world_size: int, folders: list[str],
 
     os.chdir(folders[rank])  # the pool puts it back after the job
     env = DistEnv(rank, rank, world_size, world_size, "127.0.0.1", 0, "torchrun")
-    snapshots = snapshotter(Path(output_dirs[rank]), env=env)
+    saver = snapshotter(Path(output_dirs[rank]), env=env)
     said = []
-    for step in (snapshots.start, lambda: save_at(snapshots, 5)):
+    for step in (saver.start, lambda: save_at(saver, 5)):
         try:
             step()
             said.append("done")
@@ -367,7 +367,7 @@ def test_a_run_folder_that_every_node_does_not_share_is_one_sentence_on_every_ra
     # One path that every rank sees: one snapshot, whole.
     said = run_on_ranks(_snapshot_into_the_folder_of, 2, folders, [str(node0 / "run")] * 2, timeout=30)
     assert said == [["done", "done"]] * 2
-    assert checkpoint.verify(node0 / "run" / "checkpoints" / "step-00000005")["world_size"] == 2
+    assert snapshots.verify(node0 / "run" / "checkpoints" / "step-00000005")["world_size"] == 2
 
 
 # Every comm hook, in float64 (the hooks' own math aside: fp16 and bf16 round to their format and back), killed by

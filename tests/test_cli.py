@@ -88,14 +88,14 @@ def test_one_process_run_in_this_process(capsys, tmp_path, monkeypatch):
 
 
 def test_eval_refuses_to_write_predictions_over_another_file(tmp_path, capsys):
-    from dptrain import checkpoint
+    from dptrain import snapshots
 
     run_dir = tmp_path / "run"
     snapshot = run_dir / "checkpoints" / "step-00000001"
     snapshot.mkdir(parents=True)
     (run_dir / "config.toml").write_text('[data]\nname = "synthetic"\n')
     precious = run_dir / "config.toml"
-    (snapshot / checkpoint.MANIFEST).write_text('{"world_size": 1, "strategy": "single", "model": "mnist-cnn", '
+    (snapshot / snapshots.MANIFEST).write_text('{"world_size": 1, "strategy": "single", "model": "mnist-cnn", '
                                                  '"config_hash": "x", "step": 1, "files": {}}')
     assert main(["eval", "--checkpoint", str(run_dir), "--predictions", str(precious)]) == 2
     assert capsys.readouterr().err.strip() == (f"dptrain: error: --predictions {precious} exists and is not a predictions "

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dptrain import checkpoint
+from dptrain import snapshots
 from tests.conftest import read_events
 
 RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_test_size", "64",
@@ -30,7 +30,7 @@ def diverged(result, run_dir) -> re.Match:
 
 
 def snapshot_steps(run_dir) -> list[int]:
-    return sorted(int(p.name.removeprefix(checkpoint.PREFIX)) for p in (run_dir / "checkpoints").glob(f"{checkpoint.PREFIX}*"))
+    return sorted(int(p.name.removeprefix(snapshots.PREFIX)) for p in (run_dir / "checkpoints").glob(f"{snapshots.PREFIX}*"))
 
 
 @pytest.mark.slow
@@ -43,11 +43,11 @@ def test_a_diverged_run_stops_at_its_first_snapshot_after_the_nan_and_keeps_the_
     match = diverged(result, run_dir)
     assert match[3] is not None, "a snapshot every step: each step's loss is checked before its snapshot"
     step = int(match[3])
-    kept = f"{checkpoint.PREFIX}{step - 1:08d}"
+    kept = f"{snapshots.PREFIX}{step - 1:08d}"
     assert match[7] == f"the last snapshot before it, {kept}, is kept"
     assert snapshot_steps(run_dir) == list(range(1, step))  # none of the diverged step, none after it
-    assert (run_dir / "checkpoints" / checkpoint.LATEST).read_text().strip() == kept
-    assert checkpoint.verify(run_dir / "checkpoints" / kept)["step"] == step - 1  # whole
+    assert (run_dir / "checkpoints" / snapshots.LATEST).read_text().strip() == kept
+    assert snapshots.verify(run_dir / "checkpoints" / kept)["step"] == step - 1  # whole
 
 
 @pytest.mark.slow
@@ -74,8 +74,8 @@ def test_a_run_that_diverges_in_its_second_epoch_keeps_the_first_epochs_snapshot
     assert match[6] == "2"
     seen = int(match[3] or match[5])
     assert seen % 2 == 0 and steps_per_epoch < seen <= 2 * steps_per_epoch  # at a log step of epoch 2
-    assert match[7] == f"the last snapshot before it, {checkpoint.PREFIX}{steps_per_epoch:08d}, is kept"
+    assert match[7] == f"the last snapshot before it, {snapshots.PREFIX}{steps_per_epoch:08d}, is kept"
     assert snapshot_steps(run_dir) == [steps_per_epoch]
-    assert checkpoint.verify(run_dir / "checkpoints" / f"{checkpoint.PREFIX}{steps_per_epoch:08d}")
+    assert snapshots.verify(run_dir / "checkpoints" / f"{snapshots.PREFIX}{steps_per_epoch:08d}")
     [epoch] = read_events(run_dir, "epoch")  # epoch 1's event, finite; epoch 2 has none
     assert epoch["epoch"] == 1 and epoch["train_loss"] is not None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain import checkpoint
+from dptrain import snapshots
 from dptrain.cli import main
 from dptrain.metrics import JsonlSink
 from tests.conftest import run_cli
@@ -125,7 +125,7 @@ def fill(folder: Path) -> None:
 # Every write on 1 worker; on 2, one case of each sentence (the run resumes: the final weights after two snapshots;
 # it starts again: the first snapshot), which is what a second worker adds (its failure heard as the same one sentence)
 @pytest.mark.slow
-@pytest.mark.parametrize("what, snapshots, workers", [
+@pytest.mark.parametrize("what, saving, workers", [
     # the default run: each sentence once (the final weights after snapshots: it resumes; the first snapshot: it
     # starts again); the nightly tier every write
     pytest.param("the final weights", "at the end", 1, marks=pytest.mark.nightly), ("the final weights", "every 2 steps", 1),
@@ -133,16 +133,16 @@ def fill(folder: Path) -> None:
     pytest.param("the final weights", "every 2 steps", 2, marks=pytest.mark.nightly),
     pytest.param("a snapshot", "at the end", 2, marks=pytest.mark.nightly)])
 @pytest.mark.timeout(300)
-def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_path, ample_run, what, snapshots, workers):
+def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_path, ample_run, what, saving, workers):
     """The disk fills at the write named, whatever this machine's file sizes: a first run on an ample disk measures
     them, then a tmpfs holds everything written before that write and half of it. The rank logs are on a disk full
     from the start: a log line that cannot be written is dropped without a word (each printed logging's traceback)."""
-    run = [*RUN, *SNAPSHOTS[snapshots], "--nproc-per-node", str(workers), "--launch.timeout_s", "60"]
+    run = [*RUN, *SNAPSHOTS[saving], "--nproc-per-node", str(workers), "--launch.timeout_s", "60"]
     ample = ample_run(run)
-    steps = sorted((ample / "checkpoints").glob(f"{checkpoint.PREFIX}*"))
+    steps = sorted((ample / "checkpoints").glob(f"{snapshots.PREFIX}*"))
     weights = pages(ample / "model.pt")
     small = pages(ample) - weights - sum(map(pages, steps))  # config, metrics, logs, TensorBoard
-    if snapshots == "at the end":
+    if saving == "at the end":
         written, failing = (0, weights) if what == "the final weights" else (weights, pages(steps[0]))
     elif what == "a snapshot":  # step 4's
         written, failing = pages(steps[0]), pages(steps[1])
@@ -159,11 +159,11 @@ def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_pat
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and (match := ONE_SENTENCE.fullmatch(lines[0])), result.stderr
     assert match["what"] == what, lines
-    kept = sorted(p.name for p in (run_dir / "checkpoints").glob(f"{checkpoint.PREFIX}*"))
-    assert len(kept) == {"at the end": 0, "every 2 steps": 2 if what == "the final weights" else 1}[snapshots]
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob(f"{snapshots.PREFIX}*"))
+    assert len(kept) == {"at the end": 0, "every 2 steps": 2 if what == "the final weights" else 1}[saving]
     assert match["rerun"] == (RESUMES[what] if kept else STARTS_AGAIN), lines
     for name in kept:  # what was written before is whole
-        checkpoint.verify(run_dir / "checkpoints" / name)
+        snapshots.verify(run_dir / "checkpoints" / name)
     assert [p.name for p in run_dir.rglob("*") if ".tmp" in p.name] == []
     assert (run_dir / "metrics.jsonl").read_text().endswith("\n")  # kept, in whole lines
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dptrain import checkpoint, config as config_mod
+from dptrain import snapshots, config as config_mod
 from dptrain.cli import main
 from dptrain.data.catalog import DATASETS
 from dptrain.errors import ConfigError, DataError
@@ -72,7 +72,7 @@ def reference_probs(run_dir: Path, pixels: np.ndarray) -> np.ndarray:
     cfg = config_mod.load(run_dir / "config.toml")
     model = build_model(cfg.model, (1, 28, 28), CLASSES)
     state = {"model": model.state_dict()}
-    dcp_load(state, checkpoint.find_snapshot(run_dir))
+    dcp_load(state, snapshots.find_snapshot(run_dir))
     model.load_state_dict(state["model"])
     model.eval()
     x = (torch.from_numpy(pixels).float()[:, None] / 255 - MEAN) / STD
@@ -115,7 +115,7 @@ def predict_argv(run_dir: Path, input_path: Path, output: Path, *extra: str) -> 
 
 @pytest.mark.slow
 def test_the_manifest_records_what_the_model_takes(run):
-    manifest = json.loads((checkpoint.find_snapshot(run) / "manifest.json").read_text())
+    manifest = json.loads((snapshots.find_snapshot(run) / "manifest.json").read_text())
     assert manifest["input"] == {"shape": [1, 28, 28], "mean": [MEAN], "std": [STD], "num_classes": CLASSES, "dataset": "synthetic"}
     mnist = DATASETS["mnist"]
     assert input_record(config_mod.load(None, [("data.name", "mnist")]).data) == {
@@ -275,7 +275,7 @@ def test_refuses_to_write_over_a_file_that_is_not_a_predictions_file(run, inputs
 def test_an_older_snapshot_without_input_gets_it_from_the_config(run, inputs, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(run, old, ignore=shutil.ignore_patterns("logs"))
-    manifest_path = checkpoint.find_snapshot(old) / "manifest.json"
+    manifest_path = snapshots.find_snapshot(old) / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     del manifest["input"]
     manifest_path.write_text(json.dumps(manifest))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain import checkpoint
+from dptrain import snapshots
 from dptrain.cli import main
 from dptrain.errors import SnapshotError
 
@@ -38,21 +38,21 @@ class Planted:
 
 def rehash(snapshot: Path) -> None:
     """What an attacker who can write the folder does: make the manifest agree with the planted files."""
-    manifest = json.loads((snapshot / checkpoint.MANIFEST).read_text())
+    manifest = json.loads((snapshot / snapshots.MANIFEST).read_text())
     manifest["files"] = {str(p.relative_to(snapshot)): {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                         for p in sorted(snapshot.rglob("*")) if p.is_file() and p.name != checkpoint.MANIFEST}
-    (snapshot / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+                         for p in sorted(snapshot.rglob("*")) if p.is_file() and p.name != snapshots.MANIFEST}
+    (snapshot / snapshots.MANIFEST).write_text(json.dumps(manifest))
 
 
 @pytest.fixture(scope="module")
-def snapshots(tmp_path_factory) -> dict[str, Path]:
+def written(tmp_path_factory) -> dict[str, Path]:
     """A real one-process snapshot per strategy kind: single (optimizer in DCP) and zero1 (optimizer.pt)."""
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for strategy in ("single", "zero1"):
         run_dir = root / strategy
         assert main(["train", *RUN, "--strategy.name", strategy, "--output.dir", str(run_dir)]) == 0
-        out[strategy] = checkpoint.find_latest(run_dir / "checkpoints")
+        out[strategy] = snapshots.find_latest(run_dir / "checkpoints")
     return out
 
 
@@ -100,9 +100,9 @@ ATTACKS = {  # (base snapshot, file, how to plant)
 @pytest.mark.slow
 @pytest.mark.parametrize("rehashed", [True, False], ids=["manifest re-hashed", "manifest as written"])
 @pytest.mark.parametrize("target", list(ATTACKS))
-def test_a_planted_pickle_never_runs(snapshots, tmp_path, capsys, target, rehashed):
+def test_a_planted_pickle_never_runs(written, tmp_path, capsys, target, rehashed):
     base, plant = ATTACKS[target]
-    snapshot = copy_run(snapshots[base], tmp_path)
+    snapshot = copy_run(written[base], tmp_path)
     marker = tmp_path / "pwned"
     plant(snapshot, marker)
     if rehashed:
@@ -122,69 +122,69 @@ def test_a_planted_pickle_never_runs(snapshots, tmp_path, capsys, target, rehash
             assert "size or sha256 differs from the manifest" in err[0] or "which its manifest does not list" in err[0], err
 
 
-def test_an_emptied_manifest_is_refused(snapshots, tmp_path):
-    snapshot = copy_run(snapshots["single"], tmp_path)
-    manifest = json.loads((snapshot / checkpoint.MANIFEST).read_text())
-    (snapshot / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "files": {}}))
+def test_an_emptied_manifest_is_refused(written, tmp_path):
+    snapshot = copy_run(written["single"], tmp_path)
+    manifest = json.loads((snapshot / snapshots.MANIFEST).read_text())
+    (snapshot / snapshots.MANIFEST).write_text(json.dumps({**manifest, "files": {}}))
     with pytest.raises(SnapshotError, match=r"lacks|does not list .metadata, which a resume reads|which its manifest does not list"):
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)
 
 
 @pytest.mark.parametrize("gone", ["rank0.pt", ".metadata"])
-def test_a_manifest_without_a_file_the_loader_reads_is_refused(snapshots, tmp_path, gone):
-    snapshot = copy_run(snapshots["single"], tmp_path)
+def test_a_manifest_without_a_file_the_loader_reads_is_refused(written, tmp_path, gone):
+    snapshot = copy_run(written["single"], tmp_path)
     (snapshot / gone).unlink()
     rehash(snapshot)
     with pytest.raises(SnapshotError, match=f"does not list {gone}, which a resume reads"):
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)
 
 
-def test_a_file_the_manifest_does_not_list_is_refused(snapshots, tmp_path):
-    snapshot = copy_run(snapshots["single"], tmp_path)
+def test_a_file_the_manifest_does_not_list_is_refused(written, tmp_path):
+    snapshot = copy_run(written["single"], tmp_path)
     (snapshot / "rank7.pt").write_bytes(b"")
     with pytest.raises(SnapshotError, match="holds rank7.pt, which its manifest does not list"):
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)
 
 
-def test_the_manifests_step_must_agree_with_the_snapshots_state(snapshots, tmp_path):
+def test_the_manifests_step_must_agree_with_the_snapshots_state(written, tmp_path):
     """The folder is renamed along with the manifest, as one who moves a snapshot to another step would: only the loop
     state inside still says the true step (a folder left under its old name is refused earlier, by its name)."""
-    snapshot = copy_run(snapshots["single"], tmp_path)
-    manifest = json.loads((snapshot / checkpoint.MANIFEST).read_text())
-    (snapshot / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "step": manifest["step"] + 1}))
-    moved = snapshot.rename(snapshot.with_name(f"{checkpoint.PREFIX}{manifest['step'] + 1:08d}"))
+    snapshot = copy_run(written["single"], tmp_path)
+    manifest = json.loads((snapshot / snapshots.MANIFEST).read_text())
+    (snapshot / snapshots.MANIFEST).write_text(json.dumps({**manifest, "step": manifest["step"] + 1}))
+    moved = snapshot.rename(snapshot.with_name(f"{snapshots.PREFIX}{manifest['step'] + 1:08d}"))
     with pytest.raises(SnapshotError, match=f"says step {manifest['step'] + 1} in its manifest but holds the state of step {manifest['step']}"):
-        checkpoint.verify(moved)
+        snapshots.verify(moved)
 
 
-def test_the_folders_name_must_agree_with_the_manifests_step(snapshots, tmp_path):
+def test_the_folders_name_must_agree_with_the_manifests_step(written, tmp_path):
     """Manifest and loop state agree; only the folder's name, by which resume picks the newest snapshot, is another
     step."""
-    snapshot = copy_run(snapshots["single"], tmp_path)
-    step = json.loads((snapshot / checkpoint.MANIFEST).read_text())["step"]
-    checkpoint.verify(snapshot)  # whole under its own name
-    moved = snapshot.rename(snapshot.with_name(f"{checkpoint.PREFIX}{step + 1:08d}"))
+    snapshot = copy_run(written["single"], tmp_path)
+    step = json.loads((snapshot / snapshots.MANIFEST).read_text())["step"]
+    snapshots.verify(snapshot)  # whole under its own name
+    moved = snapshot.rename(snapshot.with_name(f"{snapshots.PREFIX}{step + 1:08d}"))
     with pytest.raises(SnapshotError, match=f"is named for step {step + 1} but its manifest says step {step}; it was "
                                             f"renamed or is damaged"):
-        checkpoint.verify(moved)
+        snapshots.verify(moved)
 
 
-def test_a_folder_others_may_write_to_is_refused(snapshots, tmp_path):
-    snapshot = copy_run(snapshots["single"], tmp_path)
+def test_a_folder_others_may_write_to_is_refused(written, tmp_path):
+    snapshot = copy_run(written["single"], tmp_path)
     extra = snapshot / "extra.pt"
     extra.chmod(extra.stat().st_mode | stat.S_IWGRP)
     with pytest.raises(SnapshotError, match=rf"holds {extra}, which others may write to \(mode -rw-rw-r--\); if you trust it, run 'chmod -R go-w"):
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)
     extra.chmod(0o644)
-    checkpoint.verify(snapshot)  # whole again
+    snapshots.verify(snapshot)  # whole again
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
-def test_a_file_owned_by_someone_else_is_refused(snapshots, tmp_path):
-    snapshot = copy_run(snapshots["single"], tmp_path)
+def test_a_file_owned_by_someone_else_is_refused(written, tmp_path):
+    snapshot = copy_run(written["single"], tmp_path)
     os.chown(snapshot / "rank0.pt", 65534, 65534)  # nobody
     with pytest.raises(SnapshotError, match=r"owned by user id 65534, not by you \(0\); a file written by someone else could run code"):
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)
 
 
 def test_snapshots_are_written_without_group_write_even_under_umask_002(tmp_path):
@@ -193,14 +193,14 @@ def test_snapshots_are_written_without_group_write_even_under_umask_002(tmp_path
         assert main(["train", *RUN, "--strategy.name", "single", "--output.dir", str(tmp_path / "run")]) == 0
     finally:
         os.umask(old)
-    snapshot = checkpoint.find_latest(tmp_path / "run" / "checkpoints")
+    snapshot = snapshots.find_latest(tmp_path / "run" / "checkpoints")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [snapshot, *snapshot.iterdir()]}
     assert all(not mode & 0o022 for mode in modes.values()), modes
 
 
-def test_a_link_inside_a_snapshot_is_refused(snapshots, tmp_path):
+def test_a_link_inside_a_snapshot_is_refused(written, tmp_path):
     """A link to /dev/zero listed with 0 bytes would make the sha256 check read forever."""
-    snapshot = copy_run(snapshots["single"], tmp_path)
+    snapshot = copy_run(written["single"], tmp_path)
     (snapshot / "zeros").symlink_to("/dev/zero")
     with pytest.raises(SnapshotError, match="holds .*zeros, which is a symbolic link, not a plain file"):
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)

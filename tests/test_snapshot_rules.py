@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain import checkpoint, config
-from dptrain.checkpoint import Snapshotter
+from dptrain import snapshots, config
+from dptrain.snapshots import Snapshotter
+from dptrain.snapshots.layout import sha256_of
+from dptrain.snapshots.saving import _prune as prune
 from dptrain.distributed.env import DistEnv
 from dptrain.errors import ConfigError, SnapshotError
 from dptrain.strategies.state import Shards
@@ -31,26 +33,26 @@ def cfg(*pairs: tuple[str, str]) -> config.RunConfig:
 
 
 def manifest_of(run: config.RunConfig, total_steps: int = 100) -> dict:
-    return {"model": run.model.name, "strategy": run.strategy.name, "config_hash": checkpoint.config_hash(run),
-            "config": checkpoint.computation_options(run), "schedule_steps": total_steps}
+    return {"model": run.model.name, "strategy": run.strategy.name, "config_hash": snapshots.config_hash(run),
+            "config": snapshots.computation_options(run), "schedule_steps": total_steps}
 
 
 def test_paths_run_length_logging_and_device_may_change_the_math_may_not():
-    base = checkpoint.config_hash(cfg())
+    base = snapshots.config_hash(cfg())
     for key, value in (("data.root", "/elsewhere"), ("train.epochs", "9"), ("train.max_steps", "7"), ("train.log_every", "3"),
                        ("train.eval_batch_size", "17"), ("launch.device", "cpu"), ("launch.nproc_per_node", "4"),
                        ("checkpoint.every_steps", "10"), ("output.name", "other"), ("output.weights_dir", "saved"),
                        ("output.weights_file", "net.pth"), ("output.rank_epoch_lines", "true")):
-        assert checkpoint.config_hash(cfg((key, value))) == base, key
+        assert snapshots.config_hash(cfg((key, value))) == base, key
     for key, value in (("optim.lr", "0.5"), ("train.global_batch_size", "64"), ("train.seed", "3"), ("train.bf16", "true"),
                        ("model.dropout", "false"), ("strategy.ddp.comm_hook", "fp16"), ("data.synthetic_train_size", "99")):
-        assert checkpoint.config_hash(cfg((key, value))) != base, key
+        assert snapshots.config_hash(cfg((key, value))) != base, key
 
 
 def test_a_refused_resume_names_the_option_and_both_values(tmp_path):
     saved = manifest_of(cfg())
     with pytest.raises(ConfigError) as refused:
-        checkpoint.check_compatible(saved, cfg(("optim.lr", "0.5"), ("train.seed", "3")), tmp_path, 100)
+        snapshots.check_compatible(saved, cfg(("optim.lr", "0.5"), ("train.seed", "3")), tmp_path, 100)
     assert str(refused.value) == (f"snapshot {tmp_path} was written with optim.lr = 0.001 but this run has 0.5 (and train.seed); "
                                   f"use the snapshot's setting, or another --output.name to start afresh.")
 
@@ -60,10 +62,10 @@ def test_a_refused_resume_of_a_folder_given_as_output_dir_advises_another_folder
     --model_dir was read as the run folder and got that advice)."""
     saved = manifest_of(cfg(("output.dir", str(tmp_path))))
     with pytest.raises(ConfigError) as refused:
-        checkpoint.check_compatible(saved, cfg(("output.dir", str(tmp_path)), ("optim.lr", "0.5")), tmp_path, 100)
+        snapshots.check_compatible(saved, cfg(("output.dir", str(tmp_path)), ("optim.lr", "0.5")), tmp_path, 100)
     assert str(refused.value).endswith("use the snapshot's setting, or another --output.dir to start afresh.")
     with pytest.raises(ConfigError) as refused:
-        checkpoint.check_compatible(manifest_of(cfg(("optim.schedule", "cosine"), ("output.dir", str(tmp_path)))),
+        snapshots.check_compatible(manifest_of(cfg(("optim.schedule", "cosine"), ("output.dir", str(tmp_path)))),
                                     cfg(("optim.schedule", "cosine"), ("output.dir", str(tmp_path))), tmp_path, 50)
     assert str(refused.value).endswith("keep train.epochs and train.max_steps as they were, or use another --output.dir "
                                        "to start afresh.")
@@ -71,18 +73,18 @@ def test_a_refused_resume_of_a_folder_given_as_output_dir_advises_another_folder
     root.mkdir()
     (root / "step-00000004").write_text("")
     with pytest.raises(SnapshotError) as refused:
-        checkpoint.choose(cfg(("output.dir", str(tmp_path))), is_main=True, world_size=1)
+        snapshots.choose(cfg(("output.dir", str(tmp_path))), is_main=True, world_size=1)
     assert str(refused.value).endswith("or use another --output.dir to start afresh.")
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
 def test_a_schedule_planned_for_the_run_length_refuses_another_length(tmp_path, schedule):
     run = cfg(("optim.schedule", schedule))
-    checkpoint.check_compatible(manifest_of(run, 100), run, tmp_path, 100)  # the same length resumes
+    snapshots.check_compatible(manifest_of(run, 100), run, tmp_path, 100)  # the same length resumes
     with pytest.raises(ConfigError, match=f"follows a {schedule} learning-rate schedule planned for 100 steps, but this run would last 150"):
-        checkpoint.check_compatible(manifest_of(run, 100), run, tmp_path, 150)
+        snapshots.check_compatible(manifest_of(run, 100), run, tmp_path, 150)
     constant = cfg()
-    checkpoint.check_compatible(manifest_of(constant, 100), constant, tmp_path, 150)  # a constant rate may run longer
+    snapshots.check_compatible(manifest_of(constant, 100), constant, tmp_path, 150)  # a constant rate may run longer
 
 
 @pytest.mark.parametrize("manifest", ["{}", '{"files": []}', "[1, 2]", '{"world_size": 2, "strategy": "ddp"}', "not json",
@@ -90,12 +92,12 @@ def test_a_schedule_planned_for_the_run_length_refuses_another_length(tmp_path, 
 def test_a_damaged_manifest_is_one_sentence(tmp_path, manifest):
     snapshot = tmp_path / "step-00000003"
     snapshot.mkdir()
-    (snapshot / checkpoint.MANIFEST).write_text(manifest)
+    (snapshot / snapshots.MANIFEST).write_text(manifest)
     with pytest.raises(SnapshotError) as damaged:
-        checkpoint.verify(snapshot)
+        snapshots.verify(snapshot)
     assert str(damaged.value) == f"snapshot {snapshot} has a damaged manifest.json."
     with pytest.raises(SnapshotError, match="no snapshot in .* can be used .*has a damaged manifest.json"):
-        checkpoint.find_latest(tmp_path)  # refused, not crashed on, and not taken as "no snapshot: start afresh"
+        snapshots.find_latest(tmp_path)  # refused, not crashed on, and not taken as "no snapshot: start afresh"
 
 
 def test_a_nested_manifest_in_the_newest_snapshot_is_skipped_by_every_command_and_the_run_resumes_before_it(
@@ -109,7 +111,7 @@ def test_a_nested_manifest_in_the_newest_snapshot_is_skipped_by_every_command_an
            "--train.global_batch_size", "64", "--checkpoint.every_epochs", "1", "--output.name", "r"]
     assert main([*run, "--train.epochs", "2"]) == 0
     newest, older = Path("runs/r/checkpoints/step-00000004"), Path("runs/r/checkpoints/step-00000002")
-    (newest / checkpoint.MANIFEST).write_text("[" * 200_000)
+    (newest / snapshots.MANIFEST).write_text("[" * 200_000)
     capsys.readouterr()
     assert main(["checkpoint", "verify", str(newest)]) == 2
     assert capsys.readouterr().err == f"dptrain: error: snapshot {newest} has a damaged manifest.json.\n"
@@ -120,22 +122,22 @@ def test_a_nested_manifest_in_the_newest_snapshot_is_skipped_by_every_command_an
     assert main(["eval", "--checkpoint", "runs/r"]) == 0
     assert main([*run, "--train.epochs", "3"]) == 0  # resumed from step 2, step 4 written again
     assert [e["step"] for e in read_events(Path("runs/r"), "run_start")] == [0, 2]
-    checkpoint.verify(newest)
+    snapshots.verify(newest)
 
 
 def test_a_manifest_listing_a_file_that_is_gone_is_incomplete(tmp_path):
-    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(
+    (tmp_path / snapshots.MANIFEST).write_text(json.dumps(
         {"world_size": 1, "strategy": "single", "model": "mnist-cnn", "config_hash": "x", "step": 3,
          "files": {"extra.pt": {"bytes": 1, "sha256": "0"}}}))
     with pytest.raises(SnapshotError, match="lacks extra.pt: it is incomplete"):
-        checkpoint.verify(tmp_path)
+        snapshots.verify(tmp_path)
 
 
 def test_the_options_kept_in_a_manifest_compare_equal_after_the_json_round_trip(tmp_path):
     shape = ("data.synthetic_shape", "[3, 8, 8]")  # a tuple, which the manifest's JSON holds as a list
     saved = json.loads(json.dumps(manifest_of(cfg(shape))))
     with pytest.raises(ConfigError) as refused:
-        checkpoint.check_compatible(saved, cfg(shape, ("optim.lr", "0.5")), tmp_path, 100)
+        snapshots.check_compatible(saved, cfg(shape, ("optim.lr", "0.5")), tmp_path, 100)
     assert "was written with optim.lr = 0.001 but this run has 0.5; " in str(refused.value)  # and nothing else
 
 
@@ -143,18 +145,18 @@ def test_the_one_rule_of_when_a_snapshot_is_due():
     """10 steps per epoch, 25 in the run: every_steps 4 saves mid-epoch at 4 and 8, at 12 and 16, and 20 lands on an
     epoch's end, so it waits for the evaluation; every_epochs 2 saves after epoch 2's evaluation; the run's last step
     is left to the end of fit()."""
-    from dptrain.checkpoint import Snapshotter
+    from dptrain.snapshots import Snapshotter
     from dptrain.train_state import TrainState
 
     run = cfg(("checkpoint.every_steps", "4"), ("checkpoint.every_epochs", "2"))
-    snapshots = Snapshotter(run, None, None, None, None, None, total_steps=25, steps_per_epoch=10)
+    saver = Snapshotter(run, None, None, None, None, None, total_steps=25, steps_per_epoch=10)
     in_step, after_eval = [], []
     state = TrainState()
     for step in range(1, 26):
         state.step, state.epoch, state.batches_consumed = step, (step - 1) // 10, (step - 1) % 10 + 1
-        if snapshots.due(state, after_evaluation=False):
+        if saver.due(state, after_evaluation=False):
             in_step.append(step)
-        if state.batches_consumed == 10 and snapshots.due(state, after_evaluation=True):
+        if state.batches_consumed == 10 and saver.due(state, after_evaluation=True):
             after_eval.append(step)
     assert in_step == [4, 8, 12, 16, 24]
     assert after_eval == [20]  # epoch 1 ends at 10 (not a multiple of 4, epoch 1 not even); epoch 2 at 20
@@ -193,7 +195,7 @@ def save_at(snapshots: Snapshotter, step: int) -> Path:
 
 def damage(snapshot: Path) -> None:
     """Flip a byte of the loop state: the manifest is intact, the sha256 no longer agrees."""
-    extra = snapshot / checkpoint.EXTRA
+    extra = snapshot / snapshots.EXTRA
     data = bytearray(extra.read_bytes())
     data[len(data) // 2] ^= 0xFF
     extra.write_bytes(bytes(data))
@@ -206,7 +208,7 @@ def said(caplog) -> list[str]:
 
 def steps_kept(run_dir: Path) -> dict[int, str]:
     return {int(path.name.removeprefix("step-")): status.split(":")[0] if status.startswith("ok") else "damaged"
-            for path, status in checkpoint.list_snapshots(run_dir / "checkpoints")}
+            for path, status in snapshots.list_snapshots(run_dir / "checkpoints")}
 
 
 def resumed_from_2_past_a_damaged_4(tmp_path):
@@ -256,7 +258,7 @@ def test_pruning_keeps_the_newest_whole_snapshots_of_this_run_only(tmp_path, cap
         folder = tmp_path / f"step-{step:08d}"
         folder.mkdir(mode=0o755)
         if config_hash is not None:
-            (folder / checkpoint.MANIFEST).write_text(json.dumps(
+            (folder / snapshots.MANIFEST).write_text(json.dumps(
                 {"world_size": 1, "strategy": "ddp", "model": "mnist-cnn", "config_hash": config_hash, "step": step, "files": {}}))
         return folder
 
@@ -267,7 +269,7 @@ def test_pruning_keeps_the_newest_whole_snapshots_of_this_run_only(tmp_path, cap
     snapshot(8).chmod(0o775)  # others may write to it: verify() refuses it, and pruning leaves it alone
     damaged = {9: "damaged 9", 5: "damaged 5", 3: "incomplete 3"}
     with caplog.at_level(logging.WARNING, logger="dptrain"):
-        checkpoint._prune(tmp_path, keep_last=3, config_hash_="ours",
+        prune(tmp_path, keep_last=3, config_hash_="ours",
                           damage=lambda path: damaged.get(int(path.name.removeprefix("step-"))))
     # 9: newer than every whole one (the run may write it again); 7, 4 and 2: the three newest verified ones; 5 and 3:
     # damaged and older than a verified one; 1: past the three newest verified ones.
@@ -284,13 +286,13 @@ def test_thousands_of_damaged_snapshots_are_one_log_line(tmp_path, caplog):
     for step in range(2, 3002):
         (root / f"step-{step:08d}").mkdir()  # no manifest: incomplete
     with caplog.at_level(logging.INFO, logger="dptrain"):
-        assert checkpoint.find_latest(root) == whole
+        assert snapshots.find_latest(root) == whole
     assert said(caplog) == [f"skipping 3000 damaged snapshots, step-00000002 to step-00003001; the newest: snapshot "
                             f"{root / 'step-00003001'} has no manifest.json: it is incomplete."]
     shutil.rmtree(whole)
     caplog.clear()
     with pytest.raises(SnapshotError) as refused:
-        checkpoint.find_latest(root)
+        snapshots.find_latest(root)
     assert str(refused.value) == (f"no snapshot in {root} can be used (3000 damaged snapshots, step-00000002 to "
                                   f"step-00003001; the newest: snapshot {root / 'step-00003001'} has no manifest.json: it "
                                   f"is incomplete); repair or remove the damaged ones, or use another --output.name to "
@@ -308,9 +310,9 @@ def test_a_snapshot_that_does_not_exist_is_one_sentence_with_exit_code_2(tmp_pat
 
 
 def test_a_manifest_over_1_mib_is_refused_unread(tmp_path):
-    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"padding": "x" * (1 << 20)}))
+    (tmp_path / snapshots.MANIFEST).write_text(json.dumps({"padding": "x" * (1 << 20)}))
     with pytest.raises(SnapshotError) as refused:
-        checkpoint.verify(tmp_path)
+        snapshots.verify(tmp_path)
     assert str(refused.value) == (f"snapshot {tmp_path} has a manifest.json of more than 1 MiB, far more than any "
                                   f"manifest holds; it is damaged.")
 
@@ -320,7 +322,7 @@ def verify_as_a_user(snapshot: Path) -> str:
     check runs in a forked child as user nobody, on a snapshot that nobody owns (verify refuses another's)."""
     if os.geteuid() != 0:
         try:
-            checkpoint.verify(snapshot)
+            snapshots.verify(snapshot)
             return "ok"
         except SnapshotError as exc:
             return str(exc)
@@ -338,7 +340,7 @@ def verify_as_a_user(snapshot: Path) -> str:
             os.setgid(gid)
             os.setuid(uid)
             try:
-                checkpoint.verify(snapshot)
+                snapshots.verify(snapshot)
                 said = "ok"
             except SnapshotError as exc:
                 said = str(exc)
@@ -361,11 +363,11 @@ def test_a_snapshot_file_that_cannot_be_read_is_one_sentence():
         folder.chmod(0o755)  # nobody may look inside
         snapshot = folder / "step-00000003"
         snapshot.mkdir(mode=0o755)
-        extra = snapshot / checkpoint.EXTRA
+        extra = snapshot / snapshots.EXTRA
         extra.write_bytes(b"loop state")
-        (snapshot / checkpoint.MANIFEST).write_text(json.dumps(
+        (snapshot / snapshots.MANIFEST).write_text(json.dumps(
             {"world_size": 1, "strategy": "ddp", "model": "mnist-cnn", "config_hash": "x", "step": 3,
-             "files": {checkpoint.EXTRA: {"bytes": extra.stat().st_size, "sha256": checkpoint._sha256(extra)}}}))
+             "files": {snapshots.EXTRA: {"bytes": extra.stat().st_size, "sha256": sha256_of(extra)}}}))
         extra.chmod(0)
         assert verify_as_a_user(snapshot) == (f"cannot read {extra} of snapshot {snapshot} (Permission denied); "
                                               f"make it readable for you, or use another snapshot.")
@@ -405,22 +407,22 @@ def test_a_step_entry_that_is_no_folder_is_refused_as_the_run_starts(tmp_path, k
                 f"--output.name to start afresh.")
     run = cfg(("output.dir", str(tmp_path / "run")), ("train.resume", resume))
     with pytest.raises(SnapshotError) as refused:
-        checkpoint.choose(run, is_main=True, world_size=1)
+        snapshots.choose(run, is_main=True, world_size=1)
     # the run was given its folder: another name would not move it
     assert str(refused.value) == sentence.replace("another --output.name", "another --output.dir")
     with pytest.raises(SnapshotError, match="is a symbolic link|is a file"):
-        checkpoint.find_latest(root)  # eval --checkpoint RUN and train --dry-run look there
-    assert dict(checkpoint.list_snapshots(root))[entry] == sentence  # checkpoint list shows it with the others
-    checkpoint._prune(root, keep_last=1, config_hash_=checkpoint.config_hash(run), damage=lambda path: None)
+        snapshots.find_latest(root)  # eval --checkpoint RUN and train --dry-run look there
+    assert dict(snapshots.list_snapshots(root))[entry] == sentence  # checkpoint list shows it with the others
+    prune(root, keep_last=1, config_hash_=snapshots.config_hash(run), damage=lambda path: None)
     assert entry.is_symlink() or entry.is_file()  # never deleted, nor what it points to
     assert target is None or Path(target).exists() or kind == "dangling link"
 
 
 def test_a_link_planted_while_the_run_trains_is_one_sentence_at_its_step(tmp_path):
-    snapshots = snapshotter(tmp_path / "run")
+    saver = snapshotter(tmp_path / "run")
     entry = planted(tmp_path / "run" / "checkpoints", "dangling link", tmp_path)
     with pytest.raises(SnapshotError) as refused:
-        save_at(snapshots, 5)
+        save_at(saver, 5)
     assert str(refused.value).startswith(f"{entry} is a symbolic link (to /nonexistent), not a snapshot folder")
     assert entry.is_symlink() and not list(entry.parent.glob(".*-step-*"))  # no temporary folder left behind
 

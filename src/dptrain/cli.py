@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dptrain import checkpoint, config as config_mod, spellings, user_command
+from dptrain import snapshots, config as config_mod, spellings, user_command
 from dptrain.config import RunConfig
 from dptrain.data import describe
 from dptrain.distributed.ending import leave_now, lift_exit_deadline
@@ -205,22 +205,22 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
         if args.output is None:
             raise ConfigError("checkpoint export needs a file to write: dptrain checkpoint export SNAPSHOT model.pt.")
         snapshot, cfg, manifest = snapshot_and_its_run(path, [], 1, "export")
-        count = checkpoint.export_weights(cfg, snapshot, manifest, Path(args.output))
+        count = snapshots.export_weights(cfg, snapshot, manifest, Path(args.output))
         print(f"{args.output}: {count} tensors of {snapshot}'s model ({cfg.model.name}), for torch.load(weights_only=True) "
               f"and load_state_dict")
         return 0
     if args.output is not None:
         raise ConfigError(f"unexpected argument {args.output!r}; checkpoint {args.action} takes one path.")
     if args.action == "verify":
-        manifest = checkpoint.verify(path)
+        manifest = snapshots.verify(path)
         print(f"{path}: ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
               f"{len(manifest['files'])} files verified")
         return 0
     root = RunFolder(path).checkpoints if RunFolder(path).checkpoints.is_dir() else path
-    rows = checkpoint.list_snapshots(root)
+    rows = snapshots.list_snapshots(root)
     if not rows:
         raise ConfigError(f"no snapshots in {root}; give a run directory or its checkpoints folder.")
-    latest = (root / checkpoint.LATEST).read_text().strip() if (root / checkpoint.LATEST).is_file() else None
+    latest = (root / snapshots.LATEST).read_text().strip() if (root / snapshots.LATEST).is_file() else None
     for snapshot, status in rows:
         print(f"{snapshot}{'  (latest)' if snapshot.name == latest else ''}: {status}")
     return 0
@@ -242,7 +242,7 @@ def cmd_tensorboard(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_card(args: argparse.Namespace, extra: list[str]) -> int:
-    """One run's card: RUN_DIR/report/report.md and its plots, from the run's own files."""
+    """One run's card: RUN_DIR/card/card.md and its plots, from the run's own files."""
     from dptrain.reporting.run_card import write_run_card
 
     if extra:
@@ -394,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
     card = sub.add_parser(
         "card",
-        help="one run's card: RUN_DIR/report/report.md with its plots",
-        description="Write RUN_DIR/report/report.md with its plots (configuration, environment, curves, throughput, "
+        help="one run's card: RUN_DIR/card/card.md with its plots",
+        description="Write RUN_DIR/card/card.md with its plots (configuration, environment, curves, throughput, "
         "communication, memory, starts and snapshots) from the run's own files, offline; prints its path.",
     )
     card.add_argument("run_dir", metavar="RUN_DIR", help="a run's folder, such as runs/fashion-mnist_mnist-cnn_ddp")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dptrain import checkpoint
+from dptrain import snapshots
 from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders, describe
 from dptrain.data.catalog import DATASETS, locate
@@ -153,11 +153,11 @@ def _resume_plan(cfg: RunConfig, total_steps: int) -> str:
         return "never (a fresh start)"
     if cfg.train.resume == "auto":
         folder = cfg.output.folder.checkpoints
-        path = checkpoint.find_latest(folder) if folder.is_dir() else None  # SnapshotError if none can be used
+        path = snapshots.find_latest(folder) if folder.is_dir() else None  # SnapshotError if none can be used
         if path is None:
             return "nothing to resume from: a fresh start"
     else:
         path = Path(cfg.train.resume)
-    manifest = checkpoint.verify(path)
-    checkpoint.check_compatible(manifest, cfg, path, total_steps)
+    manifest = snapshots.verify(path)
+    snapshots.check_compatible(manifest, cfg, path, total_steps)
     return f"from {path} (step {manifest['step']}, written by {manifest['world_size']} ranks)"

@@ -52,7 +52,7 @@ def is_import_path(name: str) -> bool:
 MAY_CHANGE_AT_RESUME = {"may_change_at_resume": True}
 """A field's metadata: the option may change between a snapshot and its resume (how long to run, where data and logs
 live, how often to save, how evaluation is batched, which device). Every other option changes the computation, so a
-resume refuses it (checkpoint.check_compatible); the world size may change too (the shards are resharded on load)."""
+resume refuses it (snapshots.check_compatible); the world size may change too (the shards are resharded on load)."""
 
 
 SHOWN_DEFAULT = "shown_default"

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from dptrain import checkpoint, config as config_mod
+from dptrain import snapshots, config as config_mod
 from dptrain.config import LaunchConfig, OutputConfig, RunConfig, StrategyConfig, TrainConfig
 from dptrain.data import describe
 from dptrain.distributed.env import DistEnv
@@ -160,12 +160,12 @@ def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
 def check_resume_target(cfg: RunConfig) -> None:
     """A snapshot named by train.resume verifies; `never` does not write over an earlier run's snapshots."""
     if cfg.train.resume not in ("auto", "never"):
-        checkpoint.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
+        snapshots.verify(Path(cfg.train.resume))  # SnapshotError: one sentence naming what is wrong
         return
-    snapshots = cfg.output.folder.checkpoints
-    if cfg.train.resume == "never" and any(p.is_dir() for p in snapshots.glob(f"{checkpoint.PREFIX}*")):
+    folder = cfg.output.folder.checkpoints
+    if cfg.train.resume == "never" and any(p.is_dir() for p in folder.glob(f"{snapshots.PREFIX}*")):
         raise ConfigError(f"{cfg.output.run_dir} holds snapshots of an earlier run and train.resume is never; "
-                          f"choose {cfg.output.elsewhere}, or delete {snapshots} to start afresh there.")
+                          f"choose {cfg.output.elsewhere}, or delete {folder} to start afresh there.")
 
 
 def check_backend(backend: str, on_cuda: bool) -> None:
@@ -293,7 +293,7 @@ def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers:
     """(the snapshot that --checkpoint names, given: a snapshot folder or a run directory; the run's configuration with
     the command's overrides and its number of workers, default 1; the snapshot's manifest), verified safe and whole
     before any worker starts."""
-    snapshot = checkpoint.find_snapshot(given)
+    snapshot = snapshots.find_snapshot(given)
     saved = RunFolder(snapshot.parent.parent).config
     if not saved.exists():  # a FIFO or a device there is not missing: check_private_file says what it is
         raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
@@ -307,7 +307,7 @@ def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers:
     run_dir = snapshot.parent.parent
     cfg = config_mod.load(saved, [("output.name", "run"), ("output.dir", str(run_dir)), *overrides,
                                   ("launch.nproc_per_node", str(workers or 1)), ("launch.max_restarts", "0")])
-    return snapshot, cfg, checkpoint.verify(snapshot)
+    return snapshot, cfg, snapshots.verify(snapshot)
 
 
 def check_predictions_path(path: Path) -> None:

@@ -12,7 +12,7 @@
       tb/             TensorBoard's event files
       job.sbatch      the job script `dptrain submit` wrote (a submitted run only)
       job.toml        the configuration as given to `dptrain submit`, which the job trains from
-      report/         the run's card, report.md and its plots (`dptrain card`)
+      card/           the run's card, card.md and its plots (`dptrain card`; report/ before)
       doctor.json     what `dptrain doctor` checked and found, node 0's table as data
       doctor-job/     the job `dptrain doctor --slurm` submits: its script, config and output
 """
@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+# In checkpoints/: a snapshot's folder is SNAPSHOT_PREFIX + its step (step-00000120), its manifest SNAPSHOT_MANIFEST,
+# and SNAPSHOT_LATEST names the newest (the snapshots package writes them; the run card reads them without torch).
+SNAPSHOT_PREFIX, SNAPSHOT_MANIFEST, SNAPSHOT_LATEST = "step-", "manifest.json", "latest"
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,13 @@ class RunFolder:
         return self.root / "job.toml"
 
     @property
-    def report(self) -> Path:
+    def card(self) -> Path:
         """The run card's folder: a resume never writes there, so a card survives the run going on."""
+        return self.root / "card"
+
+    @property
+    def earlier_card(self) -> Path:
+        """Where a dptrain of before `card/` wrote the card (report/report.md): still a folder of the run's own."""
         return self.root / "report"
 
     @property
@@ -102,7 +111,8 @@ class RunFolder:
         return {self.config: ("configuration", False), self.env: ("environment record", False),
                 self.metrics: ("metrics", False), self.logs: ("logs", True), self.checkpoints: ("snapshots", True),
                 self.tb: ("TensorBoard files", True), self.job_script: ("job script", False),
-                self.job_config: ("job's configuration", False), self.report: ("card", True),
+                self.job_config: ("job's configuration", False), self.card: ("card", True),
+                self.earlier_card: ("card", True),
                 self.doctor: ("doctor's report", False), self.doctor_job: ("doctor's job", True)}
 
     def holds_a_run(self) -> bool:

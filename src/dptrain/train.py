@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain import checkpoint, faults
-from dptrain.checkpoint import Snapshotter
+from dptrain import snapshots, faults
+from dptrain.snapshots import Snapshotter
 from dptrain.config import RunConfig
 from dptrain.data import DataInfo, build_loaders
 from dptrain.data.loader import Batch, Loader
@@ -265,10 +265,10 @@ class Trainer:
                 with written_atomically(path) as tmp:
                     torch.save(state, tmp)
             except Exception as exc:
-                reason = checkpoint.write_failure(exc)
+                reason = snapshots.write_failure(exc)
                 if reason is None:
                     raise
-                rerun = checkpoint.rerun_ending(self.snapshots.root, ": it resumes from the last snapshot.")
+                rerun = snapshots.rerun_ending(self.snapshots.root, ": it resumes from the last snapshot.")
                 raise OutputError(f"could not write the final weights to {path} ({reason}); free space or fix permissions "
                                   f"there, then run the same command{rerun}") from exc
 
@@ -302,13 +302,13 @@ class Trainer:
             return
         self.snapshots.wait()  # a background write of an earlier step holds a finite state: finish it
         barrier()  # every rank leaves only once rank 0 has committed it
-        last = checkpoint.newest_verified(self.snapshots.root)
+        last = snapshots.newest_verified(self.snapshots.root)
         raise Diverged(diverged_sentence(epoch_total, self.finite_through + 1, state.step, state.epoch + 1,
                                          last.name if last is not None else None, self.cfg.output.elsewhere))
 
 
 def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last_snapshot: str | None,
-                      elsewhere: str = checkpoint.AFRESH) -> str:
+                      elsewhere: str = snapshots.AFRESH) -> str:
     """What a diverged run says: where the loss stopped being finite, what was kept, what to change (elsewhere: the
     option that starts afresh, as the run was named: OutputConfig.elsewhere)."""
     where = f"at step {step}" if first_step >= step else f"between steps {first_step} and {step}"
@@ -345,20 +345,20 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
         scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
-    snapshots = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
+    snapshotter = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
     state = TrainState()
-    snapshots.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
+    snapshotter.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
     with phase("resume"):
-        path = checkpoint.choose(cfg, env.is_main, env.world_size)
+        path = snapshots.choose(cfg, env.is_main, env.world_size)
         if path is not None:
-            snapshots.load(path, state)
+            snapshotter.load(path, state)
     step = TrainStep(strategy=strategy, model=wrapped, optimizer=optimizer, scheduler=scheduler,
                      autocast=lambda: bf16_autocast(device, cfg.train.bf16, cache=not graphed), grad_clip=cfg.train.grad_clip)
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
         step = step.graphed(cfg.train.global_batch_size)
     return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
                    train_loader=train_loader, eval_loader=eval_loader, info=info, events=events, phase=phase,
-                   total_steps=total_steps, step=step, snapshots=snapshots, state=state,
+                   total_steps=total_steps, step=step, snapshots=snapshotter, state=state,
                    stop=StopRequest(env.world_size), flops_per_sample=flops)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dptrain import checkpoint, config as config_mod
+from dptrain import snapshots, config as config_mod
 from dptrain.config import RunConfig
 from dptrain.distributed.ending import AGENT_PID, agent_restarts_this_worker, exit_deadline
 from dptrain.distributed.env import DistEnv
@@ -284,7 +284,7 @@ def eval_worker(cfg_tree: dict[str, Any], snapshot: str, predictions_path: str |
                                              rank=env.global_rank, world_size=env.world_size, seed=cfg.train.seed,
                                              channels_last=cfg.train.channels_last)
         with phase(f"loading the weights of {snapshot}"):
-            model, manifest = checkpoint.snapshot_model(cfg, Path(snapshot), info.image_shape, info.num_classes, device)
+            model, manifest = snapshots.snapshot_model(cfg, Path(snapshot), info.image_shape, info.num_classes, device)
         autocast = functools.partial(bf16_autocast, device, cfg.train.bf16)
         rows: list[torch.Tensor] | None = [] if predictions_path else None
         with phase("evaluation"):
@@ -316,7 +316,7 @@ def predict_worker(cfg_tree: dict[str, Any], snapshot: str, input_path: str, inp
     spec = InputSpec.from_record(input_record, f"snapshot {snapshot}")
     with rank_life(cfg, None) as (env, phase, device, _):
         with phase(f"loading the weights of {snapshot}"):
-            model, _ = checkpoint.snapshot_model(cfg, Path(snapshot), spec.shape, spec.num_classes, device)
+            model, _ = snapshots.snapshot_model(cfg, Path(snapshot), spec.shape, spec.num_classes, device)
         with phase(f"opening {input_path}"):
             inputs = open_inputs(Path(input_path), spec)
         autocast = functools.partial(bf16_autocast, device, cfg.train.bf16)

@@ -331,7 +331,8 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     """Plots and report.md from a sweep's results.csv (rebuilt from its runs when missing); given one run's folder,
     its card, with a note that `dptrain card` is its command now."""
     from dptrain_bench.report import write_report
-    from dptrain.reporting.run_card import is_run_dir, write_run_card
+    from dptrain.reporting.run_card import write_run_card
+    from dptrain.reporting.run_record import is_run_dir
 
     if extra:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain report --help.")

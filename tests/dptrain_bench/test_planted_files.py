@@ -266,9 +266,9 @@ def test_the_run_card_of_a_run_with_a_planted_file_is_clean(name, data, capsys):
             write_planted(run_dir, kind, make())
         write_planted(run_dir, name, tree)
         code, added = report_cleanly([str(run_dir)], run_dir, capsys)
-        assert all(k.startswith("report/") for k in added)
+        assert all(k.startswith("card/") for k in added)
         if code == 0 and name != "env.json":  # the card shows env.json's values as the file gives them
-            assert_finite_numbers((run_dir / "report" / "report.md").read_text())
+            assert_finite_numbers((run_dir / "card" / "card.md").read_text())
 
 
 @pytest.mark.slow
@@ -324,7 +324,7 @@ def test_the_run_card_with_a_planted_peak_shows_no_fraction_of_peak_from_it(tmp_
     probe = peak_tree()["probes"]["2"] | {"tflops_by_size": {} if tflops is None else {"512": tflops}}
     (run_dir / "peak.json").write_text(json.dumps({"probes": {"2": probe}}).replace('"NaN"', "NaN"))
     assert main(["report", str(run_dir)]) == 0, capsys.readouterr().err
-    text = (run_dir / "report" / "report.md").read_text()
+    text = (run_dir / "card" / "card.md").read_text()
     assert_finite_numbers(text)
     assert "%" not in text.split("## Throughput and fraction of peak", 1)[1].split("##", 1)[0]
 
@@ -335,7 +335,7 @@ def test_the_run_card_leaves_out_an_epoch_whose_cpu_use_is_1e308(tmp_path, capsy
     events[1]["cpu_util_pct"] = [1e308, 1e308]
     write_planted(tmp_path, "metrics.jsonl", events)
     assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
-    text = (tmp_path / "report" / "report.md").read_text()
+    text = (tmp_path / "card" / "card.md").read_text()
     assert "line 2: cpu_util_pct is \\[1e+308, 1e+308\\], not a number from 0 to 1e+06" in text
 
 

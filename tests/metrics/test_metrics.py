@@ -18,7 +18,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from dptrain import checkpoint, config
+from dptrain import snapshots, config
 from dptrain.cli import main
 from dptrain.errors import ConfigError
 from dptrain.events import EPOCH_EVENT
@@ -227,4 +227,4 @@ def test_progress_every_s_is_checked():
         config.load(None, [("train.progress_every_s", "-1")])
     quiet = config.load(None, [("train.progress_every_s", "0")])
     assert quiet.train.progress_every_s == 0
-    assert checkpoint.config_hash(quiet) == checkpoint.config_hash(config.RunConfig())  # a resume may change it
+    assert snapshots.config_hash(quiet) == snapshots.config_hash(config.RunConfig())  # a resume may change it

@@ -13,7 +13,8 @@ import pytest
 from dptrain.reporting import run_card
 from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
-from dptrain.reporting.run_card import SECTIONS, is_run_dir, timeline, write_run_card
+from dptrain.reporting.run_card import SECTIONS, write_run_card
+from dptrain.reporting.run_record import is_run_dir, timeline
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import log_tail, read_events, run_cli
 from tests.ranks import run_cli_on_ranks
@@ -54,11 +55,11 @@ def table_rows(text: str, heading: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_the_card_of_a_resumed_run_has_its_files_and_every_section(resumed_run, card):
-    path = resumed_run / "report" / "report.md"
+    path = resumed_run / "card" / "card.md"
     assert path.is_file()
     for name in (run_card.LOSS_PLOT, run_card.THROUGHPUT_PLOT, run_card.COMM_PLOT, run_card.UTIL_PLOT):
-        assert (resumed_run / "report" / name).read_bytes()[:8] == PNG_MAGIC, name
-        assert f"]({name})" in card  # embedded, relative to report.md
+        assert (resumed_run / "card" / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in card  # embedded, relative to card.md
     headings = re.findall(r"^## (.+)$", card, flags=re.M)
     assert headings == list(SECTIONS)  # in order, and nothing left out: no "Left out of this card"
     assert "Fraction of peak: not measured" in card  # no peak.json beside the run, and none probed
@@ -163,13 +164,6 @@ def test_a_folder_without_metrics_is_refused_in_one_sentence(tmp_path):
         write_run_card(tmp_path)
 
 
-def test_the_snapshot_names_are_checkpoints():
-    from dptrain import checkpoint
-
-    assert (run_card.SNAPSHOT_PREFIX, run_card.SNAPSHOT_MANIFEST, run_card.SNAPSHOT_LATEST) == (
-        checkpoint.PREFIX, checkpoint.MANIFEST, checkpoint.LATEST)
-
-
 @pytest.mark.slow
 def test_a_wide_gpu_run_with_a_peak_json_gets_its_fraction_of_peak_and_rank_summaries(tmp_path):
     """40 ranks on GPUs, written by hand: more ranks than the card lists or draws one by one, the GPU panels, and a
@@ -192,8 +186,8 @@ def test_a_wide_gpu_run_with_a_peak_json_gets_its_fraction_of_peak_and_rank_summ
     rows = table_rows(text, "Utilisation and memory per rank")
     assert [r[0] for r in rows] == ["lowest of 40", "mean of 40", "highest of 40"]
     assert [r[1] for r in rows] == ["100.0", "119.5", "139.0"] and [r[-1] for r in rows] == ["2000", "2020", "2039"]
-    assert (tmp_path / "report" / run_card.UTIL_PLOT).is_file()
-    assert not (tmp_path / "report" / run_card.COMM_PLOT).exists()  # no communication timed: nothing drawn
+    assert (tmp_path / "card" / run_card.UTIL_PLOT).is_file()
+    assert not (tmp_path / "card" / run_card.COMM_PLOT).exists()  # no communication timed: nothing drawn
     assert "Communication time: not measured" in text
     assert "Not shown: config.toml is missing" in text and "Not shown: env.json is missing" in text
 
@@ -220,14 +214,14 @@ def test_dptrain_card_writes_a_run_folders_card_and_report_still_does_with_a_not
     from dptrain.cli import main
 
     run = tmp_path / "run"
-    shutil.copytree(resumed_run, run, ignore=shutil.ignore_patterns("report"))
+    shutil.copytree(resumed_run, run, ignore=shutil.ignore_patterns("card"))
     assert main(["card", str(run)]) == 0
-    assert capsys.readouterr().out.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
-    (run / "report" / "report.md").unlink()
+    assert capsys.readouterr().out.strip() == str(run / "card" / "card.md") and (run / "card" / "card.md").is_file()
+    (run / "card" / "card.md").unlink()
     with caplog.at_level("INFO"):
         assert main(["report", str(run)]) == 0  # the spelling of before the card had its command
     out, err = capsys.readouterr()
-    assert out.strip() == str(run / "report" / "report.md") and (run / "report" / "report.md").is_file()
+    assert out.strip() == str(run / "card" / "card.md") and (run / "card" / "card.md").is_file()
     assert f"its card is `dptrain card {run}` now" in err + caplog.text  # a log line: stderr from the command line
     assert main(["report", str(run), "--link", "1gbit"]) == 2
     assert "drop --link" in capsys.readouterr().err
@@ -235,7 +229,7 @@ def test_dptrain_card_writes_a_run_folders_card_and_report_still_does_with_a_not
 
 def test_a_link_among_the_snapshots_is_named_and_never_followed(tmp_path):
     """checkpoints/step-* that is a symbolic link: its target's manifest was read as the run's own snapshot."""
-    from dptrain.reporting.run_card import read_snapshots
+    from dptrain.reporting.run_record import read_snapshots
 
     outside = tmp_path / "outside" / "step-00000009"
     outside.mkdir(parents=True)

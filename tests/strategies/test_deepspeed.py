@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dptrain import checkpoint
+from dptrain import snapshots
 from dptrain.cli import main
 from dptrain.config import OptimConfig, RunConfig, StrategyConfig, TrainConfig, load as load_config
 from dptrain.strategies.deepspeed.options import DeepSpeedOptions
@@ -337,14 +337,14 @@ def test_a_snapshot_resumes_at_its_own_world_size_only(resumed, tmp_path, capsys
 def test_a_changed_ds_config_refuses_the_resume(tmp_path):
     """What the file says is part of the computation (the manifest holds its digest); where it lies is not."""
     first = run_config(tmp_path, {"zero_optimization": {"reduce_bucket_size": 5e8}})
-    manifest = {"model": first.model.name, "strategy": "deepspeed", "config_hash": checkpoint.config_hash(first),
-                "config": checkpoint.computation_options(first)}
+    manifest = {"model": first.model.name, "strategy": "deepspeed", "config_hash": snapshots.config_hash(first),
+                "config": snapshots.computation_options(first)}
     moved = tmp_path / "moved.json"
     shutil.copy(first.strategy.deepspeed.config, moved)
-    checkpoint.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(moved))]),
+    snapshots.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(moved))]),
                                 tmp_path, 10)
     moved.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 5e7}}))
     with pytest.raises(ConfigError, match=r"was written with strategy.deepspeed.config \(sha256 of its settings\) = '[0-9a-f]{16}' "
                                           r"but this run has '[0-9a-f]{16}'"):
-        checkpoint.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(moved))]),
+        snapshots.check_compatible(manifest, load_config(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(moved))]),
                                     tmp_path, 10)

@@ -73,7 +73,7 @@ def test_betas_are_read_from_the_command_line_and_checked():
 
 
 def test_betas_and_eps_are_computation_options_a_resume_keeps():
-    from dptrain.checkpoint import computation_options
+    from dptrain.snapshots import computation_options
 
     options = computation_options(load_config(None, [("optim.betas", "0.8,0.999")]))
     assert options["optim.betas"] == [0.8, 0.999] and options["optim.eps"] == 1e-8

@@ -126,7 +126,7 @@ def test_what_the_run_asks_a_strategy_outside_its_loop_is_a_hook_of_its_class(tm
     a file of its own taken into the run (deepspeed); the others give the one-process answer."""
     import torch
 
-    from dptrain import checkpoint
+    from dptrain import snapshots
     from dptrain.distributed.env import DistEnv
     from dptrain.worker import gpu_index
 
@@ -141,8 +141,8 @@ def test_what_the_run_asks_a_strategy_outside_its_loop_is_a_hook_of_its_class(tm
     ds = config.load(None, [("strategy.name", "deepspeed"), ("strategy.deepspeed.config", str(ds_file))])
     digest = "strategy.deepspeed.config (sha256 of its settings)"
     assert STRATEGIES["deepspeed"].computation_options(ds)[digest] is not None
-    assert checkpoint.computation_options(ds)[digest] == STRATEGIES["deepspeed"].computation_options(ds)[digest]
-    assert STRATEGIES["ddp"].computation_options(dp) == {} and digest not in checkpoint.computation_options(dp)
+    assert snapshots.computation_options(ds)[digest] == STRATEGIES["deepspeed"].computation_options(ds)[digest]
+    assert STRATEGIES["ddp"].computation_options(dp) == {} and digest not in snapshots.computation_options(dp)
     assert STRATEGIES["deepspeed"].adopt_settings(ds, set()).train.global_batch_size == 64
     assert STRATEGIES["ddp"].adopt_settings(dp, set()) is dp
     # the line of the file's settings a run prints at start and its dry run shows (dry_run asks the class too)

@@ -1,9 +1,9 @@
-"""A run card: RUN_DIR/report/report.md and its PNGs for one run, from the run's own files, offline.
+"""A run card: RUN_DIR/card/card.md and its PNGs for one run, from the run's own files, offline.
 
     $ dptrain card runs/fashion-mnist_mnist-cnn_ddp
 
-It reads config.toml, env.json, metrics.jsonl (through events.read_run_events, which names the lines it
-cannot use) and the snapshots' manifest.json files, and writes the configuration, the environment, the loss and
+It reads the run through run_record.py (config.toml, env.json, metrics.jsonl and the snapshots' manifest.json
+files), and writes the configuration, the environment, the loss and
 accuracy curves, throughput, fraction of peak (where a peak.json of the run's machine sits beside the run),
 communication share, utilisation and memory per rank, and the run's starts, stops and snapshots. Everything in those
 files is data: the card parses JSON and TOML only (no pickle, no torch), escapes every value it prints into Markdown
@@ -14,220 +14,36 @@ Importing this module imports neither torch nor matplotlib; drawing imports matp
 from __future__ import annotations
 
 import json
-import math
 import statistics
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from dptrain import config as config_mod
-from dptrain import read_back
 from dptrain.errors import ConfigError, OutputError
-from dptrain.events import (ACHIEVED_TFLOPS, AGENT_RESTARTS, COMM_BYTES_PER_STEP, COMM_EXPOSED_MS_PER_STEP,
-                            COMM_MS_PER_STEP, CPU_UTIL_PCT, DEVICE, ENDINGS, EPOCH, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC,
-                            EVAL_LOSS, EVENT, FOOTPRINT, GLOBAL_BATCH_SIZE, GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W,
-                            GPU_UTIL_MEAN_PCT, GPU_UTILISATION, JOB_ID, LOSS, MEM_GRADS_BYTES, MEM_OPTIM_BYTES,
-                            MEM_PARAMS_BYTES, MESSAGE, MODEL_FLOPS_PER_SAMPLE, PEAK_MEM_MB, REASON, REQUEUE_EVENT,
-                            REQUEUE_FAILED_EVENT, RSS_MAX_MB, RUN_END_EVENT, RUN_START_EVENT, SAMPLES_PER_S,
-                            SLURM_RESTARTS, STEP, STEP_EVENT, STOPPED_EVENT, TIME, TOTAL_STEPS, TRAIN_ACC, TRAIN_LOSS,
-                            TRAIN_SAMPLES, WORLD_SIZE, read_run_events)
-from dptrain.read_back import UnreadableFile
-from dptrain.reporting.markdown import md_text, save_figure
-from dptrain.reporting.sweep_files import PEAK_FILE, POINT_NAME, Probe, read_peaks
-from dptrain.run_folder import RunFolder
+from dptrain.events import (COMM_BYTES_PER_STEP, COMM_EXPOSED_MS_PER_STEP, COMM_MS_PER_STEP, CPU_UTIL_PCT, EPOCH,
+                            EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W, GPU_UTIL_MEAN_PCT,
+                            MEM_GRADS_BYTES, MEM_OPTIM_BYTES, MEM_PARAMS_BYTES, PEAK_MEM_MB, RSS_MAX_MB, STEP, TRAIN_ACC,
+                            TRAIN_LOSS, TRAIN_SAMPLES, read_run_events)
 from dptrain.files import write_atomically
+from dptrain.reporting.markdown import md_text, save_figure
+from dptrain.reporting.sweep_files import Probe
+from dptrain.run_folder import RunFolder
+from dptrain.reporting.run_record import (SNAPSHOTS_LISTED, Snapshot, Start, Timeline, achieved_tflops, as_number,
+                                         as_per_rank, comm_shares, cut_short, flatten, peak_for, read_probes,
+                                         read_run_config, read_small_json, read_snapshots, step_ms, timeline)
 
-CARD = "report.md"
+CARD = "card.md"
 LOSS_PLOT, THROUGHPUT_PLOT, COMM_PLOT, UTIL_PLOT = ("loss_accuracy.png", "throughput.png", "communication.png",
                                                     "utilisation.png")
 SECTIONS = ("Configuration", "Environment", "Loss and accuracy", "Throughput and fraction of peak", "Communication",
             "Utilisation and memory per rank", "Starts, stops and snapshots")
-# checkpoint.py's names of a snapshot's folder, its manifest and the pointer to the newest: importing checkpoint would
-# import torch (about 4 s on a loaded 2-core machine) for three strings; tests/reporting/test_run_card.py checks they agree.
-SNAPSHOT_PREFIX, SNAPSHOT_MANIFEST, SNAPSHOT_LATEST = "step-", "manifest.json", "latest"
-SMALL_FILE_BYTES = 1 << 20  # env.json, a manifest, `latest`: a few KiB each; a larger file is refused, not read whole
 RANKS_LISTED = 32  # per-rank table rows up to this many ranks; beyond, the lowest, mean and highest over the ranks
 RANKS_DRAWN = 16  # one line per rank up to this many; beyond, the lowest, mean and highest over the ranks
-SNAPSHOTS_LISTED = 100
 VALUE_CHARS = 120  # a config or env value longer than this is cut in the card (the file itself holds it whole)
 HEADLINE_OPTIONS = ("data.name", "model.name", "strategy.name", "launch.nproc_per_node", "train.global_batch_size",
                     "train.epochs", "train.max_steps", "optim.name", "optim.lr", "optim.schedule", "train.bf16",
                     "train.seed")
-# Fields of an epoch event the card reads beyond what collect checks: numbers, or a list of one per rank
-EPOCH_NUMBERS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, SAMPLES_PER_S, ACHIEVED_TFLOPS)
-RANK_FIELDS = (*FOOTPRINT, *GPU_UTILISATION)
-MAX_RANKS = 1 << 16  # a per-rank list longer than any world dptrain runs is not one
-
-
-def is_run_dir(path: Path) -> bool:
-    """Whether `path` is one run's folder (what `dptrain train` writes: metrics.jsonl or env.json at its top), as
-    opposed to a `dptrain bench` sweep, whose runs sit under runs/."""
-    folder = RunFolder(Path(path))
-    return Path(path).is_dir() and (folder.metrics.exists() or folder.env.exists())  # a FIFO there: the reader says so
-
-
-def _number(value: Any) -> float | None:
-    """A finite int or float as a float, else None (True is an int to Python, not a number in a metrics file)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _text(value: Any) -> str:
-    """A text field of an event as dptrain writes it (a device, a message: a string); anything else (a number planted
-    where a device or a message belongs) is left out rather than shown as if it were one."""
-    return value if isinstance(value, str) else ""
-
-
-def _integer(value: Any) -> int | None:
-    number = _number(value)
-    return int(number) if number is not None and number == int(number) and number >= 0 else None
-
-
-def _per_rank(value: Any) -> list[float | None]:
-    """A per-rank field as one value per rank (None where a rank has none); a single number is one rank's."""
-    return [_number(v) for v in value] if isinstance(value, list) else ([_number(value)] if value is not None else [])
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def card_problem(event: dict[str, Any]) -> str | None:
-    """Why the card cannot use an event that collect's reader kept, or None: the fields the card reads and collect
-    does not check (a step's loss, an epoch's step and curves, the per-rank byte counts, a start's step)."""
-    kind = event[EVENT]
-    if TIME in event and _number(event[TIME]) is None:
-        return f"{TIME} is {_shown(event[TIME])}, not a number"
-    # the events whose step the card reads
-    counted = (STEP_EVENT.name, EPOCH_EVENT.name, RUN_START_EVENT.name, RUN_END_EVENT.name, STOPPED_EVENT.name)
-    if kind in counted and STEP in event and _integer(event[STEP]) is None:
-        return f"{STEP} is {_shown(event[STEP])}, not an integer"
-    if kind in (STEP_EVENT.name, EPOCH_EVENT.name) and STEP not in event:
-        return f"it has no {STEP}"
-    if kind == RUN_START_EVENT.name and WORLD_SIZE in event and not (_integer(event[WORLD_SIZE]) or 0) >= 1:
-        return f"{WORLD_SIZE} is {_shown(event[WORLD_SIZE])}, not a positive integer"
-    if kind == STEP_EVENT.name and event.get(LOSS) is not None and _number(event[LOSS]) is None:
-        return f"{LOSS} is {_shown(event[LOSS])}, not a number"
-    if kind == EPOCH_EVENT.name:
-        for key in EPOCH_NUMBERS:
-            if event.get(key) is not None and _number(event[key]) is None:
-                return f"{key} is {_shown(event[key])}, not a number"
-        for key in RANK_FIELDS:
-            value = event.get(key)
-            items = value if isinstance(value, list) else [value]
-            if len(items) > MAX_RANKS or not all(v is None or (_number(v) is not None and v >= 0) for v in items):
-                return f"{key} is {_shown(value)}, not a number of zero or more per rank"
-    return None
-
-
-NO_END = "no end recorded (still running, or killed)"
-
-
-@dataclass
-class Start:
-    """One process group's life in the run: a run_start event and how it ended."""
-
-    step: int
-    time: float | None
-    world_size: int | None
-    device: str
-    agent_restarts: int | None
-    slurm_restarts: int | None
-    ended: str = NO_END
-    end_time: float | None = None
-
-
-@dataclass
-class Timeline:
-    """The run as its last process sees it: what earlier processes logged past the snapshot a later one resumed
-    from was done again, and only the later copy counts (as TensorBoard's curves do)."""
-
-    starts: list[Start] = field(default_factory=list)
-    epochs: dict[int, tuple[dict[str, Any], Start | None]] = field(default_factory=dict)  # number -> (event, its start)
-    steps: dict[int, float] = field(default_factory=dict)  # global step -> logged loss
-    global_batch_size: int | None = None
-    total_steps: int | None = None
-    left_out: list[str] = field(default_factory=list)
-
-
-def timeline(events: list[dict[str, Any]]) -> Timeline:
-    line = Timeline()
-    for event in events:
-        kind = event[EVENT]
-        problem = card_problem(event)
-        if problem:
-            where = f"epoch {event.get(EPOCH)}'s event" if kind == EPOCH_EVENT.name else f"a {kind} event"
-            line.left_out.append(f"metrics.jsonl, {_cut(where)}: {problem}")
-            continue
-        step = _integer(event.get(STEP))
-        if kind == RUN_START_EVENT.name:
-            start_step = step or 0
-            line.epochs = {n: e for n, e in line.epochs.items() if e[0][STEP] <= start_step}
-            line.steps = {s: loss for s, loss in line.steps.items() if s <= start_step}
-            line.starts.append(Start(step=start_step, time=_number(event.get(TIME)),
-                                     world_size=_integer(event.get(WORLD_SIZE)), device=_text(event.get(DEVICE)),
-                                     agent_restarts=_integer(event.get(AGENT_RESTARTS)),
-                                     slurm_restarts=_integer(event.get(SLURM_RESTARTS))))
-            line.global_batch_size = _integer(event.get(GLOBAL_BATCH_SIZE)) or line.global_batch_size
-            line.total_steps = _integer(event.get(TOTAL_STEPS)) or line.total_steps
-        elif kind == EPOCH_EVENT.name:
-            line.epochs[int(event[EPOCH])] = (event, line.starts[-1] if line.starts else None)
-        elif kind == STEP_EVENT.name and _number(event.get(LOSS)) is not None:
-            line.steps[step] = float(event[LOSS])
-        elif kind in ENDINGS and line.starts:
-            last = line.starts[-1]
-            at = f" at step {step}" if step is not None else ""
-            ending = {RUN_END_EVENT.name: f"finished{at}",
-                      STOPPED_EVENT.name: f"stopped{at}: {_text(event.get(MESSAGE))[:200]}",
-                      REQUEUE_EVENT.name: f"requeued (SLURM job {_text(event.get(JOB_ID))[:40] or '?'})",
-                      REQUEUE_FAILED_EVENT.name: f"requeue refused: {_text(event.get(REASON))[:200]}"}[kind]
-            # a stop under SLURM is followed by its requeue (or the refusal of one): the card keeps both
-            requeue = kind in (REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name)
-            last.ended = f"{last.ended}; {ending}" if requeue and last.ended != NO_END else ending
-            last.end_time = _number(event.get(TIME))
-    return line
-
-
-def _cut(text: str) -> str:
-    """Text built from a value of a run's file, cut short; md_text escapes it where it is printed."""
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-# ---- the run's other files ------------------------------------------------------------------------------------------
-
-def read_small_json(path: Path) -> tuple[dict[str, Any], str | None]:
-    """A small JSON object file (env.json, a manifest) and why it could not be read, if it could not."""
-    try:
-        return read_back.read_json_object(path, SMALL_FILE_BYTES), None
-    except FileNotFoundError:
-        return {}, f"{path.name} is missing"
-    except UnreadableFile as exc:
-        return {}, f"{path.name} {exc.problem}"
-
-
-def read_run_config(path: Path) -> tuple[dict[str, Any], str | None]:
-    """config.toml's options by dotted name, and why it could not be read, if it could not."""
-    try:
-        tree = config_mod.read_toml(path, "config.toml")
-    except FileNotFoundError:
-        return {}, "config.toml is missing"
-    except ConfigError as exc:
-        return {}, str(exc).split("; ")[0]
-    return flatten(tree), None
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat |= flatten(value, f"{name}.")
-        else:
-            flat[name] = value
-    return flat
 
 
 def shown_value(value: Any) -> str:
@@ -236,91 +52,6 @@ def shown_value(value: Any) -> str:
         return "none"
     text = json.dumps(value, default=str) if not isinstance(value, bool) else str(value).lower()
     return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 3] + "..."
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    name: str
-    step: int | None
-    world_size: int | None
-    strategy: str
-    torch: str
-    problem: str | None
-
-
-def read_snapshots(checkpoints: Path) -> tuple[list[Snapshot], str | None]:
-    """Every snapshot folder, newest first, from its manifest alone (`dptrain checkpoint verify` checks the files:
-    that reads every byte, and loads tensors, which a card does not), and the name `latest` points to."""
-    if not checkpoints.is_dir():
-        return [], None
-    latest = None
-    pointer = checkpoints / SNAPSHOT_LATEST
-    if pointer.is_file():
-        try:
-            with pointer.open("rb") as file:
-                latest = file.read(256).decode("utf-8", errors="replace").strip()
-        except OSError:
-            latest = None
-    snapshots = []
-    for folder in sorted(checkpoints.glob(f"{SNAPSHOT_PREFIX}*"), reverse=True):
-        if folder.is_symlink() or not folder.is_dir():  # never followed: a run refuses such an entry as it starts
-            what = "a symbolic link" if folder.is_symlink() else "a file"
-            snapshots.append(Snapshot(name=folder.name, step=None, world_size=None, strategy="", torch="",
-                                      problem=f"{what}, not a snapshot folder (a run refuses it)"))
-            continue
-        manifest, problem = read_small_json(folder / SNAPSHOT_MANIFEST)
-        snapshots.append(Snapshot(name=folder.name, step=_integer(manifest.get("step")),
-                                  world_size=_integer(manifest.get("world_size")),
-                                  strategy=str(manifest.get("strategy", "")), torch=str(manifest.get("torch", "")),
-                                  problem=problem))
-    return snapshots, latest
-
-
-def read_probes(run_dir: Path) -> tuple[dict[int, Probe], Path | None]:
-    """The matmul probes of a peak.json in the run folder, or, for a point of a `dptrain bench` sweep
-    (BENCH/runs/<point>), in the sweep's folder; and the file they came from."""
-    places = [run_dir]
-    if POINT_NAME.match(run_dir.name) and run_dir.parent.name == "runs":
-        places.append(run_dir.parent.parent)
-    for place in places:
-        probes = read_peaks(place)
-        if probes:
-            return probes, place / PEAK_FILE
-    return {}, None
-
-
-# ---- numbers --------------------------------------------------------------------------------------------------------
-
-def steps_in(event: dict[str, Any], global_batch_size: int | None) -> int | None:
-    """An epoch's optimizer steps: its samples over the global batch, the last batch a partial one."""
-    return math.ceil(event[TRAIN_SAMPLES] / global_batch_size) if global_batch_size else None
-
-
-def step_ms(event: dict[str, Any], global_batch_size: int | None) -> float | None:
-    steps = steps_in(event, global_batch_size)
-    return event[EPOCH_TIME_S] * 1e3 / steps if steps else None
-
-
-def comm_shares(event: dict[str, Any], global_batch_size: int | None) -> list[float | None]:
-    """Per rank: the communication a step waited for (not hidden behind backward) over the step's time."""
-    per_step = step_ms(event, global_batch_size)
-    exposed = _per_rank(event.get(COMM_EXPOSED_MS_PER_STEP))
-    return [None if e is None or not per_step else e / per_step for e in exposed]
-
-
-def achieved_tflops(event: dict[str, Any]) -> float | None:
-    rate = _number(event.get(ACHIEVED_TFLOPS))
-    if rate is None and (flops := _number(event.get(MODEL_FLOPS_PER_SAMPLE))) is not None:
-        rate = flops * event[TRAIN_SAMPLES] / event[EPOCH_TIME_S] / 1e12
-    return rate
-
-
-def peak_for(probes: dict[int, Probe], start: Start | None) -> Probe | None:
-    """The probe of the epoch's world size on the epoch's kind of device (cpu, cuda), if peak.json holds one."""
-    if start is None or start.world_size is None:
-        return None
-    probe = probes.get(start.world_size)
-    return probe if probe is not None and start.device.split(":")[0] == probe.device else None
 
 
 def utc(seconds: float | None) -> str:
@@ -349,7 +80,7 @@ def rank_columns(rows: list[list[float | None]]) -> list[list[float]]:
 # ---- the card -------------------------------------------------------------------------------------------------------
 
 def write_run_card(run_dir: Path) -> Path:
-    """RUN_DIR/report/report.md and its PNGs; the path of report.md. ConfigError in one sentence where RUN_DIR is no
+    """RUN_DIR/card/card.md and its PNGs; the path of card.md. ConfigError in one sentence where RUN_DIR is no
     run, OutputError where the card cannot be written."""
     run_dir = Path(run_dir)
     folder = RunFolder(run_dir)
@@ -369,7 +100,7 @@ def write_run_card(run_dir: Path) -> Path:
     env, env_problem = read_small_json(folder.env)
     snapshots, latest = read_snapshots(folder.checkpoints)
     probes, peak_file = read_probes(run_dir)
-    out = RunFolder(run_dir).report
+    out = folder.card
     try:
         out.mkdir(exist_ok=True)
         drawn = draw(line, probes, out)
@@ -412,10 +143,10 @@ def summary_sentence(line: Timeline) -> str:
     epochs = epochs_in_order(line)
     step = max([s.step for s in line.starts] + [int(e[STEP]) for _, e, _ in epochs] + list(line.steps), default=0)
     of = f" of {line.total_steps}" if line.total_steps else ""
-    evaluated = [e for _, e, _ in epochs if _number(e.get(EVAL_ACC)) is not None]
+    evaluated = [e for _, e, _ in epochs if as_number(e.get(EVAL_ACC)) is not None]
     last = evaluated[-1] if evaluated else {}
-    last_eval = (f"; last evaluation (epoch {last[EPOCH]}): loss {fmt(_number(last.get(EVAL_LOSS)), '.4f')}, "
-                 f"accuracy {fmt(_number(last.get(EVAL_ACC)), '.4f')}" if evaluated else "")
+    last_eval = (f"; last evaluation (epoch {last[EPOCH]}): loss {fmt(as_number(last.get(EVAL_LOSS)), '.4f')}, "
+                 f"accuracy {fmt(as_number(last.get(EVAL_ACC)), '.4f')}" if evaluated else "")
     starts, resumes = len(line.starts), max(len(line.starts) - 1, 0)
     return (f"State: {md_text(state)}. Step {step}{of}, {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
             f"logged, {starts} start{'s' if starts != 1 else ''} ({resumes} resume{'s' if resumes != 1 else ''})"
@@ -448,7 +179,7 @@ def environment_section(env: dict[str, Any], problem: str | None) -> list[str]:
         return parts + [f"Not shown: {md_text(problem)}.", ""]
     parts += ["From [env.json](../env.json), written by the run's latest start:", "", "| field | value |",
               "| --- | --- |"]
-    parts += [f"| {md_text(_cut(str(k)))} | {md_text(shown_value(v))} |" for k, v in list(env.items())[:50]]
+    parts += [f"| {md_text(cut_short(str(k)))} | {md_text(shown_value(v))} |" for k, v in list(env.items())[:50]]
     return parts + [""]
 
 
@@ -464,9 +195,9 @@ def loss_section(line: Timeline, drawn: set[str]) -> list[str]:
         return parts + ["No epoch finished: no per-epoch numbers yet.", ""]
     parts += ["| epoch | step | train loss | train acc | eval loss | eval acc | epoch time (s) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
-    parts += [f"| {n} | {int(e[STEP])} | {fmt(_number(e.get(TRAIN_LOSS)), '.4f')} | "
-              f"{fmt(_number(e.get(TRAIN_ACC)), '.4f')} | {fmt(_number(e.get(EVAL_LOSS)), '.4f')} | "
-              f"{fmt(_number(e.get(EVAL_ACC)), '.4f')} | {e[EPOCH_TIME_S]:.2f} |" for n, e, _ in epochs]
+    parts += [f"| {n} | {int(e[STEP])} | {fmt(as_number(e.get(TRAIN_LOSS)), '.4f')} | "
+              f"{fmt(as_number(e.get(TRAIN_ACC)), '.4f')} | {fmt(as_number(e.get(EVAL_LOSS)), '.4f')} | "
+              f"{fmt(as_number(e.get(EVAL_ACC)), '.4f')} | {e[EPOCH_TIME_S]:.2f} |" for n, e, _ in epochs]
     return parts + [""]
 
 
@@ -511,11 +242,11 @@ def throughput_section(line: Timeline, probes: dict[int, Probe], peak_file: Path
 def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
     parts = [f"## {SECTIONS[4]}", ""]
     epochs = epochs_in_order(line)
-    timed = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get(COMM_EXPOSED_MS_PER_STEP)))]
-    sent = [(n, e) for n, e, _ in epochs if any(v is not None for v in _per_rank(e.get(COMM_BYTES_PER_STEP)))]
+    timed = [(n, e) for n, e, _ in epochs if any(v is not None for v in as_per_rank(e.get(COMM_EXPOSED_MS_PER_STEP)))]
+    sent = [(n, e) for n, e, _ in epochs if any(v is not None for v in as_per_rank(e.get(COMM_BYTES_PER_STEP)))]
     if sent:
         n, e = sent[-1]
-        per_rank = [v for v in _per_rank(e.get(COMM_BYTES_PER_STEP)) if v is not None]
+        per_rank = [v for v in as_per_rank(e.get(COMM_BYTES_PER_STEP)) if v is not None]
         parts += [f"Each rank sends {mib(max(per_rank))} MiB of gradients or parameters a step (epoch {n}, the "
                   f"largest rank).", ""]
     if not timed:
@@ -530,8 +261,8 @@ def communication_section(line: Timeline, drawn: set[str]) -> list[str]:
               "| --- | --- | --- | --- | --- | --- |"]
     for n, e in timed:
         shares = [s for s in comm_shares(e, line.global_batch_size) if s is not None]
-        comm = [v for v in _per_rank(e.get(COMM_MS_PER_STEP)) if v is not None]
-        exposed = [v for v in _per_rank(e.get(COMM_EXPOSED_MS_PER_STEP)) if v is not None]
+        comm = [v for v in as_per_rank(e.get(COMM_MS_PER_STEP)) if v is not None]
+        exposed = [v for v in as_per_rank(e.get(COMM_EXPOSED_MS_PER_STEP)) if v is not None]
         parts.append(f"| {n} | {fmt(step_ms(e, line.global_batch_size), '.1f')} | "
                      f"{fmt(statistics.fmean(comm) if comm else None, '.2f')} | {statistics.fmean(exposed):.2f} | "
                      f"{fmt(statistics.fmean(shares) if shares else None, '.2%')} | "
@@ -553,7 +284,7 @@ RANK_TABLE = (  # (column, epoch field, how the epochs combine, format)
 
 
 def rank_values(epochs: list[dict[str, Any]], key: str, how: str) -> list[float | None]:
-    columns = rank_columns([_per_rank(e.get(key)) for e in epochs])
+    columns = rank_columns([as_per_rank(e.get(key)) for e in epochs])
     combine = {"mean": statistics.fmean, "max": max, "last": lambda values: values[-1]}[how]
     return [combine(values) if values else None for values in columns]
 
@@ -567,7 +298,7 @@ def utilisation_section(line: Timeline, drawn: set[str]) -> list[str]:
         parts += [f"![Utilisation and memory per rank]({UTIL_PLOT})", ""]
     every = [(title, rank_values(epochs, key, how), spec) for title, key, how, spec in RANK_TABLE]
     columns = [(title, values, spec) for title, values, spec in every if any(v is not None for v in values)]
-    peaks = [v for e in epochs if (v := _number(e.get(PEAK_MEM_MB))) is not None]
+    peaks = [v for e in epochs if (v := as_number(e.get(PEAK_MEM_MB))) is not None]
     if peaks:
         parts += [f"Peak memory of the largest rank: {max(peaks):.0f} MiB (allocated CUDA memory on a GPU, resident "
                   f"memory on the CPU).", ""]
@@ -641,10 +372,10 @@ def draw(line: Timeline, probes: dict[int, Probe], out: Path) -> set[str]:
     if epochs:
         _throughput_plot(plt, line, epochs, probes, out / THROUGHPUT_PLOT)
         drawn.add(THROUGHPUT_PLOT)
-    if any(any(v is not None for v in _per_rank(e.get(COMM_EXPOSED_MS_PER_STEP))) for _, e, _ in epochs):
+    if any(any(v is not None for v in as_per_rank(e.get(COMM_EXPOSED_MS_PER_STEP))) for _, e, _ in epochs):
         _comm_plot(plt, line, epochs, out / COMM_PLOT)
         drawn.add(COMM_PLOT)
-    if any(_per_rank(e.get(CPU_UTIL_PCT)) or _per_rank(e.get(RSS_MAX_MB)) for _, e, _ in epochs):
+    if any(as_per_rank(e.get(CPU_UTIL_PCT)) or as_per_rank(e.get(RSS_MAX_MB)) for _, e, _ in epochs):
         _util_plot(plt, epochs, out / UTIL_PLOT)
         drawn.add(UTIL_PLOT)
     return drawn
@@ -676,12 +407,12 @@ def _loss_plot(plt: Any, line: Timeline, epochs: list, resumes: list[int], path:
                   label="step loss (logged steps)")
     for key, colour, label in ((TRAIN_LOSS, "tab:blue", "epoch train loss"),
                                (EVAL_LOSS, "tab:orange", "eval loss")):
-        points = [(int(e[STEP]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
+        points = [(int(e[STEP]), v) for _, e, _ in epochs if (v := as_number(e.get(key))) is not None]
         if points:
             left.plot(*zip(*points), marker="o", color=colour, label=label)
     for key, colour, label in ((TRAIN_ACC, "tab:blue", "train accuracy"),
                                (EVAL_ACC, "tab:orange", "eval accuracy")):
-        points = [(int(e[STEP]), v) for _, e, _ in epochs if (v := _number(e.get(key))) is not None]
+        points = [(int(e[STEP]), v) for _, e, _ in epochs if (v := as_number(e.get(key))) is not None]
         if points:
             right.plot(*zip(*points), marker="o", color=colour, label=label)
     for ax, ylabel, title in ((left, "loss", "Loss"), (right, "accuracy", "Accuracy")):
@@ -751,7 +482,7 @@ def _comm_plot(plt: Any, line: Timeline, epochs: list, path: Path) -> None:
     for key, label in ((COMM_MS_PER_STEP, "communication (mean over ranks)"),
                        (COMM_EXPOSED_MS_PER_STEP, "exposed communication (mean over ranks)")):
         points = [(n, statistics.fmean(known)) for n, e, _ in epochs
-                  if (known := [v for v in _per_rank(e.get(key)) if v is not None])]
+                  if (known := [v for v in as_per_rank(e.get(key)) if v is not None])]
         if points:
             left.plot(*zip(*points), marker="o", label=label)
     _epoch_axis(left)
@@ -768,7 +499,7 @@ def _comm_plot(plt: Any, line: Timeline, epochs: list, path: Path) -> None:
 
 
 def _util_plot(plt: Any, epochs: list, path: Path) -> None:
-    gpu = any(_per_rank(e.get(GPU_UTIL_MEAN_PCT)) for _, e, _ in epochs)
+    gpu = any(as_per_rank(e.get(GPU_UTIL_MEAN_PCT)) for _, e, _ in epochs)
     fig, axes = plt.subplots(2 if gpu else 1, 2, figsize=(12, 8.4 if gpu else 4.2), squeeze=False)
     panels = [(CPU_UTIL_PCT, "CPU utilisation (% of one core)", "CPU utilisation per rank"),
               (RSS_MAX_MB, "largest resident set (MiB)", "Resident memory per rank")]
@@ -776,7 +507,7 @@ def _util_plot(plt: Any, epochs: list, path: Path) -> None:
         panels += [(GPU_UTIL_MEAN_PCT, "GPU utilisation, mean (%)", "GPU utilisation per rank"),
                    (GPU_MEM_USED_MAX_MB, "GPU memory used, max (MiB)", "GPU memory per rank")]
     for ax, (key, ylabel, title) in zip(axes.flat, panels):
-        _per_rank_lines(ax, epochs, lambda e, key=key: _per_rank(e.get(key)))
+        _per_rank_lines(ax, epochs, lambda e, key=key: as_per_rank(e.get(key)))
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         _from_zero(ax)

@@ -1,33 +1,21 @@
-"""Snapshots through torch.distributed.checkpoint, written atomically, found, verified and loaded safely.
-
-A snapshot is a folder checkpoints/step-00000120/ holding the DCP shards of the model and the
-optimizer (or, for zero1 and ps, whose optimizers DCP cannot see into, the whole optimizer state
-in optimizer.pt, written by rank 0; for deepspeed, the model in DCP and DeepSpeed's own checkpoint,
-as plain data, in deepspeed/), one rank<R>.pt per rank (its RNG states and its partial-epoch
-sums), extra.pt (the loop's TrainState and the scheduler) and manifest.json (world size, strategy,
-model, the options that change the computation, torch version, every file with its size and
-sha256). It is written under .tmp-step-..., flushed, then renamed, and only then does
-checkpoints/latest (a one-line file, replaced atomically) point at it: a crash at any moment
-leaves the previous snapshot whole and found. Every file is read back through safe_load's
-allow-lists: a snapshot holds data, never code.
-"""
+"""Snapshotter: a run's named state parts written atomically (every rank's shards, then rank 0's manifest and rename),
+in the background where asked, pruned to the newest verified ones, and loaded back; the one rule of when one is due."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain import config as config_mod, faults, read_back
+from dptrain import faults
 from dptrain.config import RunConfig
 from dptrain.data import input_record
 from dptrain.distributed.failures import Phase
@@ -35,66 +23,14 @@ from dptrain.distributed.world import barrier
 from dptrain.errors import ConfigError, SnapshotError, UnsafeFileError
 from dptrain.files import fsync_dir, written_atomically
 from dptrain.run_folder import RunFolder
-from dptrain.safe_load import (check_plain_entries, check_private, data_files, dcp_load, load_tensors, make_private,
-                               read_metadata)
+from dptrain.safe_load import check_private, dcp_load, load_tensors, make_private
 from dptrain.stopping import StopRequest, Stopped
-from dptrain.strategies.registry import STRATEGIES
 from dptrain.train_state import TrainState
+from dptrain.snapshots.finding import entries, first_reason, not_a_snapshot_folder, rerun_ending, span
+from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, computation_options, config_hash,
+                                     read_manifest, recorded_hash, sha256_of, verify)
 
 log = logging.getLogger("dptrain")
-
-PREFIX = "step-"
-LATEST = "latest"
-MANIFEST = "manifest.json"
-EXTRA = "extra.pt"  # the loop's TrainState and the scheduler
-# Schedules whose shape depends on the run's length: a resume must keep the length they were planned for.
-LENGTH_BOUND_SCHEDULES = ("cosine", "onecycle")
-# A manifest holds about 300 bytes per rank (its rank file and shard, each with size and sha256) and a few kB of
-# options: 1 MiB is the manifest of some 3,000 ranks. A larger one is damaged, or not ours, and is not read whole.
-MANIFEST_MAX_BYTES = 1 << 20
-
-
-def computation_options(cfg: RunConfig) -> dict[str, Any]:
-    """Every option that changes the computation, as dotted names: what a resume must keep (config.fixed_at_resume;
-    each other option's field says it may change)."""
-    options = {**config_mod.fixed_at_resume(cfg), **STRATEGIES[cfg.strategy.name].computation_options(cfg)}
-    return json.loads(json.dumps(options, default=str))  # as the manifest holds them: tuples become lists
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """Hash of computation_options(cfg)."""
-    return _hash(computation_options(cfg))
-
-
-def _hash(options: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def recorded_options(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The options a manifest records, under today's names (a snapshot of before the strategy tables says
-    strategy.comm_hook for strategy.ddp.comm_hook); an option added since it was written (optim.betas) at its
-    default, which is what that snapshot computed with."""
-    recorded = {config_mod.current_name(name): value for name, value in manifest.get("config", {}).items()}
-    return {**_defaults_of_options(), **recorded}
-
-
-def _defaults_of_options() -> dict[str, Any]:
-    """Every option a resume must keep, at its default (the config files left out, whose absence is their default)."""
-    return {name: value for name, value in computation_options(RunConfig()).items() if "(" not in name}
-
-
-def recorded_hash(manifest: dict[str, Any]) -> str:
-    """The manifest's config_hash, as config_hash() computes it today: from its options where it records them."""
-    return _hash(recorded_options(manifest)) if "config" in manifest else manifest["config_hash"]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
 
 def _fsync_tree(folder: Path) -> None:
     for path in sorted(folder.rglob("*")):
@@ -102,8 +38,6 @@ def _fsync_tree(folder: Path) -> None:
             with path.open("rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(folder)
-
-
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -300,7 +234,7 @@ class Snapshotter:
         head = tmp / ".manifest-head.json"
         manifest = json.loads(head.read_text())
         head.unlink()
-        manifest["files"] = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        manifest["files"] = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
                              for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         make_private(tmp)  # a umask of 002 would let the group plant files, and verify() would refuse the snapshot
@@ -447,10 +381,10 @@ def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path
     ones every snapshot of this run is deleted without being verified: verifying reads every byte.
     """
     verified_kept, damaged = 0, []
-    for path in (p for p, refusal in _entries(root) if refusal is None):  # a link or a file is never ours to delete
+    for path in (p for p, refusal in entries(root) if refusal is None):  # a link or a file is never ours to delete
         try:
             check_private(path, "snapshot")
-            theirs = recorded_hash(_read_manifest(path))
+            theirs = recorded_hash(read_manifest(path))
         except UnsafeFileError:
             continue
         except (SnapshotError, OSError):
@@ -467,211 +401,7 @@ def _prune(root: Path, keep_last: int, config_hash_: str, damage: Callable[[Path
             damaged.append((path, reason))
         shutil.rmtree(path, ignore_errors=True)
     if damaged:
-        log.warning("deleted %s, older than a verified one; %s", _span(damaged), _first_reason(damaged))
-
-
-def _span(rows: list[tuple[Path, str]]) -> str:
-    """Damaged snapshots, rows of (folder, what is wrong) newest first, in a few words however many there are."""
-    if len(rows) == 1:
-        return f"damaged snapshot {rows[0][0].name}"
-    return f"{len(rows)} damaged snapshots, {rows[-1][0].name} to {rows[0][0].name}"
-
-
-def _first_reason(rows: list[tuple[Path, str]]) -> str:
-    return rows[0][1] if len(rows) == 1 else f"the newest: {rows[0][1]}"
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """The well-formed manifest of snapshot folder `path`, read up to MANIFEST_MAX_BYTES from a regular file
-    (read_back's bounded read: a FIFO there is refused, not waited on); SnapshotError in one sentence where it is
-    damaged (brackets nested thousands deep too: a RecursionError in Python's parser), OSError if it cannot be read."""
-    try:
-        text = read_back.read_bytes(path / MANIFEST, MANIFEST_MAX_BYTES)
-    except read_back.UnreadableFile as exc:
-        if exc.problem.startswith("is larger"):
-            raise SnapshotError(f"snapshot {path} has a {MANIFEST} of more than {MANIFEST_MAX_BYTES >> 20} MiB, far more "
-                                f"than any manifest holds; it is damaged.") from None
-        raise SnapshotError(f"snapshot {path} has a {MANIFEST} that {exc.problem}; it is damaged.") from None
-    try:
-        manifest = json.loads(text)
-        files = manifest["files"]
-        well_formed = (all(key in manifest for key in ("world_size", "strategy", "model", "config_hash", "step"))
-                       and isinstance(files, dict) and isinstance(manifest["step"], int) and isinstance(manifest["world_size"], int)
-                       and all(isinstance(m, dict) and "bytes" in m and "sha256" in m for m in files.values())
-                       and _parts_well_formed(manifest.get("parts", {})))
-    except (ValueError, KeyError, TypeError, RecursionError):  # ValueError: not JSON, or not UTF-8
-        well_formed = False
-    if not well_formed:
-        raise SnapshotError(f"snapshot {path} has a damaged {MANIFEST}.")
-    return manifest
-
-
-def _parts_well_formed(parts: Any) -> bool:
-    """A manifest's "parts": part name -> {"storage": words, "files": [file names]}."""
-    return isinstance(parts, dict) and all(
-        isinstance(p, dict) and isinstance(p.get("files"), list) and all(isinstance(f, str) for f in p["files"])
-        for p in parts.values())
-
-
-def _required_files(manifest: dict[str, Any], metadata: Any) -> set[str]:
-    """Every file the loader will read: DCP's metadata and the shards it names, the loop state, each rank's file, and
-    the files of each of the strategy's state parts, as the manifest records them (Snapshotter.load checks the
-    strategy's own list too: a manifest written before the parts were recorded has none)."""
-    required = {".metadata", EXTRA, *(f"rank{r}.pt" for r in range(manifest["world_size"]))}
-    for part in manifest.get("parts", {}).values():
-        required |= set(part["files"])
-    if metadata is not None:
-        required |= data_files(metadata)
-    return required
-
-
-def verify(path: Path) -> dict[str, Any]:
-    """The manifest of a verified snapshot that is safe to load; SnapshotError naming the first thing wrong.
-
-    Safe: the folder is the user's own and nobody else may write to it. Whole: the manifest lists exactly
-    the files the folder holds, those include every file the loader reads, each has its recorded size and
-    sha256, and the step agrees with the folder's name and with the loop state inside. A file that cannot be read
-    (permissions, an I/O error) is named in one sentence too.
-    """
-    try:
-        return _verify(path)
-    except OSError as exc:
-        raise SnapshotError(f"cannot read {exc.filename or path} of snapshot {path} ({exc.strerror or exc}); "
-                            f"make it readable for you, or use another snapshot.") from None
-
-
-def _verify(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise SnapshotError(f"snapshot {path} does not exist; give a snapshot folder that dptrain checkpoint list shows as ok.")
-    if not path.is_dir():
-        raise SnapshotError(f"snapshot {path} is a file, not a snapshot folder; give a snapshot folder that "
-                            f"dptrain checkpoint list shows as ok.")
-    if not (path / MANIFEST).exists():  # a FIFO there is no missing manifest: _read_manifest says what it is
-        raise SnapshotError(f"snapshot {path} has no {MANIFEST}: it is incomplete.")
-    try:
-        check_private(path, "snapshot")
-        manifest = _read_manifest(path)
-        listed = set(manifest["files"])
-        present = {str(p.relative_to(path)) for p in path.rglob("*") if p.exists() and not p.is_dir()} - {MANIFEST}
-        for name in sorted(listed - present):
-            raise SnapshotError(f"snapshot {path} lacks {name}: it is incomplete.")
-        for name in sorted(present - listed):
-            raise SnapshotError(f"snapshot {path} holds {name}, which its manifest does not list; it was changed after it was written.")
-        for name, meta in sorted(manifest["files"].items()):
-            file = path / name
-            kind = read_back.special_kind(file.stat().st_mode)
-            if kind is not None:  # hashing a FIFO would wait for ever, a device never end
-                raise SnapshotError(f"snapshot {path} has a {name} that is {kind}, not a regular file; it is damaged.")
-            if file.stat().st_size != meta["bytes"] or _sha256(file) != meta["sha256"]:
-                raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
-        metadata = read_metadata(path) if ".metadata" in listed else None
-        for name in sorted(_required_files(manifest, metadata) - listed):
-            raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
-        # Plain data only, in every file and entry, even those this command will not read (eval reads only the model).
-        loaded = {name: load_tensors(path / name, mmap=True) for name in sorted(n for n in listed if n.endswith(".pt"))}
-        check_plain_entries(path, metadata)
-        named_step = path.name.removeprefix(PREFIX)
-        loop_step = loaded[EXTRA]["loop"]["step"]
-        if loop_step != manifest["step"]:
-            raise SnapshotError(f"snapshot {path} says step {manifest['step']} in its manifest but holds the state of step "
-                                f"{loop_step}; it is damaged.")
-        if path.name.startswith(PREFIX) and named_step.isdigit() and int(named_step) != manifest["step"]:
-            # a resume picks the newest snapshot by its folder's name: a renamed one would be taken for another step
-            raise SnapshotError(f"snapshot {path} is named for step {int(named_step)} but its manifest says step "
-                                f"{manifest['step']}; it was renamed or is damaged: use another snapshot.")
-    except UnsafeFileError as exc:
-        raise SnapshotError(str(exc)) from None
-    except (KeyError, TypeError) as exc:
-        raise SnapshotError(f"snapshot {path} holds a loop state without {exc}; it is damaged.") from None
-    return manifest
-
-
-AFRESH = "another --output.name"
-"""How a refusal ends where it does not know the run's options (OutputConfig.elsewhere says it where it does)."""
-
-
-def _entries(root: Path, elsewhere: str = AFRESH) -> list[tuple[Path, str | None]]:
-    """Every step-* entry under root, newest first, with None for a snapshot folder, else the sentence refusing it
-    (not_a_snapshot_folder)."""
-    return [(path, not_a_snapshot_folder(path, elsewhere)) for path in sorted(root.glob(f"{PREFIX}*"), reverse=True)]
-
-
-def not_a_snapshot_folder(path: Path, elsewhere: str = AFRESH) -> str | None:
-    """None where the step-* entry `path` is a folder, as every snapshot dptrain writes is (renamed into place), or is
-    not there; else one sentence saying what it is instead and what to do. A symbolic link, dangling or not, is refused as such: the
-    run would fail to write that step's snapshot in its place ([Errno 20], after training up to it), and what a link
-    points to is not the run's own folder, whose owner and mode are what make a snapshot safe to load."""
-    if path.is_symlink():
-        target = os.readlink(path)
-        what = f"a symbolic link (to {target if target.isprintable() else repr(target)})"
-    elif path.is_dir() or not path.exists():
-        return None
-    else:
-        what = "a file" if path.is_file() else "a device, a pipe or a socket"
-    return (f"{path} is {what}, not a snapshot folder: dptrain writes each snapshot as a folder of its own there; "
-            f"remove it (or put the snapshot itself in its place), or use {elsewhere} to start afresh.")
-
-
-def snapshot_folders(root: Path, elsewhere: str = AFRESH) -> list[Path]:
-    """The snapshot folders under root, newest first; SnapshotError in one sentence for a step-* entry that is not a
-    folder (not_a_snapshot_folder), found before a run trains rather than when it reaches that step."""
-    entries = _entries(root, elsewhere)
-    for _, refusal in entries:
-        if refusal is not None:
-            raise SnapshotError(refusal)
-    return [path for path, _ in entries]
-
-
-def _snapshot_statuses(root: Path, elsewhere: str = AFRESH) -> Iterator[tuple[Path, str]]:
-    """Each step-* entry under root, newest first, with 'ok' or what is wrong with it, verified as it is reached."""
-    for path, refusal in _entries(root, elsewhere):
-        if refusal is not None:
-            yield path, refusal
-            continue
-        try:
-            manifest = verify(path)
-            yield path, f"ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}"
-        except SnapshotError as exc:
-            yield path, str(exc)
-
-
-def list_snapshots(root: Path) -> list[tuple[Path, str]]:
-    """Every snapshot folder under root, newest first, with 'ok' or what is wrong with it."""
-    return list(_snapshot_statuses(root))
-
-
-def rerun_ending(root: Path, resumes: str) -> str:
-    """How a failure's sentence ends, after 'run the same command': `resumes` where a snapshot under root verifies,
-    else that the run starts again from step 0 (a sentence must not promise a resume from nothing)."""
-    return resumes if newest_verified(root) is not None else " (no snapshot was written yet: it starts again from step 0)."
-
-
-def newest_verified(root: Path) -> Path | None:
-    """The newest snapshot under root that verifies, the one the same command resumes from; None if there is none.
-    The older ones are not read (verifying reads every byte)."""
-    return next((path for path, status in _snapshot_statuses(root) if status.startswith("ok")), None)
-
-
-def find_latest(root: Path, elsewhere: str = AFRESH) -> Path | None:
-    """The newest snapshot that verifies; the newer ones skipped are named in one log line however many they are.
-    None if there are none; SnapshotError if there are snapshots and none verifies (a resume from step 0 would throw
-    their work away), or where a step-* entry is not a folder (snapshot_folders). elsewhere: the option that starts
-    afresh, which a refusal ends with (OutputConfig.elsewhere)."""
-    snapshot_folders(root, elsewhere)
-    skipped = []
-    for path, status in _snapshot_statuses(root, elsewhere):
-        if status.startswith("ok"):
-            if len(skipped) == 1:
-                log.warning("skipping %s", skipped[0][1])
-            elif skipped:
-                log.warning("skipping %s; %s", _span(skipped), _first_reason(skipped))
-            return path
-        skipped.append((path, status))
-    if skipped:
-        why = skipped[0][1] if len(skipped) == 1 else f"{_span(skipped)}; {_first_reason(skipped)}"
-        raise SnapshotError(f"no snapshot in {root} can be used ({why.rstrip('.')}); repair or remove the damaged ones, "
-                            f"or use {elsewhere} to start afresh.")
-    return None
+        log.warning("deleted %s, older than a verified one; %s", span(damaged), first_reason(damaged))
 
 
 def check_one_folder(folder: Path) -> None:
@@ -691,107 +421,3 @@ def check_one_folder(folder: Path) -> None:
         if not seen:
             raise SnapshotError(f"snapshots need one folder that every node shares: rank {rank} does not see {made}, "
                                 f"which rank 0 made; put --output.dir on a file system that every node mounts.")
-
-
-def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total_steps: int) -> None:
-    """ConfigError naming the first option this run changed that a resume must keep."""
-    how_to = f"use the snapshot's setting, or {cfg.output.elsewhere} to start afresh"
-    for key, ours in (("model", cfg.model.name), ("strategy", cfg.strategy.name)):
-        if manifest[key] != ours:
-            raise ConfigError(f"snapshot {path} was written with {key} {manifest[key]} but this run has {ours}; {how_to}.")
-    if recorded_hash(manifest) != config_hash(cfg):
-        theirs, ours = recorded_options(manifest), computation_options(cfg)
-        changed = [name for name in sorted(set(theirs) | set(ours)) if theirs.get(name) != ours.get(name)]
-        if changed:
-            name = changed[0]
-            more = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
-            raise ConfigError(f"snapshot {path} was written with {name} = {theirs.get(name)!r} but this run has "
-                              f"{ours.get(name)!r}{more}; {how_to}.")
-        raise ConfigError(f"snapshot {path} was written with another configuration (only run length, logging, paths and "
-                          f"the device may change); {how_to}.")
-    planned = manifest.get("schedule_steps", total_steps)
-    if cfg.optim.schedule in LENGTH_BOUND_SCHEDULES and planned != total_steps:
-        raise ConfigError(f"snapshot {path} follows a {cfg.optim.schedule} learning-rate schedule planned for {planned} steps, "
-                          f"but this run would last {total_steps}; keep train.epochs and train.max_steps as they were, "
-                          f"or use {cfg.output.elsewhere} to start afresh.")
-
-
-def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
-    """The snapshot train.resume names: auto (the newest valid one in the run directory), a folder, or never (None).
-    Whatever it names, the run's checkpoints folder, where it will write, is checked first (snapshot_folders)."""
-    choice = cfg.train.resume
-    # Rank 0 chooses for everyone: on a shared file system other ranks may not see the newest files yet.
-    found: list[Any] = [None, None]
-    if is_main:
-        try:
-            root = cfg.output.folder.checkpoints
-            if choice == "auto":
-                latest = find_latest(root, cfg.output.elsewhere)
-                found[0] = str(latest) if latest is not None else None
-            else:
-                snapshot_folders(root, cfg.output.elsewhere)
-        except SnapshotError as exc:
-            found[1] = str(exc)
-    if world_size > 1:
-        dist.broadcast_object_list(found, src=0)
-    if found[1] is not None:
-        raise SnapshotError(found[1])
-    if choice not in ("auto", "never"):
-        return Path(choice)
-    return Path(found[0]) if found[0] is not None else None
-
-
-def find_snapshot(path: Path) -> Path:
-    """A snapshot folder as given, or the newest valid one of a run directory."""
-    if (path / MANIFEST).exists():  # whatever it is: verify says what is wrong with it
-        return path
-    snapshots = RunFolder(path).checkpoints
-    found = find_latest(snapshots) if snapshots.is_dir() else None
-    if found is None:
-        raise SnapshotError(f"{path} is neither a snapshot nor a run directory with a valid snapshot; "
-                            f"give a folder that dptrain checkpoint list shows as ok.")
-    return found
-
-
-def snapshot_model(cfg: RunConfig, snapshot: Path, image_shape: tuple[int, ...], num_classes: int | None,
-                   device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """(the run's model with the snapshot's weights, whole whatever the sharding; the snapshot's manifest)."""
-    from dptrain.models import build_model
-
-    manifest = verify(snapshot)
-    if manifest["model"] != cfg.model.name:
-        raise SnapshotError(f"snapshot {snapshot} holds model {manifest['model']}, not {cfg.model.name}.")
-    model = build_model(cfg.model, image_shape, num_classes).to(device)
-    if cfg.train.channels_last and device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    state = {"model": model.state_dict()}
-    dcp_load(state, snapshot)  # only the model's entries; fsdp shards come back whole
-    model.load_state_dict(state["model"])
-    return model, manifest
-
-
-def export_weights(cfg: RunConfig, snapshot: Path, manifest: dict[str, Any], output: Path) -> int:
-    """The snapshot's model weights, whole, as one plain state_dict file at output that `torch.load(weights_only=True)`
-    reads and `model.load_state_dict` takes (what the tutorials save); the number of tensors written. Never replaces
-    a file: ConfigError where output exists."""
-    import warnings
-
-    from dptrain.data import describe
-
-    if output.exists() or output.is_symlink():
-        raise ConfigError(f"{output} exists; give a new file name for the weights, or delete it first.")
-    if not output.parent.is_dir():
-        raise ConfigError(f"{output.parent} is not a folder; give a file name in an existing folder.")
-    record = manifest.get("input") or input_record(cfg.data)
-    if record is not None:
-        shape, classes = tuple(record["shape"]), int(record["num_classes"])
-    else:  # a Dataset of the user's: its first sample says the shape
-        info = describe(cfg.data)
-        shape, classes = info.image_shape, info.num_classes
-    with warnings.catch_warnings():  # DCP's "no process group: loading in a single process" is what happens here
-        warnings.simplefilter("ignore", UserWarning)
-        model, _ = snapshot_model(cfg, snapshot, shape, classes, torch.device("cpu"))
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    with written_atomically(output) as tmp:
-        torch.save(state, tmp)
-    return len(state)
