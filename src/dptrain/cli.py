@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dptrain import snapshots, config as config_mod, spellings, user_command
+from dptrain import config as config_mod, snapshots, spellings, user_script
 from dptrain.config import RunConfig
 from dptrain.data import describe
 from dptrain.distributed.ending import leave_now, lift_exit_deadline
@@ -63,7 +63,7 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from dptrain.worker import train_worker
 
-    if args.user_command is not None:
+    if args.user_script is not None:
         return train_user_script(args, extra)
     run = plan(args.config, run_overrides(args, extra), nodes_of(args))
     if args.dry_run:
@@ -78,13 +78,13 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def train_user_script(args: argparse.Namespace, extra: list[str]) -> int:
     """`dptrain train [options] -- my_train.py ARGS`: the user's script on this node's workers, as torchrun starts it
-    (launch/script.py); only --output.*, --launch.* and the node options are dptrain's then."""
-    from dptrain.launch.script import EXAMPLE, SCRIPT_SECTIONS, run_script
+    (launch/user_script.py); only --output.*, --launch.* and the node options are dptrain's then."""
+    from dptrain.launch.user_script import EXAMPLE, SCRIPT_SECTIONS, run_script
 
-    script = user_command.user_script(args.user_command, Path.cwd(), EXAMPLE, "each worker")
+    script = user_script.from_words(args.user_script, Path.cwd(), EXAMPLE, "each worker")
     overrides = run_overrides(args, extra)
-    user_command.refuse_trainer_options(overrides, SCRIPT_SECTIONS, "this launch")
-    cfg = user_command.named_after(config_mod.load(args.config, overrides), script, overrides)
+    user_script.refuse_trainer_options(overrides, SCRIPT_SECTIONS, "this launch")
+    cfg = user_script.named_after(config_mod.load(args.config, overrides), script, overrides)
     return run_script(script, cfg, nodes_of(args), args.dry_run)
 
 
@@ -110,14 +110,14 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id. With a
     script of the user's after `--`, the job runs that script under one torchrun per node instead, or with --mode
-    per-rank as one srun task per rank (user_script.py)."""
-    from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script, user_script
+    per-rank as one srun task per rank (slurm/user_script.py)."""
+    from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script, user_script as job_script
 
     workdir = Path.cwd()
     overrides = split_overrides(extra)
-    script = None if args.user_command is None else user_script.job_script(args.user_command, workdir)
+    script = None if args.user_script is None else job_script.job_script(args.user_script, workdir)
     if script is not None:
-        user_script.refuse_options_of_the_trainer(overrides)
+        job_script.refuse_options_of_the_trainer(overrides)
     pairs = [*overrides, *submit_overrides(args), *sbatch_name_pairs(args)]
     job: slurm_job.Job | None = None
 
@@ -129,10 +129,10 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
             cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, **lines))
         if script is not None:  # its shape first: --cpus-per-task is then per torchrun, one a node
             given = {key.removeprefix("slurm.") for key, _ in pairs if key.startswith("slurm.")}
-            cfg = dataclasses.replace(cfg, slurm=user_script.user_script_shape(cfg.slurm, given))
+            cfg = dataclasses.replace(cfg, slurm=job_script.user_script_shape(cfg.slurm, given))
         cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
         if script is not None:
-            cfg = user_command.named_after(cfg, script, pairs)
+            cfg = user_script.named_after(cfg, script, pairs)
         job = slurm_job.job_for(cfg, workdir, **job_files(args))
         return cfg, job.world_size
 
@@ -146,7 +146,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         text = slurm_script.render(cfg, job)
     else:  # no job.toml: the script reads its own options; its logs/ and job.sbatch go to its run folder
         check_output_dir(job.run_dir)
-        text = slurm_script.render(cfg, job, user_script.script_command(cfg, job, script))
+        text = slurm_script.render(cfg, job, job_script.script_command(cfg, job, script))
     # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
     # nothing is checked, and the dry run prints the script all the same
     partition.check_nodes_fit(cfg.slurm)
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check everything (config, world, data, model on one batch, output folder, snapshot to resume "
                             "from), print what the run would do, and exit without writing anything")
     add_node_options(train)
-    train.set_defaults(func=cmd_train, user_command=None)  # the words after --: main() takes them
+    train.set_defaults(func=cmd_train, user_script=None)  # the words after --: main() takes them
     submit = sub.add_parser(
         "submit",
         help="write the run's SLURM job script and submit it",
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
     submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
-    submit.set_defaults(user_command=None)  # the words after --: main() takes them (user_command_words)
+    submit.set_defaults(user_script=None)  # the words after --: main() takes them (user_script_words)
     add_job_options(submit, "the job (sbatch's options)")
     add_sbatch_names(submit)
     submit.set_defaults(func=cmd_submit)
@@ -407,15 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
 def translated(argv: list[str]) -> list[str]:
     """argv as the parser reads it, with the tutorials' spellings read as dptrain's (spellings.translate); submit's
     sbatch names (--gpus, --gres: command_line.SBATCH_NAMES) are submit's own options, left as they are, and the words
-    after submit's -- (the user's training command: user_command_words) are left out, its own."""
-    argv, _ = user_command_words(argv)
+    after submit's -- (the user's script and its arguments: user_script_words) are left out, its own."""
+    argv, _ = user_script_words(argv)
     if argv[:1] != ["submit"]:
         return spellings.translate(argv)
     named, rest = sbatch_name_words(argv[1:])
     return [*spellings.translate(["submit", *rest]), *named]
 
 
-def user_command_words(argv: list[str]) -> tuple[list[str], list[str] | None]:
+def user_script_words(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """(argv up to `dptrain submit`'s or `dptrain train`'s --, the words after it: the user's training command, left
     untranslated, as the script's own options; None without a --)."""
     if argv[:1] not in (["submit"], ["train"]) or "--" not in argv:
@@ -427,10 +427,10 @@ def user_command_words(argv: list[str]) -> tuple[list[str], list[str] | None]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:  # a spelling refused by translate is a user error like any other below
-        words, user_command = user_command_words(sys.argv[1:] if argv is None else argv)
+        words, script_words = user_script_words(sys.argv[1:] if argv is None else argv)
         args, extra = parser.parse_known_args(translated(words))
-        if user_command is not None:
-            args.user_command = user_command
+        if script_words is not None:
+            args.user_script = script_words
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         return args.func(args, extra)

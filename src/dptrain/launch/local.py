@@ -21,7 +21,7 @@ from dptrain.distributed.env import DistEnv, Nodes
 from dptrain.distributed.failures import cpp_log_level, cpp_warnings_off
 from dptrain.distributed.store import address_towards, loopback_interface
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError, UnsafeFileError
-from dptrain.launch import script_rank
+from dptrain.launch import user_script_rank
 from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget_the_rendezvous, register_rendezvous,
                                        rendezvous_host_gone, rendezvous_timeout, rendezvous_times)
 from dptrain.prestart import local_workers
@@ -43,9 +43,9 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
                  max_restarts: int = 0, log_file: Path | None = None, nodes: Nodes | None = None,
                  on_cuda: bool = True) -> None:
     """Run `entrypoint(*args)` on nproc_per_node workers; raise LaunchError naming the failed ranks. An entrypoint
-    that is a program's path (a Python running a script of the user's: launch/script.py) runs as a process of its
+    that is a program's path (a Python running a script of the user's: launch/user_script.py) runs as a process of its
     own in each worker, as torchrun runs it, with the same rendezvous, restarts and messages; each gets SIGTERM when
-    the agent dies, as dptrain's own workers do (launch/script_rank.py). On one node its ranks open nothing beyond
+    the agent dies, as dptrain's own workers do (launch/user_script_rank.py). On one node its ranks open nothing beyond
     loopback: the agent serves them a store of its own on loopback (torch's rank 0 would host one on every
     interface), and gloo's and nccl's sockets are pinned to the loopback interface where the user has not chosen one.
 
@@ -72,7 +72,7 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
     program = isinstance(entrypoint, str)
     serves_the_ranks_store = program and nodes.count == 1  # dptrain's own ranks host their store on loopback already
     if program:  # the agent's pid: its child's parent, whose death the kernel then signals
-        entrypoint, args = sys.executable, ("-m", script_rank.__name__, str(os.getpid()), entrypoint, *args)
+        entrypoint, args = sys.executable, ("-m", user_script_rank.__name__, str(os.getpid()), entrypoint, *args)
     # The launch sets variables for its workers (ours, below; torch's launcher and imports their own): all taken back.
     kept = dict(os.environ)
     times = rendezvous_times(timeout_s, nodes)  # a bad DPTRAIN_RDZV_* refused here, not later inside the agent
@@ -337,8 +337,8 @@ def stop_with_the_agent(agent_pid: int) -> None:
     """Ask the kernel for SIGTERM when the agent dies (kill -9 of `dptrain train`, say): the worker then stops at
     its next step boundary with a snapshot, as on any SIGTERM, instead of training on as an orphan that holds
     the run directory and the terminal. Linux only; elsewhere nothing changes. (A script's ranks ask the same, in
-    launch/script_rank.py.)"""
-    script_rank.stop_with(agent_pid, signal.SIGTERM)
+    launch/user_script_rank.py.)"""
+    user_script_rank.stop_with(agent_pid, signal.SIGTERM)
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "dptrain.launch")

@@ -10,7 +10,7 @@ A script that takes its rank from SLURM's own variables (SLURM_PROCID, SLURM_NTA
 of its own: with --mode per-rank (per_rank_command) srun starts one task per rank instead, which runs the script
 itself, with torchrun's variables set from SLURM's, so that both kinds of script read the same ranks.
 
-What follows `--` is read by user_command.py. A leading python (srun python my_train.py, the tutorials' sbatch habit)
+What follows `--` is read by dptrain/user_script.py. A leading python (srun python my_train.py, the tutorials' sbatch habit)
 names the interpreter: torchrun runs the script with the Python that runs it, so that python is the job's
 (slurm.python).
 """
@@ -28,7 +28,7 @@ from dptrain.slurm.env import SLURM_VARS
 from dptrain.slurm.job import Job, python_for
 from dptrain.slurm.requeue import REQUEUE_VAR
 from dptrain.slurm.script import TaskCommand
-from dptrain.user_command import UserScript, refuse_trainer_options, user_script
+from dptrain.user_script import UserScript, from_words, refuse_trainer_options
 
 EXAMPLE = "dptrain submit --nodes 2 -- my_train.py --epochs 5"
 # The sections of a run's options that still mean something when the job runs the user's script: where the job's
@@ -41,7 +41,7 @@ SIGNALS_TO_PASS_ON = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 def job_script(words: list[str], workdir: Path) -> UserScript:
     """The user's command after submit's `--`, its script looked for from workdir, where the job runs."""
-    return user_script(words, workdir, EXAMPLE, "the job")
+    return from_words(words, workdir, EXAMPLE, "the job")
 
 
 def refuse_options_of_the_trainer(pairs: list[tuple[str, str]]) -> None:

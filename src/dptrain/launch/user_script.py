@@ -20,7 +20,7 @@ from dptrain.distributed.env import Nodes
 from dptrain.launch.local import launch_local, world_size_here
 from dptrain.prestart import check_output_dir
 from dptrain.runtime import available_cores
-from dptrain.user_command import UserScript
+from dptrain.user_script import UserScript
 
 EXAMPLE = "dptrain train --nproc-per-node 2 -- my_train.py --epochs 5"
 # The sections of a run's options that still mean something for a script of the user's: where its run folder is

@@ -1,6 +1,6 @@
 """A training script of the user's own, as given after `--` (`dptrain submit -- my_train.py --epochs 5`, `dptrain
 train --nproc-per-node 2 -- my_train.py --epochs 5`): the script or module, its arguments, and the interpreter named
-before it, read the same way for a SLURM job (slurm/user_script.py) and for local workers (launch/script.py).
+before it, read the same way for a SLURM job (slurm/user_script.py) and for local workers (launch/user_script.py).
 
 What follows `--` is what follows torchrun's own options: a script and its arguments (my_train.py --epochs 5), or
 -m and a module. A leading python (srun python my_train.py, the tutorials' sbatch habit) names the interpreter.
@@ -42,7 +42,7 @@ class UserScript:
         return shlex.join([*self.target, *self.args])
 
 
-def user_script(words: list[str], workdir: Path, example: str, runner: str) -> UserScript:
+def from_words(words: list[str], workdir: Path, example: str, runner: str) -> UserScript:
     """The user's command after `--` (words), its script looked for from workdir, where runner ('the job') runs it;
     ConfigError in one sentence where there is no script, or no such file. example: a whole command line to show."""
     command = " ".join(example.split()[:2])  # dptrain submit

@@ -1,5 +1,5 @@
 """`dptrain train -- my_train.py ...`: a training script of the user's own on local workers, started as torchrun starts
-it, by dptrain's elastic agent (src/dptrain/launch/script.py). The tutorials' DDP script and their Lightning script
+it, by dptrain's elastic agent (src/dptrain/launch/user_script.py). The tutorials' DDP script and their Lightning script
 (tests/slurm/) train this way; a failed rank is restarted with the sentence that says which; the refusals are one
 sentence each."""
 
@@ -178,7 +178,7 @@ def test_a_scripts_ranks_end_when_their_agent_is_killed_by_sigkill(tmp_path):
     try:
         _wait_for([tmp_path / "started-0", tmp_path / "started-1"], proc, 90)
         ranks = _tree(proc.pid)[1:]
-        assert len(ranks) == 2, ranks  # the agent's two children are the ranks themselves (script_rank.py execs)
+        assert len(ranks) == 2, ranks  # the agent's two children are the ranks themselves (user_script_rank.py execs)
         os.kill(proc.pid, signal.SIGKILL)  # `dptrain train`, which is the agent, as kill -9 or the OOM killer ends it
         deadline = time.monotonic() + 10  # the kernel's SIGTERM comes at once; 10 s for a loaded machine
         while alive := [pid for pid in ranks if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]:

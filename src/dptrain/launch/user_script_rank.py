@@ -1,4 +1,4 @@
-"""One rank of a program that dptrain's elastic agent starts (a training script of the user's, launch/script.py): it
+"""One rank of a program that dptrain's elastic agent starts (a training script of the user's, launch/user_script.py): it
 asks the kernel for SIGTERM when the agent dies, as dptrain's own ranks do (launch.local.stop_with_the_agent), then
 becomes the program (exec: the same process, pid and environment).
 
@@ -6,7 +6,7 @@ torch's agent starts a program with subprocess, in a session of its own, and not
 kill -9 of `dptrain train -- my_train.py`, its ranks ran on for ever, re-parented to PID 1. SIGTERM is what the agent
 itself sends its ranks when it ends them: a script that catches it may save, one that does not ends at once.
 
-Run as `python -m dptrain.launch.script_rank AGENT_PID PROGRAM ARGS...` by the agent. It imports the standard library
+Run as `python -m dptrain.launch.user_script_rank AGENT_PID PROGRAM ARGS...` by the agent. It imports the standard library
 only (a rank's start costs one more Python start-up, some 20 ms, and no torch): keep it so.
 """
 
