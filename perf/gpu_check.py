@@ -17,7 +17,7 @@ Parts:
   speed     the main command's model on one GPU: epoch times, eager and as a CUDA graph
   resume    deterministic kernels: the same run twice, and a run stopped at a snapshot and resumed, end torch.equal
   eval      `dptrain eval` of resume's snapshot, with its predictions file
-Exit code 1 when a check failed. Every run's output is in OUT/<check>.log, its run directory OUT/<check>/.
+Exit code 1 when a check failed. Every run's output is in OUT/<check>.log, its run folder OUT/<check>/.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Check:
 
     def run(self, name: str, argv: list[str], env: dict[str, str] | None = None, command: str = "train",
             run_dir: Path | None = None) -> Run:
-        """`dptrain COMMAND ARGV`; train: with the check's data and device, in a fresh run directory OUT/name, or in
+        """`dptrain COMMAND ARGV`; train: with the check's data and device, in a fresh run folder OUT/name, or in
         run_dir as it is (a resume). A run goes on past the budget by RUN_OVER_BUDGET_S at most."""
         if command == "train":
             fresh = run_dir is None

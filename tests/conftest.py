@@ -224,8 +224,8 @@ def plan_runs(runs: dict[str, tuple[list[str], tuple[int, ...]]], precision: Pre
 
 @pytest.fixture(scope="session")
 def planned_run(tmp_path_factory, request):
-    """planned_run(name, world) -> the run directory of that run of PLANNED, finished with exit code 0."""
-    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run directory, rank 0's exit code)
+    """planned_run(name, world) -> the run folder of that run of PLANNED, finished with exit code 0."""
+    made: dict[tuple[str, int], tuple[Path, int]] = {}  # (run folder, rank 0's exit code)
     broken: dict[tuple[str, int], str] = {}  # (precision, world) -> why that set of ranks failed as a whole
     nightly = any(item.get_closest_marker("nightly") for item in request.session.items)  # selected ones only
 

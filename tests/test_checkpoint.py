@@ -51,7 +51,7 @@ OPTIONS = {**{s: ["--strategy.name", s] for s in STRATEGIES},
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
-    """name -> (run directory, exit code) of every plain run of this module, all made on first use on 2 rank
+    """name -> (run folder, exit code) of every plain run of this module, all made on first use on 2 rank
     processes of the pool (see run_cli_on_ranks), two runs at a time: per strategy the uninterrupted 2-epoch run
     ("ref/<s>"), and a run stopped by train.max_steps 9, 2 batches into epoch 2, then run again to the end
     ("stopped/<s>", two runs: the second in a second wave, after the first wave's runs)."""
@@ -85,7 +85,7 @@ def batch(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(batch):
-    """strategy -> the run directory of the uninterrupted 2-epoch run."""
+    """strategy -> the run folder of the uninterrupted 2-epoch run."""
     return lambda strategy: batch(f"ref/{strategy}")
 
 
@@ -392,7 +392,7 @@ KILLED_HOOKS = [pytest.param(hook, marks=pytest.mark.nightly) if hook in ("allre
 
 @pytest.fixture(scope="module")
 def hooked(tmp_path_factory, request):
-    """hook -> the run directory of its uninterrupted run, made side by side on 2 float64 rank processes of the pool
+    """hook -> the run folder of its uninterrupted run, made side by side on 2 float64 rank processes of the pool
     for PowerSGD and the hooks this session kills; "powersgd-on-3": PowerSGD's run resumed from its step 10 on 3."""
     root = tmp_path_factory.mktemp("hooked")
     killed = {item.callspec.params["hook"] for item in request.session.items

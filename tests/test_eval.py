@@ -28,7 +28,7 @@ plan_runs({"eval/trained": (["train", *TRAIN, "--launch.timeout_s", "60"], (2,))
 
 @pytest.fixture(scope="module")
 def trained(planned_run):
-    """A run directory trained with fsdp on 2 workers (its snapshot holds sharded weights)."""
+    """A run folder trained with fsdp on 2 workers (its snapshot holds sharded weights)."""
     return planned_run("eval/trained", 2)
 
 
@@ -62,7 +62,7 @@ def test_eval_counts_every_test_sample_once_and_matches_training(tmp_path, capsy
 
 def test_eval_of_a_path_without_snapshot_is_one_sentence(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == (f"dptrain: error: {tmp_path} is neither a snapshot nor a run directory "
+    assert capsys.readouterr().err.strip() == (f"dptrain: error: {tmp_path} is neither a snapshot nor a run folder "
                                                f"with a valid snapshot; give a folder that dptrain checkpoint list shows as ok.")
 
 

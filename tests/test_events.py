@@ -13,7 +13,7 @@ from dptrain.cli import main
 from dptrain.events import EPOCH_EVENT, EVENT, SCHEMAS, STEP_EVENT, TIME, schema_problem
 from dptrain.faults import SIGNAL_AT
 from dptrain.metrics import tensorboard
-from dptrain.reporting import run_card
+from dptrain.reporting import run_record
 from dptrain.stopping import EXIT_STOPPED
 from tests.conftest import plan_runs
 
@@ -67,7 +67,7 @@ def test_the_readers_read_only_fields_of_the_events_they_read():
     epoch, step = set(EPOCH_EVENT.fields), set(STEP_EVENT.fields)
     assert set(tensorboard.STEP_SCALARS) <= step
     assert set(tensorboard.EPOCH_SCALARS) | set(tensorboard.FINAL_METRICS) <= epoch
-    assert set(run_card.EPOCH_NUMBERS) | set(run_card.RANK_FIELDS) <= epoch
+    assert set(run_record.EPOCH_NUMBERS) | set(run_record.RANK_FIELDS) <= epoch
     assert set(events.EPOCH_MEASURES) <= epoch
     assert set(events.PER_RANK) <= epoch
 

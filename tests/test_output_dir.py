@@ -1,4 +1,4 @@
-"""A run directory that cannot be written: one sentence naming the path and the cause, and nothing left half-written.
+"""A run folder that cannot be written: one sentence naming the path and the cause, and nothing left half-written.
 
 The full and read-only disks are real: small tmpfs mounts (root only, as on the project's machines and CI).
 """
@@ -46,17 +46,17 @@ def test_an_output_path_that_is_a_file_is_one_sentence(tmp_path, capsys):
     target.write_text("mine")
     assert main([*RUN, "--output.dir", str(target)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"dptrain: error: the run directory {target} is a file; choose another --output.name or --output.dir."
+    assert err == f"dptrain: error: the run folder {target} is a file; choose another --output.name or --output.dir."
     assert target.read_text() == "mine"
     assert main([*RUN, "--output.dir", str(target / "sub")]) == 2
-    assert f"the run directory {target / 'sub'} cannot be made: {target} is a file" in capsys.readouterr().err
+    assert f"the run folder {target / 'sub'} cannot be made: {target} is a file" in capsys.readouterr().err
 
 
 def test_a_read_only_folder_is_one_sentence(tmpfs, capsys):
     folder = tmpfs(1 << 20, read_only=True)
     assert main([*RUN, "--output.dir", str(folder / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"dptrain: error: the run directory {folder / 'run'} cannot be written: {folder} is not writable for you; "
+    assert err == (f"dptrain: error: the run folder {folder / 'run'} cannot be written: {folder} is not writable for you; "
                    f"choose another --output.dir, or fix its permissions.")
 
 
@@ -101,7 +101,7 @@ def pages(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def ample_run(tmp_path_factory):
-    """ample_run(argv) -> the run directory of `dptrain ARGV`, finished on an ample disk (once per module)."""
+    """ample_run(argv) -> the run folder of `dptrain ARGV`, finished on an ample disk (once per module)."""
     made: dict[tuple[str, ...], Path] = {}
 
     def get(argv: list[str]) -> Path:
@@ -209,7 +209,7 @@ def test_a_metrics_line_cut_short_by_a_full_disk_goes_before_the_next_is_appende
     assert path.read_text() == kept + '{"event": "run_start"}\n'
 
 
-ADOPTED = ("dptrain: error: the run directory {folder} holds files but no run of dptrain's (none of config.toml, "
+ADOPTED = ("dptrain: error: the run folder {folder} holds files but no run of dptrain's (none of config.toml, "
            "metrics.jsonl, logs/, checkpoints/, ...); choose a new or empty folder, or an earlier run's, with another "
            "--output.dir or --output.name.")
 

@@ -38,7 +38,7 @@ GIVE_INPUTS = "give an IDX images file, a .npy array or a folder of PNG/JPEG ima
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A run directory with one snapshot of mnist-cnn on 1x28x28 synthetic data with 5 classes, trained in this process."""
+    """A run folder with one snapshot of mnist-cnn on 1x28x28 synthetic data with 5 classes, trained in this process."""
     run_dir = tmp_path_factory.mktemp("predict") / "run"
     assert main([*TRAIN, "--output.dir", str(run_dir)]) == 0
     return run_dir

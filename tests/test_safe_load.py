@@ -57,7 +57,7 @@ def written(tmp_path_factory) -> dict[str, Path]:
 
 
 def copy_run(snapshot: Path, tmp_path: Path) -> Path:
-    """A copy of the snapshot's run directory (eval reads the run's config.toml beside its checkpoints)."""
+    """A copy of the snapshot's run folder (eval reads the run's config.toml beside its checkpoints)."""
     run_dir = tmp_path / "run"
     shutil.copytree(snapshot.parent.parent, run_dir)
     return run_dir / "checkpoints" / snapshot.name

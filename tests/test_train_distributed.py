@@ -44,7 +44,7 @@ for _precision in ("fp32", "float64"):
 
 @pytest.fixture
 def batched(planned_run):
-    """batched(name, world) -> the run directory of that finished run of PLAN."""
+    """batched(name, world) -> the run folder of that finished run of PLAN."""
     return lambda name, world: planned_run(f"train/{name}", world)
 
 

@@ -108,7 +108,7 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
-    """Write the run's sbatch script (and its config) into the run directory and submit it; print the job id. With a
+    """Write the run's sbatch script (and its config) into the run folder and submit it; print the job id. With a
     script of the user's after `--`, the job runs that script under one torchrun per node instead, or with --mode
     per-rank as one srun task per rank (slurm/user_script.py)."""
     from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script, user_script as job_script
@@ -219,7 +219,7 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     root = RunFolder(path).checkpoints if RunFolder(path).checkpoints.is_dir() else path
     rows = snapshots.list_snapshots(root)
     if not rows:
-        raise ConfigError(f"no snapshots in {root}; give a run directory or its checkpoints folder.")
+        raise ConfigError(f"no snapshots in {root}; give a run folder or its checkpoints folder.")
     latest = (root / snapshots.LATEST).read_text().strip() if (root / snapshots.LATEST).is_file() else None
     for snapshot, status in rows:
         print(f"{snapshot}{'  (latest)' if snapshot.name == latest else ''}: {status}")
@@ -233,7 +233,7 @@ def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_tensorboard(args: argparse.Namespace, extra: list[str]) -> int:
-    """TensorBoard on 127.0.0.1 over one or more run directories' tb/ folders, until Ctrl-C."""
+    """TensorBoard on 127.0.0.1 over one or more run folders' tb/ folders, until Ctrl-C."""
     from dptrain.metrics.tensorboard import serve
 
     if extra:
@@ -263,7 +263,7 @@ def add_plugin_commands(sub: Any) -> None:
 
 def add_snapshot_options(command: argparse.ArgumentParser) -> None:
     """The options of the commands that run a snapshot's model (eval, predict); snapshot_and_its_run reads them."""
-    command.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run directory (its newest valid snapshot)")
+    command.add_argument("--checkpoint", required=True, help="a snapshot folder, or a run folder (its newest valid snapshot)")
     command.add_argument("--nproc-per-node", type=int, help="local workers to start (default 1)")
 
 
@@ -362,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = sub.add_parser("checkpoint", help="list, verify or export snapshots")
     ckpt.add_argument("action", choices=("list", "verify", "export"),
                       help="list: every snapshot of a run; verify: check one; export: its model's weights as one file")
-    ckpt.add_argument("path", help="list: a run directory (or its checkpoints folder); verify, export: a snapshot folder "
-                                   "(export: or a run directory, for its newest valid snapshot)")
+    ckpt.add_argument("path", help="list: a run folder (or its checkpoints folder); verify, export: a snapshot folder "
+                                   "(export: or a run folder, for its newest valid snapshot)")
     ckpt.add_argument("output", nargs="?", help="export: the file to write (a new one), e.g. model.pt")
     ckpt.set_defaults(func=cmd_checkpoint)
     board = sub.add_parser(
@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
         "URL and the ssh command that reaches it from a laptop. Runs until Ctrl-C.",
     )
     board.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                       help="run directories, such as runs/fashion-mnist_mnist-cnn_ddp")
+                       help="run folders, such as runs/fashion-mnist_mnist-cnn_ddp")
     board.add_argument("--port", type=int, help="the port to listen on (default: a free one)")
     board.set_defaults(func=cmd_tensorboard)
     doctor = sub.add_parser(

@@ -137,7 +137,7 @@ SBATCH_NAMES = (
                "--cpus-per-node to C times the tasks per node", "C", typed=int, per_task=True),
     SbatchName("gpus", AS_GIVEN, "GPUs of the whole job (N, or TYPE:N), shared evenly over its nodes", "N"),
     SbatchName("gres", AS_GIVEN, "generic resources per node; gpu:4 or gpu:a100:4 asks for GPUs", "GRES"),
-    SbatchName("job-name", JOB_OWN, "the job's name in squeue (default: dptrain-RUN, after the run directory)", "NAME"),
+    SbatchName("job-name", JOB_OWN, "the job's name in squeue (default: dptrain-RUN, after the run folder)", "NAME"),
     SbatchName("output", JOB_OWN, "the file of the job's output, as sbatch names it (%j: the job id, %x: its name; "
                "relative to the folder dptrain submit runs in; default: RUN_DIR/logs/slurm-%j.out)", "FILE"),
     SbatchName("error", JOB_OWN, "the file of the job's errors (default: the --output file where one is given, as "

@@ -26,4 +26,4 @@ class LaunchError(RuntimeError):
 
 
 class OutputError(RuntimeError):
-    """The run directory could not be written; the message names the path and the cause."""
+    """The run folder could not be written; the message names the path and the cause."""

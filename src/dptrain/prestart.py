@@ -1,5 +1,5 @@
 """The checks every command makes before a worker starts (or a job is submitted): the configuration against the world,
-the device and backend, the run directory, the snapshot a resume or eval would read, the data and the model.
+the device and backend, the run folder, the snapshot a resume or eval would read, the data and the model.
 
 Each raises one sentence (ConfigError, DataError, SnapshotError) and writes nothing; `dptrain train --dry-run`
 (dry_run.py) adds what needs the data loaded and the model built.
@@ -32,7 +32,7 @@ log = logging.getLogger("dptrain")
 
 
 def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) -> None:
-    """Every check that can fail before a worker starts: config vs world, device, run directory, dataset, model.
+    """Every check that can fail before a worker starts: config vs world, device, run folder, dataset, model.
     job_on_cuda: whether a job submitted from here runs on GPUs (None: the run is here, on what this machine has)."""
     import torch
 
@@ -193,21 +193,21 @@ def check_gpus_for_workers(backend: str, workers: int, gpus: int) -> None:
 
 
 def check_output_dir(run_dir: Path) -> None:
-    """The run directory is a folder this user can write in, or can be made as one; nothing is created here."""
+    """The run folder is a folder this user can write in, or can be made as one; nothing is created here."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"the run directory {run_dir} is a file; choose another --output.name or --output.dir.")
+        raise ConfigError(f"the run folder {run_dir} is a file; choose another --output.name or --output.dir.")
     existing = run_dir
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"the run directory {run_dir} cannot be made: {existing} is a file; "
+        raise ConfigError(f"the run folder {run_dir} cannot be made: {existing} is a file; "
                           f"choose another --output.name or --output.dir.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"the run directory {run_dir} cannot be written: {existing} is not writable for you; "
+        raise ConfigError(f"the run folder {run_dir} cannot be written: {existing} is not writable for you; "
                           f"choose another --output.dir, or fix its permissions.")
     if existing == run_dir and _has_entries(run_dir) and not RunFolder(run_dir).holds_a_run():
         # `--output.dir /etc -- script.py` made /etc/logs/launcher.log; a run would have written config.toml there
-        raise ConfigError(f"the run directory {run_dir} holds files but no run of dptrain's (none of config.toml, "
+        raise ConfigError(f"the run folder {run_dir} holds files but no run of dptrain's (none of config.toml, "
                           f"metrics.jsonl, logs/, checkpoints/, ...); choose a new or empty folder, or an earlier run's, "
                           f"with another --output.dir or --output.name.")
     # What a run of this folder writes into or appends to, checked now: found at the first snapshot, a read-only
@@ -290,14 +290,14 @@ def preflight_job(cfg: RunConfig, world_size: int) -> None:
 
 def snapshot_and_its_run(given: Path, overrides: list[tuple[str, str]], workers: int | None,
                           command: str) -> tuple[Path, RunConfig, dict[str, Any]]:
-    """(the snapshot that --checkpoint names, given: a snapshot folder or a run directory; the run's configuration with
+    """(the snapshot that --checkpoint names, given: a snapshot folder or a run folder; the run's configuration with
     the command's overrides and its number of workers, default 1; the snapshot's manifest), verified safe and whole
     before any worker starts."""
     snapshot = snapshots.find_snapshot(given)
     saved = RunFolder(snapshot.parent.parent).config
     if not saved.exists():  # a FIFO or a device there is not missing: check_private_file says what it is
         raise ConfigError(f"{saved} is missing: {command} rebuilds the model from the run's configuration; "
-                          f"keep the snapshot inside its run directory (RUN/checkpoints/step-N).")
+                          f"keep the snapshot inside its run folder (RUN/checkpoints/step-N).")
     try:  # it names the data and the model (even code to import): it is as much input from others as the snapshot
         check_private_file(saved, "the run's configuration")
     except UnsafeFileError as exc:

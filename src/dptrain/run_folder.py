@@ -122,7 +122,7 @@ class RunFolder:
 
     def keeps(self, path: Path) -> tuple[Path, str] | None:
         """(the run folder's own file or folder, what the run keeps there) where path is it, lies inside it, or is the
-        run directory itself ((root, "directory")); None where path is none of the run's own (the final weights'
+        run folder itself ((root, "directory")); None where path is none of the run's own (the final weights'
         file, a file of the user's). Paths compare resolved: runs/run/../run/config.toml is config.toml."""
         target = path.resolve()
         if target == self.root.resolve():

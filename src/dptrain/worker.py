@@ -196,7 +196,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             step = trainer.state.step
             with phase("placement of the ranks"):
                 where = placement()  # every rank: a collective
-            if env.is_main:  # only now: a refused resume leaves the run directory as it was
+            if env.is_main:  # only now: a refused resume leaves the run folder as it was
                 record = environment_record(env, device, threads, where)
                 with phase("writing config.toml and env.json"):
                     write_run_file(cfg.output.folder.config, config_mod.to_toml(cfg))

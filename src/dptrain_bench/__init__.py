@@ -12,7 +12,7 @@ starts every run as a `dptrain train` subprocess, never importing the training l
 sweep.py (grid -> one `dptrain train` subprocess per point, under BENCH/runs/), jobs.py (with --slurm: one SLURM
 job per point instead, written by slurm.script, submitted through slurm.queue, then waited for), peak.py (a short matmul probe per
 worker count, BENCH/peak.json: the denominator of fraction_of_peak), link.py (the link probe, BENCH/link.json),
-collect.py (run directories -> results.csv and summary.csv), model.py (the scaling model), report.py (CSV -> PNGs
+collect.py (run folders -> results.csv and summary.csv), model.py (the scaling model), report.py (CSV -> PNGs
 and report.md), tune.py (bench tune), folder.py (BenchFolder: every file of a sweep's folder named once). The other
 engines, each run under torchrun and writing the same metrics.jsonl events: tutorial.py (the tutorials' plain loop),
 lightning_engine.py (Lightning's Trainer), deepspeed_engine.py (DeepSpeed's engine, ZeRO stages), and engines.py,

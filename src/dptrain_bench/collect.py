@@ -1,4 +1,4 @@
-"""Run directories -> BENCH/results.csv (one row per run) and BENCH/summary.csv (mean and std per point).
+"""Run folders -> BENCH/results.csv (one row per run) and BENCH/summary.csv (mean and std per point).
 
 Everything comes from the runs' own files (metrics.jsonl, env.json, bench_error.txt, and a SLURM point's job.toml)
 and the sweep's matmul probes (peak.json), so `dptrain report` can rebuild both CSVs from BENCH alone.

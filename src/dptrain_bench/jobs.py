@@ -2,7 +2,7 @@
 
     $ dptrain bench --slurm --workers 1,2,4,8 --nodes 2 --gpus-per-node 4 --partition gpu --time 00:30:00
 
-Each point's folder BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ is the run directory of its job, written as `dptrain
+Each point's folder BENCH/runs/<engine>-<strategy>-w<W>-r<R>/ is the run folder of its job, written as `dptrain
 submit` writes one (job.sbatch, job.toml: the resolved config, the job's shape from sweep.job_shape), with the id of
 the job submitted for it (job_id.txt); the job's output goes to logs/slurm-<id>.out and .err there. The sweep then
 asks the scheduler (slurm.queue.wait_for) until every job has ended, and records a failed one as the local sweep
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def point_config(sweep: Sweep, point: Point) -> RunConfig:
-    """The config a point's job trains from: the shared options, this point's strategy and run directory (absolute:
+    """The config a point's job trains from: the shared options, this point's strategy and run folder (absolute:
     the job runs it from the submission's folder), no epoch snapshots (as the local sweep), its job's shape; for
     another engine, that shape as one torchrun per node (peer_shape), which starts launch.nproc_per_node ranks."""
     assert sweep.job is not None, "a sweep of SLURM jobs"

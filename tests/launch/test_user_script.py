@@ -101,7 +101,7 @@ def test_under_a_launcher_already_the_script_replaces_dptrain_and_reads_its_vari
                                                      "put dptrain train's options before --, and the script and its "
                                                      "arguments after it, e.g. dptrain train --nproc-per-node 2 -- "
                                                      "my_train.py --epochs 5."),
-    (["--output.dir", "taken", "--", "my_train.py"], "the run directory taken is a file; choose another --output.name "
+    (["--output.dir", "taken", "--", "my_train.py"], "the run folder taken is a file; choose another --output.name "
                                                     "or --output.dir."),
 ])
 def test_what_a_users_script_cannot_be_given_is_one_sentence(tmp_path, monkeypatch, capsys, args, error):

@@ -93,7 +93,7 @@ def test_a_missing_run_dir_or_one_without_tb_is_one_sentence(tmp_path, capsys):
     assert main(["tensorboard", str(tmp_path / "nope")]) == 2
     assert main(["tensorboard", str(tmp_path / "empty")]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [f"dptrain: error: the run directory {tmp_path / 'nope'} does not exist; give a run directory, runs/<name> or an --output.dir.",
+    assert lines == [f"dptrain: error: the run folder {tmp_path / 'nope'} does not exist; give a run folder, runs/<name> or an --output.dir.",
                      f"dptrain: error: {tmp_path / 'empty'} has no tb/ folder: no run with TensorBoard files has been "
                      f"written there yet."]
 
@@ -155,7 +155,7 @@ def test_a_port_that_is_no_port_or_is_taken_and_a_file_given_as_run_dir_are_one_
         "dptrain: error: --port -1 is not a TCP port; pick one from 1024 to 65535, or leave --port out for a free one.",
         f"dptrain: error: port {port} on 127.0.0.1 is taken by another program; choose another --port, or leave it out "
         f"for a free one.",
-        f"dptrain: error: {tmp_path / 'notes.txt'} is a file, not a run directory; give a run directory, runs/<name> or an --output.dir.",
+        f"dptrain: error: {tmp_path / 'notes.txt'} is a file, not a run folder; give a run folder, runs/<name> or an --output.dir.",
     ]
 
 

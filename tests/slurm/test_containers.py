@@ -307,6 +307,6 @@ def test_an_environment_file_whose_mounts_miss_the_run_directory_is_refused(tmp_
     with pytest.raises(ConfigError) as caught:
         rendered({"container_env_file": "edf.toml"}, None, monkeypatch, workdir=tmp_path)
     assert str(caught.value) == (
-        f"slurm.container_env_file {tmp_path}/edf.toml mounts no folder holding the run directory {tmp_path}/runs/run "
+        f"slurm.container_env_file {tmp_path}/edf.toml mounts no folder holding the run folder {tmp_path}/runs/run "
         f"at its own path, so the ranks could neither read its job.toml nor write the run; add "
         f'"{tmp_path}:{tmp_path}" to the file\'s mounts, or write the run under a folder it mounts (--output.dir).')

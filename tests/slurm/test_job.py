@@ -66,7 +66,7 @@ def test_an_sbatch_line_is_one_option_or_how_sbatch_would_read_it_instead(text, 
 
 
 def test_every_sbatch_line_of_the_script_is_checked_whatever_its_source(monkeypatch):
-    """One check for every #SBATCH line render writes: the job options, the --sbatch lines, the run directory's."""
+    """One check for every #SBATCH line render writes: the job options, the --sbatch lines, the run folder's."""
     checked = []
     monkeypatch.setattr(sbatch_lines, "check_sbatch_option", lambda option: checked.append(option.text))
     pairs = [("data.name", "synthetic"), ("slurm.nodes", "2"), ("slurm.cpus_per_node", "8"),
@@ -86,7 +86,7 @@ def test_every_sbatch_line_of_the_script_is_checked_whatever_its_source(monkeypa
                                             "'#SBATCH --qos=high --job-name=X'"),
     ([], ("mail-type=END", "gres=gpu:4 --chdir=/"), "slurm.sbatch's line 'gres=gpu:4 --chdir=/' would be written as "
                                                    "'#SBATCH --gres=gpu:4 --chdir=/'"),
-    ([("output.dir", "/home/ada/runs/a#b")], (), "the job's name (from the run directory /home/ada/runs/a#b) would be "
+    ([("output.dir", "/home/ada/runs/a#b")], (), "the job's name (from the run folder /home/ada/runs/a#b) would be "
                                              "written as '#SBATCH --job-name=dptrain-a#b'"),  # its name, its first line
 ])
 def test_a_value_that_sbatch_would_not_read_as_one_option_is_refused_where_the_script_is_made(pairs, sbatch, source):

@@ -82,14 +82,14 @@ REQUEUE_JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
 
 
 def submitted(cluster, workdir: Path, jobs: dict[str, tuple[list[str], dict[str, str]]]) -> dict[str, tuple[int, Path]]:
-    """name -> (job id, run directory) of every job of jobs, submitted together from workdir."""
+    """name -> (job id, run folder) of every job of jobs, submitted together from workdir."""
     return {name: (submit(cluster, workdir, name, options, env), workdir / "runs" / name)
             for name, (options, env) in jobs.items()}
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory):
-    """name -> (job id, run directory) of every job of JOBS, submitted together."""
+    """name -> (job id, run folder) of every job of JOBS, submitted together."""
     return submitted(slurm_cluster, tmp_path_factory.mktemp("jobs"), JOBS)
 
 

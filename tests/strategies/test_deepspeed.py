@@ -289,7 +289,7 @@ def test_a_resumed_run_ends_bit_identical_to_one_never_stopped(resumed, stage):
 
 
 def snapshot_copy(resumed, tmp_path: Path) -> Path:
-    """A copy of the ZeRO-3 run's snapshot of step 4, in a copy of its run directory (eval reads its config.toml)."""
+    """A copy of the ZeRO-3 run's snapshot of step 4, in a copy of its run folder (eval reads its config.toml)."""
     whole, _ = resumed(3)
     run_dir = tmp_path / "run"
     shutil.copytree(whole, run_dir)

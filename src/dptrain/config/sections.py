@@ -185,7 +185,7 @@ class TrainConfig:
     channels_last: bool = True
     """Store activations NHWC; faster convolutions on most CPUs and GPUs, same results to float tolerance."""
     resume: str = may_change_at_resume("auto")
-    """auto: continue from the newest valid snapshot in the run directory; never; or a snapshot folder."""
+    """auto: continue from the newest valid snapshot in the run folder; never; or a snapshot folder."""
     eval_every_epochs: int = may_change_at_resume(1)
     """Evaluate on the test split after every this many epochs (0: only at the end); the run's last epoch, or the
     partial epoch a train.max_steps stop ends in, is always evaluated."""
@@ -282,17 +282,17 @@ RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,%d}" % (MAX_RUN_NAME_CHA
 @dataclass(frozen=True, kw_only=True)
 class OutputConfig:
     name: str = field(default="run", metadata={**MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT: "DATA_MODEL_STRATEGY[_HASH]"})
-    """Run name; the run directory is runs/<name> unless output.dir is set. Up to 100 letters, digits and ._-+=@,
+    """Run name; the run folder is runs/<name> unless output.dir is set. Up to 100 letters, digits and ._-+=@,
     starting with a letter, digit or _ (a folder elsewhere is output.dir). Given neither, train, config, submit and
     doctor name the run after what makes it another run: data.name, model.name and strategy.name
     (fashion-mnist_mnist-cnn_ddp), then, where another option a resume must keep differs from its default, 8 hex
     digits of a hash of those options; so the same command resumes in its folder and a new experiment starts afresh
     in another. A runs/run of an earlier dptrain holding the same experiment is resumed there."""
     dir: str | None = may_change_at_resume(None)
-    """Run directory (None: runs/<name>): a new or empty folder, or an earlier run's; a folder that holds other files
+    """Run folder (None: runs/<name>): a new or empty folder, or an earlier run's; a folder that holds other files
     but none of a run's (/etc, a project's folder) is refused, as it is no run's to write into."""
     weights_dir: str | None = may_change_at_resume(None)
-    """Folder the final weights are saved in (None: the run directory), made if missing; a relative path is from
+    """Folder the final weights are saved in (None: the run folder), made if missing; a relative path is from
     the current folder, as output.dir's. The tutorials' --model_dir."""
     weights_file: str = may_change_at_resume("model.pt")
     """Name of the final weights' file in output.weights_dir: the whole model's state_dict, for plain torch.load
@@ -325,17 +325,17 @@ class OutputConfig:
 
     @property
     def weights(self) -> Path:
-        """The final weights' file: output.weights_file in output.weights_dir, or in the run directory."""
+        """The final weights' file: output.weights_file in output.weights_dir, or in the run folder."""
         return (Path(self.weights_dir) if self.weights_dir else self.run_dir) / self.weights_file
 
     @property
     def folder(self) -> RunFolder:
-        """The run directory's files and folders by name, its final weights where output.weights_* put them."""
+        """The run folder's files and folders by name, its final weights where output.weights_* put them."""
         return RunFolder(self.run_dir, weights=self.weights)
 
     @property
     def elsewhere(self) -> str:
-        """The option that starts a run afresh in another run directory, as this one was given: a folder given by
+        """The option that starts a run afresh in another run folder, as this one was given: a folder given by
         output.dir overrides output.name, so another name would not move it (advice ends with it)."""
         return "another --output.dir" if self.dir else "another --output.name"
 

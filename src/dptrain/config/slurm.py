@@ -180,14 +180,14 @@ class SlurmConfig:
     """Run the ranks inside this container image (none: on the nodes as they are), started by
     slurm.container_engine: a registry image (pyxis: nvcr.io#nvidia/pytorch:25.01-py3; apptainer:
     docker://nvcr.io/nvidia/pytorch:25.01-py3) or an image file (pyxis: a .sqsh squashfs; apptainer: a .sif), which
-    must exist. The folder dptrain submit runs in and the run directory are mounted at their own paths, and the ranks
+    must exist. The folder dptrain submit runs in and the run folder are mounted at their own paths, and the ranks
     start in that folder; the image's python (see slurm.python) runs dptrain and needs torch."""
     container_env_file: str | None = script_field(None, "srun's tasks start in the container this file describes: "
                                                   "srun --environment")
     """Run the ranks in the container that this environment definition file describes instead (srun
     --environment=FILE, the pyxis/enroot Container Engine of clusters such as CSCS's): a .toml file, which must
     exist, or the name of one in ~/.edf. The file names the image, its mounts (which must hold the folder dptrain
-    submit runs in and the run directory) and its workdir; give it or slurm.container_image, not both."""
+    submit runs in and the run folder) and its workdir; give it or slurm.container_image, not both."""
     container_engine: Literal["pyxis", "apptainer"] = script_field("pyxis", "what starts container_image: pyxis "
                                                                    "(srun's options) or apptainer (apptainer exec)")
     """What starts slurm.container_image: pyxis (srun --container-image, with enroot) or apptainer (apptainer exec

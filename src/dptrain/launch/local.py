@@ -336,7 +336,7 @@ def leave_after_failure(exc: Exception) -> NoReturn:
 def stop_with_the_agent(agent_pid: int) -> None:
     """Ask the kernel for SIGTERM when the agent dies (kill -9 of `dptrain train`, say): the worker then stops at
     its next step boundary with a snapshot, as on any SIGTERM, instead of training on as an orphan that holds
-    the run directory and the terminal. Linux only; elsewhere nothing changes. (A script's ranks ask the same, in
+    the run folder and the terminal. Linux only; elsewhere nothing changes. (A script's ranks ask the same, in
     launch/user_script_rank.py.)"""
     user_script_rank.stop_with(agent_pid, signal.SIGTERM)
 

@@ -211,15 +211,15 @@ def logdir_args(run_dirs: list[Path]) -> list[str]:
     TensorBoard lists a run as its name, where a plain --logdir of one tb/ folder listed it as "."."""
     for run_dir in run_dirs:
         if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(f"{run_dir} is a file, not a run directory; give a run directory, runs/<name> or an "
+            raise ConfigError(f"{run_dir} is a file, not a run folder; give a run folder, runs/<name> or an "
                               f"--output.dir.")
         if not run_dir.is_dir():
-            raise ConfigError(f"the run directory {run_dir} does not exist; give a run directory, runs/<name> or an "
+            raise ConfigError(f"the run folder {run_dir} does not exist; give a run folder, runs/<name> or an "
                               f"--output.dir.")
         if not RunFolder(run_dir).tb.is_dir():
             raise ConfigError(f"{run_dir} has no tb/ folder: no run with TensorBoard files has been written there yet.")
         if "," in str(run_dir.resolve()):  # --logdir_spec splits on commas
-            raise ConfigError(f"{run_dir}: TensorBoard cannot take a run directory whose path holds a comma; rename "
+            raise ConfigError(f"{run_dir}: TensorBoard cannot take a run folder whose path holds a comma; rename "
                               f"it.")
     names: dict[str, Path] = {}
     for run_dir in run_dirs:

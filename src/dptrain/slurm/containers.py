@@ -2,7 +2,7 @@
 in it, the folders it mounts, and the checks that it can start, made where the job is written.
 
 pyxis's srun --container-image or --environment, or apptainer exec under srun. The script's own lines (scontrol, the
-set-up lines) run on the node as it is; the container sees the folder dptrain submit ran in and the run directory at
+set-up lines) run on the node as it is; the container sees the folder dptrain submit ran in and the run folder at
 their own paths, and has no scontrol (the script requeues the job itself once srun returns: script.py).
 """
 
@@ -63,7 +63,7 @@ def check_container(s: SlurmConfig, run_dir: Path, workdir: Path) -> None:
 
 
 def check_env_file_mounts(environment: dict[str, Any], path: Path, run_dir: Path, workdir: Path) -> None:
-    """ConfigError in one sentence where an environment file mounts no folder holding the run directory at its own
+    """ConfigError in one sentence where an environment file mounts no folder holding the run folder at its own
     path: the ranks read the run's job.toml by its path and write the run there. Its mounts are "SOURCE:TARGET[:FLAGS]"
     (a bare "PATH": at its own path), with $VARIABLES as the engine expands them. A file that takes more of its
     environment from others (base_environment) is left to the engine, which reads those."""
@@ -78,7 +78,7 @@ def check_env_file_mounts(environment: dict[str, Any], path: Path, run_dir: Path
         if source and Path(source) == Path(target) and run_dir.is_relative_to(source):
             return
     folder = workdir if run_dir.is_relative_to(workdir) else run_dir
-    raise ConfigError(f"slurm.container_env_file {path} mounts no folder holding the run directory {run_dir} at its "
+    raise ConfigError(f"slurm.container_env_file {path} mounts no folder holding the run folder {run_dir} at its "
                       f"own path, so the ranks could neither read its job.toml nor write the run; add "
                       f"\"{folder}:{folder}\" to the file's mounts, or write the run under a folder it mounts "
                       f"(--output.dir).")
@@ -96,8 +96,8 @@ class ContainerLaunch:
 
 def container_launch(s: SlurmConfig, run_dir: Path, workdir: Path) -> ContainerLaunch:
     """The job's ContainerLaunch (the same for the same inputs: render's golden tests compare it). pyxis and apptainer
-    mount the folder dptrain submit runs in (the project: its data, and the run directory where it lies inside) at
-    its own path, and the run directory where it lies outside, and start the ranks in that folder, as the script's
+    mount the folder dptrain submit runs in (the project: its data, and the run folder where it lies inside) at
+    its own path, and the run folder where it lies outside, and start the ranks in that folder, as the script's
     --chdir does outside a container; an environment file names its own mounts and workdir."""
     if s.container is None:
         return ContainerLaunch()
@@ -150,7 +150,7 @@ def container_path(value: str, workdir: Path) -> Path:
 
 
 def container_mounts(run_dir: Path, workdir: Path, source: Path | None) -> list[Path]:
-    """The folders a container of an image mounts: the submit folder, then the run directory and dptrain's source
+    """The folders a container of an image mounts: the submit folder, then the run folder and dptrain's source
     where they lie outside the folders before them."""
     folders = [workdir]
     for folder in (run_dir, source):

@@ -1,4 +1,4 @@
-"""The job of a run: Job (its run directory, the folder it runs in, its shape, its name and log files), made by
+"""The job of a run: Job (its run folder, the folder it runs in, its shape, its name and log files), made by
 job_for from a config, which checks what the script's lines must carry; and the Python the job runs.
 
 The rest of a job has a module each: script.py writes its sbatch script (render) and sbatch_lines.py its #SBATCH
@@ -93,12 +93,12 @@ def filled(pattern: str, job_id: str, name: str) -> str:
 
 def job_for(cfg: RunConfig, workdir: Path, name: str | None = None, output: str | None = None,
             error: str | None = None) -> Job:
-    """The job of cfg's run, with its run directory made absolute against workdir (where the job will run); its name
+    """The job of cfg's run, with its run folder made absolute against workdir (where the job will run); its name
     (default: the run's, job_name) and the files of its output and errors (sbatch's --output and --error; default:
     the run's logs/slurm-%j.out and .err) as given to `dptrain submit`. ConfigError in one sentence for what the
     script's lines cannot carry, and for a container that cannot start."""
     run_dir = cfg.output.run_dir if cfg.output.run_dir.is_absolute() else workdir / cfg.output.run_dir
-    for what, path in (("the run directory", run_dir), ("the folder dptrain submit runs in", workdir)):
+    for what, path in (("the run folder", run_dir), ("the folder dptrain submit runs in", workdir)):
         if any(c.isspace() or c in UNSAFE_IN_PATHS + "%" for c in str(path)):
             raise ConfigError(f"{what} {str(path)!r} holds a space, quote or other character that #SBATCH lines cannot "
                               f"carry; choose a plain path (--output.dir, or submit from another folder).")

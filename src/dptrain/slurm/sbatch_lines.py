@@ -50,13 +50,13 @@ def _file_line(stream: str, given: Callable[[Job], object]) -> tuple[Callable[[J
     """The source of the job's output or error line and its remedy, as an error names them: the file given
     (--output), or the run's."""
     return (lambda job: (f"the job's {stream} file (--{stream})" if given(job)
-                         else f"the job's {stream} file (in the run directory {job.run_dir})"),
+                         else f"the job's {stream} file (in the run folder {job.run_dir})"),
             lambda job: f"give --{stream} a plain path, {ONE_WORD}" if given(job) else PATH_REMEDY)
 
 
 JOB_LINES = (
     JobLine(SbatchOf("--job-name", 0, "-J"), lambda job: job.name,
-            lambda job: f"the job's name (from the run directory {job.run_dir})" if job.named_after_its_run
+            lambda job: f"the job's name (from the run folder {job.run_dir})" if job.named_after_its_run
             else "the job's name (--job-name)",
             lambda job: PATH_REMEDY if job.named_after_its_run else f"give --job-name one word, {ONE_WORD}",
             "give dptrain submit's --job-name NAME instead"),

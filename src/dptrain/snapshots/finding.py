@@ -117,7 +117,7 @@ def first_reason(rows: list[tuple[Path, str]]) -> str:
 
 
 def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
-    """The snapshot train.resume names: auto (the newest valid one in the run directory), a folder, or never (None).
+    """The snapshot train.resume names: auto (the newest valid one in the run folder), a folder, or never (None).
     Whatever it names, the run's checkpoints folder, where it will write, is checked first (snapshot_folders)."""
     choice = cfg.train.resume
     # Rank 0 chooses for everyone: on a shared file system other ranks may not see the newest files yet.
@@ -142,12 +142,12 @@ def choose(cfg: RunConfig, is_main: bool, world_size: int) -> Path | None:
 
 
 def find_snapshot(path: Path) -> Path:
-    """A snapshot folder as given, or the newest valid one of a run directory."""
+    """A snapshot folder as given, or the newest valid one of a run folder."""
     if (path / MANIFEST).exists():  # whatever it is: verify says what is wrong with it
         return path
     snapshots = RunFolder(path).checkpoints
     found = find_latest(snapshots) if snapshots.is_dir() else None
     if found is None:
-        raise SnapshotError(f"{path} is neither a snapshot nor a run directory with a valid snapshot; "
+        raise SnapshotError(f"{path} is neither a snapshot nor a run folder with a valid snapshot; "
                             f"give a folder that dptrain checkpoint list shows as ok.")
     return found
