@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from dptrain import config as config_mod, spellings
 from dptrain.config import SlurmConfig
+from dptrain.config.slurm import SBATCH, SbatchOf
 from dptrain.errors import ConfigError
-from dptrain.slurm.sbatch_lines import ONE_WORD, SbatchOption, check_sbatch_option
+from dptrain.slurm.sbatch_lines import JOB_LINES, ONE_WORD, SbatchOption, check_sbatch_option
 
 
 def split_overrides(extra: list[str]) -> list[tuple[str, str]]:
@@ -103,20 +104,38 @@ def add_job_options(command: argparse.ArgumentParser, title: str, meaning: dict[
 
 @dataclass(frozen=True)
 class SbatchName:
-    """One of sbatch's options, as `dptrain submit` takes it under sbatch's name: what it becomes in the job."""
+    """One of sbatch's options, as `dptrain submit` takes it under sbatch's name: what it becomes in the job. Where the
+    job writes that option itself, its name is the writer's (the slurm.<field>'s SbatchOf, or the job's own line of
+    slurm/sbatch_lines.py's JOB_LINES): only the options written as given are named here."""
 
-    name: str
-    """sbatch's name, without its dashes: ntasks-per-node."""
     becomes: str
     """slurm.<field>: the job option of the same meaning; JOB_OWN: the job's own line (its name, its files, which
     slurm.job.job_for takes); AS_GIVEN: an #SBATCH line written as given (slurm.sbatch), as dptrain has no option
     of its meaning."""
     help: str
     metavar: str
-    short: str | None = None
+    option: str | None = None
+    """sbatch's name (--gres): the job's own line's, looked up in JOB_LINES, or one written as given; None for a
+    slurm.<field>, whose metadata names it."""
     typed: type | None = None
     per_task: bool = False
     """The value is per srun task, the field's per node: it is set to the value times the tasks per node."""
+
+    @property
+    def written(self) -> SbatchOf | None:
+        """The option as the job's writer has it, where the job writes it itself."""
+        if self.becomes.startswith("slurm."):
+            field = next(f for f in dataclasses.fields(SlurmConfig) if f.name == self.becomes.removeprefix("slurm."))
+            return field.metadata[SBATCH]
+        if self.becomes == JOB_OWN:
+            return next(line.of for line in JOB_LINES if line.of.option == self.option)
+        return None
+
+    @property
+    def name(self) -> str:
+        """sbatch's name without its dashes: ntasks-per-node."""
+        of = self.written
+        return (of.option if of is not None else self.option or "").removeprefix("--")
 
     @property
     def dest(self) -> str:
@@ -124,28 +143,29 @@ class SbatchName:
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return ("--" + self.name, *((self.short,) if self.short else ()))
+        short = SHORT_FLAGS.get(self.name)
+        return ("--" + self.name, *((short,) if short else ()))
 
 
 JOB_OWN, AS_GIVEN = "job", "as given"
+SHORT_FLAGS = {"nodelist": "-w"}  # the one-letter forms submit takes (the tutorials' `-w dgx01`)
 # sbatch's options under their own names, as the tutorials' job scripts write them (#SBATCH --ntasks-per-node=4).
 # --nodes and --gpus-per-node are job options already (sbatch's names); the job options' other names are dptrain's.
 SBATCH_NAMES = (
-    SbatchName("ntasks-per-node", "slurm.ranks_per_node", "sbatch's name of --ranks-per-node: one srun task per rank",
-               "N", typed=int),
-    SbatchName("cpus-per-task", "slurm.cpus_per_node", "cores per srun task (per rank; in agent mode, per node): sets "
-               "--cpus-per-node to C times the tasks per node", "C", typed=int, per_task=True),
-    SbatchName("gpus", AS_GIVEN, "GPUs of the whole job (N, or TYPE:N), shared evenly over its nodes", "N"),
-    SbatchName("gres", AS_GIVEN, "generic resources per node; gpu:4 or gpu:a100:4 asks for GPUs", "GRES"),
-    SbatchName("job-name", JOB_OWN, "the job's name in squeue (default: dptrain-RUN, after the run folder)", "NAME"),
-    SbatchName("output", JOB_OWN, "the file of the job's output, as sbatch names it (%j: the job id, %x: its name; "
-               "relative to the folder dptrain submit runs in; default: RUN_DIR/logs/slurm-%j.out)", "FILE"),
-    SbatchName("error", JOB_OWN, "the file of the job's errors (default: the --output file where one is given, as "
-               "sbatch does, else RUN_DIR/logs/slurm-%j.err)", "FILE"),
-    SbatchName("nodelist", AS_GIVEN, "the nodes the job must run on: dgx01,dgx02 or dgx[01-02]", "NODES", short="-w"),
-    SbatchName("exclude", AS_GIVEN, "nodes the job must not run on", "NODES"),
-    SbatchName("mail-type", AS_GIVEN, "when SLURM mails the user: BEGIN, END, FAIL, ALL, ...", "TYPE"),
-    SbatchName("mail-user", AS_GIVEN, "who SLURM mails (default: the user who submits)", "USER"),
+    SbatchName("slurm.ranks_per_node", "sbatch's name of --ranks-per-node: one srun task per rank", "N", typed=int),
+    SbatchName("slurm.cpus_per_node", "cores per srun task (per rank; in agent mode, per node): sets --cpus-per-node "
+               "to C times the tasks per node", "C", typed=int, per_task=True),
+    SbatchName(AS_GIVEN, "GPUs of the whole job (N, or TYPE:N), shared evenly over its nodes", "N", "--gpus"),
+    SbatchName(AS_GIVEN, "generic resources per node; gpu:4 or gpu:a100:4 asks for GPUs", "GRES", "--gres"),
+    SbatchName(JOB_OWN, "the job's name in squeue (default: dptrain-RUN, after the run folder)", "NAME", "--job-name"),
+    SbatchName(JOB_OWN, "the file of the job's output, as sbatch names it (%j: the job id, %x: its name; relative to "
+               "the folder dptrain submit runs in; default: RUN_DIR/logs/slurm-%j.out)", "FILE", "--output"),
+    SbatchName(JOB_OWN, "the file of the job's errors (default: the --output file where one is given, as sbatch does, "
+               "else RUN_DIR/logs/slurm-%j.err)", "FILE", "--error"),
+    SbatchName(AS_GIVEN, "the nodes the job must run on: dgx01,dgx02 or dgx[01-02]", "NODES", "--nodelist"),
+    SbatchName(AS_GIVEN, "nodes the job must not run on", "NODES", "--exclude"),
+    SbatchName(AS_GIVEN, "when SLURM mails the user: BEGIN, END, FAIL, ALL, ...", "TYPE", "--mail-type"),
+    SbatchName(AS_GIVEN, "who SLURM mails (default: the user who submits)", "USER", "--mail-user"),
 )
 
 
