@@ -94,7 +94,7 @@ def cmd_tune(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> int:
 
     check_job_options(args, pairs, each="trial")
     lines = job_lines(args)
-    if lines:  # tune's probe jobs take the [slurm] table of --config as it is (tune.tuner_from_options)
+    if lines:  # tune's trial jobs take the [slurm] table of --config as it is (tune.tuner_from_options)
         name = next(iter(lines))
         raise ConfigError(f"--{name} lines are not passed to bench tune's jobs; write them in the --config file's "
                           f"[slurm] table ({name} = [...]) instead.")
@@ -207,12 +207,12 @@ def add_tune_options(tune: argparse.ArgumentParser) -> None:
     tune.add_argument("--lossy", "--tune-lossy", dest="lossy", action="store_true",
                       help="also try the compressing comm hooks fp16, bf16, powersgd (they round the gradients)")
     tune.add_argument("--candidates", "--tune-candidates", dest="candidates", type=int, default=3, metavar="N",
-                      help="the candidates probed besides your configuration, the model's N best (default 3)")
+                      help="the candidates tried besides your configuration, the model's N best (default 3)")
     tune.add_argument("--link", metavar="NAME", help="the link between nodes for the model: 100mbit, 1gbit, 10gbit, "
                       "100gbit (default: link.json of the tune folder, measured here on one node)")
     tune.add_argument("--run-timeout-s", type=float,
-                      help="seconds one probe run may take before it is stopped and counted as failed (default 3600)")
-    tune.add_argument("--slurm", action="store_true", help="run every probe as a SLURM job, submitted with sbatch")
+                      help="seconds one trial run may take before it is stopped and counted as failed (default 3600)")
+    tune.add_argument("--slurm", action="store_true", help="run every trial as a SLURM job, submitted with sbatch")
     add_job_options(tune, "the jobs of --slurm (sbatch's options, as dptrain submit takes them; --setup and --sbatch "
                     "lines go in the --config file's [slurm] table)",
                     {"nodes": "the one node count to tune for (e.g. 2)"}, as_text=("nodes",))
@@ -247,10 +247,10 @@ def bench_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     sweep.set_defaults(run=cmd_sweep)
     tune = commands.add_parser(
         "tune",
-        help="find how to run one configuration fastest, from short probes the scaling model picks",
+        help="find how to run one configuration fastest, from short trial runs the scaling model picks",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Find how to run this configuration fastest (strategy, ranks per node, DDP's bucket size; the\n"
-        "math stays) from short probes the scaling model picks, here or as SLURM jobs on --nodes nodes; write\n"
+        "math stays) from short trial runs the scaling model picks, here or as SLURM jobs on --nodes nodes; write\n"
         "OUTPUT_DIR/tuned.toml (your configuration with the choice), tune.csv and tune.md (what was tried, and why).\n"
         "--output.dir is the tune folder (default runs/tune/<data.name>); every other --section.option VALUE is\n"
         "your configuration (see docs/benchmark.md).")
