@@ -66,7 +66,9 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
 class TrainStep:
     """One optimizer step on a batch: forward, the loss summed over this rank's share, backward (the strategy syncs
     the gradients), clipping, the update, then the schedule's step. Eager, or where train.cuda_graph applies, a CUDA
-    graph's replay of the eager step (graph)."""
+    graph's replay of the eager step (graph). With micro_batches above 1 (train.accumulate_steps) the share goes
+    through forward and backward in that many pieces, the gradients synchronised with the last only
+    (Strategy.gradient_sync): the same sum as the whole share's, and the same step."""
 
     strategy: Strategy
     model: nn.Module
@@ -76,6 +78,7 @@ class TrainStep:
     autocast: Callable[[], contextlib.AbstractContextManager]
     grad_clip: float | None
     graph: StepGraph | None = None
+    micro_batches: int = 1
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sum of this rank's losses, its correct predictions), on the device."""
@@ -90,14 +93,31 @@ class TrainStep:
 
     def eager(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.strategy.zero_grad(self.optimizer)
+        if self.micro_batches == 1:
+            loss_sum, correct = self.forward_backward(images, labels, global_count)
+        else:
+            # Every rank runs every piece, an empty one too (a short last batch): its collectives (FSDP's gathers, the
+            # last piece's sync) are met by all.
+            pieces = list(zip(images.tensor_split(self.micro_batches), labels.tensor_split(self.micro_batches)))
+            loss_sum, correct = torch.zeros((), dtype=torch.float64, device=images.device), 0
+            for index, (part, part_labels) in enumerate(pieces):
+                with self.strategy.gradient_sync(index == len(pieces) - 1):
+                    part_loss, part_correct = self.forward_backward(part, part_labels, global_count)
+                loss_sum, correct = loss_sum + part_loss, correct + part_correct
+        if self.grad_clip is not None:
+            self.strategy.clip_grad_norm(self.model, self.grad_clip)
+        self.strategy.optimizer_step(self.optimizer)
+        return loss_sum, correct
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor,
+                         global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's (or micro-batch's) forward and backward, its gradients added to the parameters' (backward scales
+        them to the global batch's mean); the sum of its losses and its correct predictions."""
         with self.autocast():
             logits = self.model(images)
         # The loss in at least float32 (bf16 logits are summed in float32), float64 stays float64 (the tests' exact mode).
         loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
         self.strategy.backward(loss_sum, global_count)
-        if self.grad_clip is not None:
-            self.strategy.clip_grad_norm(self.model, self.grad_clip)
-        self.strategy.optimizer_step(self.optimizer)
         return loss_sum.detach(), (logits.argmax(1) == labels).sum()
 
     def graphed(self, batch_size: int) -> "TrainStep":
@@ -321,7 +341,7 @@ def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last
 def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Trainer:
     """Everything the loop needs, in order: data, model, strategy, optimizer, schedule, snapshots, the resume, the
     step; the Trainer, whole."""
-    strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s)
+    strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s, cfg.train.accumulate_steps)
     data_rank, data_world = strategy.data_share()
     with phase("data loading"):
         info, train_loader, eval_loader = build_loaders(
@@ -353,7 +373,8 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
         if path is not None:
             snapshotter.load(path, state)
     step = TrainStep(strategy=strategy, model=wrapped, optimizer=optimizer, scheduler=scheduler,
-                     autocast=lambda: bf16_autocast(device, cfg.train.bf16, cache=not graphed), grad_clip=cfg.train.grad_clip)
+                     autocast=lambda: bf16_autocast(device, cfg.train.bf16, cache=not graphed), grad_clip=cfg.train.grad_clip,
+                     micro_batches=cfg.train.accumulate_steps)
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
         step = step.graphed(cfg.train.global_batch_size)
     return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,

@@ -152,9 +152,17 @@ class TrainConfig:
     global_batch_size: int = 128
     """Samples per optimizer step over all ranks; each rank takes global_batch_size / world_size."""
     batch_size_per_rank: int | None = may_change_at_resume(None)
-    """The tutorials' batch instead: samples per step on each rank that takes data. The global batch is then this
-    times those ranks, printed and saved as train.global_batch_size: it changes with the world size, and with it what
+    """The tutorials' batch instead: samples per forward pass on each rank that takes data (a micro-batch where
+    train.accumulate_steps is above 1). The global batch is then this times those ranks times train.accumulate_steps
+    (Lightning's rule), printed and saved as train.global_batch_size: it changes with the world size, and with it what
     a step computes (a resume at another world size is refused). None: train.global_batch_size decides."""
+    accumulate_steps: int = may_change_at_resume(1)
+    """Micro-batches per optimizer step: each rank's share of the global batch goes through forward and backward in
+    this many pieces, whose gradients are summed on the rank and synchronised once, with the last (DDP's no_sync,
+    FSDP2's set_requires_gradient_sync); the same math as the whole share at once, with the activations of one piece.
+    train.global_batch_size stays the samples of one optimizer step, so it must divide by the ranks that take data
+    times this. Snapshots are taken between optimizer steps only. Lightning's --accumulate_grad_batches, DeepSpeed's
+    gradient_accumulation_steps."""
     eval_batch_size: int = may_change_at_resume(128)
     """Samples per evaluation forward pass on each rank. Small batches keep the activations in the CPU's caches:
     the tutorials' CNN evaluates 2.3x faster on one core at 128 than at 1000, and holds about 200 MB less."""
@@ -203,6 +211,7 @@ class TrainConfig:
         positive(self.global_batch_size, "train.global_batch_size")
         if self.batch_size_per_rank is not None:
             positive(self.batch_size_per_rank, "train.batch_size_per_rank")
+        positive(self.accumulate_steps, "train.accumulate_steps")
         positive(self.eval_batch_size, "train.eval_batch_size")
         positive(self.log_every, "train.log_every")
         not_negative(self.progress_every_s, "train.progress_every_s")
@@ -361,6 +370,9 @@ class RunConfig:
                               "combine; keep one of them.")
         if self.train.compile and self.strategy.spec.compile_refusal:
             raise ConfigError(self.strategy.spec.compile_refusal)
+        if self.train.cuda_graph and self.train.accumulate_steps > 1:
+            raise ConfigError(f"train.cuda_graph captures one forward and backward a step, and train.accumulate_steps "
+                              f"{self.train.accumulate_steps} runs {self.train.accumulate_steps}; drop one of the two.")
         if self.train.cuda_graph and self.optim.schedule == "onecycle":
             raise ConfigError("train.cuda_graph cannot follow optim.schedule onecycle, which changes Adam's betas every "
                               "step; use cosine, or drop train.cuda_graph.")
