@@ -70,6 +70,7 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         + (" along DeepSpeed's log curve" if cfg.optim.warmup_steps and
            cfg.strategy.deepspeed.warmup_type == "log" else ""),
         *_strategy_file_lines(cfg),
+        *_profile_lines(cfg, total_steps),
         f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/"
         + (", model.pt)" if cfg.output.weights == cfg.output.run_dir / "model.pt" else f"); the final weights to "
            f"{cfg.output.weights}") + ("; they replace the earlier final weights there" if cfg.output.weights.exists()
@@ -88,6 +89,18 @@ def _strategy_file_lines(cfg: RunConfig) -> list[str]:
 
     line = STRATEGIES[cfg.strategy.name].settings_from_file(cfg)
     return [] if line is None else [f"  ds_config  {line}"]
+
+
+def _profile_lines(cfg: RunConfig, total_steps: int) -> list[str]:
+    """train.profile's steps, where the run profiles some, and where the traces go."""
+    steps = cfg.train.profiled_steps
+    if steps is None:
+        return []
+    first, last = steps[0], min(steps[1], total_steps)
+    if first > total_steps:
+        return [f"  profile    none: train.profile {cfg.train.profile} starts after the run's last step ({total_steps})"]
+    return [f"  profile    steps {first} to {last} with torch.profiler on every rank, the traces in "
+            f"{cfg.output.folder.profile}"]
 
 
 def _data_line(cfg: RunConfig, info: DataInfo, present: bool) -> str:

@@ -9,7 +9,7 @@
       checkpoints/    step-<N>/ snapshots and `latest`
       model.pt        the final weights, whole, for plain torch.load (output.weights_dir/weights_file put them
                       elsewhere: the tutorials' --model_dir/--model_filename)
-      tb/             TensorBoard's event files
+      tb/             TensorBoard's event files; profile/: each rank's torch.profiler trace (train.profile)
       job.sbatch      the job script `dptrain submit` wrote (a submitted run only)
       job.toml        the configuration as given to `dptrain submit`, which the job trains from
       card/           the run's card, card.md and its plots (`dptrain card`; report/ before)
@@ -60,6 +60,11 @@ class RunFolder:
     @property
     def tb(self) -> Path:
         return self.root / "tb"
+
+    @property
+    def profile(self) -> Path:
+        """train.profile's traces, rank<R>.<time>.pt.trace.json, where TensorBoard's profiler plugin finds them."""
+        return self.tb / "profile"
 
     @property
     def job_script(self) -> Path:

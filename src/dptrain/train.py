@@ -34,6 +34,7 @@ from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, STEP, STEP_EVENT
 from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
+from dptrain.metrics.profiler import StepProfiler
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -79,16 +80,19 @@ class TrainStep:
     grad_clip: float | None
     graph: StepGraph | None = None
     micro_batches: int = 1
+    profiler: StepProfiler | None = None
+    """train.profile's profiler, which every step passes through (it records the steps of its range)."""
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sum of this rank's losses, its correct predictions), on the device."""
-        if self.graph is not None:
-            out = self.graph(batch.images, batch.labels)
-        else:
-            out = self.eager(batch.images, batch.labels, batch.global_count)
-        self.scheduler.step()
-        if self.graph is not None:
-            self.graph.after_schedule_step()
+        with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+            if self.graph is not None:
+                out = self.graph(batch.images, batch.labels)
+            else:
+                out = self.eager(batch.images, batch.labels, batch.global_count)
+            self.scheduler.step()
+            if self.graph is not None:
+                self.graph.after_schedule_step()
         return out
 
     def eager(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,13 +378,23 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
             snapshotter.load(path, state)
     step = TrainStep(strategy=strategy, model=wrapped, optimizer=optimizer, scheduler=scheduler,
                      autocast=lambda: bf16_autocast(device, cfg.train.bf16, cache=not graphed), grad_clip=cfg.train.grad_clip,
-                     micro_batches=cfg.train.accumulate_steps)
+                     micro_batches=cfg.train.accumulate_steps, profiler=step_profiler(cfg, env, device, state, total_steps))
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
         step = step.graphed(cfg.train.global_batch_size)
     return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
                    train_loader=train_loader, eval_loader=eval_loader, info=info, events=events, phase=phase,
                    total_steps=total_steps, step=step, snapshots=snapshotter, state=state,
                    stop=StopRequest(env.world_size), flops_per_sample=flops)
+
+
+def step_profiler(cfg: RunConfig, env: DistEnv, device: torch.device, state: TrainState,
+                  total_steps: int) -> StepProfiler | None:
+    """train.profile's profiler of this rank, from the step the run stands at; None without it."""
+    steps = cfg.train.profiled_steps
+    if steps is None:
+        return None
+    return StepProfiler(*steps, folder=cfg.output.folder.profile, rank=env.global_rank, device=device,
+                        next_step=state.step + 1, total_steps=total_steps)
 
 
 def use_step_graph(cfg: RunConfig, device: torch.device, strategy: Strategy) -> bool:

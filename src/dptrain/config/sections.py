@@ -197,6 +197,19 @@ class TrainConfig:
     eval_every_epochs: int = may_change_at_resume(1)
     """Evaluate on the test split after every this many epochs (0: only at the end); the run's last epoch, or the
     partial epoch a train.max_steps stop ends in, is always evaluated."""
+    profile: str | None = may_change_at_resume(None)
+    """FIRST:LAST, such as 10:15: torch.profiler records the run's optimizer steps FIRST to LAST (counted from 1, as
+    the step events count them) on every rank, CPU activities and CUDA's where the ranks run on GPUs; each rank's
+    trace goes to tb/profile/rank<R>.<time>.pt.trace.json in the run folder once step LAST (or the run's last step)
+    is done, for TensorBoard's profiler plugin, Perfetto or chrome://tracing. None: no profiling."""
+
+    @property
+    def profiled_steps(self) -> tuple[int, int] | None:
+        """train.profile as (first, last) step, both included; None without it."""
+        if self.profile is None:
+            return None
+        first, last = self.profile.split(":")
+        return int(first), int(last)
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """The run's optimizer steps: every epoch's, cut at max_steps."""
@@ -217,6 +230,10 @@ class TrainConfig:
         not_negative(self.progress_every_s, "train.progress_every_s")
         if self.grad_clip is not None:
             positive(self.grad_clip, "train.grad_clip")
+        if self.profile is not None and not (re.fullmatch(r"[0-9]{1,9}:[0-9]{1,9}", self.profile)
+                                             and 1 <= int(self.profile.split(":")[0]) <= int(self.profile.split(":")[1])):
+            raise ConfigError(f"train.profile = {shown(self.profile)} is not a range of steps; give FIRST:LAST with "
+                              f"1 <= FIRST <= LAST, such as 10:15 (the run's optimizer steps, counted from 1).")
 
 
 # The flat keys of [strategy] before each strategy had its table (strategy.comm_hook, ...), each with its table's key:
