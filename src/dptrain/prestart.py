@@ -45,6 +45,7 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
         check_backend(cfg.launch.backend, on_cuda)
     check_output_dir(cfg.output.run_dir)
     check_weights_file(cfg.output)
+    check_trackers(cfg)
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
@@ -53,6 +54,18 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """Each tracker of output.trackers is installed here (rank 0 imports it as the run starts)."""
+    import importlib.util
+
+    for name in cfg.output.trackers:
+        choice = config_mod.TRACKERS[name]
+        missing = [module for module in choice.needs if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ConfigError(f"output.trackers {name} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                              f"not installed here; run {choice.install}, or leave {name} out of output.trackers.")
 
 
 def check_batch_fits(cfg: RunConfig, world_size: int, train_size: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
+from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES, TRACKERS
 from dptrain.option_fields import (MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT, field_types, is_table, may_change_at_resume,
                                    name_or_import_path, not_negative, positive, shown)
 from dptrain.config.slurm import SlurmConfig
@@ -34,6 +34,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
 
 
+TrackerName = Literal[tuple(TRACKERS)]  # type: ignore[valid-type]  # config.choices' TRACKERS: the one list of them
+"""output.trackers' choices."""
 Augment = Literal["none", "crop-flip"]
 """data.augment's choices: the augmentations of dptrain.data.augment."""
 
@@ -325,6 +327,20 @@ class OutputConfig:
     (written by rank 0 at the run's end, replaced atomically). It may replace earlier final weights only: a name of the run
     folder's own (config.toml, checkpoints, ...) or a file of other content is refused before the run starts. The
     tutorials' --model_filename."""
+    trackers: tuple[TrackerName, ...] = may_change_at_resume(())
+    """Experiment trackers that rank 0 sends the run to beside TensorBoard, each installed by name (pip install
+    'dptrain[mlflow]'): mlflow, wandb, or both (mlflow,wandb). What metrics.jsonl holds goes there: the configuration as
+    parameters, each step's loss and rate, each epoch's metrics, and the final weights as an artifact. They run on a
+    thread of their own, so that training never waits for them; one that fails says so in one warning line, and the
+    run goes on without it."""
+    mlflow_uri: str | None = may_change_at_resume(None)
+    """MLflow's tracking URI, a server's (http://HOST:5000) or a database's (sqlite:///PATH); None: an SQLite store
+    in the run folder, mlflow/ (mlflow.db and the artifacts), with no server. The experiment is MLFLOW_EXPERIMENT_NAME,
+    else dptrain; the run is named after the run folder."""
+    wandb_mode: Literal["offline", "online"] = may_change_at_resume("offline")
+    """Weights & Biases: offline writes the run into the run folder's wandb/ only, with no network and no login
+    (`wandb sync` uploads it later); online sends it as it goes (after `wandb login`). The project is WANDB_PROJECT,
+    else dptrain."""
     rank_epoch_lines: bool = may_change_at_resume(False)
     """Every rank prints its own epoch line (`rank 1 epoch 2: 469 steps, ...`) on the console and in the job's
     output, as the tutorials' print in every process does; otherwise other ranks' lines go to logs/rank<R>.log only."""
@@ -337,6 +353,9 @@ class OutputConfig:
         if self.dir is not None and not self.dir.isprintable():
             raise ConfigError(f"output.dir = {shown(self.dir)} holds a control character (a line break, an escape) or "
                               f"bytes that are not UTF-8 text; give a folder whose path is printable text.")
+        if self.mlflow_uri is not None and (not self.mlflow_uri.isprintable() or not self.mlflow_uri.strip()):
+            raise ConfigError(f"output.mlflow_uri = {shown(self.mlflow_uri)} is not a URI; give one such as "
+                              f"http://HOST:5000 or sqlite:///PATH, or leave it out for a store in the run folder.")
         if self.weights_dir is not None and not self.weights_dir.isprintable():
             raise ConfigError(f"output.weights_dir = {shown(self.weights_dir)} holds a control character (a line break, "
                               f"an escape) or bytes that are not UTF-8 text; give a folder whose path is printable text.")
