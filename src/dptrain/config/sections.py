@@ -172,6 +172,11 @@ class TrainConfig:
     """Seeds the model init, the data order and every rank's RNG."""
     bf16: bool = False
     """Autocast the forward pass to bfloat16."""
+    fp16: bool = False
+    """On GPUs: autocast the forward pass to float16 and scale the loss with torch.amp.GradScaler, for GPUs without
+    bfloat16 (V100, T4). A step whose scaled gradients overflow is skipped (its update not applied, the scale
+    halved), counted in the epoch's skipped_steps; the scaler's state is kept in snapshots. With strategies ddp, zero1
+    and single; not on the CPU (train.bf16 is the CPU's 16-bit autocast), nor with train.bf16 or train.cuda_graph."""
     deterministic: bool = may_change_at_resume(False)
     """On CUDA, deterministic kernels only (cuDNN, cuBLAS, no atomic adds), so that a run repeats bit for bit and
     resumes bit-identical; slower. A kernel with no deterministic version warns. The CPU path is deterministic anyway."""
@@ -406,6 +411,11 @@ class RunConfig:
                               "combine; keep one of them.")
         if self.train.compile and self.strategy.spec.compile_refusal:
             raise ConfigError(self.strategy.spec.compile_refusal)
+        if self.train.fp16 and self.train.bf16:
+            raise ConfigError("train.fp16 and train.bf16 are two precisions of the same autocast; keep one of them.")
+        if self.train.fp16 and self.train.cuda_graph:
+            raise ConfigError("train.cuda_graph replays a captured step, and train.fp16's loss scaler decides on the "
+                              "host, each step, whether to skip its update; drop one of the two.")
         if self.train.cuda_graph and self.train.accumulate_steps > 1:
             raise ConfigError(f"train.cuda_graph captures one forward and backward a step, and train.accumulate_steps "
                               f"{self.train.accumulate_steps} runs {self.train.accumulate_steps}; drop one of the two.")

@@ -114,6 +114,10 @@ class Strategy:
     may change (--nnodes MIN:MAX) needs to go on after losing a node."""
     times_comm = False
     """Whether comm_timing() times its gradient communication (the epoch event's comm_ms_per_step fields)."""
+    fp16_refusal: ClassVar[str | None] = None
+    """Why train.fp16 (float16 autocast, torch.amp.GradScaler) cannot run with it, as the sentence that refuses it;
+    None: it can. GradScaler looks for overflow in each rank's own gradients and skips the update on that rank: that
+    takes gradients already the same on every rank (synchronised in backward) and an update each rank makes alike."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that states its own spec registers itself as the strategy of that name (registry.STRATEGIES)."""

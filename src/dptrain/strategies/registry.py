@@ -53,6 +53,11 @@ def check_world(cfg: RunConfig, world_size: int, train_size: int, on_cpu: bool =
     strategy = STRATEGIES[cfg.strategy.name]
     strategy.check_world(cfg.strategy, world_size, on_cpu, torch.__version__ if torch_version is None else torch_version)
     strategy.check_run(cfg, world_size, on_cpu)
+    if cfg.train.fp16 and on_cpu:
+        raise ConfigError("train.fp16 scales float16 losses on GPUs, and this run is on the CPU; use --train.bf16 true "
+                          "for 16-bit autocast on the CPU, or run on GPUs.")
+    if cfg.train.fp16 and strategy.fp16_refusal is not None:
+        raise ConfigError(strategy.fp16_refusal)
     if cfg.model.sync_batchnorm:
         check_sync_batchnorm(strategy, on_cpu)
     data_world = strategy.data_world_size(cfg.strategy, world_size)

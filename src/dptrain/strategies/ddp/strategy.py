@@ -60,6 +60,9 @@ def refuse_with_deferred_update(name: str, cfg: RunConfig) -> None:
     if cfg.train.compile:
         raise ConfigError(f"{option} applies each layer's update in a hook before its forward, which train.compile "
                           f"would compile through; drop one of the two.")
+    if cfg.train.fp16:
+        raise ConfigError(f"{option} updates each layer on its own in a hook, and train.fp16's loss scaler decides for "
+                          f"the whole step whether to update; drop one of the two.")
     if cfg.train.accumulate_steps > 1:
         raise ConfigError(f"{option} applies each step's update in the next forward, and train.accumulate_steps "
                           f"{cfg.train.accumulate_steps} runs {cfg.train.accumulate_steps} forwards a step; drop one of "

@@ -127,6 +127,8 @@ class DeepSpeed(Strategy):
 
     spec = SPEC
     step_is_local = False  # collectives inside the step
+    fp16_refusal = ("strategy deepspeed scales float16 losses with its own engine (its fp16 section), which dptrain "
+                    "does not run; use --train.bf16 true, or strategy ddp or zero1 for train.fp16.")
     resumes_on_another_world = False  # its engine's own checkpoint is per rank (state.OwnFolder)
 
     def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device,

@@ -179,6 +179,9 @@ class FSDP(Strategy):
 
     spec = SPEC
     step_is_local = False  # collectives inside the step
+    fp16_refusal = ("train.fp16's torch.amp.GradScaler would look for overflow in each rank's shard of the gradients "
+                    "alone, and skip the update on some ranks only; use strategy.fsdp.param_dtype bfloat16 or "
+                    "--train.bf16 true, or strategy ddp.")
     shared_memory_collectives: SharedMemoryCollectives | None = None
     """The all-gathers and reduce-scatters through /dev/shm (CPU ranks all on one host), once wrapped; None: gloo's."""
 
