@@ -60,7 +60,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         f"  world      {world_size} {workers} on {device}, backend {pick_backend(cfg.launch.backend, torch.device(device.split(':')[0]))}, "
         f"strategy {cfg.strategy.name}" + (f" ({data_world} of them take data)" if data_world != world_size else ""),
         f"  data       {_data_line(cfg, info, present)}",
-        f"  batches    {batch_split(cfg, world_size)}; {steps_per_epoch} steps per epoch, {total_steps} in all ({cfg.train.epochs} epochs"
+        f"  batches    {batch_split(cfg, world_size)}; {steps_per_epoch} steps per epoch, {total_steps} in all "
+        f"({cfg.train.epochs} epochs"
         + (f", stopped at step {cfg.train.max_steps}" if cfg.train.max_steps is not None else "") + ")",
         f"  model      {cfg.model.name}: {parameters:,} parameters"
         + ("; BatchNorm as SyncBatchNorm (statistics over the global batch)" if cfg.model.sync_batchnorm else "")
@@ -98,7 +99,8 @@ def _profile_lines(cfg: RunConfig, total_steps: int) -> list[str]:
         return []
     first, last = steps[0], min(steps[1], total_steps)
     if first > total_steps:
-        return [f"  profile    none: train.profile {cfg.train.profile} starts after the run's last step ({total_steps})"]
+        return [f"  profile    none: train.profile {cfg.train.profile} starts after the run's last step "
+                f"({total_steps})"]
     return [f"  profile    steps {first} to {last} with torch.profiler on every rank, the traces in "
             f"{cfg.output.folder.profile}"]
 

@@ -113,8 +113,8 @@ RUN_START_EVENT = EventSchema("run_start", (WORLD_SIZE, STRATEGY, MODEL, DATA, G
                               optional=(SLURM_RESTARTS, AGENT_RESTARTS, SLURM_JOB_ID))
 STEP_EVENT = EventSchema("step", (EPOCH, STEP, LOSS, LR))
 EPOCH_EVENT = EventSchema("epoch", (EPOCH, STEP, TRAIN_LOSS, TRAIN_ACC, TRAIN_SAMPLES, EPOCH_TIME_S, SAMPLES_PER_S,
-                                    *EPOCH_RATES, PEAK_MEM_MB, LR, SKIPPED_STEPS, *FOOTPRINT, *COMM_TIMING, *UTILISATION,
-                                    *EVALUATION),
+                                    *EPOCH_RATES, PEAK_MEM_MB, LR, SKIPPED_STEPS, *FOOTPRINT, *COMM_TIMING,
+                                    *UTILISATION, *EVALUATION),
                           optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *UTILISATION, *EVALUATION))
 RUN_END_EVENT = EventSchema("run_end", (STEP,))
 STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))

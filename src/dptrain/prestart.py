@@ -64,8 +64,9 @@ def check_trackers(cfg: RunConfig) -> None:
         choice = config_mod.TRACKERS[name]
         missing = [module for module in choice.needs if importlib.util.find_spec(module) is None]
         if missing:
-            raise ConfigError(f"output.trackers {name} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                              f"not installed here; run {choice.install}, or leave {name} out of output.trackers.")
+            verb = "is" if len(missing) == 1 else "are"
+            raise ConfigError(f"output.trackers {name} needs {', '.join(missing)}, which {verb} not installed here; run "
+                              f"{choice.install}, or leave {name} out of output.trackers.")
 
 
 def check_batch_fits(cfg: RunConfig, world_size: int, train_size: int) -> None:

@@ -1,7 +1,7 @@
 """The built-in datasets, models and experiment trackers by name, each with where it is implemented
 (`package.module:attr`, imported only by dptrain.data, dptrain.models and dptrain.metrics.trackers, which build their
-tables from these): the one list of data.name's, model.name's and output.trackers' built-in choices. Torch-free, so that config checks a name before torch is imported. docs/extending.md says how to
-add one."""
+tables from these): the one list of data.name's, model.name's and output.trackers' built-in choices. Torch-free, so
+that config checks a name before torch is imported. docs/extending.md says how to add one."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class TrackerChoice:
 
 
 TRACKERS: dict[str, TrackerChoice] = {
-    "mlflow": TrackerChoice("dptrain.metrics.trackers.mlflow_tracker:MlflowTracker", ("mlflow", "sqlalchemy", "alembic"),
-                            "pip install 'dptrain[mlflow]'"),
+    "mlflow": TrackerChoice("dptrain.metrics.trackers.mlflow_tracker:MlflowTracker",
+                            ("mlflow", "sqlalchemy", "alembic"), "pip install 'dptrain[mlflow]'"),
     "wandb": TrackerChoice("dptrain.metrics.trackers.wandb_tracker:WandbTracker", ("wandb",),
                            "pip install 'dptrain[wandb]'"),
 }

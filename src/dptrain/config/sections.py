@@ -238,7 +238,8 @@ class TrainConfig:
         if self.grad_clip is not None:
             positive(self.grad_clip, "train.grad_clip")
         if self.profile is not None and not (re.fullmatch(r"[0-9]{1,9}:[0-9]{1,9}", self.profile)
-                                             and 1 <= int(self.profile.split(":")[0]) <= int(self.profile.split(":")[1])):
+                                             and 1 <= int(self.profile.split(":")[0])
+                                             <= int(self.profile.split(":")[1])):
             raise ConfigError(f"train.profile = {shown(self.profile)} is not a range of steps; give FIRST:LAST with "
                               f"1 <= FIRST <= LAST, such as 10:15 (the run's optimizer steps, counted from 1).")
 

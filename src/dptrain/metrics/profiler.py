@@ -58,8 +58,8 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.folder.mkdir(parents=True, exist_ok=True)
         # A schedule that records every step until stop(): with one, the profiler marks the steps (without, it does not)
-        self.profiler = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD,
-                                on_trace_ready=tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}"))
+        handler = tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")
+        self.profiler = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD, on_trace_ready=handler)
         self.profiler.step_num = step  # its step marks say the run's step: ProfilerStep#<step>
         self.started = step
         self.profiler.start()

@@ -27,8 +27,8 @@ from typing import Any
 
 from dptrain.errors import ConfigError
 from dptrain.events import (ACHIEVED_TFLOPS, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, EVAL_TIME_S, EVENT, LOSS,
-                            LR, PEAK_MEM_MB, RUN_END_EVENT, SAMPLES_PER_S, SKIPPED_STEPS, STEP, STEP_EVENT, STOPPED_EVENT,
-                            TRAIN_ACC, TRAIN_LOSS, UTILISATION)
+                            LR, PEAK_MEM_MB, RUN_END_EVENT, SAMPLES_PER_S, SKIPPED_STEPS, STEP, STEP_EVENT,
+                            STOPPED_EVENT, TRAIN_ACC, TRAIN_LOSS, UTILISATION)
 from dptrain.metrics.epoch_lines import epoch_line
 from dptrain.run_folder import RunFolder
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from dptrain.config import TRACKERS, RunConfig, to_dict
-from dptrain.events import EPOCH, EPOCH_EVENT, EVENT, RUN_END_EVENT, RUN_START_EVENT, STEP, STEP_EVENT, STOPPED_EVENT, TIME
+from dptrain.events import (EPOCH, EPOCH_EVENT, EVENT, RUN_END_EVENT, RUN_START_EVENT, STEP, STEP_EVENT, STOPPED_EVENT,
+                            TIME)
 from dptrain.imports import import_object
 from dptrain.metrics.tensorboard import flat_hparams
 
@@ -115,8 +116,8 @@ class TrackerSink:
             except Exception as exc:  # noqa: BLE001 - any failure of a tracker is its own, never the run's
                 self.failed = True
                 first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-                log.warning("tracker %s failed at step %d (%s%s); the run goes on without it: metrics.jsonl keeps every "
-                            "event", self.name, step, type(exc).__name__, f": {first}" if first else "")
+                log.warning("tracker %s failed at step %d (%s%s); the run goes on without it: metrics.jsonl keeps "
+                            "every event", self.name, step, type(exc).__name__, f": {first}" if first else "")
 
     def close(self) -> None:
         """The run's end (or failure): its last calls, then the thread's end, waited for CLOSE_WAIT_S at most."""

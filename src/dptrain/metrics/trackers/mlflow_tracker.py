@@ -49,7 +49,8 @@ class MlflowTracker:
         else:  # in the run folder's own store, its artifacts beside the database
             artifacts = None if self.uri else (self.folder / "artifacts").resolve().as_uri()
             experiment_id = client.create_experiment(name, artifact_location=artifacts)
-        self.run_id = client.create_run(experiment_id, run_name=self.run_name, tags={"dptrain.run_dir": self.run_dir}).info.run_id
+        run = client.create_run(experiment_id, run_name=self.run_name, tags={"dptrain.run_dir": self.run_dir})
+        self.run_id = run.info.run_id
         with written_atomically(id_file) as tmp:
             tmp.write_text(self.run_id + "\n")
         items = [Param(key, str(value)) for key, value in params.items()]

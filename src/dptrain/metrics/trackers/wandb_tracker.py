@@ -34,8 +34,9 @@ class WandbTracker:
         id_file = self.folder / "dptrain-run-id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # W&B's ids: [a-z0-9]
         # dir: wandb makes its own wandb/ inside the folder given; console off: dptrain's log lines are the run's own.
-        self.run = wandb.init(dir=str(self.folder.parent), mode=self.mode, project=os.environ.get("WANDB_PROJECT", "dptrain"),
-                              name=self.run_name, id=run_id, resume="allow", config=params,
+        self.run = wandb.init(dir=str(self.folder.parent), mode=self.mode,
+                              project=os.environ.get("WANDB_PROJECT", "dptrain"), name=self.run_name, id=run_id,
+                              resume="allow", config=params,
                               settings=wandb.Settings(console="off", silent=True))
         if not id_file.is_file():
             with written_atomically(id_file) as tmp:

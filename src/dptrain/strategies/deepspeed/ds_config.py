@@ -1,7 +1,7 @@
 """A user's ds_config.json, read and checked against the run (torch-free): its values in range, the settings dptrain
 takes from it into the options the run does not set (adopt_user_config: train_batch_size, gradient_accumulation_steps,
-the optimizer's params, gradient_clipping, WarmupLR), a contradiction with the run's own refused in one sentence (check_against_run), and
-the engine's config made from it (engine_config)."""
+the optimizer's params, gradient_clipping, WarmupLR), a contradiction with the run's own refused in one sentence
+(check_against_run), and the engine's config made from it (engine_config)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,9 @@ handed to DeepSpeed as its client optimizer), the learning-rate schedule, gradie
 (train.bf16 autocasts, as for every strategy) and the ZeRO stage. A user's ds_config.json adds the engine's
 own settings (buckets, overlap, communication dtype, ...). Where it states one of dptrain's that the run does
 not set itself (train_batch_size, gradient_accumulation_steps, the Adam/AdamW/SGD optimizer's params,
-gradient_clipping, a WarmupLR scheduler), adopt_user_config takes the file's value into the options, as the tutorials' files expect; where
-the run sets it too, both must agree, and a contradiction is refused in one sentence before any worker starts
-(check_run). Snapshots hold
-DeepSpeed's own checkpoint (engine.save_checkpoint / load_checkpoint) in a subfolder, written and read as
+gradient_clipping, a WarmupLR scheduler), adopt_user_config takes the file's value into the options, as the
+tutorials' files expect; where the run sets it too, both must agree, and a contradiction is refused in one sentence
+before any worker starts (check_run). Snapshots hold DeepSpeed's own checkpoint (engine.save_checkpoint / load_checkpoint) in a subfolder, written and read as
 plain data (PlainDataCheckpointEngine), besides the model in DCP for `dptrain eval` and `predict`.
 """
 
