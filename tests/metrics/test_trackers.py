@@ -148,16 +148,19 @@ RUN = ["--nproc-per-node", "2", "--data.name", "synthetic", "--data.synthetic_tr
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory) -> Path:
-    """The run folder of a 2-rank run that sends itself to an MLflow store and an offline W&B run in the folder."""
+    """The run folder of a 2-rank run that sends itself to an MLflow store and an offline W&B run in the folder: 2
+    epochs, then the same command with a third, which resumes from the end of the second."""
     from tests.conftest import run_cli
 
     root = tmp_path_factory.mktemp("tracked")
     home = {name: str(root / "wandb-home") for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR")}
-    env = {**home, "WANDB_API_KEY": "", "WANDB_MODE": "", "MLFLOW_EXPERIMENT_NAME": "", "MLFLOW_TRACKING_URI": ""}
-    result = run_cli(["train", *RUN, "--output.dir", str(root / "run")], root, timeout=300,
-                     env={k: v for k, v in env.items() if v} | {"WANDB_SILENT": "true"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tracker" not in result.stdout + result.stderr  # no warning line of a failing tracker
+    env = {**home, "WANDB_SILENT": "true"}
+    for epochs in ("2", "3"):
+        result = run_cli(["train", *RUN, "--train.epochs", epochs, "--output.dir", str(root / "run")], root,
+                         timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "tracker" not in result.stdout + result.stderr  # no warning line of a failing tracker
+    assert len(read_events(root / "run", "run_start")) == 2  # resumed once
     return root / "run"
 
 
@@ -167,7 +170,7 @@ def test_mlflows_store_in_the_run_folder_holds_the_run_as_mlflows_client_reads_i
 
     client = MlflowClient(f"sqlite:///{tracked / 'mlflow' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("dptrain")
-    [run] = client.search_runs([experiment.experiment_id])  # one run: rank 0's alone
+    [run] = client.search_runs([experiment.experiment_id])  # one run: rank 0's alone, gone on with by the resume
     assert run.info.run_id == (tracked / "mlflow" / "run_id").read_text().strip()
     assert (run.info.status, run.info.run_name) == ("FINISHED", "run")
     params = run.data.params
@@ -175,7 +178,7 @@ def test_mlflows_store_in_the_run_folder_holds_the_run_as_mlflows_client_reads_i
         ("32", "ddp", '["mlflow", "wandb"]')
     epochs = read_events(tracked, "epoch")
     history = client.get_metric_history(run.info.run_id, "epoch/train_loss")
-    assert [(m.step, m.value) for m in history] == [(e["step"], e["train_loss"]) for e in epochs]
+    assert [(m.step, m.value) for m in history] == [(e["step"], e["train_loss"]) for e in epochs] and len(epochs) == 3
     losses = client.get_metric_history(run.info.run_id, "step/loss")
     assert [(m.step, m.value) for m in losses] == [(e["step"], e["loss"]) for e in read_events(tracked, "step")]
     [artifact] = client.list_artifacts(run.info.run_id)
@@ -215,14 +218,16 @@ def wandb_records(path: Path) -> list:
 
 @pytest.mark.slow
 def test_the_offline_wandb_run_folder_holds_the_run(tracked):
-    [folder] = (tracked / "wandb").glob("offline-run-*")  # one run: rank 0's alone
+    # one W&B run, rank 0's alone: offline, each process group writes a folder of it, which `wandb sync` joins
+    folders = sorted((tracked / "wandb").glob("offline-run-*"))
     run_id = (tracked / "wandb" / "dptrain-run-id").read_text().strip()
-    records = wandb_records(folder / f"run-{run_id}.wandb")
+    assert len(folders) == 2 and all(folder.name.endswith(f"-{run_id}") for folder in folders)
+    records = [*wandb_records(folders[0] / f"run-{run_id}.wandb"), *wandb_records(folders[1] / f"run-{run_id}.wandb")]
     by_kind: dict[str, list] = {}
     for record in records:
         by_kind.setdefault(record.WhichOneof("record_type"), []).append(record)
-    [run] = by_kind["run"]
-    assert (run.run.run_id, run.run.display_name, run.run.project) == (run_id, "run", "dptrain")
+    run = by_kind["run"][0]
+    assert [(r.run.run_id, r.run.display_name, r.run.project) for r in by_kind["run"]] == [(run_id, "run", "dptrain")] * 2
     config = {item.key: json.loads(item.value_json) for item in run.run.config.update}
     assert (config["train.global_batch_size"], config["strategy.name"]) == (32, "ddp")
     rows = [{(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
@@ -232,7 +237,7 @@ def test_the_offline_wandb_run_folder_holds_the_run(tracked):
         assert logged[epoch["step"]]["epoch/train_loss"] == epoch["train_loss"]
     for step in read_events(tracked, "step"):
         assert logged[step["step"]]["step/loss"] == step["loss"]
-    [artifact] = [r.artifact for r in by_kind["artifact"]]
+    artifact = by_kind["artifact"][-1].artifact  # the second process group's final weights: the run's
     assert (artifact.type, artifact.name) == ("model", "run-weights")
     [entry] = artifact.manifest.contents
     weights = (tracked / "model.pt").read_bytes()
