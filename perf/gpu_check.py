@@ -15,7 +15,8 @@ Parts:
             deepspeed on one GPU; an asynchronous snapshot; with 2+ GPUs also dp's nn.DataParallel, ddp on nccl, and a
             rank lost on nccl, timed and named
   speed     the main command's model on one GPU: epoch times, eager and as a CUDA graph
-  resume    deterministic kernels: the same run twice, and a run stopped at a snapshot and resumed, end torch.equal
+  resume    deterministic kernels: the same run twice, and a run stopped at a snapshot and resumed, end torch.equal;
+            train.fp16 (float16 with a loss scaler): it trains and counts skipped steps, and resumes torch.equal
   eval      `dptrain eval` of resume's snapshot, with its predictions file
 Exit code 1 when a check failed. Every run's output is in OUT/<check>.log, its run folder OUT/<check>/.
 """
@@ -614,6 +615,46 @@ def check_resume(check: Check, snapshot_for_eval: list[Path]) -> None:
             snapshot_for_eval.append(part.run_dir)
 
     guarded(check, f"a run snapshotted at step {half} and resumed ends torch.equal to one never stopped", resumed)
+    check_fp16(check, det, total)
+
+
+def check_fp16(check: Check, det: list[str], total: int) -> None:
+    """train.fp16 (float16 autocast, torch.amp.GradScaler): it trains, counts the steps its scaler skipped (the
+    first ones usually, while the scale of 65536 comes down), and a run snapshotted half-way resumes torch.equal (the
+    scaler's state is a snapshot part); ddp over gloo on 2 ranks sharing the GPU trains too. On the CPU it is refused:
+    its rehearsal checks the sentence."""
+    half = total // 2
+    fp16 = [*det, "--train.fp16", "true", "--strategy.name", "single"]
+    name = f"train.fp16: one GPU trains, skipped steps counted, snapshotted at step {half} and resumed ends torch.equal"
+
+    def resumed() -> None:
+        whole = check.run("fp16-whole", [*fp16, "--train.max_steps", str(total)])
+        part = check.run("fp16-part", [*fp16, "--train.max_steps", str(half), "--checkpoint.every_steps", str(half)])
+        rest = check.run("fp16-part-resume", [*fp16, "--train.max_steps", str(total), "--checkpoint.every_steps",
+                                              str(half)], run_dir=part.run_dir)
+        epochs = whole.events("epoch")
+        skipped = [e.get("skipped_steps") for e in epochs]
+        losses = whole.losses()
+        ok = (whole.returncode == part.returncode == rest.returncode == 0 and bool(losses) and losses[-1] < losses[0]
+              and all(isinstance(n, int) for n in skipped) and same_weights(whole, part)[0])
+        check.verdict("PASS" if ok else "FAIL", name, f"exit {whole.returncode}, {part.returncode}, {rest.returncode}; "
+                      f"skipped_steps by epoch {skipped}; loss {losses[0] if losses else '?'} -> "
+                      f"{losses[-1] if losses else '?'}")
+
+    guarded(check, name, resumed, None if check.on_cuda else "needs CUDA (train.fp16 is refused on the CPU)")
+    ddp = "train.fp16: ddp on 2 ranks sharing the GPU over gloo trains"
+
+    def two_ranks() -> None:
+        run = check.run("fp16-ddp", ["--nproc-per-node", "2", "--launch.backend", "gloo", *base_args(check),
+                                     "--train.fp16", "true"], env=check.one_gpu_env())
+        ok, shown = trained(run, check.args.steps)
+        check.verdict("PASS" if ok else "FAIL", ddp, shown)
+
+    guarded(check, ddp, two_ranks, None if check.on_cuda else "needs CUDA")
+    cpu = "train.fp16 refused on the CPU in one sentence"
+    guarded(check, cpu, lambda: refused(check, cpu, check.run("fp16-cpu", ["--train.fp16", "true", *base_args(check)]),
+                                        "train.fp16 scales float16 losses on GPUs, and this run is on the CPU"),
+            None if not check.on_cuda else "needs the CPU (the rehearsal)")
 
 
 def check_eval(check: Check, snapshot_for_eval: list[Path]) -> None:

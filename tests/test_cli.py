@@ -237,7 +237,9 @@ def test_config_prints_what_train_runs_and_refuses_what_train_refuses(capsys, tm
     if trained:
         assert code == 2 and out == "" and err.splitlines()[-1].startswith("dptrain: error: ")
         return
-    assert out == config.to_toml(planned[0])  # train's configuration, which its workers get and its config.toml holds
+    comment, toml = out.split("\n", 1)  # how the batch is shared out, then the configuration
+    assert comment.startswith("# batches: global ") and " per rank, at world size " in comment, comment
+    assert toml == config.to_toml(planned[0])  # train's configuration, which its workers get and its config.toml holds
     assert not (tmp_path / "runs").exists()
 
 
@@ -246,6 +248,17 @@ def test_config_prints_the_global_batch_of_the_tutorials_batch_per_process(capsy
     assert main(["config", *PLANNED, "--batch_size", "16", "--nproc_per_node", "2"]) == 0
     out = capsys.readouterr().out
     assert "global_batch_size = 32\n" in out and "batch_size_per_rank = 16\n" in out
+
+
+def test_config_shows_the_micro_batches_of_accumulation_and_the_tutorials_spelling_of_it(capsys, tmp_path, monkeypatch):
+    """Lightning's --accumulate_grad_batches is train.accumulate_steps; the per-rank batch is a micro-batch then."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", *PLANNED, "--batch_size", "16", "--accumulate_grad_batches", "4", "--nproc_per_node", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "--accumulate_grad_batches is read as --train.accumulate_steps" in err
+    assert out.startswith("# batches: global 128 = 64 per rank = 4 micro-batches of 16 (train.accumulate_steps), at "
+                          "world size 2\n"), out
+    assert "global_batch_size = 128\n" in out and "accumulate_steps = 4\n" in out
 
 
 @pytest.mark.slow

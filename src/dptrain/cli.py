@@ -37,7 +37,7 @@ from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, 
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.plan import plan
-from dptrain.prestart import check_output_dir, check_predictions_path, snapshot_and_its_run
+from dptrain.prestart import batch_split, check_output_dir, check_predictions_path, snapshot_and_its_run
 from dptrain.run_folder import RunFolder
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
@@ -228,7 +228,10 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
     """Print the config that `dptrain train` with the same arguments would run, as TOML that --config reads back."""
-    print(config_mod.to_toml(plan(args.config, run_overrides(args, extra), nodes_of(args)).cfg), end="")
+    planned = plan(args.config, run_overrides(args, extra), nodes_of(args))
+    # a comment that --config reads past: how the batch is shared out at this world size
+    print(f"# batches: {batch_split(planned.cfg, planned.world_size)}, at world size {planned.world_size}")
+    print(config_mod.to_toml(planned.cfg), end="")
     return 0
 
 

@@ -20,6 +20,7 @@ from dptrain.distributed.env import Nodes
 from dptrain.distributed.world import pick_backend
 from dptrain.errors import ConfigError, DataError, SnapshotError
 from dptrain.models import build_model
+from dptrain.prestart import batch_split
 from dptrain.runtime import wants_cuda
 from dptrain.schedule import peak_lr, warmup_warning
 from dptrain.strategies.registry import STRATEGIES
@@ -59,8 +60,8 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         f"  world      {world_size} {workers} on {device}, backend {pick_backend(cfg.launch.backend, torch.device(device.split(':')[0]))}, "
         f"strategy {cfg.strategy.name}" + (f" ({data_world} of them take data)" if data_world != world_size else ""),
         f"  data       {_data_line(cfg, info, present)}",
-        f"  batches    global {cfg.train.global_batch_size} = {cfg.train.global_batch_size // data_world} per rank; "
-        f"{steps_per_epoch} steps per epoch, {total_steps} in all ({cfg.train.epochs} epochs"
+        f"  batches    {batch_split(cfg, world_size)}; {steps_per_epoch} steps per epoch, {total_steps} in all "
+        f"({cfg.train.epochs} epochs"
         + (f", stopped at step {cfg.train.max_steps}" if cfg.train.max_steps is not None else "") + ")",
         f"  model      {cfg.model.name}: {parameters:,} parameters"
         + ("; BatchNorm as SyncBatchNorm (statistics over the global batch)" if cfg.model.sync_batchnorm else "")
@@ -70,6 +71,7 @@ def dry_run(cfg: RunConfig, world_size: int, launched_outside: bool, nodes: Node
         + (" along DeepSpeed's log curve" if cfg.optim.warmup_steps and
            cfg.strategy.deepspeed.warmup_type == "log" else ""),
         *_strategy_file_lines(cfg),
+        *_profile_lines(cfg, total_steps),
         f"  writes     {cfg.output.run_dir} (config.toml, env.json, metrics.jsonl, tb/, logs/, checkpoints/"
         + (", model.pt)" if cfg.output.weights == cfg.output.run_dir / "model.pt" else f"); the final weights to "
            f"{cfg.output.weights}") + ("; they replace the earlier final weights there" if cfg.output.weights.exists()
@@ -90,6 +92,19 @@ def _strategy_file_lines(cfg: RunConfig) -> list[str]:
     return [] if line is None else [f"  ds_config  {line}"]
 
 
+def _profile_lines(cfg: RunConfig, total_steps: int) -> list[str]:
+    """train.profile's steps, where the run profiles some, and where the traces go."""
+    steps = cfg.train.profiled_steps
+    if steps is None:
+        return []
+    first, last = steps[0], min(steps[1], total_steps)
+    if first > total_steps:
+        return [f"  profile    none: train.profile {cfg.train.profile} starts after the run's last step "
+                f"({total_steps})"]
+    return [f"  profile    steps {first} to {last} with torch.profiler on every rank, the traces in "
+            f"{cfg.output.folder.profile}"]
+
+
 def _data_line(cfg: RunConfig, info: DataInfo, present: bool) -> str:
     """The dataset's sizes, or, where its files are yet to be downloaded (data.download on), that the run would
     download them first, from where, and into which folder (describe() knows only the training split's official
@@ -108,14 +123,14 @@ def _data_line(cfg: RunConfig, info: DataInfo, present: bool) -> str:
 def _forward_one_batch(cfg: RunConfig, data_world: int, present: bool) -> tuple[torch.nn.Module, tuple[int, ...]]:
     """The model, after one forward pass on rank 0's share of the first global batch (zeros if the data is yet to be
     downloaded: a dry run downloads nothing)."""
-    rank_batch = cfg.train.global_batch_size // data_world
+    rank_batch = cfg.train.global_batch_size // data_world // cfg.train.accumulate_steps  # one micro-batch
     info = describe(cfg.data)
     images = None
     if present:
         _, train, _ = build_loaders(cfg.data, device=torch.device("cpu"), global_batch=cfg.train.global_batch_size,
                                     eval_batch=1, rank=0, world_size=data_world, seed=cfg.train.seed,
                                     channels_last=cfg.train.channels_last)
-        images = next(iter(train.epoch_batches(0))).images
+        images = next(iter(train.epoch_batches(0))).images[:rank_batch]  # its first micro-batch, as a step runs it
     if images is None:
         images = torch.zeros(rank_batch, *info.image_shape)
     torch.manual_seed(cfg.train.seed)

@@ -42,6 +42,8 @@ LOSS, LR = "loss", "lr"
 TRAIN_LOSS, TRAIN_ACC, TRAIN_SAMPLES = "train_loss", "train_acc", "train_samples"
 EPOCH_TIME_S, SAMPLES_PER_S, PEAK_MEM_MB = "epoch_time_s", "samples_per_s", "peak_mem_mb"
 MODEL_FLOPS_PER_SAMPLE, ACHIEVED_TFLOPS = "model_flops_per_sample", "achieved_tflops"
+SKIPPED_STEPS = "skipped_steps"
+"""train.fp16: the epoch's optimizer steps whose update the loss scaler skipped (a scaled gradient overflowed)."""
 MEM_PARAMS_BYTES, MEM_GRADS_BYTES, MEM_OPTIM_BYTES = "mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes"
 COMM_BYTES_PER_STEP = "comm_bytes_per_step"
 COMM_MS_PER_STEP, COMM_EXPOSED_MS_PER_STEP = "comm_ms_per_step", "comm_exposed_ms_per_step"
@@ -111,8 +113,9 @@ RUN_START_EVENT = EventSchema("run_start", (WORLD_SIZE, STRATEGY, MODEL, DATA, G
                               optional=(SLURM_RESTARTS, AGENT_RESTARTS, SLURM_JOB_ID))
 STEP_EVENT = EventSchema("step", (EPOCH, STEP, LOSS, LR))
 EPOCH_EVENT = EventSchema("epoch", (EPOCH, STEP, TRAIN_LOSS, TRAIN_ACC, TRAIN_SAMPLES, EPOCH_TIME_S, SAMPLES_PER_S,
-                                    *EPOCH_RATES, PEAK_MEM_MB, LR, *FOOTPRINT, *COMM_TIMING, *UTILISATION, *EVALUATION),
-                          optional=(*EPOCH_RATES, *COMM_TIMING, *UTILISATION, *EVALUATION))
+                                    *EPOCH_RATES, PEAK_MEM_MB, LR, SKIPPED_STEPS, *FOOTPRINT, *COMM_TIMING,
+                                    *UTILISATION, *EVALUATION),
+                          optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *UTILISATION, *EVALUATION))
 RUN_END_EVENT = EventSchema("run_end", (STEP,))
 STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))
 REQUEUE_EVENT = EventSchema("requeue", (STEP, JOB_ID))

@@ -45,6 +45,7 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
         check_backend(cfg.launch.backend, on_cuda)
     check_output_dir(cfg.output.run_dir)
     check_weights_file(cfg.output)
+    check_trackers(cfg)
     check_resume_target(cfg)
     info = describe(cfg.data)
     check_world(cfg, world_size, info.train_size, on_cpu=not on_cuda, torch_version=str(torch.__version__))
@@ -53,6 +54,19 @@ def preflight(cfg: RunConfig, world_size: int, job_on_cuda: bool | None = None) 
         import_object(cfg.model.name, "model.name")
     else:
         check_input(cfg.model, info.image_shape)
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """Each tracker of output.trackers is installed here (rank 0 imports it as the run starts)."""
+    import importlib.util
+
+    for name in cfg.output.trackers:
+        choice = config_mod.TRACKERS[name]
+        missing = [module for module in choice.needs if importlib.util.find_spec(module) is None]
+        if missing:
+            verb = "is" if len(missing) == 1 else "are"
+            raise ConfigError(f"output.trackers {name} needs {', '.join(missing)}, which {verb} not installed here; run "
+                              f"{choice.install}, or leave {name} out of output.trackers.")
 
 
 def check_batch_fits(cfg: RunConfig, world_size: int, train_size: int) -> None:
@@ -67,10 +81,26 @@ def check_batch_fits(cfg: RunConfig, world_size: int, train_size: int) -> None:
                           f"so every step would take the whole split; choose {train_size} or less.")
     from dptrain.strategies.registry import data_world_size  # imports torch: only once a run is wanted
 
-    takers = data_world_size(cfg.strategy, world_size)
-    raise ConfigError(f"train.batch_size_per_rank {per_rank} x {takers} ranks is a global batch of {batch}, larger "
-                      f"than the training split ({train_size} samples), so every step would take the whole split; "
-                      f"choose a batch per rank of {max(1, train_size // takers)} or less.")
+    takers, pieces = data_world_size(cfg.strategy, world_size), cfg.train.accumulate_steps
+    raise ConfigError(f"train.batch_size_per_rank {per_rank} x {_ranks_and_pieces(takers, pieces)} is a global batch "
+                      f"of {batch}, larger than the training split ({train_size} samples), so every step would take "
+                      f"the whole split; choose a batch per rank of {max(1, train_size // (takers * pieces))} or less.")
+
+
+def _ranks_and_pieces(takers: int, pieces: int) -> str:
+    """'2 ranks', or '2 ranks x 4 micro-batches' where train.accumulate_steps is 4."""
+    return f"{takers} ranks" + (f" x {pieces} micro-batches" if pieces > 1 else "")
+
+
+def batch_split(cfg: RunConfig, world_size: int) -> str:
+    """How a step's global batch is shared out, in words: 'global 128 = 64 per rank' and, where train.accumulate_steps
+    splits each share, '= 4 micro-batches of 16' (the dry run's and `dptrain config`'s line)."""
+    from dptrain.strategies.registry import data_world_size  # imports torch: only once a run is wanted
+
+    batch, pieces = cfg.train.global_batch_size, cfg.train.accumulate_steps
+    share = batch // data_world_size(cfg.strategy, world_size)
+    split = f"global {batch} = {share} per rank"
+    return split + (f" = {pieces} micro-batches of {share // pieces} (train.accumulate_steps)" if pieces > 1 else "")
 
 
 def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: int) -> None:
@@ -139,21 +169,21 @@ def _holds_the_same_experiment(folder: RunFolder, cfg: RunConfig) -> bool:
 
 
 def resolve_batch(cfg: RunConfig, world_size: int) -> RunConfig:
-    """cfg with train.global_batch_size = train.batch_size_per_rank x the ranks that take data, where the tutorials'
-    per-rank batch is given (and cfg as it is otherwise). ConfigError where a global batch given too disagrees."""
+    """cfg with train.global_batch_size = train.batch_size_per_rank x the ranks that take data x train.accumulate_steps,
+    where the tutorials' per-rank batch is given (and cfg as it is otherwise). ConfigError where a global batch given too disagrees."""
     per_rank = cfg.train.batch_size_per_rank
     if per_rank is None:
         return cfg
     from dptrain.strategies.registry import data_world_size  # imports torch: only once a run is wanted
 
-    takers = data_world_size(cfg.strategy, world_size)
-    total = per_rank * takers
+    takers, pieces = data_world_size(cfg.strategy, world_size), cfg.train.accumulate_steps
+    total = per_rank * takers * pieces
     given = cfg.train.global_batch_size
     if given != total and given != TrainConfig.global_batch_size:  # the default gives way; a value given does not
-        raise ConfigError(f"train.batch_size_per_rank {per_rank} x {takers} ranks is a global batch of {total}, but "
-                          f"train.global_batch_size is {given}; give one of the two.")
+        raise ConfigError(f"train.batch_size_per_rank {per_rank} x {_ranks_and_pieces(takers, pieces)} is a global "
+                          f"batch of {total}, but train.global_batch_size is {given}; give one of the two.")
     if DistEnv.from_environ().is_main:  # every rank resolves it; one line says it (srun gathers the ranks' stderr)
-        log.info("global batch %d = train.batch_size_per_rank %d x %d ranks", total, per_rank, takers)
+        log.info("global batch %d = train.batch_size_per_rank %d x %s", total, per_rank, _ranks_and_pieces(takers, pieces))
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=total))
 
 

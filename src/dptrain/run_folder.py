@@ -9,7 +9,10 @@
       checkpoints/    step-<N>/ snapshots and `latest`
       model.pt        the final weights, whole, for plain torch.load (output.weights_dir/weights_file put them
                       elsewhere: the tutorials' --model_dir/--model_filename)
-      tb/             TensorBoard's event files
+      tb/             TensorBoard's event files; profile/: each rank's torch.profiler trace (train.profile)
+      mlflow/         output.trackers mlflow's store where no output.mlflow_uri is given (mlflow.db, artifacts/),
+                      and the MLflow run's id (run_id), which a resume goes on with
+      wandb/          output.trackers wandb's run folders (offline-run-*), and the W&B run's id (dptrain-run-id)
       job.sbatch      the job script `dptrain submit` wrote (a submitted run only)
       job.toml        the configuration as given to `dptrain submit`, which the job trains from
       card/           the run's card, card.md and its plots (`dptrain card`; report/ before)
@@ -62,6 +65,19 @@ class RunFolder:
         return self.root / "tb"
 
     @property
+    def profile(self) -> Path:
+        """train.profile's traces, rank<R>.<time>.pt.trace.json, where TensorBoard's profiler plugin finds them."""
+        return self.tb / "profile"
+
+    @property
+    def mlflow(self) -> Path:
+        return self.root / "mlflow"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    @property
     def job_script(self) -> Path:
         return self.root / "job.sbatch"
 
@@ -103,14 +119,16 @@ class RunFolder:
 
     def written_by_a_run(self) -> tuple[tuple[Path, bool], ...]:
         """(path, whether it is a folder) of what a run writes into or appends to, rather than replaces whole."""
-        return ((self.checkpoints, True), (self.logs, True), (self.tb, True), (self.metrics, False))
+        return ((self.checkpoints, True), (self.logs, True), (self.tb, True), (self.mlflow, True), (self.wandb, True),
+                (self.metrics, False))
 
     def own_names(self) -> dict[Path, tuple[str, bool]]:
         """Every file and folder of the run named here but the final weights -> (what the run keeps there, whether it
         is a folder)."""
         return {self.config: ("configuration", False), self.env: ("environment record", False),
                 self.metrics: ("metrics", False), self.logs: ("logs", True), self.checkpoints: ("snapshots", True),
-                self.tb: ("TensorBoard files", True), self.job_script: ("job script", False),
+                self.tb: ("TensorBoard files", True), self.mlflow: ("MLflow store", True),
+                self.wandb: ("W&B runs", True), self.job_script: ("job script", False),
                 self.job_config: ("job's configuration", False), self.card: ("card", True),
                 self.earlier_card: ("card", True),
                 self.doctor: ("doctor's report", False), self.doctor_job: ("doctor's job", True)}

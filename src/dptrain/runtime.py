@@ -106,10 +106,12 @@ def set_cpu_threads(env: DistEnv) -> int:
     return threads
 
 
-def bf16_autocast(device: torch.device, enabled: bool, cache: bool = True) -> contextlib.AbstractContextManager:
+def bf16_autocast(device: torch.device, enabled: bool, cache: bool = True,
+                  dtype: torch.dtype = torch.bfloat16) -> contextlib.AbstractContextManager:
     """The forward pass's bfloat16 autocast on device where enabled (train.bf16), else a context that does nothing.
-    cache False where a CUDA graph replays the step: it cannot keep autocast's cache of cast weights between replays."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=cache)
+    cache False where a CUDA graph replays the step: it cannot keep autocast's cache of cast weights between replays.
+    dtype float16: train.fp16's (with a loss scaler: train.LossScaler)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=cache)
 
 
 def seed_everything(seed: int) -> None:

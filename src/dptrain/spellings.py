@@ -25,6 +25,8 @@ ALIASES = {
     "--model_dir": "--output.weights_dir", "--model-dir": "--output.weights_dir",
     "--model_filename": "--output.weights_file", "--model-filename": "--output.weights_file",
     "--batch_size": "--train.batch_size_per_rank", "--batch-size": "--train.batch_size_per_rank",
+    # Lightning's Trainer(accumulate_grad_batches=N), as its scripts take it on their command lines
+    "--accumulate_grad_batches": "--train.accumulate_steps", "--accumulate-grad-batches": "--train.accumulate_steps",
     # torchrun's underscore spellings of the flags `dptrain train` shares with it
     "--nproc_per_node": "--nproc-per-node", "--node_rank": "--node-rank", "--master_addr": "--master-addr",
     "--master_port": "--master-port", "--rdzv_endpoint": "--rdzv-endpoint",

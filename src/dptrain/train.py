@@ -34,6 +34,7 @@ from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, STEP, STEP_EVENT
 from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
+from dptrain.metrics.profiler import StepProfiler
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -42,6 +43,7 @@ from dptrain.stopping import StopRequest
 from dptrain.strategies.registry import build_strategy, check_world
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.base import OptimizerSpec, optimizer_choice
+from dptrain.strategies.state import StatePart, WholeFile
 from dptrain.train_state import TrainState
 
 log = logging.getLogger("dptrain")
@@ -62,11 +64,47 @@ def optimizer_spec(cfg: RunConfig, capturable: bool = False) -> OptimizerSpec:
     return optimizer_choice(cfg.optim, peak_lr(cfg), fused=True, capturable=capturable)
 
 
+class LossScaler:
+    """train.fp16: torch.amp.GradScaler over the step. The loss is scaled before backward, the gradients unscaled before
+    clipping and the update, and a step whose gradients overflowed is not applied (the scale halves, and grows again
+    after 2,000 clean steps: torch's defaults); each such step is counted in the loop's TrainState (the epoch event's
+    skipped_steps). Its state (scale, growth count) is a part of every snapshot, written by rank 0: the same on every
+    rank, whose gradients are the same once synchronised (strategies that would differ refuse train.fp16)."""
+
+    FILE = "loss_scaler.pt"
+
+    def __init__(self, device: torch.device, state: TrainState, global_rank: int) -> None:
+        self.scaler = torch.amp.GradScaler(device.type)
+        self.state, self.global_rank = state, global_rank
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients back to their true size, before clipping reads their norm."""
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The update, unless a gradient overflowed; then the scale's update. get_scale() waits for the device, as
+        GradScaler.step's own look at the gradients already has."""
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < before:  # it shrinks only after an overflow, whose step it skipped
+            self.state.epoch_skipped += 1
+
+    def state_part(self) -> StatePart:
+        return WholeFile("loss scaler", self.FILE, lambda: self.scaler.state_dict() if self.global_rank == 0 else None,
+                         self.scaler.load_state_dict)
+
+
 @dataclass(kw_only=True)
 class TrainStep:
     """One optimizer step on a batch: forward, the loss summed over this rank's share, backward (the strategy syncs
     the gradients), clipping, the update, then the schedule's step. Eager, or where train.cuda_graph applies, a CUDA
-    graph's replay of the eager step (graph)."""
+    graph's replay of the eager step (graph). With micro_batches above 1 (train.accumulate_steps) the share goes
+    through forward and backward in that many pieces, the gradients synchronised with the last only
+    (Strategy.gradient_sync): the same sum as the whole share's, and the same step."""
 
     strategy: Strategy
     model: nn.Module
@@ -76,28 +114,56 @@ class TrainStep:
     autocast: Callable[[], contextlib.AbstractContextManager]
     grad_clip: float | None
     graph: StepGraph | None = None
+    micro_batches: int = 1
+    profiler: StepProfiler | None = None
+    """train.profile's profiler, which every step passes through (it records the steps of its range)."""
+    scaler: LossScaler | None = None
+    """train.fp16's loss scaler; None: the loss as it is."""
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sum of this rank's losses, its correct predictions), on the device."""
-        if self.graph is not None:
-            out = self.graph(batch.images, batch.labels)
-        else:
-            out = self.eager(batch.images, batch.labels, batch.global_count)
-        self.scheduler.step()
-        if self.graph is not None:
-            self.graph.after_schedule_step()
+        with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+            if self.graph is not None:
+                out = self.graph(batch.images, batch.labels)
+            else:
+                out = self.eager(batch.images, batch.labels, batch.global_count)
+            self.scheduler.step()
+            if self.graph is not None:
+                self.graph.after_schedule_step()
         return out
 
     def eager(self, images: torch.Tensor, labels: torch.Tensor, global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.strategy.zero_grad(self.optimizer)
+        if self.micro_batches == 1:
+            loss_sum, correct = self.forward_backward(images, labels, global_count)
+        else:
+            # Every rank runs every piece, an empty one too (a short last batch): its collectives (FSDP's gathers, the
+            # last piece's sync) are met by all.
+            pieces = list(zip(images.tensor_split(self.micro_batches), labels.tensor_split(self.micro_batches)))
+            loss_sum, correct = torch.zeros((), dtype=torch.float64, device=images.device), 0
+            for index, (part, part_labels) in enumerate(pieces):
+                with self.strategy.gradient_sync(index == len(pieces) - 1):
+                    part_loss, part_correct = self.forward_backward(part, part_labels, global_count)
+                loss_sum, correct = loss_sum + part_loss, correct + part_correct
+        if self.scaler is not None and self.grad_clip is not None:
+            self.scaler.unscale(self.optimizer)  # the norm of the true gradients
+        if self.grad_clip is not None:
+            self.strategy.clip_grad_norm(self.model, self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.strategy.optimizer_step(self.optimizer)
+        return loss_sum, correct
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor,
+                         global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's (or micro-batch's) forward and backward, its gradients added to the parameters' (backward scales
+        them to the global batch's mean); the sum of its losses and its correct predictions."""
         with self.autocast():
             logits = self.model(images)
         # The loss in at least float32 (bf16 logits are summed in float32), float64 stays float64 (the tests' exact mode).
         loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
-        self.strategy.backward(loss_sum, global_count)
-        if self.grad_clip is not None:
-            self.strategy.clip_grad_norm(self.model, self.grad_clip)
-        self.strategy.optimizer_step(self.optimizer)
+        self.strategy.backward(loss_sum if self.scaler is None else self.scaler.scale(loss_sum), global_count)
         return loss_sum.detach(), (logits.argmax(1) == labels).sum()
 
     def graphed(self, batch_size: int) -> "TrainStep":
@@ -248,7 +314,8 @@ class Trainer:
                             lr=self._lr(), times_comm=self.strategy.times_comm,
                             comm_ms=None if timing is None else (timing.total_ms, timing.exposed_ms),
                             utilisation=None if self.utilisation is None else self.utilisation.take(),
-                            flops_per_sample=self.flops_per_sample)
+                            flops_per_sample=self.flops_per_sample,
+                            skipped_steps=None if self.step.scaler is None else self.state.epoch_skipped)
 
     def _evaluation_due(self, epoch: int) -> bool:
         """train.eval_every_epochs; the run's last epoch (or the partial epoch a max_steps stop ends in) always."""
@@ -321,7 +388,7 @@ def diverged_sentence(value: float, first_step: int, step: int, epoch: int, last
 def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: EventLog, phase: Phase) -> Trainer:
     """Everything the loop needs, in order: data, model, strategy, optimizer, schedule, snapshots, the resume, the
     step; the Trainer, whole."""
-    strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s)
+    strategy = build_strategy(cfg.strategy, env, device, cfg.launch.timeout_s, cfg.train.accumulate_steps)
     data_rank, data_world = strategy.data_share()
     with phase("data loading"):
         info, train_loader, eval_loader = build_loaders(
@@ -345,21 +412,36 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
         scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
     # Dropout and other randomness differ per rank, deterministically.
     torch.manual_seed(cfg.train.seed + 1 + env.global_rank)
-    snapshotter = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch)
     state = TrainState()
+    scaler = LossScaler(device, state, env.global_rank) if cfg.train.fp16 else None
+    snapshotter = Snapshotter(cfg, env, device, strategy, optimizer, scheduler, total_steps, steps_per_epoch,
+                              own_parts=[] if scaler is None else [scaler.state_part()])
     snapshotter.start()  # before the resume: a folder one node does not see is named as such, not as a missing snapshot
     with phase("resume"):
         path = snapshots.choose(cfg, env.is_main, env.world_size)
         if path is not None:
             snapshotter.load(path, state)
     step = TrainStep(strategy=strategy, model=wrapped, optimizer=optimizer, scheduler=scheduler,
-                     autocast=lambda: bf16_autocast(device, cfg.train.bf16, cache=not graphed), grad_clip=cfg.train.grad_clip)
+                     autocast=lambda: bf16_autocast(device, cfg.train.bf16 or cfg.train.fp16, cache=not graphed,
+                                                    dtype=torch.float16 if cfg.train.fp16 else torch.bfloat16),
+                     grad_clip=cfg.train.grad_clip, scaler=scaler,
+                     micro_batches=cfg.train.accumulate_steps, profiler=step_profiler(cfg, env, device, state, total_steps))
     if graphed:  # after the resume: the graph records the addresses of the optimizer state it loaded
         step = step.graphed(cfg.train.global_batch_size)
     return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
                    train_loader=train_loader, eval_loader=eval_loader, info=info, events=events, phase=phase,
                    total_steps=total_steps, step=step, snapshots=snapshotter, state=state,
                    stop=StopRequest(env.world_size), flops_per_sample=flops)
+
+
+def step_profiler(cfg: RunConfig, env: DistEnv, device: torch.device, state: TrainState,
+                  total_steps: int) -> StepProfiler | None:
+    """train.profile's profiler of this rank, from the step the run stands at; None without it."""
+    steps = cfg.train.profiled_steps
+    if steps is None:
+        return None
+    return StepProfiler(*steps, folder=cfg.output.folder.profile, rank=env.global_rank, device=device,
+                        next_step=state.step + 1, total_steps=total_steps)
 
 
 def use_step_graph(cfg: RunConfig, device: torch.device, strategy: Strategy) -> bool:

@@ -26,10 +26,13 @@ class TrainState:
     """Samples over all ranks trained in this epoch so far."""
     epoch_reported: bool = False
     """Whether this epoch's event (training metrics and evaluation) has been emitted."""
+    epoch_skipped: int = 0
+    """Optimizer steps of this epoch whose update train.fp16's loss scaler skipped (the same on every rank)."""
 
     def start_epoch(self, epoch: int, device: torch.device) -> None:
         """A fresh epoch: nothing of it trained, counted or reported yet."""
         self.epoch, self.batches_consumed, self.epoch_elapsed, self.epoch_seen, self.epoch_reported = epoch, 0, 0.0, 0, False
+        self.epoch_skipped = 0
         self.epoch_sums = torch.zeros(3, dtype=torch.float64, device=device)
 
     def count_step(self, loss_sum: torch.Tensor, correct: torch.Tensor, rank_count: int, global_count: int) -> None:
@@ -77,9 +80,11 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "batches_consumed": self.batches_consumed,
-                "epoch_elapsed": self.epoch_elapsed, "epoch_seen": self.epoch_seen, "epoch_reported": self.epoch_reported}
+                "epoch_elapsed": self.epoch_elapsed, "epoch_seen": self.epoch_seen, "epoch_reported": self.epoch_reported,
+                "epoch_skipped": self.epoch_skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch, self.batches_consumed = int(state["step"]), int(state["epoch"]), int(state["batches_consumed"])
         self.epoch_elapsed, self.epoch_seen = float(state["epoch_elapsed"]), int(state["epoch_seen"])
         self.epoch_reported = bool(state["epoch_reported"])
+        self.epoch_skipped = int(state.get("epoch_skipped", 0))  # 0 in a snapshot of before train.fp16

@@ -28,6 +28,7 @@ from dptrain.events import (AGENT_RESTARTS, DATA, DEVICE, EVAL_EVENT, EVENT, GLO
 from dptrain.files import written_atomically
 from dptrain.metrics import (CONSOLE, EVERY_RANK, EpochLineSink, EventLog, JsonlSink, MetricLineSink, RankEpochSink,
                              gpu_log, run_epochs, tensorboard)
+from dptrain.metrics.trackers import open_trackers
 from dptrain.run_folder import RunFolder
 from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed_everything, set_cpu_threads,
                              use_deterministic_kernels)
@@ -208,6 +209,7 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                                               num_epochs)
                 if board is not None:
                     events.sinks.append(board)
+                events.sinks.extend(open_trackers(cfg))  # output.trackers: MLflow, W&B, each on a thread of its own
                 # after the [METRIC] line, which stays as it is: scripts parse that one, people read this one
                 events.sinks.append(EpochLineSink(num_epochs))
             # every rank, its own numbers, in its own log (the other ranks' logs had no line per epoch)

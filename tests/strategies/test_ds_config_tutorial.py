@@ -101,6 +101,23 @@ def test_the_tutorials_file_is_accepted_as_written(tmp_path):
     assert cfg.strategy.deepspeed.warmup_type == "log"  # DeepSpeed's default: the file names no warmup_type
 
 
+def test_gradient_accumulation_steps_is_read_as_deepspeed_reads_it(tmp_path):
+    """DeepSpeed's train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks: the file's
+    accumulation becomes train.accumulate_steps (refused before: dptrain took one micro-batch a step)."""
+    ds = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}
+    cfg = adopt_user_config(run_config(tmp_path, ds))
+    check_world(cfg, 2, 1000, on_cpu=True)
+    assert (cfg.train.global_batch_size, cfg.train.accumulate_steps) == (64, 4)
+    from dptrain.strategies.deepspeed.ds_config import engine_config
+
+    assert engine_config(ds, 2, cfg.train.accumulate_steps)["gradient_accumulation_steps"] == 4
+    # the run's own accumulation is kept where it gives one, and a contradiction refused
+    given = adopt_user_config(run_config(tmp_path, ds, ("train.accumulate_steps", "2")), given={"train.accumulate_steps"})
+    assert refusal(given) == (f"{tmp_path / 'ds_config.json'} sets gradient_accumulation_steps 4 but "
+                              f"train.accumulate_steps is 2; set --train.accumulate_steps 4, or remove "
+                              f"gradient_accumulation_steps from the file.")
+
+
 def test_options_the_run_gives_are_kept_and_agreeing_ones_accepted(tmp_path):
     cfg = run_config(tmp_path, TUTORIAL, ("train.global_batch_size", "400"), ("optim.name", "adamw"))
     adopted = adopt_user_config(cfg, given={"train.global_batch_size", "optim.name"})

@@ -2,7 +2,8 @@
 
 One job a module: `sections` (RunConfig and its sections, whose field docstrings are the reference of each option;
 [strategy] is the strategies' catalog's StrategyConfig, each strategy's table of options in its own folder,
-strategies/<name>/options.py), `choices` (the built-in datasets and models by name, with where each is implemented),
+strategies/<name>/options.py), `choices` (the built-in datasets, models and trackers by name, with where each is
+implemented),
 `slurm` ([slurm] and the GPU lines of sbatch), `reading` (a config file read within bounds; read_toml, the one way
 dptrain reads TOML), `codec` (trees and --section.option strings to a RunConfig and back, each value coerced to its
 field's type in one place) and `help` (the options as --help lists them); what every option's field shares (one value's
@@ -16,7 +17,7 @@ What the rest of dptrain uses is importable from `dptrain.config` itself, below.
 
 from __future__ import annotations
 
-from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
+from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES, TRACKERS, TrackerChoice
 from dptrain.config.codec import (current_name, experiment_name, fixed_at_resume, from_dict, load, read, to_dict,
                                   to_toml, upgraded)
 from dptrain.option_fields import is_import_path
@@ -35,6 +36,7 @@ __all__ = [
     "Exchange", "FLOAT32_MAX", "FLOAT32_TINY", "LEGACY_STRATEGY_KEYS",
     "LaunchConfig", "MAX_CONFIG_BYTES", "MAX_TIMEOUT_S", "MODEL_NAMES", "ModelConfig", "OPTIMIZER_CLASSES", "OptimConfig",
     "Option", "OutputConfig", "RunConfig", "SPECS", "SlurmConfig", "StrategyConfig", "StrategySpec",
-    "TrainConfig", "Traffic", "current_name", "experiment_name", "field_docs", "fixed_at_resume", "from_dict",
+    "TRACKERS", "TrackerChoice", "TrainConfig", "Traffic",
+    "current_name", "experiment_name", "field_docs", "fixed_at_resume", "from_dict",
     "is_import_path", "load", "options", "options_help", "read", "read_config_text", "read_toml", "sbatch_gpus", "to_dict", "to_toml", "upgraded",
 ]

@@ -1,7 +1,7 @@
-"""The built-in datasets and models by name, each with where it is implemented (`package.module:attr`, imported only by
-dptrain.data and dptrain.models, which build their tables from these): the one list of data.name's and model.name's
-built-in choices. Torch-free, so that config checks a name before torch is imported. docs/extending.md says how to
-add one."""
+"""The built-in datasets, models and experiment trackers by name, each with where it is implemented
+(`package.module:attr`, imported only by dptrain.data, dptrain.models and dptrain.metrics.trackers, which build their
+tables from these): the one list of data.name's, model.name's and output.trackers' built-in choices. Torch-free, so
+that config checks a name before torch is imported. docs/extending.md says how to add one."""
 
 from __future__ import annotations
 
@@ -39,3 +39,24 @@ MODELS: dict[str, ModelChoice] = {
 }
 """model.name's built-in choices."""
 MODEL_NAMES = tuple(MODELS)
+
+
+@dataclass(frozen=True)
+class TrackerChoice:
+    """An experiment tracker that rank 0 sends the run's events to (output.trackers): its class and what it needs."""
+
+    builds: str
+    """Its Tracker class (dptrain.metrics.trackers' protocol), as `package.module:Class`."""
+    needs: tuple[str, ...]
+    """The modules it imports, looked for before any worker starts."""
+    install: str
+    """What installs them."""
+
+
+TRACKERS: dict[str, TrackerChoice] = {
+    "mlflow": TrackerChoice("dptrain.metrics.trackers.mlflow_tracker:MlflowTracker",
+                            ("mlflow", "sqlalchemy", "alembic"), "pip install 'dptrain[mlflow]'"),
+    "wandb": TrackerChoice("dptrain.metrics.trackers.wandb_tracker:WandbTracker", ("wandb",),
+                           "pip install 'dptrain[wandb]'"),
+}
+"""output.trackers' choices."""

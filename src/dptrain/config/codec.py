@@ -213,14 +213,17 @@ def experiment_name(cfg: RunConfig) -> str:
     """The run's default name: what makes it another run than others, so that a new experiment starts afresh in a
     folder of its own while the same command finds its own folder again and resumes. <data.name>_<model.name>_
     <strategy.name> (fashion-mnist_mnist-cnn_ddp), and, where any other option a resume must keep (fixed_at_resume,
-    train.batch_size_per_rank too) differs from its default, _ and 8 hex digits of a hash of those options and their
-    values: an option added to dptrain later, at its default, leaves the names of earlier runs as they were."""
+    train.batch_size_per_rank too, with train.accumulate_steps beside it) differs from its default, _ and 8 hex digits
+    of a hash of those options and their values: an option added to dptrain later, at its default, leaves the names
+    of earlier runs as they were."""
     named = ("data.name", "model.name", "strategy.name")
     defaults = fixed_at_resume(RunConfig())
     changed = {key: value for key, value in fixed_at_resume(cfg).items()
                if key not in named and value != defaults.get(key)}
     if cfg.train.batch_size_per_rank is not None:  # it sets the global batch, as the world size resolves it
         changed["train.batch_size_per_rank"] = cfg.train.batch_size_per_rank
+        if cfg.train.accumulate_steps != 1:  # and so do the micro-batches of a step, with it
+            changed["train.accumulate_steps"] = cfg.train.accumulate_steps
     suffix = ""
     if changed:
         text = json.dumps(changed, sort_keys=True, default=str)

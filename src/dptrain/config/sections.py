@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES
+from dptrain.config.choices import DATASET_NAMES, MODEL_NAMES, TRACKERS
 from dptrain.option_fields import (MAY_CHANGE_AT_RESUME, SHOWN_DEFAULT, field_types, is_table, may_change_at_resume,
                                    name_or_import_path, not_negative, positive, shown)
 from dptrain.config.slurm import SlurmConfig
@@ -34,6 +34,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
 
 
+TrackerName = Literal[tuple(TRACKERS)]  # type: ignore[valid-type]  # config.choices' TRACKERS: the one list of them
+"""output.trackers' choices."""
 Augment = Literal["none", "crop-flip"]
 """data.augment's choices: the augmentations of dptrain.data.augment."""
 
@@ -152,9 +154,17 @@ class TrainConfig:
     global_batch_size: int = 128
     """Samples per optimizer step over all ranks; each rank takes global_batch_size / world_size."""
     batch_size_per_rank: int | None = may_change_at_resume(None)
-    """The tutorials' batch instead: samples per step on each rank that takes data. The global batch is then this
-    times those ranks, printed and saved as train.global_batch_size: it changes with the world size, and with it what
+    """The tutorials' batch instead: samples per forward pass on each rank that takes data (a micro-batch where
+    train.accumulate_steps is above 1). The global batch is then this times those ranks times train.accumulate_steps
+    (Lightning's rule), printed and saved as train.global_batch_size: it changes with the world size, and with it what
     a step computes (a resume at another world size is refused). None: train.global_batch_size decides."""
+    accumulate_steps: int = may_change_at_resume(1)
+    """Micro-batches per optimizer step: each rank's share of the global batch goes through forward and backward in
+    this many pieces, whose gradients are summed on the rank and synchronised once, with the last (DDP's no_sync,
+    FSDP2's set_requires_gradient_sync); the same math as the whole share at once, with the activations of one piece.
+    train.global_batch_size stays the samples of one optimizer step, so it must divide by the ranks that take data
+    times this. Snapshots are taken between optimizer steps only. Lightning's --accumulate_grad_batches, DeepSpeed's
+    gradient_accumulation_steps."""
     eval_batch_size: int = may_change_at_resume(128)
     """Samples per evaluation forward pass on each rank. Small batches keep the activations in the CPU's caches:
     the tutorials' CNN evaluates 2.3x faster on one core at 128 than at 1000, and holds about 200 MB less."""
@@ -162,6 +172,11 @@ class TrainConfig:
     """Seeds the model init, the data order and every rank's RNG."""
     bf16: bool = False
     """Autocast the forward pass to bfloat16."""
+    fp16: bool = False
+    """On GPUs: autocast the forward pass to float16 and scale the loss with torch.amp.GradScaler, for GPUs without
+    bfloat16 (V100, T4). A step whose scaled gradients overflow is skipped (its update not applied, the scale
+    halved), counted in the epoch's skipped_steps; the scaler's state is kept in snapshots. With strategies ddp, zero1
+    and single; not on the CPU (train.bf16 is the CPU's 16-bit autocast), nor with train.bf16 or train.cuda_graph."""
     deterministic: bool = may_change_at_resume(False)
     """On CUDA, deterministic kernels only (cuDNN, cuBLAS, no atomic adds), so that a run repeats bit for bit and
     resumes bit-identical; slower. A kernel with no deterministic version warns. The CPU path is deterministic anyway."""
@@ -189,6 +204,19 @@ class TrainConfig:
     eval_every_epochs: int = may_change_at_resume(1)
     """Evaluate on the test split after every this many epochs (0: only at the end); the run's last epoch, or the
     partial epoch a train.max_steps stop ends in, is always evaluated."""
+    profile: str | None = may_change_at_resume(None)
+    """FIRST:LAST, such as 10:15: torch.profiler records the run's optimizer steps FIRST to LAST (counted from 1, as
+    the step events count them) on every rank, CPU activities and CUDA's where the ranks run on GPUs; each rank's
+    trace goes to tb/profile/rank<R>.<time>.pt.trace.json in the run folder once step LAST (or the run's last step)
+    is done, for TensorBoard's profiler plugin, Perfetto or chrome://tracing. None: no profiling."""
+
+    @property
+    def profiled_steps(self) -> tuple[int, int] | None:
+        """train.profile as (first, last) step, both included; None without it."""
+        if self.profile is None:
+            return None
+        first, last = self.profile.split(":")
+        return int(first), int(last)
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """The run's optimizer steps: every epoch's, cut at max_steps."""
@@ -203,11 +231,17 @@ class TrainConfig:
         positive(self.global_batch_size, "train.global_batch_size")
         if self.batch_size_per_rank is not None:
             positive(self.batch_size_per_rank, "train.batch_size_per_rank")
+        positive(self.accumulate_steps, "train.accumulate_steps")
         positive(self.eval_batch_size, "train.eval_batch_size")
         positive(self.log_every, "train.log_every")
         not_negative(self.progress_every_s, "train.progress_every_s")
         if self.grad_clip is not None:
             positive(self.grad_clip, "train.grad_clip")
+        if self.profile is not None and not (re.fullmatch(r"[0-9]{1,9}:[0-9]{1,9}", self.profile)
+                                             and 1 <= int(self.profile.split(":")[0])
+                                             <= int(self.profile.split(":")[1])):
+            raise ConfigError(f"train.profile = {shown(self.profile)} is not a range of steps; give FIRST:LAST with "
+                              f"1 <= FIRST <= LAST, such as 10:15 (the run's optimizer steps, counted from 1).")
 
 
 # The flat keys of [strategy] before each strategy had its table (strategy.comm_hook, ...), each with its table's key:
@@ -299,6 +333,20 @@ class OutputConfig:
     (written by rank 0 at the run's end, replaced atomically). It may replace earlier final weights only: a name of the run
     folder's own (config.toml, checkpoints, ...) or a file of other content is refused before the run starts. The
     tutorials' --model_filename."""
+    trackers: tuple[TrackerName, ...] = may_change_at_resume(())
+    """Experiment trackers that rank 0 sends the run to beside TensorBoard, each installed by name (pip install
+    'dptrain[mlflow]'): mlflow, wandb, or both (mlflow,wandb). What metrics.jsonl holds goes there: the configuration as
+    parameters, each step's loss and rate, each epoch's metrics, and the final weights as an artifact. They run on a
+    thread of their own, so that training never waits for them; one that fails says so in one warning line, and the
+    run goes on without it."""
+    mlflow_uri: str | None = may_change_at_resume(None)
+    """MLflow's tracking URI, a server's (http://HOST:5000) or a database's (sqlite:///PATH); None: an SQLite store
+    in the run folder, mlflow/ (mlflow.db and the artifacts), with no server. The experiment is MLFLOW_EXPERIMENT_NAME,
+    else dptrain; the run is named after the run folder."""
+    wandb_mode: Literal["offline", "online"] = may_change_at_resume("offline")
+    """Weights & Biases: offline writes the run into the run folder's wandb/ only, with no network and no login
+    (`wandb sync` uploads it later); online sends it as it goes (after `wandb login`). The project is WANDB_PROJECT,
+    else dptrain."""
     rank_epoch_lines: bool = may_change_at_resume(False)
     """Every rank prints its own epoch line (`rank 1 epoch 2: 469 steps, ...`) on the console and in the job's
     output, as the tutorials' print in every process does; otherwise other ranks' lines go to logs/rank<R>.log only."""
@@ -311,6 +359,9 @@ class OutputConfig:
         if self.dir is not None and not self.dir.isprintable():
             raise ConfigError(f"output.dir = {shown(self.dir)} holds a control character (a line break, an escape) or "
                               f"bytes that are not UTF-8 text; give a folder whose path is printable text.")
+        if self.mlflow_uri is not None and (not self.mlflow_uri.isprintable() or not self.mlflow_uri.strip()):
+            raise ConfigError(f"output.mlflow_uri = {shown(self.mlflow_uri)} is not a URI; give one such as "
+                              f"http://HOST:5000 or sqlite:///PATH, or leave it out for a store in the run folder.")
         if self.weights_dir is not None and not self.weights_dir.isprintable():
             raise ConfigError(f"output.weights_dir = {shown(self.weights_dir)} holds a control character (a line break, "
                               f"an escape) or bytes that are not UTF-8 text; give a folder whose path is printable text.")
@@ -361,6 +412,14 @@ class RunConfig:
                               "combine; keep one of them.")
         if self.train.compile and self.strategy.spec.compile_refusal:
             raise ConfigError(self.strategy.spec.compile_refusal)
+        if self.train.fp16 and self.train.bf16:
+            raise ConfigError("train.fp16 and train.bf16 are two precisions of the same autocast; keep one of them.")
+        if self.train.fp16 and self.train.cuda_graph:
+            raise ConfigError("train.cuda_graph replays a captured step, and train.fp16's loss scaler decides on the "
+                              "host, each step, whether to skip its update; drop one of the two.")
+        if self.train.cuda_graph and self.train.accumulate_steps > 1:
+            raise ConfigError(f"train.cuda_graph captures one forward and backward a step, and train.accumulate_steps "
+                              f"{self.train.accumulate_steps} runs {self.train.accumulate_steps}; drop one of the two.")
         if self.train.cuda_graph and self.optim.schedule == "onecycle":
             raise ConfigError("train.cuda_graph cannot follow optim.schedule onecycle, which changes Adam's betas every "
                               "step; use cosine, or drop train.cuda_graph.")

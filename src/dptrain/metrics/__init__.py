@@ -7,6 +7,7 @@
                     on the console too with output.rank_epoch_lines)
     gpu_log.py      gpu_log(): logs/gpu_rank<R>.log, NVML samples every few seconds as `nvidia-smi dmon` writes them
     progress.py     ProgressBar: a rich bar in a terminal, plain progress lines in files and pipes
+    profiler.py     StepProfiler: train.profile's torch.profiler over a range of steps, each rank's trace in tb/profile/
     utilisation.py  UtilisationSampler: per-rank CPU, memory and GPU use over an epoch; peak_memory_mb
 """
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LR, MODEL_FLOPS_PER_SAMPLE,
-                            PEAK_MEM_MB, SAMPLES_PER_S, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+                            PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
 from dptrain.metrics.utilisation import peak_memory_mb, per_rank
 
 
@@ -66,7 +66,8 @@ class EpochAccount:
         loss_sum, correct, samples = totals.tolist()
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
-                           comm_timing=timing, utilisation=utilisation, flops_per_sample=measured.flops_per_sample)
+                           comm_timing=timing, utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
+                           skipped_steps=measured.skipped_steps)
 
     def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:
         """A world_size x len(values) float64 table, this rank's values in its row and zeros in the others': summed
@@ -97,6 +98,8 @@ class RankMeasures:
     utilisation: dict[str, float] | None = None
     """This rank's utilisation (UtilisationSampler.take); None: no utilisation fields."""
     flops_per_sample: int | None = None
+    skipped_steps: int | None = None
+    """train.fp16: the epoch's steps the loss scaler skipped, the same on every rank; None: no loss scaler."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +125,8 @@ class EpochTotals:
     """events.UTILISATION's lists (metrics.per_rank); the fields some rank lacks are left out."""
     flops_per_sample: int | None = None
     """The model's operations per training sample (None: not counted, no rate fields)."""
+    skipped_steps: int | None = None
+    """events.SKIPPED_STEPS (None: no loss scaler, no field)."""
 
 
 def train_fields(totals: EpochTotals) -> dict[str, Any]:
@@ -133,6 +138,8 @@ def train_fields(totals: EpochTotals) -> dict[str, Any]:
         fields |= {MODEL_FLOPS_PER_SAMPLE: totals.flops_per_sample,
                    ACHIEVED_TFLOPS: totals.flops_per_sample * rate / 1e12}
     fields |= {PEAK_MEM_MB: totals.peak_mem_mb, LR: totals.lr}
+    if totals.skipped_steps is not None:
+        fields[SKIPPED_STEPS] = totals.skipped_steps
     fields |= {name: [int(v) for v in column] for name, column in zip(FOOTPRINT, totals.footprint, strict=True)}
     return fields | comm_timing_fields(totals.comm_timing) | totals.utilisation
 

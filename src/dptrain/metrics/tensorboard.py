@@ -27,8 +27,8 @@ from typing import Any
 
 from dptrain.errors import ConfigError
 from dptrain.events import (ACHIEVED_TFLOPS, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, EVAL_TIME_S, EVENT, LOSS,
-                            LR, PEAK_MEM_MB, RUN_END_EVENT, SAMPLES_PER_S, STEP, STEP_EVENT, STOPPED_EVENT, TRAIN_ACC,
-                            TRAIN_LOSS, UTILISATION)
+                            LR, PEAK_MEM_MB, RUN_END_EVENT, SAMPLES_PER_S, SKIPPED_STEPS, STEP, STEP_EVENT,
+                            STOPPED_EVENT, TRAIN_ACC, TRAIN_LOSS, UTILISATION)
 from dptrain.metrics.epoch_lines import epoch_line
 from dptrain.run_folder import RunFolder
 
@@ -37,7 +37,7 @@ log = logging.getLogger("dptrain")
 STEP_SCALARS = (LOSS, LR)
 """A step event's scalars, as train/<key>."""
 EPOCH_SCALARS = (TRAIN_LOSS, TRAIN_ACC, EVAL_LOSS, EVAL_ACC, LR, SAMPLES_PER_S, EPOCH_TIME_S, EVAL_TIME_S, PEAK_MEM_MB,
-                 ACHIEVED_TFLOPS)
+                 ACHIEVED_TFLOPS, SKIPPED_STEPS)
 """An epoch event's scalars, as epoch/<key>; its per-rank utilisation lists go to util/<key>/rank<R>."""
 EPOCH_LINES_TAG = "epoch lines"
 """The text tab's entry of each epoch's `Epoch 01/05 | train loss ...` line, at its step (the tutorials' log there)."""

@@ -9,7 +9,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from dptrain.files import fsync_dir, written_atomically
 from dptrain.run_folder import RunFolder
 from dptrain.safe_load import check_private, dcp_load, load_tensors, make_private
 from dptrain.stopping import StopRequest, Stopped
+from dptrain.strategies.state import StatePart
 from dptrain.train_state import TrainState
 from dptrain.snapshots.finding import entries, first_reason, not_a_snapshot_folder, rerun_ending, span
 from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, computation_options, config_hash,
@@ -75,8 +76,9 @@ class Snapshotter:
     """
 
     def __init__(self, cfg: RunConfig, env: Any, device: torch.device, strategy: Any, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, total_steps: int, steps_per_epoch: int) -> None:
+                 scheduler: Any, total_steps: int, steps_per_epoch: int, own_parts: Sequence[StatePart] = ()) -> None:
         self.cfg, self.env, self.device = cfg, env, device
+        self.own_parts = list(own_parts)  # the run's own parts beside the strategy's (train.fp16's loss scaler)
         self.strategy, self.optimizer, self.scheduler = strategy, optimizer, scheduler
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.root = cfg.output.folder.checkpoints
@@ -176,7 +178,7 @@ class Snapshotter:
         # DCP's coordinator has finished, every rank's files are therefore complete.
         rank_state = {"rng": _rng_state(self.device), "epoch_sums": state.epoch_sums.cpu() if state.epoch_sums is not None else None}
         _save_file(rank_state, tmp / f"rank{self.env.global_rank}.pt", run_dir)
-        parts = self.strategy.state_parts(self.optimizer)
+        parts = self._parts()
         for part in parts:  # synchronous, before DCP's write: complete once DCP's is
             _writing(lambda: part.save(tmp, torch.save), tmp, run_dir)
         if self.env.is_main:
@@ -200,6 +202,10 @@ class Snapshotter:
             from torch.distributed.checkpoint import async_save as dcp_async_save
 
             self.pending = (dcp_async_save(_frozen_copy(shards), checkpoint_id=str(tmp), process_group=self.group), tmp, final)
+
+    def _parts(self) -> list[StatePart]:
+        """Every state part a snapshot holds: the strategy's (Strategy.state_parts), then the run's own."""
+        return [*self.strategy.state_parts(self.optimizer), *self.own_parts]
 
     def _damage(self, path: Path) -> str | None:
         """None if the snapshot `path` verifies, else what is wrong with it (rank 0; remembered, see self.damage)."""
@@ -264,7 +270,7 @@ class Snapshotter:
             self.damage[path.name] = None  # verified just now
         check_compatible(manifest, self.cfg, path, self.total_steps)
         world = manifest["world_size"]
-        parts = self.strategy.state_parts(self.optimizer)
+        parts = self._parts()
         if world != self.env.world_size and any(part.same_world_only for part in parts):
             raise ConfigError(f"snapshot {path} holds the state of strategy {self.cfg.strategy.name} partitioned over {world} "
                               f"processes, and it resumes on as many only, not on {self.env.world_size}; run on {world} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Collection, Iterable
 
@@ -113,6 +114,10 @@ class Strategy:
     may change (--nnodes MIN:MAX) needs to go on after losing a node."""
     times_comm = False
     """Whether comm_timing() times its gradient communication (the epoch event's comm_ms_per_step fields)."""
+    fp16_refusal: ClassVar[str | None] = None
+    """Why train.fp16 (float16 autocast, torch.amp.GradScaler) cannot run with it, as the sentence that refuses it;
+    None: it can. GradScaler looks for overflow in each rank's own gradients and skips the update on that rank: that
+    takes gradients already the same on every rank (synchronised in backward) and an update each rank makes alike."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that states its own spec registers itself as the strategy of that name (registry.STRATEGIES)."""
@@ -167,9 +172,10 @@ class Strategy:
         return local_rank
 
     def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device,
-                 timeout_s: float = LaunchConfig.timeout_s) -> None:
+                 timeout_s: float = LaunchConfig.timeout_s, micro_batches: int = 1) -> None:
         self.cfg, self.env, self.device = cfg, env, device
         self.timeout_s = timeout_s  # launch.timeout_s: what a strategy's own collectives wait for a peer at most
+        self.micro_batches = micro_batches  # train.accumulate_steps: forward and backward passes a step
         self.module: nn.Module | None = None
         self.counter = CommCounter()
 
@@ -214,6 +220,13 @@ class Strategy:
 
     def backward(self, loss_sum: torch.Tensor, global_count: int) -> None:
         (loss_sum * (self.env.world_size / global_count)).backward()
+
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-batch's forward and backward (train.accumulate_steps above 1): sync False where more
+        micro-batches of the step follow, so that its gradients are only added to the rank's own, sync True for the
+        last, whose backward synchronises the sum once. By default nothing: the gradients of one process, or of a
+        strategy whose ranks meet at the optimizer step only (the parameter server), need nothing more."""
+        return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         """Scale the gradients so that their global norm is at most max_norm (before the optimizer step)."""

@@ -19,9 +19,9 @@ STRATEGIES: dict[str, type[Strategy]] = {name: REGISTERED[name] for name in SPEC
 
 
 def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device,
-                   timeout_s: float = LaunchConfig.timeout_s) -> Strategy:
-    """timeout_s: launch.timeout_s, for the collectives a strategy runs itself."""
-    return STRATEGIES[cfg.name](cfg, env, device, timeout_s)
+                   timeout_s: float = LaunchConfig.timeout_s, micro_batches: int = 1) -> Strategy:
+    """timeout_s: launch.timeout_s, for the collectives a strategy runs itself; micro_batches: train.accumulate_steps."""
+    return STRATEGIES[cfg.name](cfg, env, device, timeout_s, micro_batches)
 
 
 def data_world_size(cfg: StrategyConfig, world_size: int) -> int:
@@ -53,15 +53,27 @@ def check_world(cfg: RunConfig, world_size: int, train_size: int, on_cpu: bool =
     strategy = STRATEGIES[cfg.strategy.name]
     strategy.check_world(cfg.strategy, world_size, on_cpu, torch.__version__ if torch_version is None else torch_version)
     strategy.check_run(cfg, world_size, on_cpu)
+    if cfg.train.fp16 and on_cpu:
+        raise ConfigError("train.fp16 scales float16 losses on GPUs, and this run is on the CPU; use --train.bf16 true "
+                          "for 16-bit autocast on the CPU, or run on GPUs.")
+    if cfg.train.fp16 and strategy.fp16_refusal is not None:
+        raise ConfigError(strategy.fp16_refusal)
     if cfg.model.sync_batchnorm:
         check_sync_batchnorm(strategy, on_cpu)
     data_world = strategy.data_world_size(cfg.strategy, world_size)
-    gb = cfg.train.global_batch_size
+    gb, pieces = cfg.train.global_batch_size, cfg.train.accumulate_steps
     if gb % data_world:
         who = "the world size" if data_world == world_size else "the number of training ranks"
         raise ConfigError(
             f"train.global_batch_size {gb} is not divisible by {who} {data_world}; "
             f"choose a multiple of {data_world}, for example {max(data_world, gb - gb % data_world)}."
+        )
+    if gb % (data_world * pieces):
+        unit = data_world * pieces
+        raise ConfigError(
+            f"train.global_batch_size {gb} does not split into {data_world} ranks x {pieces} micro-batches "
+            f"(train.accumulate_steps) of equal size; choose a multiple of {unit}, for example "
+            f"{max(unit, gb - gb % unit)}, or another train.accumulate_steps."
         )
     if data_world > train_size:
         raise ConfigError(

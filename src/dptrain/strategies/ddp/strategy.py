@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from typing import Any, Mapping
@@ -59,6 +60,13 @@ def refuse_with_deferred_update(name: str, cfg: RunConfig) -> None:
     if cfg.train.compile:
         raise ConfigError(f"{option} applies each layer's update in a hook before its forward, which train.compile "
                           f"would compile through; drop one of the two.")
+    if cfg.train.fp16:
+        raise ConfigError(f"{option} updates each layer on its own in a hook, and train.fp16's loss scaler decides for "
+                          f"the whole step whether to update; drop one of the two.")
+    if cfg.train.accumulate_steps > 1:
+        raise ConfigError(f"{option} applies each step's update in the next forward, and train.accumulate_steps "
+                          f"{cfg.train.accumulate_steps} runs {cfg.train.accumulate_steps} forwards a step; drop one of "
+                          f"the two.")
 
 
 class DDP(Strategy):
@@ -169,6 +177,14 @@ class DDP(Strategy):
         if self.cfg.ddp.comm_hook != "powersgd":
             return []
         return [PowerSGDPart(self.powersgd, self.env.global_rank, self.env.world_size)]
+
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """DDP's no_sync for the micro-batches before a step's last: no bucket is all-reduced (nor handed to a comm
+        hook, the shared-memory or the two-step sum), the gradients add up in place; the last one's backward
+        synchronises their sum, once. One rank alone has nothing to synchronise."""
+        if sync or self.ddp is None:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.deferred is None:

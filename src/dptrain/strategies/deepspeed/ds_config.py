@@ -1,7 +1,7 @@
 """A user's ds_config.json, read and checked against the run (torch-free): its values in range, the settings dptrain
-takes from it into the options the run does not set (adopt_user_config: train_batch_size, the optimizer's params,
-gradient_clipping, WarmupLR), a contradiction with the run's own refused in one sentence (check_against_run), and
-the engine's config made from it (engine_config)."""
+takes from it into the options the run does not set (adopt_user_config: train_batch_size, gradient_accumulation_steps,
+the optimizer's params, gradient_clipping, WarmupLR), a contradiction with the run's own refused in one sentence
+(check_against_run), and the engine's config made from it (engine_config)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ BETAS = "two numbers from 0 up to (not including) 1, like [0.9, 0.999]"
 FILE_VALUES = {
     "train_batch_size": FileValue("count", "train.global_batch_size", "an integer above 0"),
     "train_micro_batch_size_per_gpu": FileValue("count", None, "an integer above 0"),
-    "gradient_accumulation_steps": FileValue("count", None, "an integer above 0"),
+    "gradient_accumulation_steps": FileValue("count", "train.accumulate_steps", "an integer above 0"),
     "gradient_clipping": FileValue("number", "train.grad_clip", f"0 (no clipping) or {RATE}", zero_is_none=True),
     "optimizer.params.lr": FileValue("number", "optim.lr", RATE),
     "optimizer.params.weight_decay": FileValue("number", "optim.weight_decay", f"0 or {RATE}"),
@@ -169,6 +169,8 @@ def file_options(tree: dict[str, Any], path: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if _given(tree, "train_batch_size") and _number(tree["train_batch_size"]) and tree["train_batch_size"] > 0:
         found["train.global_batch_size"] = tree["train_batch_size"]
+    if _given(tree, "gradient_accumulation_steps") and _number(tree["gradient_accumulation_steps"]):
+        found["train.accumulate_steps"] = tree["gradient_accumulation_steps"]
     if _given(tree, "gradient_clipping") and _number(tree["gradient_clipping"]):
         found["train.grad_clip"] = tree["gradient_clipping"] or None  # DeepSpeed's 0 is no clipping
     if "optimizer" in tree:
@@ -248,7 +250,7 @@ def check_against_run(tree: dict[str, Any], cfg: RunConfig, world_size: int, on_
     assert path is not None
     _check_zero(_section(tree, "zero_optimization", path), cfg.strategy.deepspeed.zero_stage, path)
     _check_precision(tree, on_cpu, path)
-    _check_batch(tree, cfg.train.global_batch_size, world_size, path)
+    _check_batch(tree, cfg.train.global_batch_size, cfg.train.accumulate_steps, world_size, path)
     if _given(tree, "gradient_clipping") and (tree["gradient_clipping"] or None) != cfg.train.grad_clip:
         ours = "none" if cfg.train.grad_clip is None else cfg.train.grad_clip
         raise ConfigError(f"{path} sets gradient_clipping {tree['gradient_clipping']} but train.grad_clip is {ours}; "
@@ -339,21 +341,25 @@ def _check_precision(tree: dict[str, Any], on_cpu: bool, path: str) -> None:
                               f"float32 weights, as for every strategy); remove the {name} section and use --train.bf16 true.")
 
 
-def _check_batch(tree: dict[str, Any], global_batch: int, world_size: int, path: str) -> None:
+def _check_batch(tree: dict[str, Any], global_batch: int, pieces: int, world_size: int, path: str) -> None:
+    """DeepSpeed's rule, train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks, with
+    dptrain's train.global_batch_size and train.accumulate_steps in the places of the first and the last but one."""
     if _given(tree, "train_batch_size") and tree["train_batch_size"] != global_batch:
         raise ConfigError(f"{path} sets train_batch_size {tree['train_batch_size']} but train.global_batch_size is "
                           f"{global_batch}; set --train.global_batch_size {tree['train_batch_size']}, or remove "
                           f"train_batch_size from the file.")
-    share = global_batch // world_size
-    if _given(tree, "train_micro_batch_size_per_gpu") and tree["train_micro_batch_size_per_gpu"] != share:
+    if _given(tree, "gradient_accumulation_steps") and tree["gradient_accumulation_steps"] != pieces:
+        raise ConfigError(f"{path} sets gradient_accumulation_steps {tree['gradient_accumulation_steps']} but "
+                          f"train.accumulate_steps is {pieces}; set --train.accumulate_steps "
+                          f"{tree['gradient_accumulation_steps']}, or remove gradient_accumulation_steps from the file.")
+    micro = global_batch // (world_size * pieces)
+    if _given(tree, "train_micro_batch_size_per_gpu") and tree["train_micro_batch_size_per_gpu"] != micro:
+        of = f"{pieces} micro-batches of " if pieces > 1 else ""
         raise ConfigError(f"{path} sets train_micro_batch_size_per_gpu {tree['train_micro_batch_size_per_gpu']}, but each "
-                          f"of the {world_size} ranks takes {share} samples of train.global_batch_size {global_batch}; "
-                          f"set --train.global_batch_size {tree['train_micro_batch_size_per_gpu'] * world_size}, or remove "
+                          f"of the {world_size} ranks takes {of}{micro} samples of train.global_batch_size {global_batch}; "
+                          f"set --train.global_batch_size "
+                          f"{tree['train_micro_batch_size_per_gpu'] * world_size * pieces}, or remove "
                           f"train_micro_batch_size_per_gpu from the file.")
-    if _given(tree, "gradient_accumulation_steps") and tree["gradient_accumulation_steps"] != 1:
-        raise ConfigError(f"{path} sets gradient_accumulation_steps {tree['gradient_accumulation_steps']}, but dptrain takes "
-                          f"one optimizer step per global batch; remove it, and set train.global_batch_size to the batch "
-                          f"you want per step.")
 
 
 def _check_optimizer(section: dict[str, Any], cfg: RunConfig, path: str) -> None:
@@ -383,12 +389,13 @@ def _check_optimizer(section: dict[str, Any], cfg: RunConfig, path: str) -> None
                               f"{json.dumps(ours[key])}; set --optim.{key} {typed}, or remove {key} from the file.")
 
 
-def engine_config(user: dict[str, Any], zero_stage: int) -> dict[str, Any]:
-    """What deepspeed.initialize gets: the user's settings (already checked) with dptrain's own put in their place."""
+def engine_config(user: dict[str, Any], zero_stage: int, micro_batches: int = 1) -> dict[str, Any]:
+    """What deepspeed.initialize gets: the user's settings (already checked) with dptrain's own put in their place
+    (micro_batches: train.accumulate_steps)."""
     config = {key: value for key, value in user.items() if key not in DPTRAIN_KEYS}
     config["zero_optimization"] = {**user.get("zero_optimization", {}), "stage": zero_stage}
-    # One optimizer step per global batch. DeepSpeed's micro batch only feeds its sample counters and monitors:
-    # backward() sets it to each step's share.
-    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    # One optimizer step per global batch, in micro_batches pieces whose last is the boundary (gradient_sync says it).
+    # DeepSpeed's micro batch only feeds its sample counters and monitors: backward() sets it to each piece's share.
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=micro_batches)
     config["zero_allow_untested_optimizer"] = True  # dptrain's torch SGD and Adam, which ZeRO runs like any other
     return config

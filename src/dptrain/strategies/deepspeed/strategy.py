@@ -8,11 +8,10 @@ dptrain's options stay the one source of what is computed: the batch, the optimi
 handed to DeepSpeed as its client optimizer), the learning-rate schedule, gradient clipping, precision
 (train.bf16 autocasts, as for every strategy) and the ZeRO stage. A user's ds_config.json adds the engine's
 own settings (buckets, overlap, communication dtype, ...). Where it states one of dptrain's that the run does
-not set itself (train_batch_size, the Adam/AdamW/SGD optimizer's params, gradient_clipping, a WarmupLR
-scheduler), adopt_user_config takes the file's value into the options, as the tutorials' files expect; where
-the run sets it too, both must agree, and a contradiction is refused in one sentence before any worker starts
-(check_run). Snapshots hold
-DeepSpeed's own checkpoint (engine.save_checkpoint / load_checkpoint) in a subfolder, written and read as
+not set itself (train_batch_size, gradient_accumulation_steps, the Adam/AdamW/SGD optimizer's params,
+gradient_clipping, a WarmupLR scheduler), adopt_user_config takes the file's value into the options, as the
+tutorials' files expect; where the run sets it too, both must agree, and a contradiction is refused in one sentence
+before any worker starts (check_run). Snapshots hold DeepSpeed's own checkpoint (engine.save_checkpoint / load_checkpoint) in a subfolder, written and read as
 plain data (PlainDataCheckpointEngine), besides the model in DCP for `dptrain eval` and `predict`.
 """
 
@@ -127,11 +126,13 @@ class DeepSpeed(Strategy):
 
     spec = SPEC
     step_is_local = False  # collectives inside the step
+    fp16_refusal = ("strategy deepspeed scales float16 losses with its own engine (its fp16 section), which dptrain "
+                    "does not run; use --train.bf16 true, or strategy ddp or zero1 for train.fp16.")
     resumes_on_another_world = False  # its engine's own checkpoint is per rank (state.OwnFolder)
 
     def __init__(self, cfg: StrategyConfig, env: Any, device: torch.device,
-                 timeout_s: float = LaunchConfig.timeout_s) -> None:
-        super().__init__(cfg, env, device, timeout_s)
+                 timeout_s: float = LaunchConfig.timeout_s, micro_batches: int = 1) -> None:
+        super().__init__(cfg, env, device, timeout_s, micro_batches)
         self.engine: Any = None
         self.forward_module: EngineForward | None = None
         self.micro_batch = 0  # what DeepSpeed's counters were last told
@@ -179,7 +180,8 @@ class DeepSpeed(Strategy):
         # SLURM task; dist_init_required=False: it wraps dptrain's process group instead of making one.
         args = SimpleNamespace(device_rank=self.device.index if self.device.type == "cuda" else 0)
         engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=spec.build, model_parameters=model.parameters(),
-                                               config=engine_config(user, self.cfg.deepspeed.zero_stage), dist_init_required=False)
+                                               config=engine_config(user, self.cfg.deepspeed.zero_stage, self.micro_batches),
+                                               dist_init_required=False)
         engine.checkpoint_engine = plain_data_checkpoint_engine()
         line = settings_line(self.cfg.deepspeed.config) if self.cfg.deepspeed.config is not None else None
         if line is not None and self.env.is_main:  # once a run, as it starts
@@ -230,12 +232,20 @@ class DeepSpeed(Strategy):
         return user
 
     def backward(self, loss_sum: torch.Tensor, global_count: int) -> None:
-        share = max(1, global_count // self.env.world_size)
+        share = max(1, global_count // (self.env.world_size * self.micro_batches))
         if share != self.micro_batch:  # DeepSpeed's sample counters; two attributes, no collective
             self.engine.set_train_micro_batch_size(share)
             self.micro_batch = share
-        # DeepSpeed averages the gradients over the ranks (gradient_accumulation_steps 1: no other scaling).
-        self.engine.backward(loss_sum * (self.env.world_size / global_count))
+        # DeepSpeed averages the gradients over the ranks; the loss is already a share of the global batch's mean, so
+        # not divided by gradient_accumulation_steps again (scale_wrt_gas).
+        self.engine.backward(loss_sum * (self.env.world_size / global_count), scale_wrt_gas=False)
+
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """DeepSpeed's own boundary (set_gradient_accumulation_boundary): the step's last micro-batch is its
+        accumulation boundary, where ZeRO-1 reduces the summed gradients (ZeRO-2 and 3 reduce each micro-batch's into
+        their partitions, as DeepSpeed does); engine.step() then updates once."""
+        self.engine.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         # The gradients are reduced, partitioned and clipped inside engine.step(), which scales them by
@@ -259,9 +269,13 @@ class DeepSpeed(Strategy):
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         param_size = params[0].element_size()
         grad_size = torch.empty(0, dtype=self.engine.communication_data_type).element_size()
-        gathers = 2 if self.cfg.deepspeed.zero_stage == 3 else 1
+        stage, pieces = self.cfg.deepspeed.zero_stage, self.micro_batches
+        # ZeRO-3 gathers the parameters in each micro-batch's forward and backward; ZeRO-2 and 3 reduce each
+        # micro-batch's gradients, ZeRO-1 the step's sum once (train.accumulate_steps)
+        gathers = 2 * pieces if stage == 3 else 1
+        reductions = pieces if stage >= 2 else 1
         world = self.env.world_size
-        return steps * (gathers * numel * param_size + numel * grad_size) * (world - 1) // world
+        return steps * (gathers * numel * param_size + reductions * numel * grad_size) * (world - 1) // world
 
     # Snapshots: the model in DCP (whole, for eval and predict), everything else in DeepSpeed's own checkpoint.
 

@@ -64,6 +64,8 @@ class AutocastDataParallel(nn.DataParallel):
 
 class DataParallel(Strategy):
     spec = SPEC
+    fp16_refusal = ("train.fp16 runs with one process per GPU (its loss scaler checked so), not with nn.DataParallel's "
+                    "replicas; use --strategy.name ddp with one process per GPU, or --train.bf16 true.")
     one_process = True
 
     @classmethod

@@ -9,6 +9,7 @@ backward needs them first, so freeing them would only gather them again at once.
 
 from __future__ import annotations
 
+import contextlib
 import typing
 from typing import Iterator
 
@@ -178,6 +179,9 @@ class FSDP(Strategy):
 
     spec = SPEC
     step_is_local = False  # collectives inside the step
+    fp16_refusal = ("train.fp16's torch.amp.GradScaler would look for overflow in each rank's shard of the gradients "
+                    "alone, and skip the update on some ranks only; use strategy.fsdp.param_dtype bfloat16 or "
+                    "--train.bf16 true, or strategy ddp.")
     shared_memory_collectives: SharedMemoryCollectives | None = None
     """The all-gathers and reduce-scatters through /dev/shm (CPU ranks all on one host), once wrapped; None: gloo's."""
 
@@ -236,6 +240,14 @@ class FSDP(Strategy):
             unit.set_custom_all_gather(SharedMemoryAllGather(collectives))
             unit.set_custom_reduce_scatter(SharedMemoryReduceScatter(collectives))
 
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """FSDP2's set_requires_gradient_sync on every unit: the micro-batches before a step's last keep their unsharded
+        gradients and add to them, and the last one's backward reduce-scatters the sum, once. Each micro-batch still
+        gathers the parameters it computes with (comm_bytes counts those)."""
+        assert self.module is not None, "wrap() first"
+        self.module.set_requires_gradient_sync(sync)  # type: ignore[operator]  # an FSDPModule's, since wrap()
+        return contextlib.nullcontext()
+
     def uses_shared_memory(self) -> bool:
         """CPU ranks, all on this host: FSDP's collectives go through shared memory (a decision every rank makes alike).
         A buffer that cannot be set up leaves them on gloo."""
@@ -249,6 +261,8 @@ class FSDP(Strategy):
         own_size = next(self.eval_module.parameters()).element_size()
         param_size = getattr(DTYPES[self.cfg.fsdp.param_dtype], "itemsize", own_size)
         reduce_size = getattr(DTYPES[self.cfg.fsdp.reduce_dtype], "itemsize", own_size)
+        # Every micro-batch (train.accumulate_steps) gathers the parameters again; the gradients are reduced once.
+        gathered *= self.micro_batches
         if self.shared_memory_collectives is not None:
             per_step = gathered * param_size // world + numel * reduce_size
         else:

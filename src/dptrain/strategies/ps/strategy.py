@@ -97,6 +97,8 @@ class ServerOptimizer(torch.optim.Optimizer):
 
 class ParameterServer(Strategy):
     spec = SPEC
+    fp16_refusal = ("train.fp16's torch.amp.GradScaler looks for overflow in each rank's own gradients, which strategy "
+                    "ps sums only inside its step, so ranks could disagree on skipping it; use strategy ddp or zero1.")
     step_is_local = False  # collectives inside the step
     clip_norm: float | None = None
     """train.grad_clip, applied by the server to the mean gradient: a worker holds only its partial one."""
