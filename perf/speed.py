@@ -150,9 +150,11 @@ class Run:
 
 def train(nproc: int, args: Sequence[str], sample_memory: bool = False, timeout_s: float = 1800) -> Run:
     """`dptrain train` on nproc workers in a fresh folder; its events, launch time and (if asked) memory."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        command = throughput.dptrain_command(nproc, run_dir, ["--checkpoint.every_epochs", "0", *args])
-        with open(Path(run_dir) / "output.log", "w+") as out:
+    with tempfile.TemporaryDirectory() as scratch:
+        # The run gets a folder of its own: dptrain refuses a run folder that holds other files (output.log).
+        run_dir = Path(scratch) / "run"
+        command = throughput.dptrain_command(nproc, str(run_dir), ["--checkpoint.every_epochs", "0", *args])
+        with open(Path(scratch) / "output.log", "w+") as out:
             launched = time.time()
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
             sampler = Sampler(proc.pid) if sample_memory else None
@@ -168,7 +170,7 @@ def train(nproc: int, args: Sequence[str], sample_memory: bool = False, timeout_
                 out.seek(0)
                 tail = "\n".join(out.read().strip().splitlines()[-5:])
                 raise RuntimeError(f"{' '.join(command)} exited with status {returncode}:\n{tail}")
-        events = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Run(events, launched, memory)
 
 
