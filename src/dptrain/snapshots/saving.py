@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,10 +120,12 @@ class Snapshotter:
         on_epoch = bool(every_epochs) and (state.epoch + 1) % every_epochs == 0
         return state.epoch_done(self.steps_per_epoch) and (on_epoch or on_step)
 
-    def at_step_boundary(self, state: TrainState, stop: StopRequest, phase: Phase, before_saving: Callable[[], None]) -> None:
+    def at_step_boundary(self, state: TrainState, stop: StopRequest, phase: Phase, before_saving: Callable[[], None],
+                         on_signal: Callable[[dict[str, Any]], None] = lambda record: None) -> None:
         """The snapshotter's turn after every step: a snapshot when due; then the stop signals exchanged, and once every
-        rank has agreed on one, a verified snapshot of this step, then Stopped. before_saving(): the loop's check that
-        the state is fit to keep (train.Trainer._check_loss: never a snapshot of a diverged state)."""
+        rank has agreed on one, a verified snapshot of this step, then Stopped (or, for a rehearsal's drill, training
+        goes on). before_saving(): the loop's check that the state is fit to keep (train.Trainer._check_loss: never a
+        snapshot of a diverged state). on_signal(record): what each agreed signal did (signal_record), on every rank."""
         with phase(f"snapshot after step {state.step}"):
             if self.due(state, after_evaluation=False):
                 before_saving()
@@ -133,7 +136,13 @@ class Snapshotter:
             with phase(f"snapshot at step {state.step}"):
                 before_saving()
                 self.save(state, wait=True)
-            raise Stopped.after_step(signal_name, state.step)
+                written = time.time()
+            with phase(f"signal receipts after step {state.step}"):
+                received = stop.receipts()  # after the snapshot: a rank the signal reached a moment later counts
+            drill = stop.drill()
+            on_signal(signal_record(signal_name, state.step, received, written, drill))
+            if not drill:
+                raise Stopped.after_step(signal_name, state.step)
 
     def save_if_due(self, state: TrainState, after_evaluation: bool = False) -> None:
         """At a step boundary (or after an evaluation): save if due(), else commit a finished background write."""
@@ -304,6 +313,14 @@ class Snapshotter:
         state.roll_over(self.steps_per_epoch)
         self.last_step = manifest["step"]
         log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, state.step, state.epoch + 1, state.batches_consumed)
+
+
+def signal_record(signal_name: str, step: int, received: list[float | None], written: float, drill: bool) -> dict[str, Any]:
+    """An agreed signal's fields (events.SIGNAL_EVENT): its name, the step whose snapshot it wrote, when each rank got
+    it (None: never), when the snapshot was written (rank 0's clock, seconds since 1970), and whether it was a drill."""
+    from dptrain.events import DRILL, RECEIVED_AT, SIGNAL, SNAPSHOT_AT, STEP
+
+    return {STEP: step, SIGNAL: signal_name, RECEIVED_AT: received, SNAPSHOT_AT: written, DRILL: drill}
 
 
 def _shards_of(parts: list[Any]) -> dict[str, Any]:
