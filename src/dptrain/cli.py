@@ -39,6 +39,7 @@ from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.plan import plan
 from dptrain.prestart import check_output_dir, check_predictions_path, snapshot_and_its_run
 from dptrain.run_folder import RunFolder
+from dptrain.snapshots import elsewhere
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -227,16 +228,32 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError("checkpoint export needs a file to write: dptrain checkpoint export SNAPSHOT model.pt.")
         snapshot, cfg, manifest = snapshot_and_its_run(path, [], 1, "export")
         count = snapshots.export_weights(cfg, snapshot, manifest, Path(args.output))
-        print(f"{args.output}: {count} tensors of {snapshot}'s model ({cfg.model.name}), for torch.load(weights_only=True) "
-              f"and load_state_dict")
+        reader = ("safetensors.torch.load_file" if Path(args.output).suffix == snapshots.SAFETENSORS
+                  else "torch.load(weights_only=True)")
+        print(f"{args.output}: {count} tensors of {snapshot}'s model ({cfg.model.name}), for {reader} and load_state_dict")
         return 0
+    if args.python is not None and args.action != "verify":
+        raise ConfigError(f"--python names the interpreter checkpoint verify loads the snapshot in; checkpoint "
+                          f"{args.action} takes no --python.")
     if args.output is not None:
         raise ConfigError(f"unexpected argument {args.output!r}; checkpoint {args.action} takes one path.")
     if args.action == "verify":
+        python = elsewhere.interpreter(args.python) if args.python is not None else None
         manifest = snapshots.verify(path)
         print(f"{path}: ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
-              f"{len(manifest['files'])} files verified")
-        return 0
+              f"{len(manifest['files'])} files verified (written by torch {manifest.get('torch', 'unknown')})")
+        if python is None:
+            return 0
+        there = elsewhere.probe_with(python, path)
+        print(f"under {python} (torch {there['torch']}):")
+        for part, status, detail in there["parts"]:
+            print(f"  {part}: {status}: {detail}")
+        failed = [part for part, status, _ in there["parts"] if status != "ok"]
+        if failed:
+            print(f"dptrain: {len(failed)} of {len(there['parts'])} parts of {path} do not load under torch "
+                  f"{there['torch']} ({failed[0]} first); resume or evaluate it with torch {manifest.get('torch')}.",
+                  file=sys.stderr)
+        return 1 if failed else 0
     root = RunFolder(path).checkpoints if RunFolder(path).checkpoints.is_dir() else path
     rows = snapshots.list_snapshots(root)
     if not rows:
@@ -398,7 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="list: every snapshot of a run; verify: check one; export: its model's weights as one file")
     ckpt.add_argument("path", help="list: a run folder (or its checkpoints folder); verify, export: a snapshot folder "
                                    "(export: or a run folder, for its newest valid snapshot)")
-    ckpt.add_argument("output", nargs="?", help="export: the file to write (a new one), e.g. model.pt")
+    ckpt.add_argument("output", nargs="?", help="export: the file to write (a new one), e.g. model.pt, or model.safetensors "
+                                                "for safetensors")
+    ckpt.add_argument("--python", metavar="PATH", help="verify: also load the snapshot's parts in this interpreter or "
+                                                       "virtual environment (another torch) and report each")
     ckpt.set_defaults(func=cmd_checkpoint)
     board = sub.add_parser(
         "tensorboard",

@@ -28,8 +28,9 @@ from dptrain.safe_load import check_private, dcp_load, load_tensors, make_privat
 from dptrain.stopping import StopRequest, Stopped
 from dptrain.train_state import TrainState
 from dptrain.snapshots.finding import entries, first_reason, not_a_snapshot_folder, rerun_ending, span
-from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, computation_options, config_hash,
-                                     read_manifest, recorded_hash, sha256_of, verify)
+from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, check_optimizer_keys,
+                                     computation_options, config_hash, dcp_record, optimizer_record, read_manifest,
+                                     reading, recorded_hash, sha256_of, verify, written_elsewhere)
 
 log = logging.getLogger("dptrain")
 
@@ -192,7 +193,8 @@ class Snapshotter:
             _save_file({"loop": state.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp / EXTRA, run_dir)
             manifest = {"world_size": self.env.world_size, "strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
                         "config_hash": config_hash(self.cfg), "config": computation_options(self.cfg),
-                        "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step,
+                        "schedule_steps": self.total_steps, "torch": torch.__version__, "dcp": dcp_record(),
+                        "optimizer": optimizer_record(self.optimizer), "step": state.step,
                         "input": input_record(self.cfg.data),  # what `dptrain predict` feeds the model (None: a user's Dataset)
                         "parts": {part.name: {"storage": part.storage, "files": sorted(part.files(self.env.world_size))}
                                   for part in parts}}
@@ -288,17 +290,29 @@ class Snapshotter:
             raise ConfigError(f"snapshot {path} {why}, or use {self.cfg.output.elsewhere} to start afresh.")
         for name in sorted(set().union(*(part.files(world) for part in parts)) - set(manifest["files"])):  # a manifest without "parts"
             raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
+        if (theirs := written_elsewhere(manifest)) is not None:
+            log.info("snapshot %s was written by torch %s; loading it under torch %s", path, theirs, torch.__version__)
         shards = _shards_of(parts)
-        dcp_load(shards, path)
+        with reading(manifest, path, f"DCP shards ({', '.join(sorted(shards))})"):
+            # another torch's optimizer may have had fewer hyper-parameters (2.6's Adam: no decoupled_weight_decay):
+            # those keep this torch's defaults (the losses after such a resume are checked by the tests), named in the log
+            kept = dcp_load(shards, path, ".param_groups." if theirs is not None else None)
+        if kept:
+            log.warning("snapshot %s, written by torch %s, lacks %s; kept at torch %s's defaults", path, theirs,
+                        ", ".join(kept), torch.__version__)
         for part in parts:
-            part.load(path, shards, load_tensors, world)
-        extra = load_tensors(path / EXTRA)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        state.load_state_dict(extra["loop"])
+            with reading(manifest, path, f"{part.name} state ({part.storage})"):
+                part.load(path, shards, load_tensors, world)
+        check_optimizer_keys(manifest, path, self.optimizer)
+        with reading(manifest, path, f"loop state and scheduler ({EXTRA})"):
+            extra = load_tensors(path / EXTRA)
+            self.scheduler.load_state_dict(extra["scheduler"])
+            state.load_state_dict(extra["loop"])
         if world == self.env.world_size:
-            mine = load_tensors(path / f"rank{self.env.global_rank}.pt")
-            state.epoch_sums = _on(mine["epoch_sums"], self.device)
-            _set_rng_state(mine["rng"], self.device)
+            with reading(manifest, path, f"RNG states (rank{self.env.global_rank}.pt)"):
+                mine = load_tensors(path / f"rank{self.env.global_rank}.pt")
+                state.epoch_sums = _on(mine["epoch_sums"], self.device)
+                _set_rng_state(mine["rng"], self.device)
         else:
             # Another world size: DCP has resharded the weights and optimizer, and the loader's position is
             # global. The partial-epoch sums are reduced over ranks at the epoch's end, so rank 0 carries
