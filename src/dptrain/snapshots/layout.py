@@ -198,8 +198,8 @@ def written_elsewhere(manifest: dict[str, Any]) -> str | None:
 def across_versions(manifest: dict[str, Any], path: Path, part: str, why: str) -> SnapshotError:
     """The one sentence for a part of a snapshot written by another torch that does not read the same here."""
     theirs = manifest.get("torch")
-    return SnapshotError(f"snapshot {path} was written by torch {theirs}, and its {part} does not read the same under "
-                         f"torch {torch.__version__} ({why}); load it with torch {theirs} (dptrain checkpoint verify "
+    return SnapshotError(f"snapshot {path} was written by torch {theirs}, and torch {torch.__version__} cannot load its "
+                         f"{part} as written ({why}); load it with torch {theirs} (dptrain checkpoint verify "
                          f"--python names each part an interpreter reads), or export its weights there and start afresh.")
 
 
