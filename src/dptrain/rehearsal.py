@@ -388,24 +388,28 @@ def _kill_wait() -> int | None:
 
 
 def _script_table(cfg: RunConfig, twins: dict[str, Twin]) -> Table:
-    """A script of the user's: what SLURM shows of its twin (the signal, the exit, the requeue); its snapshots and
-    its resume are its own, so they are named as not checked."""
+    """A script of the user's: what SLURM shows of its twin (the signal, how the job ended or went back to the queue);
+    whether the signal reached each rank, its snapshots and its resume are the script's own, named as not checked."""
     table = Table()
     twin = twins[PREEMPTED]
     if not twin.sent:
-        table.add("signal sent", FAIL, f"the twin never ran {SCRIPT_SIGNAL_AFTER_S:g} s (job {twin.job_id} {twin.state})")
+        table.add("signal sent", FAIL, f"the twin ended {twin.state} before it had run {SCRIPT_SIGNAL_AFTER_S:g} s "
+                                       f"(job {twin.job_id}); give the script more work to rehearse on")
         return table
     record = queue.job_record(twin.job_id)
     restarts = int(record.get("Restarts", "0") or 0) if record else 0
-    if twin.exit_seen is not None:
-        took = twin.exit_seen - twin.sent[0]
-        lead = cfg.slurm.signal_lead_s
-        table.add("signal → exit", OK if lead and took < lead else WARN,
-                  f"{took:.1f} s from SIGUSR1 to the job leaving the running state (the job's lead: {lead} s)")
+    ended = f"{record.get('JobState', twin.state)}, exit code {record.get('ExitCode', '?')}"
+    lead = cfg.slurm.signal_lead_s
+    if twin.exit_seen is None:
+        table.add("signal → exit", FAIL, f"job {twin.job_id} went on running after SIGUSR1")
     else:
-        table.add("signal → exit", FAIL, f"the job went on running after SIGUSR1 (job {twin.job_id} {twin.state})")
+        took = twin.exit_seen - twin.sent[0]
+        table.add("signal → exit", OK if restarts and took < lead else WARN,
+                  f"{took:.1f} s from SIGUSR1 to the job leaving the running state ({ended}; the job's lead: {lead} s)")
     table.add("requeued from inside the job", OK if restarts else FAIL,
-              f"SLURM counts {restarts} restarts of job {twin.job_id}")
-    for check in ("snapshot written whole, verifies", "resumed run equals the uninterrupted twin"):
+              f"SLURM counts {restarts} restarts of job {twin.job_id}" + ("" if restarts else
+              "; the script's rank 0 runs scontrol requeue where DPTRAIN_REQUEUE is 1, after its snapshot"))
+    for check in ("signal reaches every rank", "snapshot written whole, verifies",
+                  "resumed run equals the uninterrupted twin"):
         table.add(check, WARN, "not checked: a script of yours keeps its own state")
     return table
