@@ -86,6 +86,8 @@ class Row:
 @dataclass
 class Table:
     rows: list[Row] = field(default_factory=list)
+    measured: dict[str, Any] = field(default_factory=dict)
+    """The timings behind the rows: signal_to_snapshot_s, snapshot_to_exit_s (lists), recommended_lead_s."""
 
     @property
     def failed(self) -> bool:
@@ -150,7 +152,7 @@ def rehearse(cfg: RunConfig, job: Job, twins: dict[str, tuple[Any, Job, str]], u
             signal = "USR1" if name == PREEMPTED else None  # the sigterm twin's comes from SLURM
             count = {PREEMPTED: 1 if user_script else drills + 1, SIGTERM: 1}.get(name, 0)
             submitted[name] = Twin(name, twin_job, job_id, signal, count)
-        print(f"dptrain: rehearsing {job.script.name} with {len(submitted)} twins in {folder}: jobs "
+        print(f"dptrain: rehearsing the job of {job.run_dir} with {len(submitted)} twins in {folder}: jobs "
               f"{', '.join(f'{t.job_id} ({t.name})' for t in submitted.values())}", flush=True)
         _drive([t for t in submitted.values() if t.count], user_script, started + bound_s)
         if user_script:  # its requeued rerun would run the whole script again: what SLURM counted is enough
@@ -165,12 +167,12 @@ def rehearse(cfg: RunConfig, job: Job, twins: dict[str, tuple[Any, Job, str]], u
             subprocess.run(["scancel", *alive], capture_output=True, timeout=60)
     took = time.monotonic() - started
     table.add("rehearsal's wall time", OK, f"{took:.0f} s, submission to the last twin's end")
-    text = f"# Rehearsal of {job.script}\n\n{table.markdown()}"
+    text = f"# Rehearsal of the job of {job.run_dir}\n\n{table.markdown()}"
     print(text, end="", flush=True)
     rehearsal_files = RunFolder(job.run_dir)
     rehearsal_files.rehearsal_table.write_text(text)
     rehearsal_files.rehearsal_record.write_text(json.dumps(
-        {"rows": [dataclasses.asdict(r) for r in table.rows], "wall_s": round(took, 1),
+        {"rows": [dataclasses.asdict(r) for r in table.rows], "wall_s": round(took, 1), **table.measured,
          "jobs": {t.name: t.job_id for t in submitted.values()}}, indent=1) + "\n")
     return table
 
@@ -295,10 +297,13 @@ def _table(cfg: RunConfig, twins: dict[str, Twin]) -> Table:
         return table
     snap50, snap95 = percentiles([s for s, _ in timed])
     exit50, exit95 = percentiles(to_exit)
+    table.measured = {"signal_to_snapshot_s": [round(s, 3) for s, _ in timed],
+                      "snapshot_to_exit_s": [round(e, 3) for e in to_exit]}
     table.add("signal → snapshot", OK, f"p50 {snap50:.2f} s, p95 {snap95:.2f} s over {len(timed)} signals")
     table.add("snapshot → exit", OK, f"p50 {exit50:.2f} s, p95 {exit95:.2f} s over {len(to_exit)} stops (the requeue, "
                                      f"the SIGTERM stop)")
     lead = max(1, math.ceil(LEAD_MARGIN * (snap95 + exit95)))
+    table.measured["recommended_lead_s"] = lead
     ours = cfg.slurm.signal_lead_s
     if ours >= lead:
         table.add("--signal-lead-s", OK, f"the job's {ours} s covers the {lead} s recommended "
