@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dptrain import config as config_mod, read_back
