@@ -285,7 +285,12 @@ def _table(cfg: RunConfig, twins: dict[str, Twin]) -> Table:
     table = Table()
     preempted, sigterm, uninterrupted = twins[PREEMPTED], twins[SIGTERM], twins[UNINTERRUPTED]
     table.add("signal reaches every rank: SIGUSR1", *_reached(preempted, "the job's --signal"))
-    table.add("signal reaches every rank: SIGTERM only", *_reached(sigterm, "SLURM's time limit, no user signal"))
+    if sigterm.events(STEP_EVENT.name) or sigterm.events(SIGNAL_EVENT.name):
+        table.add("signal reaches every rank: SIGTERM only", *_reached(sigterm, "SLURM's time limit, no user signal"))
+    else:  # a job that takes more than its minute to start training (a container pulled, a large set read)
+        table.add("signal reaches every rank: SIGTERM only", WARN,
+                  f"not rehearsed: its twin had not trained a step when its {SIGTERM_LIMIT_MIN}-minute time limit came "
+                  f"(job {sigterm.job_id} ended {sigterm.state}; see {sigterm.folder.logs})")
     timed = _snapshot_rows(table, [preempted, sigterm])
     table.add("requeued, resumed from that snapshot", *_resumed(preempted))
     table.add("resumed run equals the uninterrupted twin", *_equal(preempted, uninterrupted))
