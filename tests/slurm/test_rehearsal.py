@@ -72,6 +72,7 @@ def rehearse_script(cluster, workdir, monkeypatch, script: str, *arguments: str)
     return code, {row["check"]: row for row in record["rows"]}, out.getvalue()
 
 
+@pytest.mark.nightly  # the default run keeps one rehearsal, above
 @pytest.mark.timeout(180)
 def test_a_rehearsal_of_a_users_script_sees_it_requeue_and_names_what_it_cannot_check(slurm_cluster, tmp_path,
                                                                                         monkeypatch):
