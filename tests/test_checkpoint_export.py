@@ -42,3 +42,14 @@ def test_export_never_replaces_a_file_and_needs_one_to_write(run_dir, tmp_path, 
     assert taken.read_text() == "mine"
     assert main(["checkpoint", "export", str(run_dir)]) == 2
     assert "checkpoint export needs a file to write" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_safetensors_file_name_exports_the_whole_weights_as_safetensors(run_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "weights.safetensors"
+    assert main(["checkpoint", "export", str(run_dir), str(out)]) == 0
+    assert "for safetensors.torch.load_file and load_state_dict" in capsys.readouterr().out
+    exported, final = load_file(out), torch.load(run_dir / "model.pt", weights_only=True)  # no unpickling: safetensors
+    assert sorted(exported) == sorted(final) and all(torch.equal(exported[name], final[name]) for name in final)

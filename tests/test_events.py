@@ -32,6 +32,7 @@ WRITTEN = {
               "gpu_power_max_w", "eval_loss", "eval_acc", "eval_count", "eval_time_s"],
     "run_end": ["step"],
     "stopped": ["step", "message"],
+    "signal": ["step", "signal", "received_at", "snapshot_at", "drill"],
     "requeue": ["step", "job_id"],
     "requeue_failed": ["step", "job_id", "reason"],
     "eval": ["snapshot", "step", "world_size", "eval_loss", "eval_acc", "eval_count", "eval_time_s"],
@@ -96,7 +97,7 @@ def test_every_event_of_a_stopped_and_resumed_run_is_one_of_the_schema(tmp_path,
     monkeypatch.delenv(SIGNAL_AT)
     assert main(args) == 0
     written = assert_written_by_the_schema(run_dir / "metrics.jsonl")
-    assert [e[EVENT] for e in written] == ["run_start", "step", "step", "stopped", "run_start", "step", "step", "epoch",
+    assert [e[EVENT] for e in written] == ["run_start", "step", "step", "signal", "stopped", "run_start", "step", "step", "epoch",
                                            "step", "step", "step", "step", "epoch", "run_end"]
 
 

@@ -76,3 +76,35 @@ def test_signals_on_both_ranks_at_different_steps_stop_both_at_the_first_ones_st
     results = on_two_ranks["both ranks"]
     assert [step for step, _, _ in results] == [4, 4]
     assert [answer for _, answer, _ in results] == ["SIGTERM", "SIGUSR1"]
+
+
+def _drill_then_stop(rank: int, world: int) -> list[tuple[int, str, bool, list[bool]]]:
+    """A rehearsal's run (one drill, then the stop): rank 0 alone gets SIGUSR1 after steps 3 and 8. Returns, for each
+    agreed signal, (its step, the answer, whether it was a drill, which ranks had received it)."""
+    stop = StopRequest(world)
+    stop.drills_left = 1  # what DRILLS_VAR=1 sets
+    agreed = []
+    try:
+        for step in range(1, 30):
+            answer = stop.agreed()
+            if answer is not None:
+                received = stop.receipts()
+                drill = stop.drill()
+                agreed.append((step, answer, drill, [r is not None for r in received]))
+                if not drill:
+                    return agreed
+            if rank == 0 and step in (3, 8):
+                os.kill(os.getpid(), signal.SIGUSR1)
+        raise AssertionError(f"no stop agreed in 29 steps: {agreed}")
+    finally:
+        stop.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_drill_writes_its_step_and_goes_on_and_the_next_signal_stops_both_ranks():
+    """The drill's own exchange, started at its step with its flag, is dropped: the run goes on until the next signal,
+    which stops it; the receipts say which rank got each signal."""
+    rank0, rank1 = run_on_ranks(_drill_then_stop, 2, timeout=90)
+    assert rank0 == [(5, "SIGUSR1", True, [True, False]), (10, "SIGUSR1", False, [True, False])]
+    assert [(s, d, r) for s, _, d, r in rank1] == [(s, d, r) for s, _, d, r in rank0]

@@ -39,6 +39,7 @@ from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.plan import plan
 from dptrain.prestart import batch_split, check_output_dir, check_predictions_path, snapshot_and_its_run
 from dptrain.run_folder import RunFolder
+from dptrain.snapshots import elsewhere
 from dptrain.stopping import EXIT_STOPPED, Stopped
 
 log = logging.getLogger("dptrain")
@@ -110,15 +111,47 @@ def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     """Write the run's sbatch script (and its config) into the run folder and submit it; print the job id. With a
     script of the user's after `--`, the job runs that script under one torchrun per node instead, or with --mode
-    per-rank as one srun task per rank (slurm/user_script.py)."""
-    from dptrain.slurm import job as slurm_job, partition, queue, script as slurm_script, user_script as job_script
+    per-rank as one srun task per rank (slurm/user_script.py). With --rehearse, its twins first (rehearsal.py)."""
+    from dptrain.slurm import partition, user_script as job_script
 
     workdir = Path.cwd()
     overrides = split_overrides(extra)
     script = None if args.user_script is None else job_script.job_script(args.user_script, workdir)
     if script is not None:
         job_script.refuse_options_of_the_trainer(overrides)
+    if args.then_submit and not args.rehearse:
+        raise ConfigError("--then-submit submits the job after its rehearsal, so it needs --rehearse; without it, "
+                          "dptrain submit submits the job at once.")
     pairs = [*overrides, *submit_overrides(args), *sbatch_name_pairs(args)]
+    run, job, text = planned_job(args, pairs, script, workdir, job_files(args))
+    # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
+    # nothing is checked, and the dry run prints the script all the same
+    partition.check_nodes_fit(run.cfg.slurm)
+    if args.dry_run:
+        print(text, end="")
+        return 0
+    if args.rehearse:
+        from dptrain import rehearsal
+
+        twins = {name: planned_job(args, [*pairs, *rehearsal.twin_overrides(run.cfg, job, name, args.rehearse_steps,
+                                                                             args.rehearse_drills, script is None)],
+                                   script, workdir, {"name": f"{job.name}-{name}"})
+                 for name in (rehearsal.TWINS if script is None else rehearsal.SCRIPT_TWINS)}
+        table = rehearsal.rehearse(run.cfg, job, twins, script is not None, args.rehearse_drills)
+        if table.failed or not args.then_submit:
+            return 1 if table.failed else 0
+    job_id = submit_job(run, job, text, script is None)
+    print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"
+          f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
+    return 0
+
+
+def planned_job(args: argparse.Namespace, pairs: list[tuple[str, str]], script: Any, workdir: Path,
+                files: dict[str, str | None]) -> tuple[Any, Any, str]:
+    """(the plan, the job, its script's text) of `dptrain submit` with these option pairs: a script of the user's
+    (script) or dptrain's training; files: the job's own --job-name, --output and --error."""
+    from dptrain.slurm import job as slurm_job, script as slurm_script, user_script as job_script
+
     job: slurm_job.Job | None = None
 
     def shape(cfg: RunConfig) -> tuple[RunConfig, int]:
@@ -133,7 +166,7 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
         cfg = dataclasses.replace(cfg, slurm=with_sbatch_names(args, cfg.slurm))
         if script is not None:
             cfg = user_script.named_after(cfg, script, pairs)
-        job = slurm_job.job_for(cfg, workdir, **job_files(args))
+        job = slurm_job.job_for(cfg, workdir, **files)
         return cfg, job.world_size
 
     # the trainer's job: the strategy's files taken in, the batch resolved and checked (its job.toml keeps the batch
@@ -141,29 +174,18 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
     # tutorials' jobs do); a script's: its options are its own
     run = plan(args.config, pairs, job=shape, trainer=script is None)
     assert job is not None
-    cfg = run.cfg
     if script is None:
-        text = slurm_script.render(cfg, job)
-    else:  # no job.toml: the script reads its own options; its logs/ and job.sbatch go to its run folder
-        check_output_dir(job.run_dir)
-        text = slurm_script.render(cfg, job, job_script.script_command(cfg, job, script))
-    # the dry run too: a job no node can hold is the dry run's to find; where there is no sinfo (no cluster here),
-    # nothing is checked, and the dry run prints the script all the same
-    partition.check_nodes_fit(cfg.slurm)
-    if args.dry_run:
-        print(text, end="")
-        return 0
-    RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
-    for log_file in (job.output(), job.errors()):  # SLURM writes no file into a folder that is not there
-        if "%" not in str(log_file.parent):
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-    if script is None:
-        job.config.write_text(config_mod.to_toml(run.given))
-    job.script.write_text(text)
-    job_id = queue.submit(job.script)
-    print(f"dptrain: submitted job {job_id} ({job.shape}, {job.mode}): {job.script}\n"
-          f"  follow it: tail -f {job.output(job_id)}\n  its state: squeue -j {job_id}\n  cancel it: scancel {job_id}")
-    return 0
+        return run, job, slurm_script.render(run.cfg, job)
+    # no job.toml: the script reads its own options; its logs/ and job.sbatch go to its run folder
+    check_output_dir(job.run_dir)
+    return run, job, slurm_script.render(run.cfg, job, job_script.script_command(run.cfg, job, script))
+
+
+def submit_job(run: Any, job: Any, text: str, writes_config: bool) -> str:
+    """Write the job's files (job.toml where writes_config, job.sbatch) and sbatch it: its id."""
+    from dptrain.slurm import queue
+
+    return queue.submit_written(job, text, config_mod.to_toml(run.given) if writes_config else None)
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -206,16 +228,32 @@ def cmd_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError("checkpoint export needs a file to write: dptrain checkpoint export SNAPSHOT model.pt.")
         snapshot, cfg, manifest = snapshot_and_its_run(path, [], 1, "export")
         count = snapshots.export_weights(cfg, snapshot, manifest, Path(args.output))
-        print(f"{args.output}: {count} tensors of {snapshot}'s model ({cfg.model.name}), for torch.load(weights_only=True) "
-              f"and load_state_dict")
+        reader = ("safetensors.torch.load_file" if Path(args.output).suffix == snapshots.SAFETENSORS
+                  else "torch.load(weights_only=True)")
+        print(f"{args.output}: {count} tensors of {snapshot}'s model ({cfg.model.name}), for {reader} and load_state_dict")
         return 0
+    if args.python is not None and args.action != "verify":
+        raise ConfigError(f"--python names the interpreter checkpoint verify loads the snapshot in; checkpoint "
+                          f"{args.action} takes no --python.")
     if args.output is not None:
         raise ConfigError(f"unexpected argument {args.output!r}; checkpoint {args.action} takes one path.")
     if args.action == "verify":
+        python = elsewhere.interpreter(args.python) if args.python is not None else None
         manifest = snapshots.verify(path)
         print(f"{path}: ok: step {manifest['step']}, world size {manifest['world_size']}, strategy {manifest['strategy']}, "
-              f"{len(manifest['files'])} files verified")
-        return 0
+              f"{len(manifest['files'])} files verified (written by torch {manifest.get('torch', 'unknown')})")
+        if python is None:
+            return 0
+        there = elsewhere.probe_with(python, path)
+        print(f"under {python} (torch {there['torch']}):")
+        for part, status, detail in there["parts"]:
+            print(f"  {part}: {status}: {detail}")
+        failed = [part for part, status, _ in there["parts"] if status != "ok"]
+        if failed:
+            print(f"dptrain: {len(failed)} of {len(there['parts'])} parts of {path} do not load under torch "
+                  f"{there['torch']} ({failed[0]} first); resume or evaluate it with torch {manifest.get('torch')}.",
+                  file=sys.stderr)
+        return 1 if failed else 0
     root = RunFolder(path).checkpoints if RunFolder(path).checkpoints.is_dir() else path
     rows = snapshots.list_snapshots(root)
     if not rows:
@@ -325,6 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--config", help="TOML file with [section] tables of options, [slurm] included")
     submit.add_argument("--dry-run", action="store_true", help="print the job script; write and submit nothing")
+    rehearse = submit.add_argument_group("a rehearsal of the job's preemption (before the job itself)")
+    rehearse.add_argument("--rehearse", action="store_true",
+                          help="submit short twins of the job instead (same partition, account, container, nodes and "
+                               "options), signal them as SLURM would before the time limit, and print one table: the "
+                               "signal on every rank, the snapshot verified, the requeue and its resume, equal to an "
+                               "uninterrupted twin, signal-to-snapshot times and the --signal-lead-s they need; written "
+                               "to RUN_DIR/rehearsal.md; the job itself is not submitted unless --then-submit")
+    rehearse.add_argument("--then-submit", action="store_true", help="submit the job after a rehearsal that found no failure")
+    rehearse.add_argument("--rehearse-steps", type=int, default=200, metavar="N",
+                          help="steps each twin trains (default 200): room for the signals, then the resume")
+    rehearse.add_argument("--rehearse-drills", type=int, default=4, metavar="N",
+                          help="signals before the stop that write their snapshot and let the twin go on, for the "
+                               "timing's p50 and p95 (default 4)")
     submit.set_defaults(user_script=None)  # the words after --: main() takes them (user_script_words)
     add_job_options(submit, "the job (sbatch's options)")
     add_sbatch_names(submit)
@@ -367,7 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="list: every snapshot of a run; verify: check one; export: its model's weights as one file")
     ckpt.add_argument("path", help="list: a run folder (or its checkpoints folder); verify, export: a snapshot folder "
                                    "(export: or a run folder, for its newest valid snapshot)")
-    ckpt.add_argument("output", nargs="?", help="export: the file to write (a new one), e.g. model.pt")
+    ckpt.add_argument("output", nargs="?", help="export: the file to write (a new one), e.g. model.pt, or model.safetensors "
+                                                "for safetensors")
+    ckpt.add_argument("--python", metavar="PATH", help="verify: also load the snapshot's parts in this interpreter or "
+                                                       "virtual environment (another torch) and report each")
     ckpt.set_defaults(func=cmd_checkpoint)
     board = sub.add_parser(
         "tensorboard",

@@ -55,6 +55,11 @@ EVAL_LOSS, EVAL_ACC, EVAL_COUNT, EVAL_TIME_S = "eval_loss", "eval_acc", "eval_co
 # stopped, requeue, requeue_failed: how a process group's life ended, when not with run_end
 MESSAGE, JOB_ID, REASON = "message", "job_id", "reason"
 
+# signal: a stop signal every rank agreed on, and the snapshot it wrote (a rehearsal's drill goes on after it)
+SIGNAL, RECEIVED_AT, SNAPSHOT_AT, DRILL = "signal", "received_at", "snapshot_at", "drill"
+"""The signal's name (SIGUSR1); per rank, when it got it (seconds since 1970, null: never); when the snapshot was
+written (rank 0's clock); whether the run went on (a drill, `dptrain submit --rehearse`) rather than stopped."""
+
 # eval: `dptrain eval`'s record of a snapshot's evaluation (its [METRIC] line)
 SNAPSHOT = "snapshot"
 
@@ -118,13 +123,14 @@ EPOCH_EVENT = EventSchema("epoch", (EPOCH, STEP, TRAIN_LOSS, TRAIN_ACC, TRAIN_SA
                           optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *UTILISATION, *EVALUATION))
 RUN_END_EVENT = EventSchema("run_end", (STEP,))
 STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))
+SIGNAL_EVENT = EventSchema("signal", (STEP, SIGNAL, RECEIVED_AT, SNAPSHOT_AT, DRILL))
 REQUEUE_EVENT = EventSchema("requeue", (STEP, JOB_ID))
 REQUEUE_FAILED_EVENT = EventSchema("requeue_failed", (STEP, JOB_ID, REASON))
 EVAL_EVENT = EventSchema("eval", (SNAPSHOT, STEP, WORLD_SIZE, *EVALUATION), timed=False)
 """`dptrain eval`'s record, which goes to its [METRIC] line (not to a run's metrics.jsonl)."""
 
-SCHEMAS = {s.name: s for s in (RUN_START_EVENT, STEP_EVENT, EPOCH_EVENT, RUN_END_EVENT, STOPPED_EVENT, REQUEUE_EVENT,
-                               REQUEUE_FAILED_EVENT, EVAL_EVENT)}
+SCHEMAS = {s.name: s for s in (RUN_START_EVENT, STEP_EVENT, EPOCH_EVENT, RUN_END_EVENT, STOPPED_EVENT, SIGNAL_EVENT,
+                               REQUEUE_EVENT, REQUEUE_FAILED_EVENT, EVAL_EVENT)}
 ENDINGS = (RUN_END_EVENT.name, STOPPED_EVENT.name, REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name)
 """The events that end a process group's life: finished, stopped by a signal, requeued, its requeue refused."""
 

@@ -18,6 +18,8 @@
       card/           the run's card, card.md and its plots (`dptrain card`; report/ before)
       doctor.json     what `dptrain doctor` checked and found, node 0's table as data
       doctor-job/     the job `dptrain doctor --slurm` submits: its script, config and output
+      rehearsal/      the twins `dptrain submit --rehearse` submits, a run folder each (preempted, sigterm, uninterrupted)
+      rehearsal.md    the rehearsal's table; rehearsal.json, the same as data
 """
 
 from __future__ import annotations
@@ -104,6 +106,18 @@ class RunFolder:
         return self.root / "doctor-job"
 
     @property
+    def rehearsal(self) -> Path:
+        return self.root / "rehearsal"
+
+    @property
+    def rehearsal_table(self) -> Path:
+        return self.root / "rehearsal.md"
+
+    @property
+    def rehearsal_record(self) -> Path:
+        return self.root / "rehearsal.json"
+
+    @property
     def launcher_log(self) -> Path:
         return self.logs / "launcher.log"
 
@@ -131,7 +145,9 @@ class RunFolder:
                 self.wandb: ("W&B runs", True), self.job_script: ("job script", False),
                 self.job_config: ("job's configuration", False), self.card: ("card", True),
                 self.earlier_card: ("card", True),
-                self.doctor: ("doctor's report", False), self.doctor_job: ("doctor's job", True)}
+                self.doctor: ("doctor's report", False), self.doctor_job: ("doctor's job", True),
+                self.rehearsal: ("rehearsal's twins", True), self.rehearsal_table: ("rehearsal's table", False),
+                self.rehearsal_record: ("rehearsal's record", False)}
 
     def holds_a_run(self) -> bool:
         """Whether the folder holds something a run (or submit, or the doctor) makes there: one of its own names, or

@@ -190,7 +190,18 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, with non-tensor entries loaded as plain values only."""
+    """DCP's default planner, with non-tensor entries loaded as plain values only; entries named by keep_missing that
+    the snapshot lacks are left as they are (kept), not asked of it."""
+
+    keep_missing: str | None = None
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self.kept: list[str] = []
+        if self.keep_missing and metadata is not None:
+            for key in [k for k in self.state_dict if self.keep_missing in k and k not in metadata.state_dict_metadata]:
+                del self.state_dict[key]  # never planned: its value in the state given stays
+                self.kept.append(key)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses (2.6 to 2.13)
@@ -206,13 +217,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def dcp_load(state: dict[str, Any], folder: Path) -> None:
-    """torch.distributed.checkpoint.load into `state`, in place, through the allow-lists."""
+def dcp_load(state: dict[str, Any], folder: Path, keep_missing: str | None = None) -> list[str]:
+    """torch.distributed.checkpoint.load into `state`, in place, through the allow-lists. keep_missing: entries whose
+    name holds it (".param_groups.": an optimizer's hyper-parameters) that the snapshot lacks keep their value in
+    `state` instead of failing the load; the names of those kept."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
 
+    planner = SafeLoadPlanner()
+    planner.keep_missing = keep_missing
     try:
-        load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner())
+        load(state, storage_reader=SafeReader(str(folder)), planner=planner)
+        return sorted(planner.kept)
     except CheckpointException as exc:  # DCP wraps each rank's failure; ours says what was refused
         for failure in exc.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure

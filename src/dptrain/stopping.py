@@ -6,12 +6,18 @@ it), so the flags are OR-ed over the ranks: each step starts a one-element all-r
 CPU (gloo) group and the next step reads the previous step's result. Every rank thus sees the
 same answer at the same step, at most one step after the signal, and a GPU never waits on it;
 the cost is one tiny asynchronous CPU collective per step.
+
+A rehearsal (`dptrain submit --rehearse`) sets DRILLS_VAR to N: the first N signals each write their snapshot as a
+stop's would, and training goes on; the next one stops. Each signal's receipt time on every rank is kept, so that the
+time from signal to snapshot is measured on the ranks themselves.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -20,6 +26,8 @@ import torch.distributed as dist
 EXIT_STOPPED = 75
 """Exit code of a run stopped by SIGTERM/SIGUSR1 after its snapshot was written (EX_TEMPFAIL: try again)."""
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DRILLS_VAR = "DPTRAIN_STOP_DRILLS"
+"""The number of signals that write a snapshot and let the run go on before one stops it (a rehearsal's job sets it)."""
 
 
 class Stopped(Exception):
@@ -36,6 +44,8 @@ class StopRequest:
 
     def __init__(self, world_size: int) -> None:
         self.signal_name: str | None = None
+        self.received_at: float | None = None  # when this rank got the signal (seconds since 1970)
+        self.drills_left = int(os.environ.get(DRILLS_VAR) or 0)
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._previous: dict[int, Any] = {}
@@ -45,6 +55,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - the signal module's signature
         self.signal_name = signal.Signals(signum).name
+        if self.received_at is None:
+            self.received_at = time.time()
 
     def agreed(self) -> str | None:
         """The signal's name on every rank at the same step once any rank has one; else None."""
@@ -59,6 +71,26 @@ class StopRequest:
         flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
         return stop
+
+    def receipts(self) -> list[float | None]:
+        """When each rank got the agreed signal, by global rank (None: it got none); a collective at the agreed step."""
+        if self._group is None:
+            return [self.received_at]
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, self.received_at, group=self._group)
+        return gathered
+
+    def drill(self) -> bool:
+        """Whether the agreed signal is a drill (DRILLS_VAR): then it is forgotten on every rank, the exchange already
+        started with it dropped, and the next signal counts anew (call it at the agreed step, on every rank)."""
+        if self.drills_left <= 0:
+            return False
+        self.drills_left -= 1
+        self.signal_name, self.received_at = None, None
+        if self._pending is not None:  # started at this step with this signal's flag: it would stop the next step
+            self._pending[0].wait()
+            self._pending = None
+        return True
 
     def close(self, wait: bool = True) -> None:
         """Give the signals back; with wait, first finish the last exchange (every rank started it).

@@ -30,7 +30,7 @@ from dptrain.distributed.failures import Phase, WorkerFailure
 from dptrain.distributed.world import barrier
 from dptrain.errors import OutputError
 from dptrain.evaluate import evaluate, sync
-from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, STEP, STEP_EVENT
+from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, SIGNAL_EVENT, STEP, STEP_EVENT
 from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
@@ -268,7 +268,8 @@ class Trainer:
                 step_loss = self._log_step(epoch, loss_sum, global_count)
         progress.advance(step_loss, state.step, global_count)
         faults.signal_if_due(self.env.global_rank, state.step)
-        self.snapshots.at_step_boundary(state, self.stop, self.phase, before_saving=self._check_loss)
+        self.snapshots.at_step_boundary(state, self.stop, self.phase, before_saving=self._check_loss,
+                                        on_signal=lambda record: self.events.emit(SIGNAL_EVENT.name, **record))
         if self.on_step is not None:
             self.on_step(state)
 

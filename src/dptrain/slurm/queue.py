@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dptrain.errors import LaunchError
+from dptrain.run_folder import RunFolder
+from dptrain.slurm.job import Job
 
 # squeue's job states (its long names, %T) of a job that will not run again; every other state (PENDING, RUNNING,
 # COMPLETING, REQUEUED, SUSPENDED, ...) may still lead to a run. A requeued job is PENDING again, not ended.
@@ -39,6 +41,33 @@ def submit(script: Path) -> str:
         raise LaunchError(f"sbatch refused the job ({reason.removeprefix('sbatch: error: ')}); the script is kept in "
                           f"{script}: fix the slurm options and submit again.")
     return done.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+
+
+def submit_written(job: Job, text: str, config_text: str | None) -> str:
+    """Write the job's files (its logs' folders, its job.toml where config_text is given, job.sbatch) and sbatch it:
+    its job id."""
+    RunFolder(job.run_dir).logs.mkdir(parents=True, exist_ok=True)
+    for log_file in (job.output(), job.errors()):  # SLURM writes no file into a folder that is not there
+        if "%" not in str(log_file.parent):
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+    if config_text is not None:
+        job.config.write_text(config_text)
+    job.script.write_text(text)
+    return submit(job.script)
+
+
+def job_record(job_id: str) -> dict[str, str]:
+    """scontrol's record of a job (JobState, Restarts, NodeList, ...); empty where scontrol cannot say."""
+    try:
+        done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    record = {}
+    for word in done.stdout.split():
+        key, sep, value = word.partition("=")
+        if sep:
+            record.setdefault(key, value)
+    return record
 
 
 def require_clients(command: str) -> None:

@@ -17,14 +17,14 @@ leaves the previous snapshot whole and found. Every file is read back through sa
 allow-lists: a snapshot holds data, never code.
 """
 
-from dptrain.snapshots.export import export_weights, snapshot_model
+from dptrain.snapshots.export import SAFETENSORS, export_weights, snapshot_model
 from dptrain.snapshots.finding import (AFRESH, choose, find_latest, find_snapshot, list_snapshots, newest_verified,
                                        not_a_snapshot_folder, rerun_ending, snapshot_folders)
 from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, computation_options, config_hash,
                                       recorded_hash, recorded_options, verify)
 from dptrain.snapshots.saving import Snapshotter, check_one_folder, write_failure
 
-__all__ = ["AFRESH", "EXTRA", "LATEST", "MANIFEST", "PREFIX", "Snapshotter", "check_compatible", "check_one_folder",
+__all__ = ["AFRESH", "EXTRA", "SAFETENSORS", "LATEST", "MANIFEST", "PREFIX", "Snapshotter", "check_compatible", "check_one_folder",
            "choose", "computation_options", "config_hash", "export_weights", "find_latest", "find_snapshot",
            "list_snapshots", "newest_verified", "not_a_snapshot_folder", "recorded_hash", "recorded_options",
            "rerun_ending", "snapshot_folders", "snapshot_model", "verify", "write_failure"]

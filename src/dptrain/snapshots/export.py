@@ -9,11 +9,13 @@ from typing import Any
 import torch
 
 from dptrain.config import RunConfig
+
+SAFETENSORS = ".safetensors"  # an export file with this suffix is written as safetensors
 from dptrain.data import input_record
 from dptrain.errors import ConfigError, SnapshotError
 from dptrain.files import written_atomically
 from dptrain.safe_load import dcp_load
-from dptrain.snapshots.layout import verify
+from dptrain.snapshots.layout import reading, verify
 
 
 def snapshot_model(cfg: RunConfig, snapshot: Path, image_shape: tuple[int, ...], num_classes: int | None,
@@ -28,15 +30,17 @@ def snapshot_model(cfg: RunConfig, snapshot: Path, image_shape: tuple[int, ...],
     if cfg.train.channels_last and device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     state = {"model": model.state_dict()}
-    dcp_load(state, snapshot)  # only the model's entries; fsdp shards come back whole
-    model.load_state_dict(state["model"])
+    with reading(manifest, snapshot, "model's weights (DCP shards)"):
+        dcp_load(state, snapshot)  # only the model's entries; fsdp shards come back whole
+        model.load_state_dict(state["model"])
     return model, manifest
 
 
 def export_weights(cfg: RunConfig, snapshot: Path, manifest: dict[str, Any], output: Path) -> int:
     """The snapshot's model weights, whole, as one plain state_dict file at output that `torch.load(weights_only=True)`
-    reads and `model.load_state_dict` takes (what the tutorials save); the number of tensors written. Never replaces
-    a file: ConfigError where output exists."""
+    reads and `model.load_state_dict` takes (what the tutorials save), or, where output ends in .safetensors, as
+    safetensors (read without torch's unpickler: safetensors.torch.load_file); the number of tensors written. Never
+    replaces a file: ConfigError where output exists."""
     import warnings
 
     from dptrain.data import describe
@@ -56,5 +60,12 @@ def export_weights(cfg: RunConfig, snapshot: Path, manifest: dict[str, Any], out
         model, _ = snapshot_model(cfg, snapshot, shape, classes, torch.device("cpu"))
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     with written_atomically(output) as tmp:
-        torch.save(state, tmp)
+        if output.suffix == SAFETENSORS:
+            from safetensors.torch import save_file
+
+            # one storage per tensor: safetensors refuses tensors that share memory
+            save_file({name: tensor.clone() for name, tensor in state.items()}, str(tmp),
+                      metadata={"model": cfg.model.name, "snapshot": snapshot.name, "torch": str(manifest.get("torch"))})
+        else:
+            torch.save(state, tmp)
     return len(state)

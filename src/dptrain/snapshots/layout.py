@@ -4,10 +4,13 @@ manifest, plain data only, a resume's compatibility with the run."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 from dptrain import config as config_mod, read_back
 from dptrain.config import RunConfig
@@ -151,12 +154,17 @@ def _verify(path: Path) -> dict[str, Any]:
                 raise SnapshotError(f"snapshot {path} has a {name} that is {kind}, not a regular file; it is damaged.")
             if file.stat().st_size != meta["bytes"] or sha256_of(file) != meta["sha256"]:
                 raise SnapshotError(f"snapshot {path} has a damaged {name} (size or sha256 differs from the manifest).")
-        metadata = read_metadata(path) if ".metadata" in listed else None
+        with reading(manifest, path, "DCP metadata (.metadata)"):
+            metadata = read_metadata(path) if ".metadata" in listed else None
         for name in sorted(_required_files(manifest, metadata) - listed):
             raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
         # Plain data only, in every file and entry, even those this command will not read (eval reads only the model).
-        loaded = {name: load_tensors(path / name, mmap=True) for name in sorted(n for n in listed if n.endswith(".pt"))}
-        check_plain_entries(path, metadata)
+        loaded = {}
+        for name in sorted(n for n in listed if n.endswith(".pt")):
+            with reading(manifest, path, name):
+                loaded[name] = load_tensors(path / name, mmap=True)
+        with reading(manifest, path, "DCP entries"):
+            check_plain_entries(path, metadata)
         named_step = path.name.removeprefix(PREFIX)
         loop_step = loaded[EXTRA]["loop"]["step"]
         if loop_step != manifest["step"]:
@@ -171,6 +179,73 @@ def _verify(path: Path) -> dict[str, Any]:
     except (KeyError, TypeError) as exc:
         raise SnapshotError(f"snapshot {path} holds a loop state without {exc}; it is damaged.") from None
     return manifest
+
+
+def torch_release(version: str) -> str:
+    """A torch version's release, without its build: 2.6.0+cu124 and 2.6.0 are one release."""
+    return version.split("+")[0]
+
+
+def written_elsewhere(manifest: dict[str, Any]) -> str | None:
+    """The torch version that wrote the snapshot where it is another release than this one's; None where it is the same
+    (or the manifest does not say)."""
+    theirs = manifest.get("torch")
+    if not isinstance(theirs, str) or torch_release(theirs) == torch_release(torch.__version__):
+        return None
+    return theirs
+
+
+def across_versions(manifest: dict[str, Any], path: Path, part: str, why: str) -> SnapshotError:
+    """The one sentence for a part of a snapshot written by another torch that does not read the same here."""
+    theirs = manifest.get("torch")
+    return SnapshotError(f"snapshot {path} was written by torch {theirs}, and torch {torch.__version__} cannot load its "
+                         f"{part} as written ({why}); load it with torch {theirs} (dptrain checkpoint verify "
+                         f"--python names each part an interpreter reads), or export its weights there and start afresh.")
+
+
+@contextlib.contextmanager
+def reading(manifest: dict[str, Any], path: Path, part: str) -> Iterator[None]:
+    """Reading `part` of a snapshot: where another torch wrote it, whatever fails says so in one sentence naming both
+    versions and the part (across_versions); with the same torch, failures are left as they are."""
+    try:
+        yield
+    except (SnapshotError, ConfigError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch's own words: DCP's CheckpointException (a BaseException), an UnpicklingError
+        if written_elsewhere(manifest) is None:
+            raise
+        inner = next(iter(getattr(exc, "failures", {}).values()), None)  # DCP's: rank -> (exception, traceback)
+        exc = (inner[0] if isinstance(inner, tuple) else inner) or exc
+        words = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise across_versions(manifest, path, part, f"{type(exc).__name__}: {words}") from None
+
+
+def optimizer_record(optimizer: Any) -> dict[str, Any]:
+    """What a loader needs to judge an optimizer's state: its class, the keys of its per-parameter state, and of its
+    parameter groups (the optimizer inside a wrapper such as ZeroRedundancyOptimizer's)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    state = getattr(inner, "state", {})
+    groups = getattr(inner, "param_groups", [])
+    return {"class": type(inner).__name__, "state_keys": sorted({str(k) for st in state.values() for k in st}),
+            "group_keys": sorted({str(k) for g in groups for k in g if k != "params"})}
+
+
+def dcp_record() -> dict[str, Any]:
+    """DCP's format as this torch writes it (the version its FileSystemWriter stamps, where it has one)."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    return {"format": "FileSystemWriter", "version": getattr(dcp_fs, "CURRENT_DCP_VERSION", None)}
+
+
+def check_optimizer_keys(manifest: dict[str, Any], path: Path, optimizer: Any) -> None:
+    """After a resume's load: the optimizer's state keeps the keys the snapshot recorded, or, written by another torch,
+    one sentence naming both versions and the keys (an optimizer refactor between releases renames them)."""
+    recorded = (manifest.get("optimizer") or {}).get("state_keys")
+    now = optimizer_record(optimizer)
+    if not recorded or not now["state_keys"] or recorded == now["state_keys"] or written_elsewhere(manifest) is None:
+        return
+    raise across_versions(manifest, path, f"optimizer state ({now['class']})",
+                          f"it holds {', '.join(recorded)}; this torch's keeps {', '.join(now['state_keys'])}")
 
 
 def check_compatible(manifest: dict[str, Any], cfg: RunConfig, path: Path, total_steps: int) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -28,8 +29,9 @@ from dptrain.stopping import StopRequest, Stopped
 from dptrain.strategies.state import StatePart
 from dptrain.train_state import TrainState
 from dptrain.snapshots.finding import entries, first_reason, not_a_snapshot_folder, rerun_ending, span
-from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, computation_options, config_hash,
-                                     read_manifest, recorded_hash, sha256_of, verify)
+from dptrain.snapshots.layout import (EXTRA, LATEST, MANIFEST, PREFIX, check_compatible, check_optimizer_keys,
+                                     computation_options, config_hash, dcp_record, optimizer_record, read_manifest,
+                                     reading, recorded_hash, sha256_of, verify, written_elsewhere)
 
 log = logging.getLogger("dptrain")
 
@@ -121,10 +123,12 @@ class Snapshotter:
         on_epoch = bool(every_epochs) and (state.epoch + 1) % every_epochs == 0
         return state.epoch_done(self.steps_per_epoch) and (on_epoch or on_step)
 
-    def at_step_boundary(self, state: TrainState, stop: StopRequest, phase: Phase, before_saving: Callable[[], None]) -> None:
+    def at_step_boundary(self, state: TrainState, stop: StopRequest, phase: Phase, before_saving: Callable[[], None],
+                         on_signal: Callable[[dict[str, Any]], None] = lambda record: None) -> None:
         """The snapshotter's turn after every step: a snapshot when due; then the stop signals exchanged, and once every
-        rank has agreed on one, a verified snapshot of this step, then Stopped. before_saving(): the loop's check that
-        the state is fit to keep (train.Trainer._check_loss: never a snapshot of a diverged state)."""
+        rank has agreed on one, a verified snapshot of this step, then Stopped (or, for a rehearsal's drill, training
+        goes on). before_saving(): the loop's check that the state is fit to keep (train.Trainer._check_loss: never a
+        snapshot of a diverged state). on_signal(record): what each agreed signal did (signal_record), on every rank."""
         with phase(f"snapshot after step {state.step}"):
             if self.due(state, after_evaluation=False):
                 before_saving()
@@ -135,7 +139,13 @@ class Snapshotter:
             with phase(f"snapshot at step {state.step}"):
                 before_saving()
                 self.save(state, wait=True)
-            raise Stopped.after_step(signal_name, state.step)
+                written = time.time()
+            with phase(f"signal receipts after step {state.step}"):
+                received = stop.receipts()  # after the snapshot: a rank the signal reached a moment later counts
+            drill = stop.drill()
+            on_signal(signal_record(signal_name, state.step, received, written, drill))
+            if not drill:
+                raise Stopped.after_step(signal_name, state.step)
 
     def save_if_due(self, state: TrainState, after_evaluation: bool = False) -> None:
         """At a step boundary (or after an evaluation): save if due(), else commit a finished background write."""
@@ -185,7 +195,8 @@ class Snapshotter:
             _save_file({"loop": state.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp / EXTRA, run_dir)
             manifest = {"world_size": self.env.world_size, "strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
                         "config_hash": config_hash(self.cfg), "config": computation_options(self.cfg),
-                        "schedule_steps": self.total_steps, "torch": torch.__version__, "step": state.step,
+                        "schedule_steps": self.total_steps, "torch": torch.__version__, "dcp": dcp_record(),
+                        "optimizer": optimizer_record(self.optimizer), "step": state.step,
                         "input": input_record(self.cfg.data),  # what `dptrain predict` feeds the model (None: a user's Dataset)
                         "parts": {part.name: {"storage": part.storage, "files": sorted(part.files(self.env.world_size))}
                                   for part in parts}}
@@ -285,17 +296,29 @@ class Snapshotter:
             raise ConfigError(f"snapshot {path} {why}, or use {self.cfg.output.elsewhere} to start afresh.")
         for name in sorted(set().union(*(part.files(world) for part in parts)) - set(manifest["files"])):  # a manifest without "parts"
             raise SnapshotError(f"snapshot {path} has a manifest that does not list {name}, which a resume reads; it is damaged.")
+        if (theirs := written_elsewhere(manifest)) is not None:
+            log.info("snapshot %s was written by torch %s; loading it under torch %s", path, theirs, torch.__version__)
         shards = _shards_of(parts)
-        dcp_load(shards, path)
+        with reading(manifest, path, f"DCP shards ({', '.join(sorted(shards))})"):
+            # another torch's optimizer may have had fewer hyper-parameters (2.6's Adam: no decoupled_weight_decay):
+            # those keep this torch's defaults (the losses after such a resume are checked by the tests), named in the log
+            kept = dcp_load(shards, path, ".param_groups." if theirs is not None else None)
+        if kept:
+            log.warning("snapshot %s, written by torch %s, lacks %s; kept at torch %s's defaults", path, theirs,
+                        ", ".join(kept), torch.__version__)
         for part in parts:
-            part.load(path, shards, load_tensors, world)
-        extra = load_tensors(path / EXTRA)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        state.load_state_dict(extra["loop"])
+            with reading(manifest, path, f"{part.name} state ({part.storage})"):
+                part.load(path, shards, load_tensors, world)
+        check_optimizer_keys(manifest, path, self.optimizer)
+        with reading(manifest, path, f"loop state and scheduler ({EXTRA})"):
+            extra = load_tensors(path / EXTRA)
+            self.scheduler.load_state_dict(extra["scheduler"])
+            state.load_state_dict(extra["loop"])
         if world == self.env.world_size:
-            mine = load_tensors(path / f"rank{self.env.global_rank}.pt")
-            state.epoch_sums = _on(mine["epoch_sums"], self.device)
-            _set_rng_state(mine["rng"], self.device)
+            with reading(manifest, path, f"RNG states (rank{self.env.global_rank}.pt)"):
+                mine = load_tensors(path / f"rank{self.env.global_rank}.pt")
+                state.epoch_sums = _on(mine["epoch_sums"], self.device)
+                _set_rng_state(mine["rng"], self.device)
         else:
             # Another world size: DCP has resharded the weights and optimizer, and the loader's position is
             # global. The partial-epoch sums are reduced over ranks at the epoch's end, so rank 0 carries
@@ -310,6 +333,14 @@ class Snapshotter:
         state.roll_over(self.steps_per_epoch)
         self.last_step = manifest["step"]
         log.info("resumed from %s at step %d (epoch %d, %d batches into it)", path, state.step, state.epoch + 1, state.batches_consumed)
+
+
+def signal_record(signal_name: str, step: int, received: list[float | None], written: float, drill: bool) -> dict[str, Any]:
+    """An agreed signal's fields (events.SIGNAL_EVENT): its name, the step whose snapshot it wrote, when each rank got
+    it (None: never), when the snapshot was written (rank 0's clock, seconds since 1970), and whether it was a drill."""
+    from dptrain.events import DRILL, RECEIVED_AT, SIGNAL, SNAPSHOT_AT, STEP
+
+    return {STEP: step, SIGNAL: signal_name, RECEIVED_AT: received, SNAPSHOT_AT: written, DRILL: drill}
 
 
 def _shards_of(parts: list[Any]) -> dict[str, Any]:
