@@ -17,7 +17,8 @@ from tests.slurm.test_slurm_jobs import LONG, TWO_NODES
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.nightly  # about 95 s: a rehearsal waits out SLURM's own 1-minute limit; tests/slurm/test_rehearsal_twins.py
+@pytest.mark.timeout(300)  # keeps the twins' options and refusals in the default run
 def test_a_rehearsal_signals_requeues_resumes_equal_and_times_the_snapshot_without_submitting_the_job(
         slurm_cluster, tmp_path, monkeypatch):
     from dptrain.cli import main
@@ -72,7 +73,7 @@ def rehearse_script(cluster, workdir, monkeypatch, script: str, *arguments: str)
     return code, {row["check"]: row for row in record["rows"]}, out.getvalue()
 
 
-@pytest.mark.nightly  # the default run keeps one rehearsal, above
+@pytest.mark.nightly
 @pytest.mark.timeout(180)
 def test_a_rehearsal_of_a_users_script_sees_it_requeue_and_names_what_it_cannot_check(slurm_cluster, tmp_path,
                                                                                         monkeypatch):
