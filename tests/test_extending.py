@@ -29,8 +29,8 @@ def blocks(section: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.nightly  # 26 s: a copy of the repository, two ranks trained, its tests run; tests/test_docs.py keeps the
+@pytest.mark.timeout(300)  # page's links and commands checked in the default run
 def test_the_pages_strategy_is_one_folder_and_one_line_and_trains(tmp_path):
     copy = tmp_path / "repo"
     for name in COPIED:

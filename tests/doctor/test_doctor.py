@@ -297,7 +297,7 @@ def test_on_two_hosts_each_fault_is_named_on_its_node(tmp_path):
         assert "this node's checks only" in out
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # three lab hosts (9 s); the default run keeps the doctor as a job on the private cluster
 @pytest.mark.timeout(240)
 def test_on_three_lab_hosts_shm_folder_dataset_and_a_slow_link_are_named(tmp_path):
     """host2 gets a 1 MiB /dev/shm, its own empty run folder and data folder (tmpfs in its mount namespace); host3's

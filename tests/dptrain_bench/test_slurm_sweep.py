@@ -363,7 +363,7 @@ def job_ids(cluster) -> list[str]:
     return cluster.run("squeue", "--noheader", "--states=all", "--format=%i").stdout.split()
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a sweep of jobs (12 s); the default run keeps one_at_a_time's jobs on the private cluster
 @pytest.mark.timeout(120)
 def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slurm_cluster, cluster_sweep):
     cwd, _, (code, logs, err), (code2, logs2, err2) = cluster_sweep
@@ -396,7 +396,7 @@ def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slu
     assert sorted(record.probes) == [(2, 2)]  # the 1-node point needs no probe across nodes
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.timeout(60)
 def test_running_it_again_submits_nothing(slurm_cluster, cluster_sweep):
     cwd, env, _, _ = cluster_sweep
