@@ -1,5 +1,5 @@
 """The measuring lab's commands, added to `dptrain` through the entry point dptrain.commands (pyproject.toml):
-`dptrain bench sweep | tune | probe matmul | probe link` and `dptrain report` (a sweep's plots and report.md).
+`dptrain bench sweep | tune | probe matmul | probe link | probe hooks` and `dptrain report` (a sweep's plots and report.md).
 
     $ dptrain bench sweep --workers 1,2 --strategies ddp,fsdp --repeats 2 --output.dir runs/bench/fmnist --train.epochs 3
     $ dptrain bench tune --config run.toml
@@ -101,7 +101,8 @@ def cmd_tune(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> int:
     tuner = tune.tuner_from_options(
         config_path=args.config, pairs=pairs, slurm=args.slurm,
         job_pairs=submit_overrides(args) if args.slurm else [], nodes=args.nodes, lossy=args.lossy,
-        link_name=args.link, keep=args.candidates,
+        link_name=args.link, keep=args.candidates, accuracy_budget=args.accuracy_budget,
+        accuracy_steps=args.accuracy_steps,
         run_timeout_s=DEFAULT_RUN_TIMEOUT_S if args.run_timeout_s is None else args.run_timeout_s)
     if args.slurm:
         from dptrain_bench import jobs
@@ -170,6 +171,32 @@ def cmd_probe_link(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> in
     return 0
 
 
+def cmd_probe_hooks(args: argparse.Namespace, pairs: list[tuple[str, str]]) -> int:
+    """The hook probe on the run's model (--config and --section.option pairs), in a fresh Python; printed, and
+    written into BENCH/hooks.json with --record."""
+    from dptrain import config as config_mod
+    from dptrain.data import describe
+    from dptrain_bench import hook_probe
+
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} is below 1; give the threads of a rank, or drop it.")
+    if args.ranks < 2:
+        raise ConfigError(f"--ranks {args.ranks}: the hooks exchange between 2 ranks or more; give 2 or more.")
+    cfg = config_mod.load(args.config, pairs)
+    info = describe(cfg.data)
+    wanted = hook_probe.HookProbe(model=cfg.model.name, image_shape=tuple(info.image_shape),
+                                  num_classes=info.num_classes,
+                                  batch=hook_probe.batch_per_rank(cfg.train.global_batch_size, args.ranks),
+                                  threads=args.threads, powersgd_rank=cfg.strategy.ddp.powersgd_rank, cpu_s={})
+    try:
+        probe = hook_probe.record(Path(args.record), wanted) if args.record else hook_probe.measure(wanted)
+    except RuntimeError as e:
+        print(f"dptrain: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(probe.to_dict()) if args.json else hook_probe.describe(probe))
+    return 0
+
+
 def add_sweep_options(sweep: argparse.ArgumentParser) -> None:
     from dptrain_bench.sweep import OTHER_ENGINES  # no torch: the other engines' strategies, named where they are defined
 
@@ -204,8 +231,14 @@ def add_sweep_options(sweep: argparse.ArgumentParser) -> None:
 
 def add_tune_options(tune: argparse.ArgumentParser) -> None:
     tune.add_argument("--config", help="TOML file with [section] tables of options: the configuration to tune")
+    tune.add_argument("--accuracy-budget", type=float, metavar="POINTS",
+                      help="also try what rounds or delays the gradients (the fp16, bf16 and powersgd hooks, local_sgd "
+                      "and diloco at several periods), each chosen only where a short accuracy probe ends within "
+                      "POINTS of exact ddp's evaluation accuracy (default: exact candidates only)")
+    tune.add_argument("--accuracy-steps", type=int, metavar="N",
+                      help="steps of each accuracy probe (default: an epoch's, at most the run's)")
     tune.add_argument("--lossy", "--tune-lossy", dest="lossy", action="store_true",
-                      help="also try the compressing comm hooks fp16, bf16, powersgd (they round the gradients)")
+                      help="the candidates of --accuracy-budget, which it needs (kept for the spelling of before)")
     tune.add_argument("--candidates", "--tune-candidates", dest="candidates", type=int, default=3, metavar="N",
                       help="the candidates tried besides your configuration, the model's N best (default 3)")
     tune.add_argument("--link", metavar="NAME", help="the link between nodes for the model: 100mbit, 1gbit, 10gbit, "
@@ -257,7 +290,7 @@ def bench_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     add_tune_options(tune)
     tune.set_defaults(run=cmd_tune)
     probe = commands.add_parser(
-        "probe", help="the matmul or the link probe alone: what the processes compute, how fast they talk",
+        "probe", help="the matmul, link or hook probe alone: what the processes compute, how fast they talk",
         description="The probes a sweep runs before its points, run alone and printed.")
     probes = probe.add_subparsers(dest="probe", metavar="PROBE", required=True)
     matmul = probes.add_parser(
@@ -273,7 +306,21 @@ def bench_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
         "start it as one task per host (srun, or torchrun --no-python) with --launched.")
     link.add_options(link_probe)
     link_probe.set_defaults(run=cmd_probe_link)
-    return parser, {"sweep": sweep, "tune": tune, "probe matmul": matmul, "probe link": link_probe}
+    hooks = probes.add_parser(
+        "hooks", help="what the compressing hooks, local SGD's averaging and DiLoCo's outer step cost a rank's CPU "
+        "(hooks.json's probe)",
+        description="What each way of exchanging with work of its own costs a rank's CPU besides its bytes, on the "
+        "run's model (--config, --section.option): the fp16, bf16 and PowerSGD hooks a step, local SGD's averaging and "
+        "DiLoCo's outer step each time: the scaling model's own CPU (docs/scaling-model.md).")
+    hooks.add_argument("--config", help="TOML file with [section] tables of options: the run whose model is probed")
+    hooks.add_argument("--threads", type=int, default=1, help="CPU threads of a rank (default 1)")
+    hooks.add_argument("--ranks", type=int, default=2, help="ranks sharing the global batch: a rank's batch is its "
+                       "share (default 2)")
+    hooks.add_argument("--record", metavar="BENCH", help="write the probe into BENCH/hooks.json")
+    hooks.add_argument("--json", action="store_true", help="print the probe as JSON")
+    hooks.set_defaults(run=cmd_probe_hooks)
+    return parser, {"sweep": sweep, "tune": tune, "probe matmul": matmul, "probe link": link_probe,
+                    "probe hooks": hooks}
 
 
 def with_subcommand(words: list[str]) -> list[str]:
@@ -301,7 +348,8 @@ def refuse_other_commands_options(commands: dict[str, argparse.ArgumentParser], 
             raise ConfigError(f"--tune is the subcommand `dptrain bench tune` now; run that instead of `dptrain bench "
                               f"{this}`.")
         if option in takers and this not in takers[option]:
-            others = " and ".join(f"`dptrain bench {name}`" for name in takers[option])
+            named = [f"`dptrain bench {name}`" for name in takers[option]]
+            others = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
             raise ConfigError(f"{option} is an option of {others}, not of `dptrain bench {this}`; drop it, or run "
                               f"{'that subcommand' if len(takers[option]) == 1 else 'one of those'}.")
 
@@ -313,7 +361,7 @@ def parse_bench(words: list[str]) -> tuple[argparse.Namespace, list[tuple[str, s
     args, extra = parser.parse_known_args(with_subcommand(words))
     this = args.subcommand if args.subcommand != "probe" else f"probe {args.probe}"
     refuse_other_commands_options(commands, this, extra)
-    if args.subcommand == "probe":  # the probes take no --section.option
+    if args.subcommand == "probe" and args.probe != "hooks":  # the probes of the machine take no --section.option
         if extra:
             raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain bench {this} --help.")
         return args, []
@@ -338,14 +386,19 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"unexpected argument {extra[0]!r}; see dptrain report --help.")
     path = Path(args.bench_dir)
     if is_run_dir(path):
-        for given, option in ((args.link, "--link"), (args.fitted_on, "--fitted-on")):
+        for given, option in ((args.link, "--link"), (args.fitted_on, "--fitted-on"),
+                              (args.accuracy_budget, "--accuracy-budget")):
             if given:
                 raise ConfigError(f"{option} draws the scaling model of a sweep; {path} is one run's folder, whose "
                                   f"card has no model: drop {option}.")
         log.info(f"report: {path} is one run's folder; its card is `dptrain card {path}` now")
         print(write_run_card(path))
     else:
-        print(write_report(path, link=args.link, fitted_on=Path(args.fitted_on) if args.fitted_on else None))
+        if args.accuracy_budget is not None and not 0 < args.accuracy_budget <= 100:
+            raise ConfigError(f"--accuracy-budget {args.accuracy_budget:g} is no number of accuracy points between 0 "
+                              f"and 100; give the points a line may lose at most, 0.5 say.")
+        print(write_report(path, link=args.link, fitted_on=Path(args.fitted_on) if args.fitted_on else None,
+                           accuracy_budget=args.accuracy_budget))
     return 0
 
 
@@ -358,7 +411,7 @@ def add_commands(sub: Any) -> None:
     report = sub.add_parser(
         "report",
         help="plots and report.md of a bench sweep",
-        description="Write BENCH_DIR/{epoch_time,speedup,validation,memory}.png and BENCH_DIR/report.md (which embeds "
+        description="Write BENCH_DIR/{epoch_time,speedup,validation,memory,accuracy}.png and BENCH_DIR/report.md (which embeds "
         "them with the summary table, and the scaling model where link.json is there) from BENCH_DIR/results.csv, "
         "rebuilt from BENCH_DIR/runs when missing. (One run's card is `dptrain card RUN_DIR`.)",
     )
@@ -367,4 +420,7 @@ def add_commands(sub: Any) -> None:
                         "100mbit, 1gbit, 10gbit or 100gbit (docs/scaling-model.md)")
     report.add_argument("--fitted-on", metavar="BENCH_DIR", help="predict every point of this sweep with the model "
                         "fitted on another sweep's folder (a sweep over another link, say) and give the errors")
+    report.add_argument("--accuracy-budget", type=float, metavar="POINTS", help="mark each line that rounds or "
+                        "delays the gradients (a compressing hook, local_sgd, diloco) within POINTS of exact "
+                        "training's evaluation accuracy, or not")
     report.set_defaults(func=cmd_report)

@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 RESULT_COLUMNS = ("engine", "strategy", "nodes", "workers", "repeat", "status", "global_batch_size", "epochs_timed",
                   "epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss",
                   "eval_acc", "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "cpu_bound_images_per_s", "comm_ms", "comm_exposed_ms",
-                  "torch", "host", "run_dir", "error")
+                  "comm_bytes_per_step", "torch", "host", "run_dir", "error")
 MEASURES = ("epoch_time_s", "images_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak", "eval_loss", "eval_acc",
-            "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "cpu_bound_images_per_s", "comm_ms", "comm_exposed_ms")
+            "peak_mem_mb", "rss_max_mb", "cpu_util_pct", "cpu_bound_images_per_s", "comm_ms", "comm_exposed_ms",
+            "comm_bytes_per_step")
 KEY = ("engine", "strategy", "workers")
 SUMMARY_COLUMNS = (*KEY, "runs", "failed", *(f"{m}_{s}" for m in MEASURES for s in ("mean", "std")),
                    "speedup", "efficiency", "baseline_workers")
@@ -89,6 +90,8 @@ def run_row(run_dir: Path, warmup: int | None) -> dict[str, Any] | None:
         for column, key in (("comm_ms", "comm_ms_per_step"), ("comm_exposed_ms", "comm_exposed_ms_per_step")):
             ranks_mean = [statistics.fmean(flat_numbers(e.get(key))) for e in timed if flat_numbers(e.get(key))]  # ddp, zero1 only
             row[column] = statistics.fmean(ranks_mean) if ranks_mean else ""
+        sent = [max(flat_numbers(e.get("comm_bytes_per_step"))) for e in timed if flat_numbers(e.get("comm_bytes_per_step"))]
+        row["comm_bytes_per_step"] = statistics.fmean(sent) if sent else ""  # the busiest rank's (dptrain's runs)
     evaluated = [e for e in epochs if isinstance(e.get("eval_loss"), (int, float))]
     if evaluated:
         row["eval_loss"], row["eval_acc"] = evaluated[-1]["eval_loss"], evaluated[-1].get("eval_acc", "")

@@ -28,7 +28,7 @@ from dptrain import config as config_mod
 from dptrain import read_back
 from dptrain_bench.folder import JOB_ID_FILE, BenchFolder
 from dptrain_bench.sweep import (ERROR_FILE, OTHER_ENGINES, Point, Sweep, check_and_record, describe_plan, error_line,
-                                 is_done, job_shape, last_line, plan)
+                                 is_done, job_shape, last_line, plan, record_hooks)
 from dptrain.config import RunConfig, SlurmConfig
 from dptrain.errors import ConfigError, LaunchError
 from dptrain.read_back import UnreadableFile
@@ -285,6 +285,7 @@ def run_jobs(sweep: Sweep) -> list[tuple[Point, str]]:
     log.info(f"bench: {describe_plan(sweep, points)} in {sweep.bench_dir} as SLURM jobs; {len(done)} done already, "
              f"{len(waiting)} queued or running, {len(todo)} to submit (no matmul probe: the jobs' nodes are not this "
              f"machine, so peak_tflops and fraction_of_peak stay empty)")
+    record_hooks(sweep)
     for point, job_id in done:
         log.info(f"bench: {point.name}: done already{f' (job {job_id})' if job_id else ''}, not submitted")
     for job_id, (point, state) in waiting.items():

@@ -14,6 +14,7 @@ from typing import Any
 from dptrain_bench.collect import (SUMMARY_COLUMNS, as_number, collect, positive, read_results,
                                    summarize, write_csv, write_results)
 from dptrain_bench.folder import SWEEP_FILE, BenchFolder
+from dptrain_bench.hook_probe import read_hooks
 from dptrain_bench.link import LINK_FILE, load_link, read_link
 from dptrain_bench.scaling_model import STRATEGIES as MODEL_STRATEGIES
 from dptrain_bench.scaling_model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
@@ -37,6 +38,7 @@ PLOTS = {
     "validation.png": "Validation loss and accuracy",
     "memory.png": "Peak memory per worker",
 }
+ACCURACY_PLOT = "accuracy.png"  # with its table (accuracy_markdown)
 
 HOW_TO_READ = (
     "How to read them: each line is one engine and strategy; each point is the mean over its repeats, the bars one "
@@ -76,7 +78,8 @@ def load_rows(bench_dir: Path, write: bool = True) -> tuple[list[dict[str, Any]]
     return rows, [note for r in rows if (note := r.get("skipped_events"))]
 
 
-def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | None = None) -> Path:
+def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | None = None,
+                 accuracy_budget: float | None = None) -> Path:
     """The PNGs and report.md in bench_dir; the path of report.md. With BENCH/link.json, the scaling model's plot and
     tables too, for the measured link and, given its name (`link`, model.NAMED_LINKS), a named one; fitted_on:
     another sweep whose fit predicts every point of this one (scaling_lines)."""
@@ -98,11 +101,130 @@ def write_report(bench_dir: Path, link: str | None = None, fitted_on: Path | Non
     folder = BenchFolder(bench_dir)
     write_csv(folder.summary, SUMMARY_COLUMNS, summarize(rows))
     plot_all(summary, bench_dir)
+    curves = accuracy_curves(bench_dir, rows)
+    plot_accuracy(curves, bench_dir)
     if lines:
         plot_scaling(lines, bench_dir)
+    scaling = scaling_markdown(lines, notes, links) if links or notes else []
     with written_atomically(folder.report) as tmp:
-        tmp.write_text(markdown(rows, summary, left_out, scaling_markdown(lines, notes, links) if links or notes else []))
+        tmp.write_text(markdown(rows, summary, left_out, [*accuracy_markdown(bench_dir, summary, accuracy_budget),
+                                                          *scaling]))
     return folder.report
+
+
+# Accuracy against what a strategy sends and the time it takes: the curve of each line's first finished run (its
+# evaluations, at each epoch's end), and a table of each line's final accuracy against exact training's.
+
+@dataclass(frozen=True)
+class AccuracyCurve:
+    """A line's run: (bytes its busiest rank had sent, seconds of training, evaluation accuracy) at each evaluation."""
+
+    label: str
+    points: list[tuple[float, float, float]]
+
+
+def accuracy_curves(bench_dir: Path, rows: list[dict[str, Any]]) -> list[AccuracyCurve]:
+    """Each line's (engine, strategy, workers) first finished run, as its evaluations over its cumulated bytes and
+    training time (epoch_time_s: training only)."""
+    first: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: (r["engine"], r["strategy"], int(r["workers"]), int(as_number(r.get("repeat")) or 0))):
+        if row["status"] == "ok":
+            first.setdefault((row["engine"], row["strategy"], int(row["workers"])), row)
+    curves = []
+    for (engine, strategy, workers), row in first.items():
+        folder = _run_folder(bench_dir, row)
+        events = read_run_events(folder.metrics)[0] if folder is not None else []
+        sent = seconds = 0.0
+        step = 0
+        points = []
+        for e in sorted((e for e in events if e.get("event") == "epoch" and isinstance(e.get("step"), int)),
+                        key=lambda e: e["step"]):
+            per_step = max((float(v) for v in (e.get("comm_bytes_per_step") if isinstance(
+                e.get("comm_bytes_per_step"), list) else [e.get("comm_bytes_per_step")]) if as_number(v) is not None),
+                           default=0.0)
+            sent += per_step * max(0, e["step"] - step)
+            seconds += as_number(e.get("epoch_time_s")) or 0.0
+            step = e["step"]
+            if (acc := as_number(e.get("eval_acc"))) is not None:
+                points.append((sent, seconds, acc))
+        if points:
+            curves.append(AccuracyCurve(f"{engine} {strategy} w{workers}", points))
+    return curves
+
+
+def plot_accuracy(curves: list[AccuracyCurve], out_dir: Path) -> None:
+    """accuracy.png: each line's evaluation accuracy against the bytes its busiest rank sent (log scale; the runs
+    that sent nothing, one worker, are left out of that half) and against its training time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(13, 4.5))
+    colours = plt.get_cmap("tab20")
+    for i, curve in enumerate(curves):
+        style = {"color": colours(i % 20), "marker": "o", "label": curve.label}
+        sent = [(b, a) for b, _, a in curve.points if b > 0]
+        if sent:
+            by_bytes.plot([b for b, _ in sent], [a for _, a in sent], **style)
+        by_time.plot([t for _, t, _ in curve.points], [a for _, _, a in curve.points], **style)
+    by_bytes.set_xscale("log")
+    by_bytes.set_xlabel("bytes sent by the busiest rank, cumulated (one worker sends none: not drawn)")
+    by_time.set_xlabel("training time, cumulated (s)")
+    for ax in (by_bytes, by_time):
+        ax.set_ylabel("evaluation accuracy")
+        ax.grid(True, alpha=0.3)
+    by_bytes.set_title("Accuracy against bytes sent")
+    by_time.set_title("Accuracy against training time")
+    if curves:
+        by_time.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    save_figure(fig, out_dir / ACCURACY_PLOT, plt)
+
+
+def _exact(strategy: str, workers: int, engine: str, table: dict[str, Any]) -> bool:
+    """Whether the line computes exact training's model: not a hook that rounds the gradients, not local SGD or
+    DiLoCo (at one worker local SGD and DDP's hooks do nothing), not FSDP's mixed precision; the other engines' are."""
+    if engine != "dptrain":
+        return True
+    plan = _plan(strategy, table) if strategy in MODEL_STRATEGIES else None
+    if plan is None:
+        return True
+    if workers == 1:
+        return strategy != "diloco"  # its outer step runs on one rank too
+    if plan.own_cpu_key is not None:  # a compressing hook, local SGD, DiLoCo
+        return False
+    return plan.param_dtype_size in (None, 4) and plan.reduce_dtype_size in (None, 4)
+
+
+def accuracy_markdown(bench_dir: Path, summary: list[dict[str, Any]], budget: float | None) -> list[str]:
+    """The accuracy table: each line's images/s, bytes a step and final evaluation accuracy, and its gap to exact
+    training's (the mean of the exact lines'); with a budget, whether it keeps within it."""
+    table = _sweep_strategy(bench_dir)
+    exact = [acc for r in summary if (acc := as_number(r.get("eval_acc_mean"))) is not None
+             and _exact(r["strategy"], int(r["workers"]), r["engine"], table)]
+    reference = sum(exact) / len(exact) if exact else None
+    lines = ["| " + " | ".join(["engine", "strategy", "workers", "images/s", "bytes a step", "eval acc",
+                                 "gap to exact (points)", *(["within the budget"] if budget is not None else [])]) + " |"]
+    lines.append("|" + " --- |" * (lines[0].count(" | ") + 1))
+    for r in sorted(summary, key=lambda r: (r["engine"], r["strategy"], r["workers"])):
+        acc, sent = as_number(r.get("eval_acc_mean")), as_number(r.get("comm_bytes_per_step_mean"))
+        is_exact = _exact(r["strategy"], int(r["workers"]), r["engine"], table)
+        gap = None if acc is None or reference is None else (reference - acc) * 100
+        within = "yes (exact)" if is_exact else "-" if gap is None else "yes" if budget is not None and gap <= budget else "no"
+        lines.append(f"| {md_text(r['engine'])} | {md_text(r['strategy'])} | {r['workers']} | "
+                     f"{_pm(r, 'images_per_s', '.0f')} | {'-' if sent is None else f'{sent:,.0f}'} | "
+                     f"{'-' if acc is None else f'{acc:.4f}'} | {'-' if gap is None else f'{gap:+.2f}'} |"
+                     + (f" {within} |" if budget is not None else ""))
+    about = (f"Exact training's accuracy: {reference:.4f}, the mean of the {len(exact)} lines that compute its model "
+             f"(no hook that rounds the gradients, no local SGD or DiLoCo); the gap is it less each line's."
+             if reference is not None else "No line here computes exact training's model, so no gap is given.")
+    if budget is not None:
+        about += (f" Budget: {budget:g} points (--accuracy-budget): a line that rounds or delays the gradients is "
+                  f"within it where its gap is at most that.")
+    return ["## Accuracy against bytes and time", "", f"![Accuracy against bytes and time]({ACCURACY_PLOT})", "",
+            "Each line's first finished run: its evaluation accuracy after each evaluated epoch against the bytes its "
+            "busiest rank had sent (left) and the training time (right); a sweep's runs all train on the same samples. "
+            + about, "", *lines, ""]
 
 
 def _lines(summary: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -314,7 +436,13 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
         _one_of(fsdp.get("reshard_after_forward", True), name("fsdp.reshard_after_forward"), (True, False))
         for key in ("param_dtype", "reduce_dtype"):
             read_back.text(fsdp.get(key, "auto"), name(f"fsdp.{key}"), 40)
-        return {"ddp": ddp, "fsdp": fsdp}
+        periodic = {}
+        for table_name, option in PERIOD_OPTIONS.items():  # local_sgd's and diloco's period
+            own = read_back.mapping(table.get(table_name) or {}, f"config.strategy.{table_name}")
+            if option in own:
+                read_back.integer(own[option], name(f"{table_name}.{option}"), 1, 1 << 30)
+            periodic[table_name] = own
+        return {"ddp": ddp, "fsdp": fsdp, **periodic}
 
     try:
         return read_back.read_json(bench_dir / SWEEP_FILE, take)
@@ -323,6 +451,11 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
     except UnreadableFile as exc:
         log.warning(f"{exc.path} {exc.problem}; the model takes each strategy's default options.")
         return {}
+
+
+PERIOD_OPTIONS = {spec.table: e.every for spec in SPECS.values() if spec.table and spec.traffic
+                  for e in spec.traffic.exchanges if e.every}
+"""[strategy.<table>] -> its option of the steps between two exchanges (Exchange.every: local_sgd's, diloco's period)."""
 
 
 def _one_of(value: Any, name: str, choices: tuple[Any, ...]) -> Any:
@@ -342,7 +475,16 @@ def _plan(strategy: str, table: dict[str, Any]) -> Plan:
                 reshard_after_forward=own.get("reshard_after_forward", True),
                 param_dtype_size=DTYPE_BYTES.get(own.get("param_dtype", "auto")),
                 reduce_dtype_size=DTYPE_BYTES.get(own.get("reduce_dtype", "auto")),
-                update_in_next_forward=own.get("update_in_next_forward", False) and strategy == "ddp")
+                update_in_next_forward=own.get("update_in_next_forward", False) and strategy == "ddp",
+                period=int(own.get(PERIOD_OPTIONS[own_table], _default_period(strategy)))
+                if own_table in PERIOD_OPTIONS else 1)
+
+
+def _default_period(strategy: str) -> int:
+    """The strategy's period where sweep.json leaves it at its default: its options' own."""
+    options = SPECS[strategy].options
+    assert options is not None and SPECS[strategy].table is not None
+    return int(getattr(options(), PERIOD_OPTIONS[SPECS[strategy].table]))
 
 
 def _run_folder(bench_dir: Path, row: dict[str, Any]) -> RunFolder | None:
@@ -414,9 +556,10 @@ def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | N
     on_gpu = any(p.device == "cuda" for p in peaks.values())
     per_sample = flops / (peaks[1].peak_tflops * 1e12) if flops and 1 in peaks else 0.0  # peak.json + FLOPs
     cores = next((c for r in rows if (c := _placement(bench_dir, r).get("machine_cores"))), None)
+    hooks = read_hooks(bench_dir)
     work = Workload(param_bytes=params, optimizer_bytes=optim, global_batch=batches[0] if batches else 1,
                     compute_s_per_sample=per_sample, rank_share=shares, ranks_share_a_node=not on_gpu,
-                    machine_cores=cores)
+                    machine_cores=cores, own_cpu_s=dict(hooks.cpu_s) if hooks is not None else {})
     return work, powersgd, ""
 
 
@@ -471,13 +614,17 @@ def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | 
         plan = _plan(strategy, table)
         line_work = replace(work, powersgd_bytes=powersgd.get(strategy))
         if earlier is not None:
-            if strategy not in earlier:
-                notes.append(f"{strategy}: {fitted_on} has no fit of it to predict these points with")
+            source = strategy if strategy in earlier else "ddp" if "ddp" in earlier else None
+            if source is None:
+                notes.append(f"{strategy}: {fitted_on} has no fit of it, nor of ddp, to predict these points with")
                 continue
-            fit = earlier[strategy].calibration
+            if source != strategy:  # the machine's numbers (compute, CPU a byte) are no strategy's own
+                notes.append(f"{strategy}: predicted with the fit of ddp in {fitted_on}, which has none of {strategy}")
+            fit = earlier[source].calibration
             line_work = replace(line_work, compute_s_per_sample=fit.work.compute_s_per_sample,
                                 threads_alone=fit.work.threads_alone, cores_busy_alone=fit.work.cores_busy_alone,
-                                comm_cpu_s_per_byte=fit.work.comm_cpu_s_per_byte)
+                                comm_cpu_s_per_byte=fit.work.comm_cpu_s_per_byte,
+                                own_cpu_s=line_work.own_cpu_s or fit.work.own_cpu_s)
             calibration = Calibration(work=line_work, overlap=fit.overlap, overlap_fitted=fit.overlap_fitted,
                                       fitted_on=[], held_out=predicted(plan, line_work, measured, between, fit.overlap,
                                                                        within))

@@ -2,13 +2,14 @@
 measured compute per sample, the strategy's communication and a link (measured in link.json, or a named one).
 Pure functions, no torch; docs/scaling-model.md writes the formulas out.
 
-    step_s     = compute_s + comm_cpu_s + exposed_s
+    step_s     = compute_s + comm_cpu_s + own_cpu_s + exposed_s
     compute_s  = batch x compute_s_per_sample / (N x rank_share(R))    N = nodes x R ranks, batch the global one
     comm_cpu_s = bytes a rank sends x comm_cpu_s_per_byte / min(1, its cores)    CPU ranks across nodes; else 0
+    own_cpu_s  = the exchange's own CPU (hook probe) / period / min(1, its cores)  CPU ranks, 2 or more; else 0
     exposed_s  = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
                  with strategy.ddp.update_in_next_forward, backward's may also hide behind the next forward:
                  min(comm in backward, backward compute + forward compute - min(comm in forward, forward compute))
-    comm_s     = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call)
+    comm_s     = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call) / every
 
 comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP in the kernel, the backend's
 copies and sums), time its compute waits for; a rank of less than a core (more ranks than cores on a machine) waits
@@ -123,6 +124,10 @@ class Workload:
     """Cores the 1-worker run kept busy (its cpu_util_pct / 100): its CPU seconds per sample over its wall seconds."""
     comm_cpu_s_per_byte: float = 0.0
     """CPU seconds a CPU rank spends on each byte it sends to other nodes, beyond its compute (comm_cpu_per_byte)."""
+    own_cpu_s: dict[str, float] = field(default_factory=dict)
+    """The CPU seconds a way of exchanging costs a rank besides its bytes, each time it runs, by Plan.own_cpu_key: a
+    compressing hook's a step, local SGD's averaging and DiLoCo's outer step every period steps (the hook probe,
+    dptrain_bench/hook_probe.py: hooks.json). A name missing costs nothing."""
 
     def batch(self, world: int) -> int:
         """The global batch of a step on `world` ranks."""
@@ -160,6 +165,18 @@ class Plan:
     """fsdp mixed precision: bytes of a reduce-scattered gradient element (None: the parameters' own)."""
     update_in_next_forward: bool = False
     """strategy.ddp.update_in_next_forward: backward's collectives may also hide behind the next step's forward."""
+    period: int = 1
+    """local_sgd's and diloco's period (strategy.<table>.period): an exchange that runs `every` period, once in that
+    many steps."""
+
+    @property
+    def own_cpu_key(self) -> str | None:
+        """The name under which the hook probe (Workload.own_cpu_s) measures what this plan's way of exchanging costs
+        the rank's CPU besides its bytes: a comm hook's (ddp, zero1), an averaging's (local_sgd, diloco); None: none
+        (DDP's own all-reduce, whose CPU is the bytes' own, and the strategies without a way of their own)."""
+        if self.traffic.bucketed:
+            return None if self.comm_hook in ("allreduce", "ring") else self.comm_hook
+        return self.strategy if any(e.every for e in self.traffic.exchanges) else None
 
     @property
     def traffic(self) -> Traffic:
@@ -179,6 +196,8 @@ class Plan:
         if self.comm_hook not in HOOKS:
             raise ConfigError(f"the scaling model has no formulas for comm hook {self.comm_hook!r}; it knows "
                               f"{', '.join(HOOKS)}.")
+        if self.period < 1:
+            raise ConfigError(f"the scaling model takes a period of 1 step or more, not {self.period}.")
 
 
 @dataclass(frozen=True)
@@ -191,11 +210,14 @@ class Collective:
     nbytes: float
     calls: int
     phase: str
+    every: int = 1
+    """It runs once in this many steps (local SGD's period): its time and bytes a step are 1/every of one run's."""
 
     def seconds(self, link: Timed, world: int) -> float:
+        """Its time a step: a run's time over `every`."""
         if self.kind == "send":
-            return self.calls * (link.latency_s + self.nbytes / link.bandwidth_bps)
-        return self.calls * link.seconds(self.kind, world, self.nbytes)
+            return self.calls * (link.latency_s + self.nbytes / link.bandwidth_bps) / self.every
+        return self.calls * link.seconds(self.kind, world, self.nbytes) / self.every
 
 
 def powersgd_elements(matrices: Iterable[tuple[int, int]], vector_elements: float, rank: int) -> float:
@@ -235,6 +257,12 @@ def _runs(exchange: Exchange, plan: Plan, work: Workload) -> bool:
 
 def _collective(exchange: Exchange, plan: Plan, work: Workload, world: int) -> Collective:
     """One exchange of a strategy's traffic as the calls and bytes it makes in this plan and workload."""
+    every = int(getattr(plan, exchange.every)) if exchange.every is not None else 1
+    return replace(_one_run(exchange, plan, work, world), every=every)
+
+
+def _one_run(exchange: Exchange, plan: Plan, work: Workload, world: int) -> Collective:
+    """An exchange's calls and bytes each time it runs."""
     if exchange.calls == "buckets":  # the gradients after the hook's compression, in DDP's buckets
         sent, per_bucket = gradient_bytes_sent(plan, work)
         buckets = max(1, math.ceil(work.param_bytes / plan.bucket_bytes))
@@ -262,14 +290,14 @@ def bytes_sent_per_rank(plan: Plan, work: Workload, world: int) -> float:
     """What the busiest rank sends per step, as the strategies count it (comm_bytes_per_step of metrics.jsonl):
     (N-1)/N of each all-gather's and reduce-scatter's buffer, 2 (N-1)/N of each all-reduce's, a broadcast's buffer
     once (rank 0), and each point-to-point send it makes whole (the parameter server's N-1 copies of the parameters;
-    a worker sends one gradient only)."""
+    a worker sends one gradient only); an exchange that runs once every H steps, 1/H of that."""
     sent_by_busiest = [e for e in plan.traffic.exchanges if e.sent_by_busiest and _runs(e, plan, work)]
     total = 0.0
     for c in (_collective(e, plan, work, world) for e in sent_by_busiest) if world > 1 else ():
         if c.kind in ("broadcast", "send"):
-            total += c.calls * c.nbytes
+            total += c.calls * c.nbytes / c.every
         else:
-            total += c.calls * c.nbytes * (world - 1) / world * (2 if c.kind == "all_reduce" else 1)
+            total += c.calls * c.nbytes * (world - 1) / world * (2 if c.kind == "all_reduce" else 1) / c.every
     return total
 
 
@@ -298,6 +326,8 @@ class Prediction:
     compute_s: float
     comm_cpu_s: float
     """What the rank's compute waits while its cores move its bytes (comm_cpu_seconds)."""
+    own_cpu_s: float = 0.0
+    """What it waits while its cores do the exchange's own work: a hook's compression, an averaging (own_cpu_seconds)."""
     comm_s: float
     exposed_s: float
     step_s: float
@@ -330,6 +360,26 @@ def compute_seconds(work: Workload, nodes: int, ranks_per_node: int, machines: i
                                                                                 threads_per_rank))
 
 
+def rank_cores(work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
+               threads_per_rank: int | None = None) -> float:
+    """The cores a CPU rank's work runs on, at most 1 (the 1-worker run's busy cores times rank_share): CPU seconds a
+    step that are its own take that much longer on a rank of less than a core."""
+    cores = (work.cores_busy_alone or 1.0) * rank_share(work, nodes, ranks_per_node, machines, threads_per_rank)
+    return min(1.0, max(cores, 1e-9))
+
+
+def own_cpu_seconds(plan: Plan, work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
+                    threads_per_rank: int | None = None) -> float:
+    """The wall time a rank's compute loses to the exchange's own work a step (Workload.own_cpu_s: a hook's every
+    step, an averaging's every period steps), on its cores (rank_cores); 0 on one rank (nothing is exchanged) and on
+    GPUs (the probe measures CPU ranks)."""
+    key = plan.own_cpu_key
+    if key is None or nodes * ranks_per_node <= 1 or not work.ranks_share_a_node:
+        return 0.0
+    per_run = work.own_cpu_s.get(key, 0.0)
+    return per_run / plan.period / rank_cores(work, nodes, ranks_per_node, machines, threads_per_rank)
+
+
 def comm_cpu_seconds(plan: Plan, work: Workload, nodes: int, ranks_per_node: int, machines: int | None = None,
                      threads_per_rank: int | None = None) -> float:
     """The wall time a CPU rank's compute loses to moving its bytes between nodes: their CPU seconds
@@ -337,9 +387,8 @@ def comm_cpu_seconds(plan: Plan, work: Workload, nodes: int, ranks_per_node: int
     times rank_share). 0 on GPUs (the collectives run there), on one node, or where no multi-node run measured it."""
     if nodes <= 1 or not work.ranks_share_a_node or not work.comm_cpu_s_per_byte:
         return 0.0
-    cores = (work.cores_busy_alone or 1.0) * rank_share(work, nodes, ranks_per_node, machines, threads_per_rank)
     return (bytes_sent_per_rank(plan, work, nodes * ranks_per_node) * work.comm_cpu_s_per_byte
-            / min(1.0, max(cores, 1e-9)))
+            / rank_cores(work, nodes, ranks_per_node, machines, threads_per_rank))
 
 
 def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node: int = 1, overlap: float = 0.0,
@@ -359,6 +408,7 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     over = link if nodes > 1 or local_link is None else local_link
     compute = compute_seconds(work, nodes, ranks_per_node, machines, threads_per_rank)
     comm_cpu = comm_cpu_seconds(plan, work, nodes, ranks_per_node, machines, threads_per_rank)
+    own_cpu = own_cpu_seconds(plan, work, nodes, ranks_per_node, machines, threads_per_rank)
     phase_compute = {"forward": compute * (1 - work.backward_share), "backward": compute * work.backward_share}
     by_phase = {"forward": 0.0, "backward": 0.0, "after": 0.0}
     for c in collectives(plan, work, world):
@@ -371,9 +421,9 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
         phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward else 0.0)
     hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward))
     exposed = comm - hidden
-    step = compute + comm_cpu + exposed
-    return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_cpu_s=comm_cpu, comm_s=comm,
-                      exposed_s=exposed,
+    step = compute + comm_cpu + own_cpu + exposed
+    return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_cpu_s=comm_cpu,
+                      own_cpu_s=own_cpu, comm_s=comm, exposed_s=exposed,
                       step_s=step, images_per_s=batch / step, efficiency=compute / step,
                       memory_bytes=memory_per_rank(plan, work, world),
                       bytes_sent=bytes_sent_per_rank(plan, work, world))
@@ -447,8 +497,8 @@ def fit_overlap(plan: Plan, work: Workload, points: list[Measured], link: Timed,
 def comm_cpu_per_byte(plan: Plan, work: Workload, points: list[Measured]) -> float:
     """CPU seconds a rank spent per byte it sent, beyond its compute, in the multi-node CPU points that say their CPU
     use: a rank's CPU seconds a step (cpu_util_pct x its step) less its samples' compute at the 1-worker run's CPU
-    per sample (compute_s_per_sample x cores_busy_alone), over the bytes it sent (bytes_sent_per_rank); their mean,
-    0 or more. 0 without such a point, or without the 1-worker run's CPU use to subtract."""
+    per sample (compute_s_per_sample x cores_busy_alone) and the exchange's own work (Workload.own_cpu_s), over the
+    bytes it sent (bytes_sent_per_rank); their mean, 0 or more. 0 without such a point, or without the 1-worker run's CPU use to subtract."""
     if not work.ranks_share_a_node or not work.cores_busy_alone:
         return 0.0
     per_byte = []
@@ -458,7 +508,9 @@ def comm_cpu_per_byte(plan: Plan, work: Workload, points: list[Measured]) -> flo
             batch = work.batch(p.workers)
             cpu_per_step = p.cpu_util_pct / 100 * batch / p.images_per_s
             compute_cpu = batch / p.workers * work.compute_s_per_sample * work.cores_busy_alone
-            per_byte.append((cpu_per_step - compute_cpu) / sent)
+            key = plan.own_cpu_key  # the exchange's own work (a hook's compression) is not the bytes'
+            own_cpu = work.own_cpu_s.get(key, 0.0) / plan.period if key is not None else 0.0
+            per_byte.append((cpu_per_step - compute_cpu - own_cpu) / sent)
     return max(0.0, sum(per_byte) / len(per_byte)) if per_byte else 0.0
 
 

@@ -540,14 +540,16 @@ def record_peaks(sweep: Sweep) -> None:
 
 
 def adopt_probes(source: Path, bench_dir: Path) -> list[str]:
-    """--probes-from: this machine's matmul and link probes (peak.json, link.json) from an earlier sweep's folder,
+    """--probes-from: this machine's matmul, link and hook probes (peak.json, link.json, hooks.json) from an earlier
+    sweep's folder,
     copied into bench_dir where it has none of its own, so that the sweep probes only what they lack (about 10 s
     saved a sweep on 2 cores). The names copied; ConfigError in one sentence where source holds neither file in a
     form the bench reads (only JSON is read: nothing there can run code)."""
-    from dptrain_bench import link
+    from dptrain_bench import hook_probe, link
 
     try:  # each file read whole and checked, value by value: a planted one is refused, not copied
-        readable = {peak.PEAK_FILE: bool(peak.load_peaks(source)), link.LINK_FILE: link.load_link(source) is not None}
+        readable = {peak.PEAK_FILE: bool(peak.load_peaks(source)), link.LINK_FILE: link.load_link(source) is not None,
+                    hook_probe.HOOKS_FILE: hook_probe.read_hooks(source) is not None}
     except UnreadableFile as exc:
         raise ConfigError(f"--probes-from {source}: {exc.path.name} {exc.problem}; give the folder of an earlier sweep "
                           f"on this machine, or drop --probes-from to probe afresh.") from None
@@ -580,6 +582,50 @@ def record_link(sweep: Sweep) -> None:
         log.info(f"bench: {e}; the report draws no scaling model")
 
 
+def hooks_wanted(sweep: Sweep) -> Any:
+    """The hook probe (hook_probe.py) a sweep needs: where one of its dptrain strategies exchanges in a way of its own
+    (a compressing comm hook, local SGD's averaging, DiLoCo's outer step), its model, a rank's batch at the fewest
+    ranks above one and a rank's threads; None where none does."""
+    from dptrain_bench import hook_probe
+    from dptrain_bench.scaling_model import STRATEGIES as MODEL_STRATEGIES, Plan
+
+    hook = sweep.config.strategy.ddp.comm_hook
+    keyed = [s for s in sweep.strategies if "dptrain" in sweep.engines and s in MODEL_STRATEGIES
+             and Plan(strategy=s, comm_hook=hook if config_mod.SPECS[s].table == "ddp" else "allreduce").own_cpu_key]
+    if not keyed:
+        return None
+    from dptrain.data import describe
+
+    info = describe(sweep.config.data)
+    ranks = min((w for w in sweep.workers if w > 1), default=2)
+    if sweep.job is not None:
+        threads = max(1, (sweep.job.cpus_per_node or 1) // max(1, sweep.job.ranks_here))
+    else:
+        threads = peak.cpu_threads(peak.usable_cores(), ranks)
+    return hook_probe.HookProbe(model=sweep.config.model.name, image_shape=tuple(info.image_shape),
+                                num_classes=info.num_classes, batch=hook_probe.batch_per_rank(
+                                    sweep.config.train.global_batch_size, ranks), threads=threads,
+                                powersgd_rank=sweep.config.strategy.ddp.powersgd_rank, cpu_s={})
+
+
+def record_hooks(sweep: Sweep) -> None:
+    """The hook probe into BENCH/hooks.json where the sweep needs one (hooks_wanted), on this machine (a --slurm
+    sweep's nodes are taken to be like it): the scaling model's CPU of a hook's or an averaging's own work. A probe
+    that fails leaves it out of the model, saying so."""
+    from dptrain_bench import hook_probe
+
+    wanted = hooks_wanted(sweep)
+    if wanted is None:
+        return
+    start = time.perf_counter()
+    try:
+        probe = hook_probe.record(sweep.bench_dir, wanted)
+    except RuntimeError as e:
+        log.info(f"bench: {e}; the model takes the hooks and averagings to cost no CPU of their own")
+        return
+    log.info(f"bench: hook probe ({time.perf_counter() - start:.1f} s): {hook_probe.describe(probe)}")
+
+
 def run_sweep(sweep: Sweep) -> list[tuple[Point, str]]:
     """Run every missing point, one at a time; the failures, as (point, error)."""
     check_and_record(sweep)
@@ -589,6 +635,7 @@ def run_sweep(sweep: Sweep) -> list[tuple[Point, str]]:
              f"{len(todo)} to run")
     record_peaks(sweep)
     record_link(sweep)
+    record_hooks(sweep)
     failures = []
     for i, point in enumerate(todo, 1):
         start = time.perf_counter()

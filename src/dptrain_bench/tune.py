@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -62,6 +63,11 @@ CONTENDERS = 2
 BUCKETS_MB = (1.0, 4.0)  # DDP bucket caps tried besides DDP's own choice (smaller: more overlap, more messages)
 STRATEGIES = ("ddp", "zero1", "fsdp")  # those tried: the parameter server's one link and one process's never win
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
+PERIODIC = ("local_sgd", "diloco")
+"""The strategies that delay the gradients (each rank steps alone between exchanges): like the hooks that round them,
+candidates only within an accuracy budget."""
+PERIODS = (4, 16, 64)
+"""Their periods tried: the model ranks the longest first; one out of the budget gives way to the next shorter."""
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
@@ -88,10 +94,19 @@ class Candidate:
     comm_hook: str = "allreduce"
     bucket_mb: float | None = None
     update_in_next_forward: bool = False
+    period: int | None = None
+    """local_sgd's and diloco's period (PERIODIC); None for the others."""
+
+    @property
+    def lossy(self) -> bool:
+        """Whether it rounds or delays the gradients (a compressing hook, local SGD, DiLoCo): not ddp's math."""
+        return self.comm_hook in LOSSY_HOOKS or self.strategy in PERIODIC
 
     @property
     def name(self) -> str:
         parts = [self.strategy]
+        if self.period is not None:
+            parts.append(f"h{self.period}")
         if self.comm_hook != "allreduce":
             parts.append(self.comm_hook)
         if self.bucket_mb is not None:
@@ -109,6 +124,8 @@ class Candidate:
             pairs.append((f"strategy.{table}.bucket_mb", "none" if self.bucket_mb is None else f"{self.bucket_mb:g}"))
         if self.strategy == "ddp":  # zero1 reads strategy.ddp too, but refuses this one
             pairs.append(("strategy.ddp.update_in_next_forward", str(self.update_in_next_forward).lower()))
+        if self.period is not None:
+            pairs.append((f"strategy.{config_mod.SPECS[self.strategy].table}.period", str(self.period)))
         return pairs
 
     def plan(self, shared_memory: bool) -> scaling_model.Plan:
@@ -118,22 +135,25 @@ class Candidate:
         # on one host the option gives way to the shared-memory sum (strategies/ddp.py): the run of plain ddp
         return scaling_model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket,
                           update_in_next_forward=self.update_in_next_forward and not (
-                              shared_memory and self.comm_hook == "allreduce"))
+                              shared_memory and self.comm_hook == "allreduce"), period=self.period or 1)
 
 
 def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
     """The user's own configuration, as a candidate."""
     ddp_like = _bucketed(cfg.strategy.name)
+    table = cfg.strategy.spec.table
     return Candidate(cfg.strategy.name, ranks_per_node, cfg.strategy.ddp.comm_hook if ddp_like else "allreduce",
                      cfg.strategy.ddp.bucket_mb if ddp_like else None,
-                     cfg.strategy.name == "ddp" and cfg.strategy.ddp.update_in_next_forward)
+                     cfg.strategy.name == "ddp" and cfg.strategy.ddp.update_in_next_forward,
+                     getattr(cfg.strategy, table).period if cfg.strategy.name in PERIODIC else None)
 
 
 def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool) -> list[Candidate]:
     """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
     4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
     lossy hook where allowed); over several nodes ddp also with its update in the next forward, with DDP's buckets
-    (and each lossy hook where allowed). On one node it would give way to the shared-memory sum: not a candidate."""
+    (and each lossy hook where allowed). On one node it would give way to the shared-memory sum: not a candidate.
+    Where lossy ones are allowed, local_sgd and diloco too, at each of PERIODS, on two ranks or more."""
     ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
     found = [default]
     for strategy in STRATEGIES:
@@ -151,6 +171,9 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
             if strategy == "ddp" and nodes > 1:
                 found += [Candidate(strategy, r, comm_hook=h, update_in_next_forward=True)
                           for h in ("allreduce", *(LOSSY_HOOKS if lossy else ()))]
+    if lossy:  # nothing to average on one rank
+        found += [Candidate(strategy, r, period=h) for strategy in PERIODIC for r in ranks
+                  if nodes * r > 1 and not global_batch % (nodes * r) for h in PERIODS]
     return list(dict.fromkeys(found))
 
 
@@ -194,7 +217,7 @@ def same_run(candidate: Candidate, nodes: int, gradient_bytes: float) -> Candida
     world = nodes * candidate.ranks_per_node
     strategy = "ddp" if world == 1 and candidate.strategy == "single" else candidate.strategy
     if world == 1 or not _bucketed(strategy):
-        return Candidate(strategy, candidate.ranks_per_node)
+        return Candidate(strategy, candidate.ranks_per_node, period=candidate.period)
     cap = float("inf") if candidate.bucket_mb is None else candidate.bucket_mb * 2**20
     one_bucket = gradient_bytes < min(DDP_FIRST_BUCKET_BYTES, cap)
     return replace(candidate, bucket_mb=None if one_bucket else candidate.bucket_mb)
@@ -238,7 +261,7 @@ def contenders(default: Candidate, runs: Runs) -> list[Candidate]:
 
 def changed(candidate: Candidate, default: Candidate) -> list[str]:
     """The settings of the user's configuration that the candidate changes, by their option's last word."""
-    fields = ("strategy", "ranks_per_node", "comm_hook", "bucket_mb", "update_in_next_forward")
+    fields = ("strategy", "ranks_per_node", "comm_hook", "bucket_mb", "update_in_next_forward", "period")
     return [f for f in fields if getattr(candidate, f) != getattr(default, f)]
 
 
@@ -337,21 +360,34 @@ class Tuner:
     """How a trial runs (None: run_trial): the tests swap in runs whose speed they control."""
     shares: dict[int, float] | None = None
     """R ranks on a node -> each one's rate over one rank's alone (None: rank_shares measures them)."""
+    own_cpu: dict[str, float] | None = None
+    """Plan.own_cpu_key -> its CPU seconds (None: the hook probe measures them where lossy candidates are allowed)."""
+    accuracy_budget: float | None = None
+    """--accuracy-budget: the points of evaluation accuracy a lossy candidate may lose against exact ddp's; None: no
+    lossy candidate is chosen."""
+    accuracy_steps: int | None = None
+    """The steps of each accuracy probe (None: an epoch's, at most the run's)."""
+    run_accuracy: Callable[["Tuner", Candidate], Accuracy | None] | None = None
+    """How an accuracy probe runs (None: run_accuracy_probe): the tests swap in probes whose accuracy they control."""
+    accuracy: dict[Candidate, Accuracy | None] = dataclasses.field(default_factory=dict)
+    """The accuracy probes made: REFERENCE's and the lossy candidates'."""
     rows: list[dict] = dataclasses.field(default_factory=list)
 
-    def trial_config(self, candidate: Candidate, label: str, steps: int = STEPS) -> RunConfig:
-        """cfg as the candidate, for a trial of `steps` steps in its own folder, saving nothing."""
+    def trial_config(self, candidate: Candidate, label: str, steps: int = STEPS, nodes: int | None = None) -> RunConfig:
+        """cfg as the candidate, for a trial of `steps` steps in its own folder, saving nothing (nodes: on SLURM, that
+        many instead of the tuned ones)."""
         pairs = [*self.user_pairs, *candidate.pairs(), ("train.max_steps", str(steps)),
                  ("train.log_every", str(LOG_EVERY)), ("checkpoint.every_epochs", "0"),
                  ("checkpoint.every_steps", "0"), ("train.eval_every_epochs", "0"), ("train.resume", "never"),
                  ("output.dir", str(BenchFolder(self.tune_dir).point(f"{label}-{candidate.name}").resolve()))]
-        return self.config_of(candidate, pairs)
+        return self.config_of(candidate, pairs, nodes)
 
-    def config_of(self, candidate: Candidate, pairs: list[tuple[str, str]]) -> RunConfig:
+    def config_of(self, candidate: Candidate, pairs: list[tuple[str, str]], nodes: int | None = None) -> RunConfig:
         """The user's configuration with `pairs` (the candidate's among them), on SLURM in the candidate's job shape."""
         cfg = config_mod.load(self.config_path, pairs)
         if self.slurm:
-            cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=self.nodes, ranks_per_node=candidate.ranks_per_node))
+            cfg = replace(cfg, slurm=replace(cfg.slurm, nodes=nodes or self.nodes,
+                                             ranks_per_node=candidate.ranks_per_node))
         return cfg
 
     def measure(self, candidate: Candidate, label: str) -> float | None:
@@ -359,6 +395,65 @@ class Tuner:
         log.info(f"tune: {label} {candidate.name}: "
                  + (f"{rate:,.0f} images/s" if rate is not None else "failed (see its bench.log)"))
         return rate
+
+    def measure_accuracy(self, candidate: Candidate) -> Accuracy | None:
+        """The candidate's accuracy probe, made once (REFERENCE's: exact ddp's)."""
+        if candidate not in self.accuracy:
+            got = (self.run_accuracy or run_accuracy_probe)(self, candidate)
+            self.accuracy[candidate] = got
+            log.info(f"tune: accuracy {candidate.name}: " + (f"{got.acc:.4f} (loss {got.loss:.4f})" if got else
+                                                             "failed (see its bench.log)"))
+        return self.accuracy[candidate]
+
+    def gap(self, candidate: Candidate) -> float | None:
+        """ddp's accuracy less the candidate's, in points, where both were probed."""
+        reference, theirs = self.accuracy.get(REFERENCE), self.accuracy.get(candidate)
+        return None if reference is None or theirs is None or not candidate.lossy else (reference.acc - theirs.acc) * 100
+
+    def within_budget(self, candidate: Candidate) -> bool:
+        """Whether a lossy candidate's probe kept within the budget of ddp's (both probed now where they were not)."""
+        if self.accuracy_budget is None:
+            return False
+        reference, theirs = self.measure_accuracy(REFERENCE), self.measure_accuracy(candidate)
+        return reference is not None and theirs is not None and gap_of(reference, theirs, self.accuracy_budget)[1]
+
+    def may_choose(self, candidate: Candidate, default: Candidate) -> bool:
+        """Exact candidates, the user's own configuration, and lossy ones whose probe kept within the budget."""
+        return not candidate.lossy or candidate == default or (
+            candidate in self.accuracy and self.within_budget(candidate))
+
+    @property
+    def probe_steps(self) -> int:
+        """The steps of an accuracy probe: --accuracy-steps, else an epoch's, at most the run's."""
+        if self.accuracy_steps is not None:
+            return self.accuracy_steps
+        from dptrain.data import describe
+
+        epoch = math.ceil(describe(self.cfg.data).train_size / self.cfg.train.global_batch_size)
+        return max(1, min(epoch, self.cfg.train.max_steps or epoch * self.cfg.train.epochs))
+
+
+def run_accuracy_probe(tuner: Tuner, candidate: Candidate) -> Accuracy | None:
+    """The candidate trained probe_steps steps (the same global batches as every probe's: the same seed, the first
+    probe_steps of the run), then evaluated on the test split; REFERENCE on one node. None where it failed."""
+    nodes = 1 if candidate == REFERENCE else None
+    cfg = tuner.trial_config(candidate, "accuracy", steps=tuner.probe_steps, nodes=nodes)
+    run_dir = cfg.output.run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    RunFolder(run_dir).logs.mkdir(parents=True)
+    ok = _run_job(cfg) if tuner.slurm else _run_here(cfg, run_dir, tuner.run_timeout_s)
+    if not ok:
+        return None
+    try:
+        events, _ = read_back.read_json_lines(RunFolder(run_dir).metrics)
+    except UnreadableFile:
+        return None
+    evaluated = [e for e in events if e.get("event") == "epoch" and read_back.is_number(e.get("eval_acc"))]
+    if not evaluated:
+        return None
+    last = evaluated[-1]
+    return Accuracy(acc=float(last["eval_acc"]), loss=float(last["eval_loss"]), count=int(last["eval_count"]))
 
 
 def run_trial(tuner: Tuner, candidate: Candidate, label: str) -> float | None:
@@ -441,7 +536,8 @@ def tune(tuner: Tuner) -> Path:
     else:  # the user's run over the nodes: its compute per sample as if communication were free (overlap 0)
         compute_s = _compute_from(user, one_rank_rate, tuner, base, between, within)
     work = replace(base, compute_s_per_sample=compute_s,
-                   rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares)
+                   rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares,
+                   own_cpu_s=own_cpu(tuner, user) if tuner.own_cpu is None else tuner.own_cpu)
     same = distinct(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size, tuner.lossy),
                     tuner.nodes, base.param_bytes)
     ranked = rank_by_model(list(same), work, between, tuner.nodes, within, overlap=0.5)
@@ -451,30 +547,126 @@ def tune(tuner: Tuner) -> Path:
     for candidate in same:  # the compute trial is a run of the candidate that makes the same run, if one does
         if same_run(candidate, tuner.nodes, base.param_bytes) == first_run:
             runs[candidate].append(one_rank_rate)
-    for candidate in [user, *[c for c, _ in ranked if c != user][:tuner.keep]]:
+    for candidate in trial_order(user, ranked, tuner.keep, with_lossy_kinds=tuner.accuracy_budget is not None):
         if not runs[candidate]:
             runs[candidate].append(tuner.measure(candidate, "trial"))
     if not rates(runs[user]):
         raise LaunchError(f"the trial of your own configuration ({user.name}) failed, so nothing can be compared; see "
                           f"{tuner.tune_dir / 'runs'}/trial-{user.name}/bench.log.")
-    run_again(tuner, user, runs)
-    final, reason = choose(user, runs)
+    if tuner.accuracy_budget is not None:
+        probe_accuracy(tuner, user, runs, list(same))
+    eligible = {c: r for c, r in runs.items() if tuner.may_choose(c, user)}
+    run_again(tuner, user, eligible)
+    final, reason = choose(user, eligible)
     for candidate, prediction in ranked:
         measured = rates(runs[candidate])
+        gap = tuner.gap(candidate)
         tuner.rows.append({"candidate": candidate.name, "strategy": candidate.strategy,
                            "ranks_per_node": candidate.ranks_per_node, "comm_hook": candidate.comm_hook,
                            "bucket_mb": "" if candidate.bucket_mb is None else candidate.bucket_mb,
+                           "period": "" if candidate.period is None else candidate.period,
                            "same_run": " ".join(c.name for c in same[candidate]),
                            "predicted_images_per_s": round(prediction.images_per_s, 1),
+                           "bytes_per_step": round(prediction.bytes_sent),
                            "runs": " ".join("failed" if r is None else f"{r:.1f}" for r in runs[candidate]),
                            "measured_images_per_s": _cell(statistics.fmean(measured) if measured else None),
                            "min_images_per_s": _cell(min(measured, default=None)),
                            "max_images_per_s": _cell(max(measured, default=None)),
+                           "accuracy_gap_points": "" if gap is None else round(gap, 3),
+                           "why": why(tuner, candidate, user, final, runs),
                            "default": candidate == user, "chosen": candidate == final})
     tuned = _write_tuned(tuner, final, kept=final == user)
     _write_tables(tuner, reason, link_source, time.monotonic() - started, predicted[user])
     log.info(f"tune: {reason}; {tuned} (dptrain {'submit' if tuner.slurm else 'train'} --config {tuned})")
     return tuned
+
+
+def trial_order(user: Candidate, ranked: list[tuple[Candidate, scaling_model.Prediction]], keep: int,
+                with_lossy_kinds: bool) -> list[Candidate]:
+    """The candidates given a trial run, in order: the user's, the model's `keep` fastest; with an accuracy budget
+    also the fastest of each lossy kind (each hook, local_sgd, diloco) not among them, so that a kind the budget
+    rules out never takes every place."""
+    order = [user, *[c for c, _ in ranked if c != user][:keep]]
+    if with_lossy_kinds:
+        tried = {lossy_kind(c) for c in order if c.lossy}
+        for c, _ in ranked:  # fastest first
+            if c.lossy and lossy_kind(c) not in tried:
+                tried.add(lossy_kind(c))
+                order.append(c)
+    return list(dict.fromkeys(order))
+
+
+def lossy_kind(candidate: Candidate) -> str:
+    """What rounds or delays its gradients: its hook (fp16, bf16, powersgd), or its strategy (local_sgd, diloco)."""
+    return candidate.strategy if candidate.strategy in PERIODIC else candidate.comm_hook
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """An accuracy probe's evaluation at its end: accuracy (0 to 1), loss, and the test samples counted."""
+
+    acc: float
+    loss: float
+    count: int
+
+
+def gap_of(reference: Accuracy, theirs: Accuracy, budget: float) -> tuple[float, bool, str]:
+    """(ddp's accuracy less theirs, in points; within the budget; in what): the accuracy, or, where one test sample
+    is more than half the budget (a short probe's few samples cannot resolve it), the loss: at most `budget` percent
+    above ddp's."""
+    gap = (reference.acc - theirs.acc) * 100
+    if 100 / max(1, reference.count) <= budget / 2:
+        return gap, gap <= budget, "accuracy"
+    return gap, theirs.loss <= reference.loss * (1 + budget / 100), "loss"
+
+
+REFERENCE = Candidate("ddp", 1)
+"""The accuracy probes' reference: exact ddp's math, on one rank of one node (every exact strategy trains the same
+model at any world size, dptrain's first promise), the cheapest run of it."""
+
+
+def probe_accuracy(tuner: "Tuner", default: Candidate, runs: Runs, known: list[Candidate]) -> None:
+    """The accuracy of each tried lossy candidate whose trial beat the default's, fastest first, against exact ddp's
+    (REFERENCE, probed once); a local_sgd or diloco candidate out of the budget gives way to the same at the next
+    shorter period among `known`, tried, then probed where its trial beat the default too."""
+    def ahead(c: Candidate) -> bool:
+        return c != default and c.lossy and ahead_of(runs[c], runs[default])
+
+    waiting = sorted((c for c in runs if ahead(c)), key=lambda c: -statistics.fmean(rates(runs[c])))
+    while waiting:
+        candidate = waiting.pop(0)
+        if tuner.within_budget(candidate) or candidate.period is None:
+            continue
+        shorter = [c for c in known if (c.strategy, c.ranks_per_node) == (candidate.strategy, candidate.ranks_per_node)
+                   and c.period is not None and c.period < candidate.period]
+        if not shorter:
+            continue
+        next_one = max(shorter, key=lambda c: c.period or 0)
+        if not runs.setdefault(next_one, []):
+            runs[next_one].append(tuner.measure(next_one, "trial"))
+        if ahead(next_one):
+            waiting.insert(0, next_one)
+
+
+def why(tuner: "Tuner", c: Candidate, default: Candidate, final: Candidate, runs: Runs) -> str:
+    """Why the candidate was or was not chosen, in a few words (tune.md's last column)."""
+    if c == final:
+        return "chosen" + (" (your configuration)" if c == default else "")
+    if c == default:
+        return "your configuration, kept for comparison"
+    if not runs.get(c):
+        return "not tried: the model ranked it below the tried ones"
+    if not rates(runs[c]):
+        return "its run failed"
+    if not ahead_of(runs[c][:1], runs[default][:1]):
+        return "its trial was no faster than yours"
+    gap = tuner.gap(c)
+    if c.lossy and gap is not None and not tuner.within_budget(c):
+        return f"out of the accuracy budget ({gap:+.2f} points from ddp's, budget {tuner.accuracy_budget:g})"
+    if c.lossy and gap is None:
+        return "rounds or delays the gradients: chosen only with --accuracy-budget" if tuner.accuracy_budget is None \
+            else "no accuracy probe gave a number"
+    return "not faster than yours beyond the spread of the runs, or another was"
 
 
 def run_again(tuner: Tuner, default: Candidate, runs: Runs) -> None:
@@ -508,6 +700,33 @@ def rank_shares(tuner: Tuner) -> dict[int, float]:
     if 1 not in probes:
         return {}
     return {r: p.peak_tflops / (r * probes[1].peak_tflops) for r, p in probes.items()}
+
+
+def own_cpu(tuner: Tuner, user: Candidate) -> dict[str, float]:
+    """What the hooks, local SGD's averaging and DiLoCo's outer step cost a rank's CPU (the hook probe, hooks.json of
+    the tune folder, on this machine: on SLURM the nodes are taken to be like it), where lossy candidates are
+    allowed; empty otherwise, or where the probe fails (then they cost none in the model)."""
+    if not tuner.lossy:
+        return {}
+    from dptrain.data import describe
+    from dptrain_bench import hook_probe
+    from dptrain_bench.peak import usable_cores
+
+    cores = (tuner.cfg.slurm.cpus_per_node or 1) if tuner.slurm else usable_cores()
+    info = describe(tuner.cfg.data)
+    ranks = max(2, tuner.nodes * user.ranks_per_node)
+    wanted = hook_probe.HookProbe(model=tuner.cfg.model.name, image_shape=tuple(info.image_shape),
+                                  num_classes=info.num_classes,
+                                  batch=hook_probe.batch_per_rank(tuner.cfg.train.global_batch_size, ranks),
+                                  threads=max(1, cores // user.ranks_per_node),
+                                  powersgd_rank=tuner.cfg.strategy.ddp.powersgd_rank, cpu_s={})
+    try:
+        probe = hook_probe.record(tuner.tune_dir, wanted)
+    except RuntimeError as e:
+        log.info(f"tune: {e}; the model takes the hooks and averagings to cost no CPU of their own")
+        return {}
+    log.info(f"tune: hook probe: {hook_probe.describe(probe)}")
+    return dict(probe.cpu_s)
 
 
 def _user_ranks(tuner: Tuner) -> int:
@@ -546,10 +765,13 @@ def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
     return path
 
 
-COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "same_run", "predicted_images_per_s",
-           "runs", "measured_images_per_s", "min_images_per_s", "max_images_per_s", "default", "chosen")
-"""tune.csv: one row per distinct run (same_run: the other candidates that make it, not tried apart); runs: each
-run's images/s in the order they ran ("failed" for one that failed), measured: their mean, min and max."""
+COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "period", "same_run",
+           "predicted_images_per_s", "bytes_per_step", "runs", "measured_images_per_s", "min_images_per_s",
+           "max_images_per_s", "accuracy_gap_points", "why", "default", "chosen")
+"""tune.csv: one row per distinct run (same_run: the other candidates that make it, not tried apart); bytes_per_step:
+what a rank sends a step, as the model counts it; runs: each run's images/s in the order they ran ("failed" for one
+that failed), measured: their mean, min and max; accuracy_gap_points: exact ddp's evaluation accuracy less the
+candidate's, in points, after the accuracy probe's steps (lossy candidates probed only); why: chosen or not, why."""
 
 
 def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, user_prediction: scaling_model.Prediction) -> None:
@@ -562,15 +784,18 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
     lines = [f"# dptrain bench tune on {where}", "",
              f"Chosen: {reason}. Took {took_s:.0f} s. Link: {link_source}. Each trial: {STEPS} steps, timed from step "
              f"{WARM_STEPS}; the global batch ({tuner.cfg.train.global_batch_size}) is the same in every candidate.", "",
-             "| candidate | predicted images/s | each run, images/s | slowest-fastest | |",
-             "| --- | --- | --- | --- | --- |"]
+             "| candidate | predicted images/s | bytes a step | each run, images/s | slowest-fastest | accuracy gap "
+             "| | why |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in tuner.rows:
         marks = ", ".join(m for m, on in (("default", row["default"]), ("chosen", row["chosen"])) if on)
         name = row["candidate"] + (f" (the same run: {row['same_run'].replace(' ', ', ')})" if row["same_run"] else "")
         each = "; ".join(r if r == "failed" else f"{float(r):,.0f}" for r in row["runs"].split())
         rated = sum(1 for r in row["runs"].split() if r != "failed")
         slowest_fastest = f"{row['min_images_per_s']:,.0f}-{row['max_images_per_s']:,.0f}" if rated > 1 else ""
-        lines.append(f"| {name} | {row['predicted_images_per_s']:,.0f} | {each} | {slowest_fastest} | {marks} |")
+        gap = "" if row["accuracy_gap_points"] == "" else f"{row['accuracy_gap_points']:+.2f}"
+        lines.append(f"| {name} | {row['predicted_images_per_s']:,.0f} | {row['bytes_per_step']:,} | {each} | "
+                     f"{slowest_fastest} | {gap} | {marks} | {row['why']} |")
     lines += ["", f"A candidate is chosen only if each of its {REPEATS} runs was faster than each of your "
               f"configuration's {REPEATS}: your configuration and the {CONTENDERS} fastest candidates whose trial beat "
               f"it ran again, in turns, a candidate stopping at its first run no faster than one of yours.", "",
@@ -578,13 +803,33 @@ def _write_tables(tuner: Tuner, reason: str, link_source: str, took_s: float, us
               "nothing, so its bucket cap and comm hook are never used; gradients under 1 MiB make one bucket whatever "
               "the cap), tried once as the first one named.", "",
               "Candidates without a run were ranked below the tried ones by the model and not run."]
+    lines += accuracy_notes(tuner)
     with written_atomically(folder.tune_notes) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
 
+def accuracy_notes(tuner: Tuner) -> list[str]:
+    """tune.md's words on the accuracy budget: what was compared, and ddp's accuracy."""
+    if tuner.accuracy_budget is None:
+        return ["", "Without --accuracy-budget only candidates that compute what ddp computes are chosen: no hook "
+                "that rounds the gradients, no local SGD or DiLoCo."]
+    reference = tuner.accuracy.get(REFERENCE)
+    seen = (f"exact ddp's accuracy after {tuner.probe_steps} steps: {reference.acc:.4f} (loss {reference.loss:.4f}, "
+            f"{reference.count:,} test images), on one rank" if reference is not None else
+            "exact ddp's accuracy probe gave no number, so no lossy candidate could be chosen")
+    return ["", f"Accuracy budget: {tuner.accuracy_budget:g} points. A candidate that rounds or delays the gradients "
+            f"(fp16, bf16, PowerSGD, local SGD, DiLoCo) is chosen only where its accuracy probe, {tuner.probe_steps} "
+            f"steps on the same global batches as ddp's, ends within the budget of ddp's evaluation accuracy (or, "
+            f"where one test image is more than half the budget, its loss within the budget in percent of ddp's). "
+            f"Probed: the lossy candidates whose trial beat yours, fastest first; one of local SGD or DiLoCo out of the "
+            f"budget gave way to the same at the next shorter period. The gap column is ddp's accuracy less theirs. "
+            f"{seen[0].upper()}{seen[1:]} (every exact strategy trains the same model at any world size)."]
+
+
 def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]], slurm: bool,
                        job_pairs: list[tuple[str, str]], nodes: str | None, lossy: bool, link_name: str | None,
-                       run_timeout_s: float, keep: int = KEEP) -> Tuner:
+                       run_timeout_s: float, keep: int = KEEP, accuracy_budget: float | None = None,
+                       accuracy_steps: int | None = None) -> Tuner:
     """Check what `dptrain bench tune` was given, once, before any trial; the Tuner."""
     tune_dir: Path | None = None
     user_pairs = []
@@ -595,6 +840,17 @@ def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
             user_pairs.append((key, value))
     if keep < 1:
         raise ConfigError(f"--candidates {keep} tries nothing but your own configuration; give 1 or more.")
+    if lossy and accuracy_budget is None:
+        raise ConfigError("--lossy candidates round or delay the gradients and are chosen only within an accuracy "
+                          "budget; add --accuracy-budget POINTS (0.5, say), or drop --lossy.")
+    if accuracy_budget is not None and not 0 < accuracy_budget <= 100:
+        raise ConfigError(f"--accuracy-budget {accuracy_budget:g} is no number of accuracy points between 0 and 100; "
+                          f"give the points you would lose at most, 0.5 say.")
+    if accuracy_steps is not None and accuracy_budget is None:
+        raise ConfigError("--accuracy-steps is the length of the accuracy probes of --accuracy-budget; add "
+                          "--accuracy-budget POINTS, or drop it.")
+    if accuracy_steps is not None and accuracy_steps < 1:
+        raise ConfigError(f"--accuracy-steps {accuracy_steps} trains nothing; give 1 or more.")
     if link_name is not None:
         scaling_model.named_link(link_name)  # one sentence for a name the model does not know
     node_count = 1
@@ -620,4 +876,5 @@ def tuner_from_options(*, config_path: str | None, pairs: list[tuple[str, str]],
             max_ranks = usable_cores()
     return Tuner(cfg=cfg, config_path=config_path, user_pairs=user_pairs,
                  tune_dir=tune_dir or Path("runs") / "tune" / cfg.data.name, nodes=node_count, max_ranks=max_ranks,
-                 slurm=slurm, lossy=lossy, link_name=link_name, run_timeout_s=run_timeout_s, keep=keep)
+                 slurm=slurm, lossy=accuracy_budget is not None, link_name=link_name, run_timeout_s=run_timeout_s,
+                 keep=keep, accuracy_budget=accuracy_budget, accuracy_steps=accuracy_steps)

@@ -58,8 +58,9 @@ def test_tunes_old_option_names_are_aliases_of_its_new_ones(given):
     (["tune", "--probes-from", "earlier"], "--probes-from is an option of `dptrain bench sweep`, not of"),
     (["probe", "link", "--workers", "2"], "--workers is an option of `dptrain bench sweep` and `dptrain bench probe "
                                           "matmul`, not of `dptrain bench probe link`"),
-    (["probe", "matmul", "--config", "run.toml"], "--config is an option of `dptrain bench sweep` and `dptrain bench "
-                                                  "tune`, not of `dptrain bench probe matmul`"),
+    (["probe", "matmul", "--config", "run.toml"], "--config is an option of `dptrain bench sweep`, `dptrain bench "
+                                                  "tune` and `dptrain bench probe hooks`, not of `dptrain bench probe "
+                                                  "matmul`"),
     (["--link", "1gbit"], "--link is an option of `dptrain bench tune`, not of `dptrain bench sweep`"),  # old spelling
     (["sweep", "--tune"], "--tune is the subcommand `dptrain bench tune` now; run that instead of `dptrain bench sweep`"),
 ])
@@ -95,12 +96,12 @@ def test_bench_help_lists_the_subcommands(capsys):
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage: dptrain bench")
     for line in ("sweep     measure scaling", "tune      find how to run one configuration fastest",
-                 "probe     the matmul or the link probe alone"):
+                 "probe     the matmul, link or hook probe alone"):
         assert line in out
     with pytest.raises(SystemExit):
         main(["bench", "probe", "--help"])
     out = capsys.readouterr().out
-    assert "matmul" in out and "link" in out
+    assert "matmul" in out and "link" in out and "hooks" in out
 
 
 def test_the_job_options_need_slurm_in_sweep_and_tune(capsys):

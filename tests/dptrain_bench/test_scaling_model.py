@@ -266,3 +266,39 @@ def test_the_model_reads_a_strategys_traffic_from_its_spec(monkeypatch):
     assert bytes_sent_per_rank(Plan(strategy="local-sgd"), WORK, 4) == 2 * 3 / 4 * 4e6
     assert memory_per_rank(Plan(strategy="local-sgd"), WORK, 4) == 4e6 + 4e6 + 8e6 / 4
     assert predict(Plan(strategy="local-sgd"), WORK, LINK, nodes=4, overlap=1.0).exposed_s == average.seconds(LINK, 4)
+
+
+def test_local_sgd_and_diloco_exchange_once_in_their_period():
+    """The parameters' all-reduce after the step, once in H steps: its time, bytes and own CPU a step are 1/H of one
+    exchange's; H = 1 sends what ddp sends."""
+    [average] = collectives(Plan(strategy="local_sgd", period=16), WORK, 2)
+    assert (average.kind, average.nbytes, average.calls, average.phase, average.every) == ("all_reduce", 4e6, 1,
+                                                                                           "after", 16)
+    once = LINK.seconds("all_reduce", 2, 4e6)
+    for strategy in ("local_sgd", "diloco"):
+        every16 = predict(Plan(strategy=strategy, period=16), WORK, LINK, nodes=2, overlap=1.0)
+        assert every16.comm_s == every16.exposed_s == pytest.approx(once / 16)  # after the step: nothing hides it
+        assert every16.bytes_sent == pytest.approx(4e6 / 16)
+        assert bytes_sent_per_rank(Plan(strategy=strategy, period=1), WORK, 2) == bytes_sent_per_rank(Plan(), WORK, 2)
+    with pytest.raises(ConfigError, match="a period of 1 step or more, not 0"):
+        Plan(strategy="local_sgd", period=0)
+
+
+def test_a_ways_own_cpu_is_added_to_the_step_as_the_hook_probe_measured_it():
+    """A compressing hook's own CPU every step, an averaging's every period steps (Workload.own_cpu_s by
+    Plan.own_cpu_key); DDP's own all-reduce and one rank have none."""
+    cpu = Workload(param_bytes=4e6, global_batch=100, compute_s_per_sample=1e-3, cores_busy_alone=1.0,
+                   powersgd_bytes=1e5, own_cpu_s={"powersgd": 0.02, "fp16": 0.004, "local_sgd": 0.008})
+    assert [Plan(comm_hook=h).own_cpu_key for h in ("allreduce", "ring", "fp16", "powersgd")] == [None, None, "fp16",
+                                                                                                 "powersgd"]
+    assert Plan(strategy="local_sgd").own_cpu_key == "local_sgd" and Plan(strategy="fsdp").own_cpu_key is None
+    without = replace(cpu, own_cpu_s={})
+    for plan, per_step in ((Plan(comm_hook="powersgd"), 0.02), (Plan(strategy="local_sgd", period=4), 0.002),
+                           (Plan(), 0.0)):
+        ours, theirs = (predict(plan, w, LINK, nodes=2, machines=2, threads_per_rank=1) for w in (cpu, without))
+        assert ours.own_cpu_s == pytest.approx(per_step)
+        assert ours.step_s - theirs.step_s == pytest.approx(per_step)
+    assert predict(Plan(comm_hook="powersgd"), cpu, LINK, nodes=1, ranks_per_node=1).own_cpu_s == 0.0
+    # on a rank of half a core (2 ranks of a 1-core machine) it takes twice as long
+    assert predict(Plan(comm_hook="powersgd"), replace(cpu, rank_share={2: 0.5}), LINK, nodes=1,
+                   ranks_per_node=2).own_cpu_s == pytest.approx(0.04)

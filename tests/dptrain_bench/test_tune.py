@@ -34,7 +34,7 @@ def tuner(tmp_path, speeds: dict[str, float | list[float | None]], keep: int = 3
 
     t = Tuner(cfg=config.load(None, TINY), config_path=None, user_pairs=list(TINY), tune_dir=tmp_path / "tune",
               nodes=1, max_ranks=max_ranks, slurm=False, link_name="1gbit", keep=keep, run=run,
-              shares={1: 1.0, 2: 0.7})
+              shares={1: 1.0, 2: 0.7}, own_cpu={})
     t.ran = ran  # type: ignore[attr-defined]  # what the test looks at
     return t
 
@@ -226,7 +226,7 @@ def test_a_trial_winner_within_the_spread_of_repeated_runs_leaves_the_default_an
     assert config.load(tuned).strategy.name == "ddp"
     text = (t.tune_dir / "tune.md").read_text()
     assert "| 2,058; 1,950; 1,850 | 1,850-2,058 |" in text
-    assert "| 1,865; 1,900; 1,880 | 1,865-1,900 | default, chosen |" in text
+    assert "| 1,865; 1,900; 1,880 | 1,865-1,900 |  | default, chosen | chosen (your configuration) |" in text
     assert "no candidate beat your configuration by more than the spread of their runs" in text
 
 
@@ -323,3 +323,62 @@ def test_of_two_winners_within_each_others_spread_the_one_that_keeps_your_bucket
     assert tune.choose(mine, {mine: [1000.0] * 3, keeps: [1500.0, 1580.0, 1530.0], bucket1: [1520.0, 1600.0, 1550.0]}
                        )[0] == keeps
 
+
+
+def accuracy_tuner(tmp_path, speeds: dict[str, float], accuracy: dict[str, float], budget: float | None = 0.5) -> Tuner:
+    """tuner() with an accuracy budget, whose accuracy probes end at the accuracy the test gives each candidate by name
+    (exact ddp's, REFERENCE, 0.9; a name not given: 0.9), on 10,000 test images."""
+    t = tuner(tmp_path, speeds)
+    probed: list[str] = []
+
+    def probe(_: Tuner, candidate: Candidate) -> tune.Accuracy:
+        probed.append(candidate.name)
+        return tune.Accuracy(acc=accuracy.get(candidate.name, 0.9), loss=0.3, count=10_000)
+
+    t.accuracy_budget, t.accuracy_steps, t.run_accuracy, t.lossy = budget, 100, probe, budget is not None
+    t.probed = probed  # type: ignore[attr-defined]  # what the test looks at
+    return t
+
+
+def test_a_lossy_candidate_is_chosen_only_within_the_accuracy_budget_the_longest_period_first(tmp_path):
+    """local SGD at period 64 is the fastest but loses 2 points in its probe: it gives way to period 16, tried and
+    probed then, which loses 0.1 and is chosen; PowerSGD, fast too, loses 0.8 of a budget of 0.5."""
+    speeds = {"ddp-r1": 500.0, "local_sgd-h64-r2": 950.0, "local_sgd-h16-r2": 900.0, "ddp-powersgd-r2": 920.0}
+    t = accuracy_tuner(tmp_path, speeds, {"local_sgd-h64-r2": 0.88, "local_sgd-h16-r2": 0.899,
+                                          "ddp-powersgd-r2": 0.892})
+    tuned = tune.tune(t)
+    table = rows(t)
+    assert [n for n, r in table.items() if r["chosen"] == "True"] == ["local_sgd-h16-r2"]
+    cfg = config.load(tuned)
+    assert (cfg.strategy.name, cfg.strategy.local_sgd.period, cfg.launch.nproc_per_node) == ("local_sgd", 16, 2)
+    assert t.probed[0] == "ddp-r1" and {"local_sgd-h64-r2", "local_sgd-h16-r2", "ddp-powersgd-r2"} <= set(t.probed)
+    assert "local_sgd-h4-r2" not in t.probed  # period 16 kept within the budget: no shorter one tried
+    assert float(table["local_sgd-h64-r2"]["accuracy_gap_points"]) == pytest.approx(2.0)
+    assert table["local_sgd-h64-r2"]["why"] == "out of the accuracy budget (+2.00 points from ddp's, budget 0.5)"
+    assert table["ddp-powersgd-r2"]["why"].startswith("out of the accuracy budget (+0.80 points")
+    # its parameters averaged once in 16 steps: a sixteenth of ddp's gradients a step, on 2 ranks
+    assert int(table["local_sgd-h16-r2"]["bytes_per_step"]) * 16 == pytest.approx(
+        int(table["ddp-r2"]["bytes_per_step"]), rel=1e-5)
+    text = (t.tune_dir / "tune.md").read_text()
+    assert "| bytes a step |" in text and "Accuracy budget: 0.5 points" in text
+    assert "exact ddp's accuracy after 100 steps: 0.9000" in text.lower()
+
+
+def test_without_an_accuracy_budget_tune_keeps_to_exact_candidates(tmp_path, capsys):
+    t = tuner(tmp_path, speeds={"ddp-r1": 500.0, "ddp-powersgd-r2": 5000.0, "local_sgd-h64-r2": 5000.0})
+    tune.tune(t)
+    assert all(r["comm_hook"] == "allreduce" and r["strategy"] not in tune.PERIODIC for r in rows(t).values())
+    assert "Without --accuracy-budget only candidates that compute what ddp computes" in (
+        t.tune_dir / "tune.md").read_text()
+    code = main(["bench", "tune", "--lossy", "--output.dir", str(tmp_path / "t")])
+    assert code == 2 and ("--lossy candidates round or delay the gradients and are chosen only within an accuracy "
+                          "budget; add --accuracy-budget POINTS (0.5, say), or drop --lossy.") in capsys.readouterr().err
+
+
+def test_where_one_test_image_is_more_than_half_the_budget_the_loss_decides():
+    reference = tune.Accuracy(acc=0.9, loss=0.30, count=10_000)
+    assert tune.gap_of(reference, tune.Accuracy(0.896, 0.5, 10_000), 0.5)[1:] == (True, "accuracy")
+    assert tune.gap_of(reference, tune.Accuracy(0.894, 0.3, 10_000), 0.5)[1:] == (False, "accuracy")
+    few = tune.Accuracy(acc=0.9, loss=0.30, count=64)  # one image: 1.6 points
+    assert tune.gap_of(few, tune.Accuracy(0.875, 0.3014, 64), 0.5)[1:] == (True, "loss")  # within 0.5% of the loss
+    assert tune.gap_of(few, tune.Accuracy(0.9, 0.302, 64), 0.5)[1:] == (False, "loss")

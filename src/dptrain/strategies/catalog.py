@@ -14,7 +14,7 @@ from typing import Any, Literal
 from dptrain.errors import ConfigError
 from dptrain.strategies.spec import StrategySpec
 
-FOLDERS = ("ddp", "fsdp", "zero1", "ps", "dp", "single", "deepspeed")
+FOLDERS = ("ddp", "fsdp", "zero1", "ps", "dp", "single", "deepspeed", "local_sgd", "diloco")
 """Each strategy's folder, strategies/<name>/ (options.py: SPEC; strategy.py: its class); strategy.name's choices are
 in this order, as --help lists them."""
 

@@ -32,6 +32,9 @@ class Exchange:
     """A true/false option of the strategy's table that must be true for it to run (None: always)."""
     sent_by_busiest: bool = True
     """Whether the busiest rank sends it (a parameter server receives the workers' gradients, and sends the copies)."""
+    every: str | None = None
+    """An integer option of the strategy's table: the steps from one run of it to the next (local SGD's and DiLoCo's
+    period H: their exchange runs once every H steps, its time and bytes spread over them); None: every step."""
 
 
 @dataclass(frozen=True)

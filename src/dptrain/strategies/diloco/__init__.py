@@ -1,0 +1,1 @@
+"""Strategy diloco: options.py (torch-free: its spec and options), strategy.py (its Strategy class)."""

@@ -1,0 +1,37 @@
+"""diloco's torch-free half: [strategy.diloco] and its spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dptrain.option_fields import not_negative, positive
+from dptrain.strategies.spec import Exchange, StrategySpec, Traffic
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoOptions:
+    """[strategy.diloco]: the inner steps between two outer steps, and the outer optimizer (DiLoCo, Douillard et al.
+    2023: its defaults are the paper's)."""
+
+    period: int = 32
+    """Inner steps between two outer steps (H): each rank runs the configured optimizer (optim.*) on its own share
+    of every global batch for H steps, then the ranks average their pseudo-gradients (the global model less their
+    own) and take one outer step on the global model, from which every rank goes on."""
+    outer_lr: float = 0.7
+    """The outer optimizer's learning rate (SGD on the averaged pseudo-gradient)."""
+    outer_momentum: float = 0.9
+    """The outer optimizer's momentum (0: plain SGD; with period 1 and outer_lr 1, the same model as ddp)."""
+    outer_nesterov: bool = True
+    """Nesterov momentum for the outer step, as the paper's; applies where outer_momentum is above 0."""
+
+    def __post_init__(self) -> None:
+        positive(self.period, "strategy.diloco.period")
+        positive(self.outer_lr, "strategy.diloco.outer_lr")
+        not_negative(self.outer_momentum, "strategy.diloco.outer_momentum")
+
+
+SPEC = StrategySpec(name="diloco", about="DiLoCo: inner steps alone, an outer Nesterov step on the averaged "
+                                         "pseudo-gradient every few steps, not exact",
+                    table="diloco", options=DiLoCoOptions, traffic=Traffic(exchanges=(
+                        Exchange("all_reduce", "parameters", "after", "one", every="period"),  # the pseudo-gradient
+                        Exchange("all_reduce", "buffers", "after", "one", every="period"))))
