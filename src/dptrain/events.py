@@ -53,6 +53,9 @@ EVAL_LOSS, EVAL_ACC, EVAL_COUNT, EVAL_TIME_S = "eval_loss", "eval_acc", "eval_co
 # stopped, requeue, requeue_failed: how a process group's life ended, when not with run_end
 MESSAGE, JOB_ID, REASON = "message", "job_id", "reason"
 
+# hang: the one sentence a run that hung ended with (distributed/hangs.py), and what it names
+HANG_RANKS, COLLECTIVE, WAITED_S, DOING, LINE = "ranks", "collective", "waited_s", "doing", "line"
+
 # eval: `dptrain eval`'s record of a snapshot's evaluation (its [METRIC] line)
 SNAPSHOT = "snapshot"
 
@@ -117,13 +120,18 @@ RUN_END_EVENT = EventSchema("run_end", (STEP,))
 STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))
 REQUEUE_EVENT = EventSchema("requeue", (STEP, JOB_ID))
 REQUEUE_FAILED_EVENT = EventSchema("requeue_failed", (STEP, JOB_ID, REASON))
+HANG_EVENT = EventSchema("hang", (STEP, MESSAGE, HANG_RANKS, WAITED_S, COLLECTIVE, DOING, LINE),
+                         optional=(COLLECTIVE, DOING, LINE))
+"""A collective overran and the ranks compared: MESSAGE is the run's sentence; HANG_RANKS the ranks it blames, WAITED_S
+how long the others waited, COLLECTIVE the one they waited in (all_reduce #12), DOING and LINE where the first
+blamed rank's main thread was."""
 EVAL_EVENT = EventSchema("eval", (SNAPSHOT, STEP, WORLD_SIZE, *EVALUATION), timed=False)
 """`dptrain eval`'s record, which goes to its [METRIC] line (not to a run's metrics.jsonl)."""
 
 SCHEMAS = {s.name: s for s in (RUN_START_EVENT, STEP_EVENT, EPOCH_EVENT, RUN_END_EVENT, STOPPED_EVENT, REQUEUE_EVENT,
-                               REQUEUE_FAILED_EVENT, EVAL_EVENT)}
-ENDINGS = (RUN_END_EVENT.name, STOPPED_EVENT.name, REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name)
-"""The events that end a process group's life: finished, stopped by a signal, requeued, its requeue refused."""
+                               REQUEUE_FAILED_EVENT, HANG_EVENT, EVAL_EVENT)}
+ENDINGS = (RUN_END_EVENT.name, STOPPED_EVENT.name, REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name, HANG_EVENT.name)
+"""The events that end a process group's life: finished, stopped by a signal, requeued, its requeue refused, hung."""
 
 
 def schema_problem(record: dict[str, Any]) -> str | None:
