@@ -59,19 +59,24 @@ class Phase:
             reason = _one_line(exc)
             if silent:  # the cause first; the backend's own words after it
                 reason = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer (dead or stuck): {reason}"
-            raise WorkerFailure(f"rank {self.global_rank} failed during {name}{_in_collective() if peer else ''}: {reason}") from exc
+            raise WorkerFailure(f"rank {self.global_rank} failed during {name}{_in_collective(name) if peer else ''}: {reason}") from exc
         finally:
             self.name = previous
             RING.mark(previous)
 
 
-def _in_collective() -> str:
-    """" in all_reduce #12 (bucket 0 of step 5)": this rank's collective left unfinished by the failure, if any."""
+def _in_collective(phase: str) -> str:
+    """" in all_reduce #12 (bucket 0 of step 5)": this rank's collective left unfinished by the failure, else the last
+    one it made in the failing phase (a failed work may count as finished), if any."""
     try:
-        open_ = [c for c in RING.entries() if not c.done]
+        entries = RING.entries()
     except Exception:  # noqa: BLE001 - a failure's sentence must not fail on the ring
         return ""
-    return f" in {named(min(open_, key=lambda c: c.entered_ns))}" if open_ else ""
+    open_ = [c for c in entries if not c.done]
+    if open_:
+        return f" in {named(min(open_, key=lambda c: c.entered_ns))}"
+    made_here = [c for c in entries if c.phase == phase]
+    return f" in {named(max(made_here, key=lambda c: c.entered_ns))}" if made_here else ""
 
 
 SHARED_MEMORY_PEER_LOST = "shared-memory peer lost"

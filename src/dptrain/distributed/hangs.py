@@ -263,7 +263,7 @@ class HangWatch:
         self.end, self.metrics, self.phase, self.clock, self.ring = end, metrics, phase, clock, ring
         self.prefix = f"dptrain/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.first_seen: dict[tuple[str, int], float] = {}
-        self.reported = False
+        self.reported = self.compared = False
         self._done = threading.Event()
 
     def start(self) -> "HangWatch":
@@ -322,6 +322,7 @@ class HangWatch:
             reports[r] = json.loads(self.store.get(k)) if self.store.check([k]) else None
             if self.store.check([f"{self.prefix}host/{r}"]):
                 hosts[r] = self.store.get(f"{self.prefix}host/{r}").decode()
+        self.compared = True
         mine = json.dumps(hang_event(verdict(reports, self.world_size, hosts)))
         written = self.store.compare_set(f"{self.prefix}verdict", "", mine)
         written = written.decode() if isinstance(written, bytes) else str(written)
@@ -341,6 +342,8 @@ class HangWatch:
             except RuntimeError:  # the store does not answer: its host is gone; the backend's own error names it
                 continue
             if found is not None and not self._done.is_set():
+                if self.compared:  # the others read the verdict before this rank's end ends the run
+                    time.sleep(2 * self.period_s)
                 self.end(found)
                 return
 
