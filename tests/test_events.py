@@ -35,6 +35,7 @@ WRITTEN = {
     "signal": ["step", "signal", "received_at", "snapshot_at", "drill"],
     "requeue": ["step", "job_id"],
     "requeue_failed": ["step", "job_id", "reason"],
+    "hang": ["step", "message", "ranks", "waited_s", "collective", "doing", "line"],
     "eval": ["snapshot", "step", "world_size", "eval_loss", "eval_acc", "eval_count", "eval_time_s"],
 }
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "100", "--data.synthetic_test_size", "30",

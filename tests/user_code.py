@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+
+from dptrain import faults
 
 
 class TinyNet(nn.Module):
@@ -35,6 +38,16 @@ class FailsOnRank1(TinyNet):
         return super().forward(x)
 
 
+class SleepsInForward(TinyNet):
+    """Sleeps in its forward where the test's fault says (faults.FAULT 'forward:RANK:CALL:SECONDS'): a rank stuck in
+    its model's code while the others wait in the step's collective."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(faults.stall_seconds("forward"))
+        return super().forward(x)
+
+
 class PatternDataset(Dataset):
     """A map-style dataset built as dptrain builds users' datasets: Factory(root=..., train=...)."""
 
@@ -48,6 +61,15 @@ class PatternDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i], int(self.labels[i])
+
+
+class BlocksInData(PatternDataset):
+    """Blocks in __getitem__ where the test's fault says (faults.FAULT 'data:RANK:CALL:SECONDS'): a rank stuck in its
+    data loader while the others wait in the step's collective."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(faults.stall_seconds("data"))
         return self.images[i], int(self.labels[i])
 
 

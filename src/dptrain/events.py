@@ -60,6 +60,9 @@ SIGNAL, RECEIVED_AT, SNAPSHOT_AT, DRILL = "signal", "received_at", "snapshot_at"
 """The signal's name (SIGUSR1); per rank, when it got it (seconds since 1970, null: never); when the snapshot was
 written (rank 0's clock); whether the run went on (a drill, `dptrain submit --rehearse`) rather than stopped."""
 
+# hang: the one sentence a run that hung ended with (distributed/hangs.py), and what it names
+HANG_RANKS, COLLECTIVE, WAITED_S, DOING, LINE = "ranks", "collective", "waited_s", "doing", "line"
+
 # eval: `dptrain eval`'s record of a snapshot's evaluation (its [METRIC] line)
 SNAPSHOT = "snapshot"
 
@@ -126,13 +129,18 @@ STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))
 SIGNAL_EVENT = EventSchema("signal", (STEP, SIGNAL, RECEIVED_AT, SNAPSHOT_AT, DRILL))
 REQUEUE_EVENT = EventSchema("requeue", (STEP, JOB_ID))
 REQUEUE_FAILED_EVENT = EventSchema("requeue_failed", (STEP, JOB_ID, REASON))
+HANG_EVENT = EventSchema("hang", (STEP, MESSAGE, HANG_RANKS, WAITED_S, COLLECTIVE, DOING, LINE),
+                         optional=(COLLECTIVE, DOING, LINE))
+"""A collective overran and the ranks compared: MESSAGE is the run's sentence; HANG_RANKS the ranks it blames, WAITED_S
+how long the others waited, COLLECTIVE the one they waited in (all_reduce #12), DOING and LINE where the first
+blamed rank's main thread was."""
 EVAL_EVENT = EventSchema("eval", (SNAPSHOT, STEP, WORLD_SIZE, *EVALUATION), timed=False)
 """`dptrain eval`'s record, which goes to its [METRIC] line (not to a run's metrics.jsonl)."""
 
 SCHEMAS = {s.name: s for s in (RUN_START_EVENT, STEP_EVENT, EPOCH_EVENT, RUN_END_EVENT, STOPPED_EVENT, SIGNAL_EVENT,
-                               REQUEUE_EVENT, REQUEUE_FAILED_EVENT, EVAL_EVENT)}
-ENDINGS = (RUN_END_EVENT.name, STOPPED_EVENT.name, REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name)
-"""The events that end a process group's life: finished, stopped by a signal, requeued, its requeue refused."""
+                               REQUEUE_EVENT, REQUEUE_FAILED_EVENT, HANG_EVENT, EVAL_EVENT)}
+ENDINGS = (RUN_END_EVENT.name, STOPPED_EVENT.name, REQUEUE_EVENT.name, REQUEUE_FAILED_EVENT.name, HANG_EVENT.name)
+"""The events that end a process group's life: finished, stopped by a signal, requeued, its requeue refused, hung."""
 
 
 def schema_problem(record: dict[str, Any]) -> str | None:

@@ -37,3 +37,61 @@ def signal_if_due(rank: int, step: int) -> None:
                 continue
             Path(marker[0]).touch()
         os.kill(os.getpid() if target == "self" else os.getppid(), getattr(signal, name))
+
+
+FAULT = "DPTRAIN_TEST_FAULT"
+"""'KIND:RANK:CALL[:SECONDS]', several separated by commas: on global rank RANK (the RANK variable), at the CALL-th
+time that KIND comes (counted from 1 in this process):
+- forward, data: stall_seconds(KIND) gives SECONDS there (a user's model or Dataset of the tests sleeps that long in
+  its forward or its __getitem__: a rank stuck in its own code);
+- skip: the CALL-th Strategy.all_reduce is skipped on that rank (a collective one rank does not make);
+- mismatch: the CALL-th Strategy.all_reduce sends one element more on that rank (another shape);
+- slow: slow_down(SECONDS) spins the CPU for SECONDS times the step's own time after each step from the CALL-th on
+  (a rank that computes slower: a straggler).
+Only the kinds named are armed; nothing happens without the variable."""
+
+_calls: dict[str, int] = {}
+
+
+def _due(kind: str, count: bool = True) -> list[str] | None:
+    """The fields of a fault of this kind due now on this rank (this call counted), else None."""
+    specs = os.environ.get(FAULT)
+    if not specs:
+        return None
+    if count:
+        _calls[kind] = _calls.get(kind, 0) + 1
+    for spec in specs.split(","):
+        on_kind, on_rank, at_call, *rest = spec.split(":")
+        if on_kind == kind and on_rank == os.environ.get("RANK", "0") and int(at_call) == _calls.get(kind, 0):
+            return rest
+    return None
+
+
+def stall_seconds(place: str) -> float:
+    """How long a test's model (place forward) or Dataset (place data) sleeps at this call: 0 unless due."""
+    rest = _due(place)
+    return float(rest[0]) if rest else 0.0
+
+
+def collective_fault() -> str | None:
+    """'skip' or 'mismatch' where Strategy.all_reduce is to make its collective wrongly at this call; else None."""
+    if not os.environ.get(FAULT):
+        return None
+    _calls["all_reduce"] = _calls.get("all_reduce", 0) + 1
+    for kind in ("skip", "mismatch"):
+        _calls[kind] = _calls["all_reduce"]
+        if _due(kind, count=False) is not None:
+            return kind
+    return None
+
+
+def slowdown_factor(step: int) -> float:
+    """How much longer than its own time this rank's step takes from the fault's step on (0: none)."""
+    specs = os.environ.get(FAULT)
+    if not specs or "slow:" not in specs:
+        return 0.0
+    for spec in specs.split(","):
+        on_kind, on_rank, at_step, *rest = spec.split(":")
+        if on_kind == "slow" and on_rank == os.environ.get("RANK", "0") and step >= int(at_step):
+            return float(rest[0])
+    return 0.0

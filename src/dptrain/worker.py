@@ -19,7 +19,8 @@ from dptrain import snapshots, config as config_mod
 from dptrain.config import RunConfig
 from dptrain.distributed.ending import AGENT_PID, agent_restarts_this_worker, exit_deadline
 from dptrain.distributed.env import DistEnv
-from dptrain.distributed.failures import PeerWatch, Phase, needs_peer_watch, own_client
+from dptrain.distributed.failures import PeerWatch, Phase, WorkerFailure, end_with_failure, needs_peer_watch, own_client
+from dptrain.distributed.hangs import HangWatch, hang_after_s
 from dptrain.distributed.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
 from dptrain.errors import DataError, OutputError
 from dptrain.events import (AGENT_RESTARTS, DATA, DEVICE, EVAL_EVENT, EVENT, GLOBAL_BATCH_SIZE, MESSAGE, MODEL, RUN_END_EVENT,
@@ -135,9 +136,20 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
             silence_s = cfg.launch.timeout_s / 2
             with phase("rendezvous"):
                 phase.watch = PeerWatch(own_client(env, silence_s), env, phase, silence_s).start()
+        with phase("rendezvous"):  # a collective that overruns ends the run with the ranks' verdict (distributed/hangs.py)
+            phase.hang = watch_hangs(cfg, env, phase)
     with phase("first collective"):
         barrier()
     return device, threads
+
+
+def watch_hangs(cfg: RunConfig, env: DistEnv, phase: Phase) -> HangWatch:
+    """This rank's HangWatch, on a store client of its own (a main thread blocked in a store wait must not hold it up)."""
+    store = own_client(env, min(5.0, hang_after_s(cfg.launch.timeout_s) / 4))
+    metrics = cfg.output.folder.metrics if cfg.output.run_dir is not None else None
+    return HangWatch(store, env.global_rank, env.world_size, host_name(), cfg.launch.timeout_s,
+                     end=lambda sentence: end_with_failure(WorkerFailure(sentence)), metrics=metrics,
+                     phase=lambda: phase.name).start()
 
 
 @contextlib.contextmanager
@@ -164,6 +176,8 @@ def rank_life(cfg: RunConfig, log_dir: Path | None) -> Iterator[tuple[DistEnv, P
             phase.watch.stop(finished=False)
         raise
     finally:
+        if phase.hang is not None:
+            phase.hang.stop()
         if phase.watch is not None:  # finished, or stopped by a signal with the others (after a failure: done above)
             phase.watch.stop(finished=True)
         destroy_process_group()

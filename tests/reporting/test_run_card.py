@@ -200,6 +200,19 @@ def test_a_stop_and_its_requeue_are_both_in_the_starts_ending():
     assert start.ended == "stopped at step 7: stopped by SIGUSR1 after step 7; requeued (SLURM job 41)"
 
 
+def test_the_card_of_a_hung_run_says_its_verdict(tmp_path):
+    """A run that hung ends with a hang event (distributed/hangs.py): the card's state line and its starts table say
+    the verdict."""
+    verdict = ("rank 1 (node2) never entered all_reduce #12 (bucket 0 of step 5); rank 0 waited 283 s in it; rank 1 "
+               "was in data loading at my_dataset.py:88; its stack is in its rank log")
+    events = [{"event": "run_start", "step": 0, "world_size": 2, "global_batch_size": 32},
+              {"event": "hang", "step": 5, "message": verdict, "ranks": [1], "waited_s": 283.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    text = write_run_card(tmp_path).read_text()
+    assert f"State: hung at step 5: {verdict}." in text
+    assert table_rows(text, "Starts, stops and snapshots")[0][7] == f"hung at step 5: {verdict}"
+
+
 def test_a_number_planted_where_an_event_holds_text_is_left_out_not_shown():
     """Found by the planted-file property test: a run_start whose device is 1e308 showed `1e+308` as the device."""
     events = [{"event": "run_start", "step": 0, "world_size": 2, "device": 1e308},

@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from dptrain.distributed.collectives import RING
 from dptrain.distributed.ending import leave_now, record_for_launcher
+from dptrain.distributed.hangs import named
 from dptrain.distributed.env import DistEnv
 
 log = logging.getLogger("dptrain")
@@ -40,22 +42,41 @@ class Phase:
         """(store, env, seconds to wait) once the world is joined; set by join_store's caller."""
         self.watch: PeerWatch | None = None
         """The watch on the peers' heartbeats, where the backend needs one (needs_peer_watch); set with world."""
+        self.hang: Any = None
+        """The watch on this rank's collectives (distributed.hangs.HangWatch) once the world is joined; else None."""
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         previous, self.name = self.name, name
+        RING.mark(name)  # the collectives made from here on are placed in this phase
         try:
             yield
         except WorkerFailure:
             raise
         except Exception as exc:
-            silent = roll_call(*self.world) if self.world is not None and _is_peer_failure(exc) else []
+            peer = _is_peer_failure(exc)
+            silent = roll_call(*self.world) if self.world is not None and peer else []
             reason = _one_line(exc)
             if silent:  # the cause first; the backend's own words after it
                 reason = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer (dead or stuck): {reason}"
-            raise WorkerFailure(f"rank {self.global_rank} failed during {name}: {reason}") from exc
+            raise WorkerFailure(f"rank {self.global_rank} failed during {name}{_in_collective(name) if peer else ''}: {reason}") from exc
         finally:
             self.name = previous
+            RING.mark(previous)
+
+
+def _in_collective(phase: str) -> str:
+    """" in all_reduce #12 (bucket 0 of step 5)": this rank's collective left unfinished by the failure, else the last
+    one it made in the failing phase (a failed work may count as finished), if any."""
+    try:
+        entries = RING.entries()
+    except Exception:  # noqa: BLE001 - a failure's sentence must not fail on the ring
+        return ""
+    open_ = [c for c in entries if not c.done]
+    if open_:
+        return f" in {named(min(open_, key=lambda c: c.entered_ns))}"
+    made_here = [c for c in entries if c.phase == phase]
+    return f" in {named(max(made_here, key=lambda c: c.entered_ns))}" if made_here else ""
 
 
 SHARED_MEMORY_PEER_LOST = "shared-memory peer lost"

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dptrain.distributed.collectives import record_collectives
 from dptrain.distributed.env import DistEnv, check_master_resolves
 from dptrain.distributed.store import join_store, pin_collective_interface, unpin_collective_interface
 
@@ -31,6 +32,7 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float, bac
     """
     backend = pick_backend(backend, device)
     timeout = datetime.timedelta(seconds=timeout_s)
+    record_collectives()  # torch's Flight Recorder, read by a hang's verdict (distributed/hangs.py)
     kwargs = {"device_id": device} if backend == "nccl" else {}  # binds nccl to this rank's GPU, no guessing
     try:
         if env.world_size == 1 and env.source == "none":

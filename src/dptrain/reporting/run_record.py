@@ -15,10 +15,10 @@ from typing import Any
 from dptrain import config as config_mod
 from dptrain import read_back
 from dptrain.errors import ConfigError
-from dptrain.events import (ACHIEVED_TFLOPS, AGENT_RESTARTS, COMM_EXPOSED_MS_PER_STEP,
-                            DEVICE, ENDINGS, EPOCH, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC,
-                            EVAL_LOSS, EVENT, FOOTPRINT, GLOBAL_BATCH_SIZE, GPU_UTILISATION, JOB_ID, LOSS, MESSAGE, MODEL_FLOPS_PER_SAMPLE, REASON, REQUEUE_EVENT,
-                            REQUEUE_FAILED_EVENT, RUN_END_EVENT, RUN_START_EVENT, SAMPLES_PER_S,
+from dptrain.events import (ACHIEVED_TFLOPS, AGENT_RESTARTS, COMM_EXPOSED_MS_PER_STEP, DEVICE, ENDINGS, EPOCH,
+                            EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, EVENT, FOOTPRINT, GLOBAL_BATCH_SIZE,
+                            GPU_UTILISATION, HANG_EVENT, JOB_ID, LOSS, MESSAGE, MODEL_FLOPS_PER_SAMPLE, REASON,
+                            REQUEUE_EVENT, REQUEUE_FAILED_EVENT, RUN_END_EVENT, RUN_START_EVENT, SAMPLES_PER_S,
                             SLURM_RESTARTS, STEP, STEP_EVENT, STOPPED_EVENT, TIME, TOTAL_STEPS, TRAIN_ACC, TRAIN_LOSS,
                             TRAIN_SAMPLES, WORLD_SIZE)
 from dptrain.read_back import UnreadableFile
@@ -75,7 +75,8 @@ def event_problem(event: dict[str, Any]) -> str | None:
     if TIME in event and as_number(event[TIME]) is None:
         return f"{TIME} is {_shown(event[TIME])}, not a number"
     # the events whose step the card reads
-    counted = (STEP_EVENT.name, EPOCH_EVENT.name, RUN_START_EVENT.name, RUN_END_EVENT.name, STOPPED_EVENT.name)
+    counted = (STEP_EVENT.name, EPOCH_EVENT.name, RUN_START_EVENT.name, RUN_END_EVENT.name, STOPPED_EVENT.name,
+               HANG_EVENT.name)
     if kind in counted and STEP in event and _integer(event[STEP]) is None:
         return f"{STEP} is {_shown(event[STEP])}, not an integer"
     if kind in (STEP_EVENT.name, EPOCH_EVENT.name) and STEP not in event:
@@ -155,6 +156,7 @@ def timeline(events: list[dict[str, Any]]) -> Timeline:
             at = f" at step {step}" if step is not None else ""
             ending = {RUN_END_EVENT.name: f"finished{at}",
                       STOPPED_EVENT.name: f"stopped{at}: {_text(event.get(MESSAGE))[:200]}",
+                      HANG_EVENT.name: f"hung{at}: {_text(event.get(MESSAGE))[:500]}",
                       REQUEUE_EVENT.name: f"requeued (SLURM job {_text(event.get(JOB_ID))[:40] or '?'})",
                       REQUEUE_FAILED_EVENT.name: f"requeue refused: {_text(event.get(REASON))[:200]}"}[kind]
             # a stop under SLURM is followed by its requeue (or the refusal of one): the card keeps both

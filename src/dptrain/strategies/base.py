@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain import faults
 from dptrain.config import (OPTIMIZER_CLASSES, LaunchConfig, OptimConfig, RunConfig, StrategyConfig,
                             StrategySpec)
 from dptrain.distributed.env import DistEnv
@@ -280,5 +281,11 @@ class Strategy:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.env.world_size > 1:
-            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+            fault = faults.collective_fault()  # None unless a test asks (faults.FAULT)
+            if fault == "skip":
+                return tensor
+            sent = torch.cat([tensor.view(-1), tensor.new_zeros(1)]) if fault == "mismatch" else tensor
+            dist.all_reduce(sent, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+            if sent is not tensor:
+                tensor.view(-1).copy_(sent[:-1])
         return tensor

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dptrain.distributed.collectives import RING
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.failures import SHARED_MEMORY_PEER_LOST
 from dptrain.strategies import comm_hooks
@@ -76,8 +77,10 @@ class SharedMemoryAllReduce:
         """
         flat = tensor.view(-1)
         per_slot = self.slot_bytes // flat.element_size()
+        entry = RING.enter("all_reduce", [list(tensor.shape)], str(tensor.dtype).removeprefix("torch."))
         for start in range(0, flat.numel(), per_slot):
             self._sum_piece(flat[start:start + per_slot], divisor)
+        RING.leave(entry)  # not on a failure: the ring then shows it unfinished
 
     def _sum_piece(self, piece: torch.Tensor, divisor: int) -> None:
         n = piece.numel()
@@ -107,6 +110,7 @@ class SharedMemoryAllReduce:
         """tensor <- root's tensor on every rank (contiguous, on the CPU), through the result slot."""
         flat = tensor.view(-1)
         per_slot = self.slot_bytes // flat.element_size()
+        entry = RING.enter("broadcast", [list(tensor.shape)], str(tensor.dtype).removeprefix("torch."))
         for start in range(0, flat.numel(), per_slot):
             piece = flat[start:start + per_slot]
             size = piece.numel() * piece.element_size()
@@ -118,6 +122,7 @@ class SharedMemoryAllReduce:
             self.barrier()
             if self.rank != root:
                 piece.copy_(result)
+        RING.leave(entry)
 
     def barrier(self) -> None:
         self.barriers += 1
