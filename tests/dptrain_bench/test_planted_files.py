@@ -209,7 +209,7 @@ def planted_file(draw: st.DrawFn) -> tuple[str, Any]:
     return name, draw(planted(KINDS[name]()))
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a report drawn for each planted file (11 s); the default run keeps the card's and the readers'
 @END_TO_END
 @given(plant=planted_file())
 def test_report_of_a_sweep_with_a_planted_file_is_clean(plant, capsys):
@@ -225,7 +225,7 @@ def test_report_of_a_sweep_with_a_planted_file_is_clean(plant, capsys):
             assert_finite_numbers((bench / "report.md").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 @END_TO_END
 @given(plant=planted_file())
 def test_fitted_on_a_sweep_with_a_planted_file_is_clean_and_writes_nothing_there(plant, capsys):

@@ -363,7 +363,7 @@ def job_ids(cluster) -> list[str]:
     return cluster.run("squeue", "--noheader", "--states=all", "--format=%i").stdout.split()
 
 
-@pytest.mark.nightly  # a sweep of jobs (12 s); the default run keeps one_at_a_time's jobs on the private cluster
+@pytest.mark.nightly  # a sweep of jobs (12 s); the default run keeps the private cluster's jobs (tests/slurm)
 @pytest.mark.timeout(120)
 def test_a_sweep_of_jobs_writes_the_rows_of_the_local_sweep_with_their_nodes(slurm_cluster, cluster_sweep):
     cwd, _, (code, logs, err), (code2, logs2, err2) = cluster_sweep
@@ -425,7 +425,7 @@ def test_a_job_that_fails_is_recorded_with_its_error_line(slurm_cluster, tmp_pat
     assert (tmp_path / "out" / "runs" / "dptrain-ddp-w1-r1" / ERROR_FILE).read_text().strip() == row["error"]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # jobs one after another (9 s); the default run keeps its refusals and the private cluster's jobs
 @pytest.mark.timeout(90)
 def test_one_at_a_time_submits_each_job_after_the_one_before_ended(slurm_cluster, slurm_link_probes, tmp_path,
                                                                    monkeypatch):

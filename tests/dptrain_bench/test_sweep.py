@@ -150,6 +150,7 @@ def test_a_fifo_in_place_of_results_csv_is_said_to_be_one_not_rebuilt_over(tmp_p
     assert (tmp_path / "sweep" / "results.csv").is_fifo()
 
 
+@pytest.mark.nightly  # the tutorial engine's point (6 s); the default run keeps its refusals and the sweep's rows
 @pytest.mark.timeout(60)
 def test_tutorial_engine_writes_the_same_event_shape(tmp_path, machine_probes):
     assert run_bench(tmp_path, "--workers", "2", "--strategies", "ddp", "--engines", "tutorial", "--output.dir", "out", *TINY,

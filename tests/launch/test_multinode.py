@@ -310,7 +310,7 @@ def test_node_0_whose_peer_never_starts_names_it_in_one_sentence(tmp_path):
         f"--node-rank from 0 to 1, or give them longer (--launch.timeout_s).")
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # the default run keeps a gone rendezvous host named when nodes have no rank
 @pytest.mark.timeout(60)
 def test_the_endpoints_node_without_a_node_rank_says_how_many_came(tmp_path):
     # Without --node-rank, nodes are numbered as they come: the host counts them (it cannot name a missing number).
@@ -335,7 +335,7 @@ def test_a_gone_rendezvous_host_is_named_by_its_address_when_the_nodes_have_no_r
     assert rendezvous_host_gone(Nodes(2, 1, "node1", 29500)).startswith("node 0, which hosts")
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # the default run keeps a master that does not resolve, as a SLURM job
 def test_a_master_the_network_does_not_lead_to_fails_soon_naming_it(two_hosts):
     """No route to node1 (the link is down): not the whole timeout of a refused port, but half of it (30 s at most)."""
     two_hosts.cut_link()

@@ -191,7 +191,7 @@ def tensorboard_warning(tb_dir: Path, step: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.nightly)])
 def test_a_full_disk_under_tb_is_one_warning_line_and_the_run_goes_on(full_tmpfs, tmp_path, workers):
     """It was 98 lines: the writer thread's traceback ("Exception in thread"), then the same OSError raised from
     SummaryWriter's constructor, and the run failed. TensorBoard's files are a copy of metrics.jsonl's points, so
