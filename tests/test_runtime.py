@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -236,7 +237,8 @@ def test_a_failed_collective_names_the_rank_that_left_on_every_survivor():
     named = []
     for rank, (message, elapsed) in enumerate(results[:-1]):
         head, sep, _ = message.partition(" did not answer (dead or stuck): ")
-        assert sep and head.startswith(f"rank {rank} failed during step 7: rank"), message
+        # the collective left unfinished is named where the ring knows it (distributed/hangs.py)
+        assert sep and re.match(rf"rank {rank} failed during step 7( in all_reduce #\d+ \([^)]*\))?: rank", head), message
         named.append(head.split(": ", 1)[1].split(" ", 1)[1].split(", "))
         assert elapsed < 10, elapsed  # two 1-second roll calls at most, not the collective's 30-second timeout
     assert all("2" in silent for silent in named), named

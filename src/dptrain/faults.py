@@ -45,9 +45,7 @@ time that KIND comes (counted from 1 in this process):
 - forward, data: stall_seconds(KIND) gives SECONDS there (a user's model or Dataset of the tests sleeps that long in
   its forward or its __getitem__: a rank stuck in its own code);
 - skip: the CALL-th Strategy.all_reduce is skipped on that rank (a collective one rank does not make);
-- mismatch: the CALL-th Strategy.all_reduce sends one element more on that rank (another shape);
-- slow: slow_down(SECONDS) spins the CPU for SECONDS times the step's own time after each step from the CALL-th on
-  (a rank that computes slower: a straggler).
+- mismatch: the CALL-th Strategy.all_reduce sends one element more on that rank (another shape).
 Only the kinds named are armed; nothing happens without the variable."""
 
 _calls: dict[str, int] = {}
@@ -84,14 +82,3 @@ def collective_fault() -> str | None:
             return kind
     return None
 
-
-def slowdown_factor(step: int) -> float:
-    """How much longer than its own time this rank's step takes from the fault's step on (0: none)."""
-    specs = os.environ.get(FAULT)
-    if not specs or "slow:" not in specs:
-        return 0.0
-    for spec in specs.split(","):
-        on_kind, on_rank, at_step, *rest = spec.split(":")
-        if on_kind == "slow" and on_rank == os.environ.get("RANK", "0") and step >= int(at_step):
-            return float(rest[0])
-    return 0.0
