@@ -268,7 +268,7 @@ print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # 7 s: two processes count page faults over training steps (a speed measure, kept out of the default run)
 def test_freed_blocks_are_kept_for_the_next_step_instead_of_page_faulting_again():
     import subprocess
     import sys

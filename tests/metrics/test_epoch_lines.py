@@ -88,7 +88,7 @@ def test_with_rank_epoch_lines_every_ranks_own_line_reaches_its_console(caplog):
     assert on_console(True, info) and not on_console(False, info) and on_console(False, warning)  # as before
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # the default run keeps two workers' epoch lines and each rank's log
 def test_every_ranks_epoch_line_reaches_the_runs_output_on_request(tmp_path):
     """Two local workers, as the job's output gets them: rank 1's lines on stdout beside rank 0's."""
     result = run_cli(["train", "--data.name", "synthetic", "--data.synthetic_train_size", "64",
