@@ -32,7 +32,7 @@ def trained(planned_run):
     return planned_run("eval/trained", 2)
 
 
-@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(3, marks=pytest.mark.nightly)])  # 3: an uneven split, also
 def test_eval_counts_every_test_sample_once_and_matches_training(tmp_path, capsys, trained, workers):
     predictions = tmp_path / "predictions.csv"
     args = ["eval", "--checkpoint", str(trained), "--nproc-per-node", str(workers), "--predictions", str(predictions)]

@@ -294,7 +294,7 @@ def test_a_snapshot_of_a_users_dataset_is_refused_saying_why(tmp_path):
                                   f"prepare new inputs for it; run your own model on your own data loading instead.")
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # the default run keeps three workers predicting every input once, in order
 @pytest.mark.timeout(120)
 def test_three_workers_through_the_launcher(run, inputs, with_corrupt_png, tmp_path):
     paths, seen = inputs

@@ -189,6 +189,7 @@ def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(tmp_
     assert elapsed < 30  # bounded by launch.timeout_s, not torch's 30-minute default
 
 
+@pytest.mark.nightly  # 7 s; the default run keeps a failing rank named with its phase and one that never joins
 def test_a_rank_that_dies_unseen_by_any_agent_is_named_by_the_survivor(tmp_path):
     """Two ranks started apart, as on two nodes; rank 1 is SIGKILLed after step 3 and no agent notices."""
     import socket

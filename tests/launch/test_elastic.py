@@ -31,7 +31,7 @@ def start_agent(node_rank: int, port: int, run_dir, cwd, extra_env: dict[str, st
                             start_new_session=True)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # 12 s; the default run keeps the elastic refusals and a worker killed and restarted
 def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with_the_same_math(planned_run, tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     # After its step 5 (a snapshot of step 4 is whole), rank 1 kills its own agent: node 1 is lost, agent and worker.

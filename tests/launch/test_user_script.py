@@ -203,6 +203,7 @@ total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
 if dist.get_rank() == 1 and os.path.exists("fail-once"):
     os.remove("fail-once")
+    dist.destroy_process_group()  # else gloo's teardown at exit may abort (SIGABRT) before the exit code is given
     sys.exit("rank 1 fails once")
 with open(f"joined-{dist.get_rank()}-{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w") as f:
     f.write(str(total.item()))

@@ -42,7 +42,7 @@ SNAPSHOTS = ["--checkpoint.every_steps", "5", "--checkpoint.keep_last", "5"]
 plan_runs({f"semi/{name}": (["train", *SMALL, *SGD, *args], (2,)) for name, args in {**LIKE_DDP, **UNLIKE_DDP}.items()},
           precision="float64")
 plan_runs({f"semi/killed-ref/{name}": (["train", *SMALL, *SNAPSHOTS, *args], (2,)) for name, args in KILLED.items()},
-          precision="float64")
+          precision="float64", nightly_worlds=(2,))  # read by the nightly tests only
 
 # (the tests that use planned_run or start ranks are slow: conftest marks them)
 
@@ -62,9 +62,10 @@ def test_a_longer_period_trains_another_model(planned_run, name):
     assert max(float((ours[k] - ddp[k]).abs().max() / ddp[k].abs().max()) for k in ddp) > 1e-3
 
 
-# DiLoCo's in the default run (its snapshot holds the most: the global model, the outer momentum, each rank's own);
-# local_sgd's (its DDP steps, then its own) in the nightly tier
-@pytest.mark.parametrize("name", [pytest.param("local_sgd", marks=pytest.mark.nightly), "diloco"])
+# Nightly (10 s each), as the resume on another number of ranks below: the default run keeps period 1 equal to ddp
+# and a longer period apart
+@pytest.mark.nightly
+@pytest.mark.parametrize("name", KILLED)
 def test_a_run_killed_between_averagings_resumes_bit_identical(cli, tmp_path, planned_run, name):
     run_dir, marker = tmp_path / "killed", tmp_path / "killed-after-12"
     result = cli("train", "--nproc-per-node", "2", *SMALL, *SNAPSHOTS, *KILLED[name], "--output.dir", str(run_dir),

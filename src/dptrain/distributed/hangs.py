@@ -342,10 +342,31 @@ class HangWatch:
             except RuntimeError:  # the store does not answer: its host is gone; the backend's own error names it
                 continue
             if found is not None and not self._done.is_set():
+                self._acknowledge()
                 if self.compared:  # the others read the verdict before this rank's end ends the run
-                    time.sleep(2 * self.period_s)
+                    self._wait_for_readers()
+                    time.sleep(2 * self.period_s)  # and write it in their logs
                 self.end(found)
                 return
+
+    def _acknowledge(self) -> None:
+        try:
+            self.store.set(f"{self.prefix}read/{self.rank}", "1")
+        except RuntimeError:  # the store's host is gone: nobody waits for this
+            pass
+
+    def _wait_for_readers(self) -> None:
+        """Until every rank that reported has read the verdict, within 2 periods and 0.5 s: a loaded machine may not
+        run a reader's watch within a period, and its rank is ended once this one's end ends the run. The bound keeps
+        verdict, wait and end inside the margin before the backend's own timeout (margin_s)."""
+        deadline = self.clock() + 2 * self.period_s + 0.5
+        try:
+            readers = [f"{self.prefix}read/{r}" for r in range(self.world_size)
+                       if r != self.rank and self.store.check([f"{self.prefix}report/{r}"])]
+            while readers and not self.store.check(readers) and self.clock() < deadline:
+                time.sleep(self.period_s / 4)
+        except RuntimeError:
+            pass
 
 
 def _main_frame() -> Any:
