@@ -9,6 +9,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -65,8 +66,9 @@ def test_each_rank_gets_torchruns_variables_a_free_port_its_cores_and_a_restart_
                     "--lr", "0.1"], tmp_path, timeout=100, env={"OMP_NUM_THREADS": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1: the disk is full" in done.stderr  # the script's own words, on the console
-    assert ("dptrain: rank 1 exited with code 1; starting the workers again, attempt 2 of 2 (--launch.max_restarts 1)."
-            in done.stderr.splitlines())
+    # rank 0, done with its part by then, may have ended at the same moment: the line says so where it had
+    assert any(re.fullmatch(r"dptrain: rank 1 exited with code 1( \(rank 0 also stopped\))?; starting the workers again, "
+                            r"attempt 2 of 2 \(--launch.max_restarts 1\)\.", line) for line in done.stderr.splitlines())
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2))  # this machine's cores, shared by its two ranks
     assert [(s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"], s["LOCAL_WORLD_SIZE"]) for s in seen] == [
