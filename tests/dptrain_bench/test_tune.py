@@ -260,7 +260,7 @@ def test_tune_options_are_checked_in_one_sentence(tmp_path, capsys):
     assert not (tmp_path / "t").exists()
 
 
-@pytest.mark.nightly  # 21 s of trial runs; the default run keeps tune's choices from given trial results
+@pytest.mark.slow  # the default run's one real tune (issue 43 keeps a real tune in it): about 20 s
 def test_tune_for_real_on_tiny_data_writes_its_table_and_a_config_that_trains(tmp_path):
     tiny = [arg for key, value in TINY for arg in (f"--{key}", value)]
     done = run_cli(["bench", "--tune", "--tune-candidates", "1", "--link", "1gbit", *tiny,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import time
 from pathlib import Path
 
@@ -94,4 +95,5 @@ def test_a_rehearsal_of_the_tutorials_script_finds_that_it_dies_on_the_signal_in
                                       "--epochs", "2000", "--model_dir", "saved")
     assert code == 1
     assert rows["requeued from inside the job"]["result"] == "FAIL"
-    assert "FAILED, exit code 1:0" in rows["signal → exit"]["seen"], out
+    # it died on the signal: exit code 1 or 143 (128 + SIGTERM), both seen here, as its processes' ends race
+    assert re.search(r"FAILED, exit code (1|143):0", rows["signal → exit"]["seen"]), out
