@@ -168,6 +168,24 @@ def start_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def two_ranks_apart(args: list[str], cwd: Path, env: dict[str, str], local_world_size: int = 1
+                    ) -> tuple[list[subprocess.Popen], str]:
+    """`dptrain ARGS` as ranks 0 and 1 started apart, as on two nodes with no agent over them, both with env; waits
+    for both (rank 0 two minutes, rank 1 then 30 s; both killed whatever happened) and returns them with rank 0's
+    stderr."""
+    port = free_port()
+    ranks = [start_cli(args, cwd, {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                   "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), **env}) for rank in (0, 1)]
+    try:
+        _, err0 = ranks[0].communicate(timeout=120)
+        ranks[1].communicate(timeout=30)
+    finally:
+        for proc in ranks:
+            proc.kill()
+    return ranks, err0
+
+
 def log_tail(run_dir: Path) -> str:
     """The end of rank 0's log of a run, for a failure message."""
     log = run_dir / "logs" / "rank0.log"

@@ -192,28 +192,14 @@ def test_a_rank_that_never_joins_fails_the_run_within_the_timeout_naming_it(tmp_
 @pytest.mark.nightly  # 7 s; the default run keeps a failing rank named with its phase and one that never joins
 def test_a_rank_that_dies_unseen_by_any_agent_is_named_by_the_survivor(tmp_path):
     """Two ranks started apart, as on two nodes; rank 1 is SIGKILLed after step 3 and no agent notices."""
-    import socket
     import time
 
     from dptrain.faults import SIGNAL_AT
-    from tests.conftest import start_cli
+    from tests.conftest import two_ranks_apart
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args = ["train", *SYNTHETIC, "--launch.timeout_s", "10", "--output.dir", str(tmp_path / "run"), "--train.epochs", "1"]
-    ranks = []
     start = time.monotonic()
-    for rank in (0, 1):
-        world = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), SIGNAL_AT: "1:3:SIGKILL:self"}
-        ranks.append(start_cli(args, tmp_path, world))
-    try:
-        _, err0 = ranks[0].communicate(timeout=120)
-        ranks[1].communicate(timeout=30)
-    finally:
-        for proc in ranks:
-            proc.kill()
+    ranks, err0 = two_ranks_apart(args, tmp_path, {SIGNAL_AT: "1:3:SIGKILL:self"}, local_world_size=2)
     elapsed = time.monotonic() - start
     assert ranks[1].returncode == -9
     assert ranks[0].returncode == 1

@@ -199,21 +199,11 @@ def test_a_fault_made_for_real_ends_the_run_with_its_verdict_in_time(cli, tmp_pa
 def test_a_rank_killed_unseen_is_named_by_the_survivor_with_the_collective_and_the_phase(tmp_path):
     """Two ranks started apart (no agent sees the death); rank 1 is SIGKILLed after step 3: rank 0's sentence names
     rank 1, the collective it was left in and its phase."""
-    from tests.conftest import start_cli
-    from tests.ranks import free_port
+    from tests.conftest import two_ranks_apart
 
-    port = free_port()
     args = ["train", *SYNTHETIC, "--launch.timeout_s", str(TIMEOUT_S), "--output.dir", str(tmp_path / "run"),
             "--train.max_steps", "30", "--strategy.ddp.shared_memory", "false"]
-    ranks = [start_cli(args, tmp_path, {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                        SIGNAL_AT: "1:3:SIGKILL:self"}) for r in (0, 1)]
-    try:
-        _, err0 = ranks[0].communicate(timeout=120)
-        ranks[1].communicate(timeout=30)
-    finally:
-        for proc in ranks:
-            proc.kill()
+    ranks, err0 = two_ranks_apart(args, tmp_path, {SIGNAL_AT: "1:3:SIGKILL:self"})
     last = err0.strip().splitlines()[-1]
     assert ranks[1].returncode == -9 and ranks[0].returncode == 1
     assert last.startswith("dptrain: error: rank 0 failed during step 4 in all_reduce #"), last
