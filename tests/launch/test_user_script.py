@@ -238,3 +238,67 @@ def test_a_scripts_ranks_on_one_node_listen_on_loopback_only_and_a_restart_joins
     addresses = set().union(*seen.values())
     assert len(seen) >= 3, f"expected the agent and both ranks to listen, saw {seen}"  # stores, rendezvous, gloo
     assert all(ipaddress.ip_address(a).is_loopback for a in addresses), seen
+
+
+# A script that joins a gloo world and all-reduces once a step; on rank 1 its loader blocks at step 3 where asked.
+HANGS = """
+import os, sys, time
+import torch, torch.distributed as dist
+import helper  # a module beside the script: sys.path[0] is the script's folder, as `python script.py` makes it
+
+def load_batch(step):
+    if step == 3 and os.environ["RANK"] == "1" and os.environ.get("BLOCK"):
+        time.sleep(120)
+    return torch.ones(4)
+
+print("rank", os.environ["RANK"], "argv", sys.argv, "name", __name__, "helper", helper.NAME, flush=True)
+dist.init_process_group("gloo")
+for step in range(1, 6):
+    dist.all_reduce(load_batch(step))
+dist.destroy_process_group()
+if os.environ.get("KILL_SELF") and os.environ["RANK"] == "1":
+    os.kill(os.getpid(), 15)
+sys.exit(int(os.environ.get("EXIT_CODE", "0")))
+"""
+
+
+def _hang_script(folder: Path) -> None:
+    (folder / "hangs.py").write_text(HANGS)
+    (folder / "helper.py").write_text("NAME = 'beside'\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_script_that_hangs_is_ended_naming_the_rank_and_its_python_line(tmp_path):
+    """No hook inside the script: the watch thread of its rank (launch/user_script_rank.py) compares over the store."""
+    _hang_script(tmp_path)
+    done = run_cli(["train", "--nproc-per-node", "2", "--launch.timeout_s", "6", "--", "hangs.py"], tmp_path,
+                   timeout=100, env={"BLOCK": "1"})
+    last = done.stderr.strip().splitlines()[-1]
+    line = HANGS.splitlines().index("        time.sleep(120)") + 1
+    assert done.returncode == 1
+    assert last.startswith(f"dptrain: error: rank 1 ({os.uname().nodename}) never entered all_reduce #3; rank 0 "
+                           f"waited "), last
+    assert f"; rank 1 was at hangs.py:{line} (in load_batch); its stack is on its output, above" in last, last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_script_run_in_the_ranks_process_keeps_its_argv_main_path_and_exit_code(tmp_path):
+    _hang_script(tmp_path)
+    done = run_cli(["train", "--nproc-per-node", "2", "--", "hangs.py", "--lr", "0.1"], tmp_path, timeout=100,
+                   env={"EXIT_CODE": "3"})
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("dptrain: error: rank ")
+    assert "exited with code 3" in done.stderr.strip().splitlines()[-1]
+    for rank in (0, 1):
+        assert f"rank {rank} argv ['hangs.py', '--lr', '0.1'] name __main__ helper beside" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@pytest.mark.timeout(120)
+def test_a_script_run_in_the_ranks_process_still_dies_of_its_signal(tmp_path):
+    _hang_script(tmp_path)
+    done = run_cli(["train", "--nproc-per-node", "2", "--", "hangs.py"], tmp_path, timeout=100, env={"KILL_SELF": "1"})
+    assert done.returncode == 1
+    assert re.search(r"rank 1 was killed by SIGTERM \(pid \d+\)", done.stderr.strip().splitlines()[-1]), done.stderr

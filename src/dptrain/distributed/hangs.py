@@ -17,10 +17,13 @@ C while holding the GIL) is named as such.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import re
+import socket
+import sys
 import threading
 import time
 import traceback
@@ -61,7 +64,8 @@ def report(global_rank: int, host: str, ring: CollectiveRing = RING, phase: str 
         if (found := STEP_PHASE.search(name)) is not None:
             step = int(found.group(1))
             break
-    return {"rank": global_rank, "host": host, "doing": here.doing or phase, "line": here.line, "phase": phase,
+    return {"rank": global_rank, "host": host, "doing": here.doing or phase, "line": here.line,
+            "function": here.function, "phase": phase,
             "step": step, "marks": [name for _, name in list(ring.marks)[-32:]],
             "status": {g: list(s) for g, s in ring.status().items()},
             "collectives": [c.as_row() for c in ring.entries()], "now_ns": time.time_ns()}
@@ -134,8 +138,12 @@ def _mismatch(alive: dict[int, dict], group: str) -> tuple[int, dict[int, Collec
     return None
 
 
+RANK_LOG_STACKS = "in {its} rank log"
+"""Where a blamed rank's stack is (HangWatch logs it): a rank's log of dptrain's; a script's rank prints it."""
+
+
 def verdict(reports: dict[int, dict | None], world_size: int, hosts: dict[int, str] | None = None,
-            now_ns: int | None = None) -> Verdict:
+            now_ns: int | None = None, stacks: str = RANK_LOG_STACKS) -> Verdict:
     """The one sentence a hang ends with, from every rank's report (None: it did not answer)."""
     hosts = hosts or {}
     now_ns = now_ns if now_ns is not None else time.time_ns()
@@ -186,11 +194,15 @@ def verdict(reports: dict[int, dict | None], world_size: int, hosts: dict[int, s
     for r in never:
         rep = alive[r]
         inside = [c for c in _collectives(rep) if not c.done]
-        doing = named(min(inside, key=lambda c: c.entered_ns)) if inside else rep.get("doing") or "an unknown place"
-        parts.append(f"rank {r} was in {doing} at {rep.get('line') or '?'}")
+        doing = named(min(inside, key=lambda c: c.entered_ns)) if inside else rep.get("doing")
+        at = f"at {rep.get('line') or '?'}"
+        if doing:
+            parts.append(f"rank {r} was in {doing} {at}")
+        else:
+            parts.append(f"rank {r} was {at}" + (f" (in {rep['function']})" if rep.get("function") else ""))
     if never:
-        parts.append(f"{'its' if len(never) == 1 else 'their'} stack is in {'its' if len(never) == 1 else 'their'} "
-                     f"rank log")
+        its = "its" if len(never) == 1 else "their"
+        parts.append(f"{its} stack is {stacks.format(its=its)}")
     elif silent:
         parts.append("look at that host")
     else:
@@ -257,10 +269,12 @@ class HangWatch:
 
     def __init__(self, store: Any, global_rank: int, world_size: int, host: str, timeout_s: float,
                  end: Callable[[str], None], metrics: Path | None = None, phase: Callable[[], str] = lambda: "",
-                 clock: Callable[[], float] = time.monotonic, ring: CollectiveRing = RING) -> None:
+                 clock: Callable[[], float] = time.monotonic, ring: CollectiveRing = RING,
+                 stacks: str = RANK_LOG_STACKS) -> None:
         self.store, self.rank, self.world_size, self.host = store, global_rank, world_size, host
         self.hang_after_s, self.period_s = hang_after_s(timeout_s), period_s(timeout_s)
         self.end, self.metrics, self.phase, self.clock, self.ring = end, metrics, phase, clock, ring
+        self.stacks = stacks
         self.prefix = f"dptrain/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.first_seen: dict[tuple[str, int], float] = {}
         self.reported = self.compared = False
@@ -323,7 +337,7 @@ class HangWatch:
             if self.store.check([f"{self.prefix}host/{r}"]):
                 hosts[r] = self.store.get(f"{self.prefix}host/{r}").decode()
         self.compared = True
-        mine = json.dumps(hang_event(verdict(reports, self.world_size, hosts)))
+        mine = json.dumps(hang_event(verdict(reports, self.world_size, hosts, stacks=self.stacks)))
         written = self.store.compare_set(f"{self.prefix}verdict", "", mine)
         written = written.decode() if isinstance(written, bytes) else str(written)
         return self._said(json.loads(written), wrote=written == mine, zero_silent=reports.get(0) is None)
@@ -370,6 +384,27 @@ class HangWatch:
 
 
 def _main_frame() -> Any:
-    import sys
-
     return sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
+
+
+def watch_user_script(timeout_s: float) -> HangWatch:
+    """A HangWatch in a rank of a user's script (launch/user_script_rank.py), once the script has joined its world:
+    the world's store at MASTER_ADDR:MASTER_PORT (the agent's), no phases and no metrics.jsonl; the verdict ends the
+    rank with the launcher's error file (its one sentence on the console)."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    return HangWatch(store, rank, world, socket.gethostname(), timeout_s, end=_end_script,
+                     stacks="on {its} output, above").start()
+
+
+def _end_script(sentence: str) -> None:
+    """A script's rank ends with the verdict: in the launcher's error file (else on stderr), exit code 1, at once."""
+    from dptrain.distributed.ending import leave_now, record_for_launcher
+
+    record_for_launcher(RuntimeError(sentence))
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        print(f"dptrain: error: {sentence}", flush=True, file=sys.stderr)
+    leave_now(1)

@@ -18,6 +18,7 @@ import sys
 from dptrain.config import RunConfig
 from dptrain.distributed.env import Nodes
 from dptrain.launch.local import launch_local, world_size_here
+from dptrain.launch.user_script_rank import WATCH_TIMEOUT
 from dptrain.prestart import check_output_dir
 from dptrain.runtime import available_cores
 from dptrain.user_script import UserScript
@@ -54,10 +55,12 @@ def run_script(script: UserScript, cfg: RunConfig, nodes: Nodes | None, dry_run:
         return 0
     kept = os.environ.get(THREADS_VAR)
     os.environ[THREADS_VAR] = threads  # the workers inherit the agent's environment
+    os.environ[WATCH_TIMEOUT] = str(cfg.launch.timeout_s)  # a collective overrunning it ends the run, named
     try:
         launch_local(python, command[1:], per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_file, nodes,
                      on_cuda=False)  # a program of its own: nothing is forked from this process
     finally:
+        os.environ.pop(WATCH_TIMEOUT, None)
         if kept is None:
             os.environ.pop(THREADS_VAR, None)
     return 0
