@@ -51,6 +51,10 @@ CPU_UTIL_PCT, RSS_MAX_MB = "cpu_util_pct", "rss_max_mb"
 GPU_UTIL_MEAN_PCT, GPU_UTIL_MAX_PCT = "gpu_util_mean_pct", "gpu_util_max_pct"
 GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W, GPU_POWER_MAX_W = "gpu_mem_used_max_mb", "gpu_power_mean_w", "gpu_power_max_w"
 EVAL_LOSS, EVAL_ACC, EVAL_COUNT, EVAL_TIME_S = "eval_loss", "eval_acc", "eval_count", "eval_time_s"
+OWN_COMPUTE_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP = "own_compute_ms_per_step", "own_compute_cpu_ms_per_step"
+DATA_WAIT_MS_PER_STEP = "data_wait_ms_per_step"
+STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE = "straggler_rank", "straggler_host", "straggler_phase"
+STRAGGLER_SLOWER_PCT = "straggler_slower_pct"
 
 # stopped, requeue, requeue_failed: how a process group's life ended, when not with run_end
 MESSAGE, JOB_ID, REASON = "message", "job_id", "reason"
@@ -79,7 +83,14 @@ UTILISATION = CPU_UTILISATION + GPU_UTILISATION
 """Per rank, over the epoch's training: CPU use and resident memory, and the GPU's use where NVML is there."""
 EVALUATION = (EVAL_LOSS, EVAL_ACC, EVAL_COUNT, EVAL_TIME_S)
 """The test split's loss, accuracy, samples and seconds (evaluate.evaluate's result)."""
-PER_RANK = FOOTPRINT + COMM_TIMING + UTILISATION
+OWN_TIME = (OWN_COMPUTE_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, DATA_WAIT_MS_PER_STEP)
+"""Per rank, milliseconds a step of its own work outside the collectives: compute (forward, and backward to its last
+gradient), the same compute's CPU time (on CPU only), and the wait for its next batch (metrics.stragglers)."""
+STRAGGLER = (STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_SLOWER_PCT)
+"""The rank whose own time (or compute's CPU time) a step was more than 20% above the others' median over the epoch,
+where one was: its rank,
+host, the phase its extra time went to (compute or data) and how much slower it was, in percent."""
+PER_RANK = FOOTPRINT + COMM_TIMING + OWN_TIME + UTILISATION
 
 
 @dataclass(frozen=True)
@@ -122,8 +133,9 @@ RUN_START_EVENT = EventSchema("run_start", (WORLD_SIZE, STRATEGY, MODEL, DATA, G
 STEP_EVENT = EventSchema("step", (EPOCH, STEP, LOSS, LR))
 EPOCH_EVENT = EventSchema("epoch", (EPOCH, STEP, TRAIN_LOSS, TRAIN_ACC, TRAIN_SAMPLES, EPOCH_TIME_S, SAMPLES_PER_S,
                                     *EPOCH_RATES, PEAK_MEM_MB, LR, SKIPPED_STEPS, *FOOTPRINT, *COMM_TIMING,
-                                    *UTILISATION, *EVALUATION),
-                          optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *UTILISATION, *EVALUATION))
+                                    *OWN_TIME, *STRAGGLER, *UTILISATION, *EVALUATION),
+                          optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *OWN_TIME, *STRAGGLER, *UTILISATION,
+                                    *EVALUATION))
 RUN_END_EVENT = EventSchema("run_end", (STEP,))
 STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))
 SIGNAL_EVENT = EventSchema("signal", (STEP, SIGNAL, RECEIVED_AT, SNAPSHOT_AT, DRILL))
@@ -156,7 +168,7 @@ def schema_problem(record: dict[str, Any]) -> str | None:
 # Each lies in its RANGE (zero to BIGGEST where not named): no run measures beyond them, and a report that divides by
 # an epoch of 1e-320 s, or sums CPU uses of 1e308 %, showed 0.000 s and a speedup of 0.00, or overflowed.
 EPOCH_MEASURES = (MODEL_FLOPS_PER_SAMPLE, CPU_UTIL_PCT, EVAL_LOSS, EVAL_ACC, PEAK_MEM_MB, RSS_MAX_MB, COMM_MS_PER_STEP,
-                  COMM_EXPOSED_MS_PER_STEP)
+                  COMM_EXPOSED_MS_PER_STEP, *OWN_TIME)
 BIGGEST = 1e15
 # images_per_s and fraction_of_peak: the lab's measures of a run (dptrain_bench.collect), read from these
 RANGE = {EPOCH_TIME_S: (1e-6, 1e8), "images_per_s": (1e-6, 1e12), TRAIN_SAMPLES: (1.0, 1e12),

@@ -39,6 +39,22 @@ def signal_if_due(rank: int, step: int) -> None:
         os.kill(os.getpid() if target == "self" else os.getppid(), getattr(signal, name))
 
 
+SLOW = "DPTRAIN_TEST_SLOW"
+"""'RANK:FRACTION[:PHASE]': global rank RANK is FRACTION slower a step (0.3: 30%), measured on its own compute
+(metrics.stragglers.OwnClock). PHASE compute (the default): busy work at the start of each training forward, sized on
+the CPU time of its previous step's compute (a slower CPU); data: a sleep before each batch, sized on its previous
+step's compute (a slower disk)."""
+
+
+def slow_fraction(phase: str) -> float:
+    """FRACTION where SLOW names this rank (the RANK variable) and this phase, else 0."""
+    spec = os.environ.get(SLOW)
+    if not spec:
+        return 0.0
+    on_rank, fraction, *named = spec.split(":")
+    return float(fraction) if on_rank == os.environ.get("RANK", "0") and (named or ["compute"])[0] == phase else 0.0
+
+
 FAULT = "DPTRAIN_TEST_FAULT"
 """'KIND:RANK:CALL[:SECONDS]', several separated by commas: on global rank RANK (the RANK variable), at the CALL-th
 time that KIND comes (counted from 1 in this process):

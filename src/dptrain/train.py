@@ -35,6 +35,7 @@ from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
 from dptrain.metrics.profiler import StepProfiler
+from dptrain.metrics.stragglers import OwnClock
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -214,6 +215,9 @@ class Trainer:
     """This rank's CPU, memory and GPU use, sampled on a thread while fit() runs (None: no utilisation fields)."""
     finite_through: int = 0
     """The last step up to which every training loss was checked finite (fit() starts it at the resumed step)."""
+    hosts: list[str] | None = None
+    """Every rank's host, by global rank (the worker sets it once the ranks have said where they run): a straggler's
+    host in the epoch event."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -247,16 +251,26 @@ class Trainer:
         progress.start_epoch(epoch + 1, self.cfg.train.epochs, state.steps_left_in_epoch(len(self.train_loader),
                                                                                          self.total_steps))
         account = self._start_account()
-        for batch in self.train_loader.epoch_batches(epoch, state.batches_consumed):
-            with self.phase(f"step {state.step + 1}"):
-                loss_sum, correct = self.step(batch)
-            account.count(loss_sum, correct, len(batch.labels), batch.global_count)
-            self._after_step(epoch, loss_sum, batch.global_count, progress)
-            if state.step >= self.total_steps:
-                break
+        # this rank's own time outside the collectives (metrics.stragglers): the epoch names a straggler from it
+        own = OwnClock(self.strategy.eval_module, self.device, every=self.cfg.train.log_every) if self.cfg.launch.watch else None
+        batches = self.train_loader.epoch_batches(epoch, state.batches_consumed)
+        try:
+            for batch in own.batches(batches) if own is not None else batches:
+                with self.phase(f"step {state.step + 1}"), own.step() if own is not None else contextlib.nullcontext():
+                    loss_sum, correct = self.step(batch)
+                account.count(loss_sum, correct, len(batch.labels), batch.global_count)
+                self._after_step(epoch, loss_sum, batch.global_count, progress)
+                if state.step >= self.total_steps:
+                    break
+        finally:
+            if own is not None:
+                own.close()
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
-            totals = account.reduce(state.epoch_sums, self.strategy.all_reduce, self.device, self._measured(account))
+            totals = account.reduce(state.epoch_sums, self.strategy.all_reduce, self.device,
+                                    self._measured(account, own.totals() if own is not None else None))
         self._check_loss(totals.loss_sum)  # before the epoch's evaluation, snapshot and the final weights
+        if (slow := totals.straggler) is not None:  # every rank's log; the console once, from rank 0
+            log.warning("%s", slow.sentence(epoch + 1), extra={"file_only": not self.env.is_main})
         return train_fields(totals)
 
     def _after_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int, progress: ProgressBar) -> None:
@@ -300,14 +314,14 @@ class Trainer:
         """The epoch's account, its clock started once the device has finished earlier work; utilisation's window too."""
         self.step.model.train()
         sync(self.device)
-        account = EpochAccount(self.state, self.env.world_size, self.env.global_rank)
+        account = EpochAccount(self.state, self.env.world_size, self.env.global_rank, hosts=self.hosts)
         if self.utilisation is not None:
             self.utilisation.restart()
         return account
 
-    def _measured(self, account: EpochAccount) -> RankMeasures:
-        """What this rank measured of the epoch besides its sums: memory held, bytes sent, communication times,
-        utilisation, the learning rate."""
+    def _measured(self, account: EpochAccount, own_time: tuple[float, float, float, int] | None = None) -> RankMeasures:
+        """What this rank measured of the epoch besides its sums: memory held, bytes sent, communication times, its
+        own time (OwnClock.totals), utilisation, the learning rate."""
         held = self.strategy.memory_bytes(self.optimizer)
         timing = self.strategy.comm_timing() if self.strategy.times_comm and self.env.world_size > 1 else None
         return RankMeasures(held_bytes=[held["params"], held["grads"], held["optim"]],
@@ -316,7 +330,8 @@ class Trainer:
                             comm_ms=None if timing is None else (timing.total_ms, timing.exposed_ms),
                             utilisation=None if self.utilisation is None else self.utilisation.take(),
                             flops_per_sample=self.flops_per_sample,
-                            skipped_steps=None if self.step.scaler is None else self.state.epoch_skipped)
+                            skipped_steps=None if self.step.scaler is None else self.state.epoch_skipped,
+                            own_time=own_time)
 
     def _evaluation_due(self, epoch: int) -> bool:
         """train.eval_every_epochs; the run's last epoch (or the partial epoch a max_steps stop ends in) always."""

@@ -21,7 +21,8 @@ from dptrain.distributed.ending import AGENT_PID, agent_restarts_this_worker, ex
 from dptrain.distributed.env import DistEnv
 from dptrain.distributed.failures import PeerWatch, Phase, WorkerFailure, end_with_failure, needs_peer_watch, own_client
 from dptrain.distributed.hangs import HangWatch, hang_after_s
-from dptrain.distributed.world import barrier, destroy_process_group, host_name, init_process_group, pick_backend, placement
+from dptrain.distributed.world import (barrier, destroy_process_group, host_name, init_process_group, pick_backend,
+                                     placement, where_each_rank_runs)
 from dptrain.errors import DataError, OutputError
 from dptrain.events import (AGENT_RESTARTS, DATA, DEVICE, EVAL_EVENT, EVENT, GLOBAL_BATCH_SIZE, MESSAGE, MODEL, RUN_END_EVENT,
                             RUN_START_EVENT, SLURM_JOB_ID, SLURM_RESTARTS, SNAPSHOT, STEP, STOPPED_EVENT, STRATEGY,
@@ -137,7 +138,7 @@ def join_world(cfg: RunConfig, env: DistEnv, phase: Phase) -> tuple[torch.device
             with phase("rendezvous"):
                 phase.watch = PeerWatch(own_client(env, silence_s), env, phase, silence_s).start()
         with phase("rendezvous"):  # a collective that overruns ends the run with the ranks' verdict (distributed/hangs.py)
-            phase.hang = watch_hangs(cfg, env, phase)
+            phase.hang = watch_hangs(cfg, env, phase) if cfg.launch.watch else None
     with phase("first collective"):
         barrier()
     return device, threads
@@ -210,7 +211,9 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
             trainer = build_trainer(cfg, env, device, events, phase)
             step = trainer.state.step
             with phase("placement of the ranks"):
-                where = placement()  # every rank: a collective
+                everyone = where_each_rank_runs()  # every rank: a collective
+                where = placement(everyone)
+                trainer.hosts = [host for host, _ in everyone]
             if env.is_main:  # only now: a refused resume leaves the run folder as it was
                 record = environment_record(env, device, threads, where)
                 with phase("writing config.toml and env.json"):

@@ -213,6 +213,26 @@ def test_the_card_of_a_hung_run_says_its_verdict(tmp_path):
     assert table_rows(text, "Starts, stops and snapshots")[0][7] == f"hung at step 5: {verdict}"
 
 
+def test_the_card_names_each_epochs_straggler_and_shows_every_ranks_own_time(tmp_path):
+    def epoch(n: int, straggler: bool) -> dict:
+        named = {"straggler_rank": 1, "straggler_host": "node2", "straggler_phase": "compute",
+                 "straggler_slower_pct": 31.4} if straggler else {}
+        return {"event": "epoch", "epoch": n, "step": 10 * n, "train_samples": 1280, "epoch_time_s": 2.0,
+                "train_loss": 1.0, "own_compute_ms_per_step": [40.0, 52.0 if straggler else 41.0],
+                "own_compute_cpu_ms_per_step": [39.0, 51.0 if straggler else 40.0],
+                "data_wait_ms_per_step": [0.5, 0.25], **named, "cpu_util_pct": [90.0, 95.0]}
+
+    events = [{"event": "run_start", "step": 0, "world_size": 2, "device": "cpu", "global_batch_size": 128},
+              epoch(1, False), epoch(2, True)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    text = write_run_card(tmp_path).read_text()
+    assert "Stragglers (a rank more than 20% slower" in text
+    assert text.count("rank 1 (node2), 31% slower in compute") == 1 and "epoch 2: rank 1 (node2)" in text
+    rows = table_rows(text, "Utilisation and memory per rank")
+    assert [r[-3:] for r in rows] == [["40.0", "39.0", "0.50"], ["46.5", "45.5", "0.25"]]  # means over the epochs
+    assert (tmp_path / "card" / run_card.UTIL_PLOT).is_file()
+
+
 def test_a_number_planted_where_an_event_holds_text_is_left_out_not_shown():
     """Found by the planted-file property test: a run_start whose device is 1e308 showed `1e+308` as the device."""
     events = [{"event": "run_start", "step": 0, "world_size": 2, "device": 1e308},

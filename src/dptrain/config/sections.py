@@ -271,6 +271,9 @@ class LaunchConfig:
     """Seconds (1 to 604800, a week) bounding rendezvous and any collective; a missing peer fails the run after this."""
     max_restarts: int = may_change_at_resume(0)
     """Times the elastic agent restarts the local workers after one fails; each restart resumes from the newest snapshot."""
+    watch: bool = may_change_at_resume(True)
+    """Each rank watches its collectives for a hang (the run then ends naming the rank that stopped, docs/hangs.md) and
+    times its own work for stragglers (named in the epoch event); false leaves both out, to measure what they cost."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node != "auto":

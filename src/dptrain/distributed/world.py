@@ -89,10 +89,10 @@ def where_each_rank_runs() -> list[tuple[str, str]]:
     return everyone
 
 
-def placement() -> dict[str, int]:
+def placement(everyone: list[tuple[str, str]] | None = None) -> dict[str, int]:
     """How the world's ranks sit: on how many hosts (names) and machines (kernels, whose cores their ranks share),
-    and the cores of this one (collective, as where_each_rank_runs)."""
-    everyone = where_each_rank_runs()
+    and the cores of this one, from where_each_rank_runs() (made here where not given: a collective)."""
+    everyone = everyone if everyone is not None else where_each_rank_runs()
     return {"hosts": len({host for host, _ in everyone}), "machines": len({machine for _, machine in everyone}),
             "machine_cores": os.cpu_count() or 1}
 

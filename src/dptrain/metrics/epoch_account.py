@@ -12,8 +12,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LR, MODEL_FLOPS_PER_SAMPLE,
-                            PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, DATA_WAIT_MS_PER_STEP, EPOCH_TIME_S, FOOTPRINT, LR,
+                            MODEL_FLOPS_PER_SAMPLE, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS,
+                            TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+from dptrain.metrics.stragglers import Straggler, own_time_fields, straggler
 from dptrain.metrics.utilisation import peak_memory_mb, per_rank
 
 
@@ -31,8 +33,10 @@ class EpochAccount:
     snapshot's time in a resumed epoch. The sums themselves live in the TrainState (a snapshot keeps them)."""
 
     def __init__(self, state: StepCount, world_size: int, global_rank: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, hosts: Sequence[str] | None = None) -> None:
         self.state, self.world_size, self.global_rank, self.clock = state, world_size, global_rank, clock
+        self.hosts = hosts
+        """Every rank's host, by global rank, to name a straggler's (None: named ?)."""
         self.steps = 0
         """Steps in this process's part of the epoch (the bytes sent per step divide by them)."""
         self.started = clock() - state.epoch_elapsed
@@ -61,12 +65,15 @@ class EpochAccount:
         if measured.times_comm and self.world_size > 1:
             row = [-1.0, -1.0] if measured.comm_ms is None else list(measured.comm_ms)
             timing = all_reduce(self.own_row(row, device)).t().tolist()
+        own_time = None
+        if measured.own_time is not None:
+            own_time = all_reduce(self.own_row(measured.own_time, device)).t().tolist()
         utilisation = {} if measured.utilisation is None else per_rank(
             measured.utilisation, self.world_size, self.global_rank, all_reduce, device)
         loss_sum, correct, samples = totals.tolist()
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
-                           comm_timing=timing, utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
+                           comm_timing=timing, own_time=own_time, hosts=self.hosts, utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
                            skipped_steps=measured.skipped_steps)
 
     def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -100,6 +107,8 @@ class RankMeasures:
     flops_per_sample: int | None = None
     skipped_steps: int | None = None
     """train.fp16: the epoch's steps the loss scaler skipped, the same on every rank; None: no loss scaler."""
+    own_time: tuple[float, float, float, int] | None = None
+    """This rank's own compute seconds, their CPU seconds (-1: not measured), data seconds and its steps (metrics.stragglers.OwnClock.totals); None: untimed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,12 +130,25 @@ class EpochTotals:
     """events.FOOTPRINT's columns, each one value per rank."""
     comm_timing: Sequence[Sequence[float]] | None = None
     """events.COMM_TIMING's columns, -1 for a rank without a sampled step yet; None: the strategy does not time it."""
+    own_time: Sequence[Sequence[float]] | None = None
+    """The ranks' own compute seconds, their CPU seconds, data seconds and steps, a column each (None: not timed)."""
+    hosts: Sequence[str] | None = None
     utilisation: dict[str, list[float]]
     """events.UTILISATION's lists (metrics.per_rank); the fields some rank lacks are left out."""
     flops_per_sample: int | None = None
     """The model's operations per training sample (None: not counted, no rate fields)."""
     skipped_steps: int | None = None
     """events.SKIPPED_STEPS (None: no loss scaler, no field)."""
+
+
+    @property
+    def straggler(self) -> Straggler | None:
+        """The rank slower than the others over the epoch in its own time (metrics.stragglers), where one was."""
+        if self.own_time is None:
+            return None
+        times = own_time_fields(self.own_time)
+        return straggler(times[OWN_COMPUTE_MS_PER_STEP], times[DATA_WAIT_MS_PER_STEP], self.hosts,
+                         compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP))
 
 
 def train_fields(totals: EpochTotals) -> dict[str, Any]:
@@ -141,7 +163,12 @@ def train_fields(totals: EpochTotals) -> dict[str, Any]:
     if totals.skipped_steps is not None:
         fields[SKIPPED_STEPS] = totals.skipped_steps
     fields |= {name: [int(v) for v in column] for name, column in zip(FOOTPRINT, totals.footprint, strict=True)}
-    return fields | comm_timing_fields(totals.comm_timing) | totals.utilisation
+    fields |= comm_timing_fields(totals.comm_timing)
+    if totals.own_time is not None:
+        fields |= own_time_fields(totals.own_time)
+        if (slow := totals.straggler) is not None:
+            fields |= slow.fields()
+    return fields | totals.utilisation
 
 
 def comm_timing_fields(columns: Sequence[Sequence[float]] | None) -> dict[str, list[float]]:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from dptrain.events import EPOCH, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVENT, SAMPLES_PER_S, TRAIN_ACC, TRAIN_LOSS
+from dptrain.events import (EPOCH, EPOCH_EVENT, EPOCH_TIME_S, EVAL_ACC, EVENT, SAMPLES_PER_S, STRAGGLER_HOST,
+                            STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT, TRAIN_ACC, TRAIN_LOSS)
 from dptrain.metrics.utilisation import peak_memory_mb
 
 
@@ -37,7 +38,8 @@ def run_epochs(configured_epochs: int, total_steps: int, steps_per_epoch: int) -
 
 def epoch_line(event: dict[str, Any], num_epochs: int) -> str:
     """`Epoch 01/05 | train loss 0.4942 | acc 82.5% | eval acc 87.8% | 31.3 s | 1,919 img/s`: the epoch zero-padded to
-    the width of the total; eval acc only for an epoch that evaluated; a diverged (null) loss reads `nan`."""
+    the width of the total; eval acc only for an epoch that evaluated; a diverged (null) loss reads `nan`; an epoch
+    with a straggler ends with it (`straggler rank 3 (node4) +31% compute`)."""
     width = len(str(num_epochs))
     loss = event.get(TRAIN_LOSS)
     parts = [f"Epoch {event[EPOCH]:0{width}d}/{num_epochs}",
@@ -46,6 +48,9 @@ def epoch_line(event: dict[str, Any], num_epochs: int) -> str:
     if event.get(EVAL_ACC) is not None:
         parts.append(f"eval acc {100 * event[EVAL_ACC]:.1f}%")
     parts += [f"{event[EPOCH_TIME_S]:.1f} s", f"{event[SAMPLES_PER_S]:,.0f} img/s"]
+    if event.get(STRAGGLER_RANK) is not None:
+        parts.append(f"straggler rank {event[STRAGGLER_RANK]} ({event.get(STRAGGLER_HOST)}) "
+                     f"+{event.get(STRAGGLER_SLOWER_PCT, 0):.0f}% {event.get(STRAGGLER_PHASE)}")
     return " | ".join(parts)
 
 

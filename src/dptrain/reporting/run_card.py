@@ -24,7 +24,9 @@ from dptrain.errors import ConfigError, OutputError
 from dptrain.events import (COMM_BYTES_PER_STEP, COMM_EXPOSED_MS_PER_STEP, COMM_MS_PER_STEP, CPU_UTIL_PCT, EPOCH,
                             EPOCH_TIME_S, EVAL_ACC, EVAL_LOSS, GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W, GPU_UTIL_MEAN_PCT,
                             MEM_GRADS_BYTES, MEM_OPTIM_BYTES, MEM_PARAMS_BYTES, PEAK_MEM_MB, RSS_MAX_MB, STEP, TRAIN_ACC,
-                            TRAIN_LOSS, TRAIN_SAMPLES, read_run_events)
+                            TRAIN_LOSS, TRAIN_SAMPLES, DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP,
+                            OWN_COMPUTE_MS_PER_STEP, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_RANK,
+                            STRAGGLER_SLOWER_PCT, read_run_events)
 from dptrain.files import write_atomically
 from dptrain.reporting.markdown import md_text, save_figure
 from dptrain.reporting.sweep_files import Probe
@@ -277,6 +279,9 @@ RANK_TABLE = (  # (column, epoch field, how the epochs combine, format)
     ("grads (MiB)", MEM_GRADS_BYTES, "last", "bytes"),
     ("optimizer (MiB)", MEM_OPTIM_BYTES, "last", "bytes"),
     ("comm exposed / step (ms)", COMM_EXPOSED_MS_PER_STEP, "mean", ".2f"),
+    ("own compute / step (ms)", OWN_COMPUTE_MS_PER_STEP, "mean", ".1f"),
+    ("own compute CPU / step (ms)", OWN_COMPUTE_CPU_MS_PER_STEP, "mean", ".1f"),
+    ("data wait / step (ms)", DATA_WAIT_MS_PER_STEP, "mean", ".2f"),
     ("GPU util (%)", GPU_UTIL_MEAN_PCT, "mean", ".1f"),
     ("GPU memory max (MiB)", GPU_MEM_USED_MAX_MB, "max", ".0f"),
     ("GPU power (W)", GPU_POWER_MEAN_W, "mean", ".0f"),
@@ -302,6 +307,13 @@ def utilisation_section(line: Timeline, drawn: set[str]) -> list[str]:
     if peaks:
         parts += [f"Peak memory of the largest rank: {max(peaks):.0f} MiB (allocated CUDA memory on a GPU, resident "
                   f"memory on the CPU).", ""]
+    named = [(n, e) for n, e, _ in epochs_in_order(line) if e.get(STRAGGLER_RANK) is not None]
+    if named:
+        parts += ["Stragglers (a rank more than 20% slower than the others in its own time over an epoch, "
+                  "dptrain's docs/hangs.md says how it is measured): " + "; ".join(
+                      f"epoch {n}: rank {e[STRAGGLER_RANK]} ({e.get(STRAGGLER_HOST)}), "
+                      f"{as_number(e.get(STRAGGLER_SLOWER_PCT)) or 0:.0f}% slower in {e.get(STRAGGLER_PHASE)}"
+                      for n, e in named) + ".", ""]
     if not columns:
         return parts + ["The epochs carry no per-rank numbers.", ""]
     ranks = max(len(values) for _, values, _ in columns)
@@ -500,12 +512,16 @@ def _comm_plot(plt: Any, line: Timeline, epochs: list, path: Path) -> None:
 
 def _util_plot(plt: Any, epochs: list, path: Path) -> None:
     gpu = any(as_per_rank(e.get(GPU_UTIL_MEAN_PCT)) for _, e, _ in epochs)
-    fig, axes = plt.subplots(2 if gpu else 1, 2, figsize=(12, 8.4 if gpu else 4.2), squeeze=False)
     panels = [(CPU_UTIL_PCT, "CPU utilisation (% of one core)", "CPU utilisation per rank"),
               (RSS_MAX_MB, "largest resident set (MiB)", "Resident memory per rank")]
     if gpu:
         panels += [(GPU_UTIL_MEAN_PCT, "GPU utilisation, mean (%)", "GPU utilisation per rank"),
                    (GPU_MEM_USED_MAX_MB, "GPU memory used, max (MiB)", "GPU memory per rank")]
+    if any(as_per_rank(e.get(OWN_COMPUTE_MS_PER_STEP)) for _, e, _ in epochs):  # a straggler stands above the others
+        panels += [(OWN_COMPUTE_MS_PER_STEP, "own compute a step (ms)", "Own compute per rank"),
+                   (DATA_WAIT_MS_PER_STEP, "wait for data a step (ms)", "Data wait per rank")]
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4.2 * rows), squeeze=False)
     for ax, (key, ylabel, title) in zip(axes.flat, panels):
         _per_rank_lines(ax, epochs, lambda e, key=key: as_per_rank(e.get(key)))
         ax.set_ylabel(ylabel)

@@ -1,0 +1,251 @@
+"""Stragglers named while training: each rank times its own work outside the collectives (OwnClock), the epoch's
+account compares the ranks' times (epoch_account: one all-reduce of a world x 3 table per epoch), and straggler()
+names the rank that is slower than the others, with its host, the phase (compute or data) and by how much.
+
+Why not the step's time: a data-parallel step ends in a collective that waits for the slowest rank, so every rank's
+step takes as long as the slowest one's, and per-rank step times name no one. A rank's own time is what it would
+take alone:
+
+- data: the wait for its next batch (the loader's next(), host time);
+- compute: from its model's forward (the inner module's forward pre-hook, after DDP's buffer broadcast) to its last
+  gradient ready (the parameters' post-accumulate hooks): forward and backward without DDP's wait for the other
+  ranks' buckets, which comes after the last gradient. The optimizer step is left out: ZeRO-1, local SGD and DiLoCo
+  exchange there, and for the others it is the same work on every rank.
+
+On CPU every step's compute is timed twice, with the host's wall clock and with the process's CPU time (a hook call
+per parameter per step, about a microsecond each): the wall clock sees a rank held up by a CPU quota or a sleep, the
+CPU time sees a rank that computes more for the same step (a slower or throttled core) even where the ranks share
+cores and take each other's time, as 4 ranks on 2 cores do. On CUDA the host clock would time the launches, not the
+work: one step in every `every` is timed with CUDA events, read at a later step once the work has finished, and there
+is no CPU column.
+
+What it cannot see: waits inside forward on FSDP (its all-gathers count as compute there), and a slow link (every
+rank of a ring waits as long as the slowest link; `dptrain doctor` names a slow link before a run).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from dptrain import faults
+from dptrain.events import (DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, STRAGGLER_HOST,
+                            STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT)
+
+SLOWER_PCT = 20.0
+"""A rank is named a straggler of an epoch when its own time (or its compute's CPU time) a step is more than this many
+percent above the other ranks' median."""
+
+
+class OwnClock:
+    """This rank's own time in the training steps of an epoch (see the module's docstring): data and compute seconds,
+    and the steps timed. Armed only inside a training step (step()), so evaluation's forwards are not counted."""
+
+    def __init__(self, module: nn.Module, device: torch.device, every: int = 1,
+                 clock: Callable[[], float] = time.perf_counter, cpu_clock: Callable[[], float] = time.process_time) -> None:
+        self.device, self.clock, self.cpu_clock = device, clock, cpu_clock
+        self.on_cuda = device.type == "cuda"
+        self.every = 1 if not self.on_cuda else max(1, every)
+        self.data_s = self.compute_s = self.compute_cpu_s = 0.0
+        self.started_cpu = self.last_grad_cpu = 0.0
+        self.step_compute_cpu_s = 0.0
+        self.steps = self.timed_steps = 0
+        self.armed = self.cuda_started = False
+        self.started: float | None = None
+        self.last_grad: float | None = None
+        self.step_compute_s = self.previous_compute_s = self.previous_compute_cpu_s = 0.0
+        self.events: tuple[Any, Any] | None = None
+        self.pending: tuple[Any, Any] | None = None
+        self.slow, self.slow_data = faults.slow_fraction("compute"), faults.slow_fraction("data")
+        params = [p for p in module.parameters() if p.requires_grad]
+        # On CUDA only the first parameters, whose gradients backward makes last: an event record costs microseconds.
+        watched = params[:4] if self.on_cuda else params
+        self.handles = [module.register_forward_pre_hook(self._forward_starts)]
+        try:
+            self.handles += [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in watched]
+        except RuntimeError:  # a parameter that is no leaf of autograd's (a strategy's own kind): compute untimed
+            self.close()
+
+    def batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The batches, the wait for each added to data_s."""
+        iterator = iter(batches)
+        while True:
+            began = self.clock()
+            if self.slow_data:  # faults.SLOW in data: a slower disk, waited for
+                time.sleep(self.slow_data * self.previous_compute_s)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.data_s += self.clock() - began
+            yield batch
+
+    def step(self) -> "_Armed":
+        """The training step's span: hooks count inside it only."""
+        return _Armed(self)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def totals(self) -> tuple[float, float, float, int]:
+        """(compute seconds, compute CPU seconds, data seconds, steps) of this epoch so far; on CUDA the compute of the
+        timed steps scaled to every step, and -1 for the CPU seconds (not measured)."""
+        self._read_pending(wait=True)
+        compute = self.compute_s * self.steps / self.timed_steps if self.timed_steps else 0.0
+        return compute, -1.0 if self.on_cuda else self.compute_cpu_s, self.data_s, self.steps
+
+    # ---- the hooks ---------------------------------------------------------------------------------------------
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if not self.armed:
+            return
+        self._close_interval()  # a micro-batch's forward after the previous one's backward
+        if self.on_cuda:
+            if self.events is not None and not self.cuda_started:  # from the first micro-batch's forward
+                self.events[0].record()
+                self.cuda_started = True
+            return
+        self.started, self.started_cpu = self.clock(), self.cpu_clock()
+        if self.slow:  # faults.SLOW: a CPU that much slower, spun here, inside the compute it slows
+            spin_until(self.started_cpu + self.slow * self.previous_compute_cpu_s, self.cpu_clock)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        if self.events is not None:
+            self.events[1].record()  # re-recorded: the last record marks the last gradient
+        elif not self.on_cuda:
+            self.last_grad, self.last_grad_cpu = self.clock(), self.cpu_clock()
+
+    def _close_interval(self) -> None:
+        if self.started is not None and self.last_grad is not None and self.last_grad > self.started:
+            self.step_compute_s += self.last_grad - self.started
+            self.step_compute_cpu_s += self.last_grad_cpu - self.started_cpu
+        self.started = self.last_grad = None
+
+    def _enter(self) -> None:
+        self._read_pending(wait=False)
+        self.armed, self.step_compute_s, self.step_compute_cpu_s, self.cuda_started = True, 0.0, 0.0, False
+        if self.on_cuda and self.steps % self.every == 0 and self.pending is None:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def _leave(self) -> None:
+        self.armed = False
+        self.steps += 1
+        if self.on_cuda:
+            if self.events is not None:
+                self.pending, self.events = self.events, None
+            return
+        self._close_interval()
+        self.compute_s += self.step_compute_s
+        self.compute_cpu_s += self.step_compute_cpu_s
+        self.timed_steps += 1
+        self.previous_compute_cpu_s = self.step_compute_cpu_s / (1 + self.slow)  # the compute without the spin
+        self.previous_compute_s = self.step_compute_s
+
+    def _read_pending(self, wait: bool) -> None:
+        """A timed CUDA step's compute, once its events have completed (at the latest at the epoch's end)."""
+        if self.pending is None:
+            return
+        start, end = self.pending
+        if not wait and not end.query():
+            return
+        end.synchronize()
+        self.compute_s += start.elapsed_time(end) / 1e3
+        self.timed_steps += 1
+        self.pending = None
+
+
+class _Armed:
+    def __init__(self, clock: OwnClock) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> None:
+        self.clock._enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.clock._leave()
+
+
+def spin_until(deadline: float, clock: Callable[[], float] = time.process_time) -> None:
+    """Busy work until the clock reaches deadline (a slower CPU's extra time is spent computing, not sleeping)."""
+    while clock() < deadline:
+        pass
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The rank slower than the others over an epoch: its rank and host, the phase its extra time went to, how much
+    slower it was than the median of the other ranks, and by which measure (its own time a step, or its compute's CPU
+    time a step)."""
+
+    rank: int
+    host: str
+    phase: str
+    slower_pct: float
+    measure: str
+    own_ms: float
+    others_ms: float
+
+    def fields(self) -> dict[str, Any]:
+        return {STRAGGLER_RANK: self.rank, STRAGGLER_HOST: self.host, STRAGGLER_PHASE: self.phase,
+                STRAGGLER_SLOWER_PCT: round(self.slower_pct, 1)}
+
+    def sentence(self, epoch: int) -> str:
+        return (f"rank {self.rank} ({self.host}) was {self.slower_pct:.0f}% slower than the other ranks in epoch "
+                f"{epoch}, in {self.phase} ({self.own_ms:.1f} ms of {self.measure} a step against {self.others_ms:.1f}); "
+                f"the others waited for it at every step: look at that host's load, or leave it out of the run")
+
+
+OWN_TIME_MEASURE, CPU_MEASURE = "its own time", "CPU time"
+
+
+def straggler(compute_ms: Sequence[float], data_ms: Sequence[float], hosts: Sequence[str] | None = None,
+              compute_cpu_ms: Sequence[float] | None = None, slower_pct: float = SLOWER_PCT) -> Straggler | None:
+    """The rank most above the median of the other ranks, where that is more than slower_pct, by either measure: its
+    own time a step (compute + data; the phase is the one whose own excess over the others' median is the larger), or
+    its compute's CPU time a step (phase compute). None with one rank, or where no rank is that much slower."""
+    ranks = len(compute_ms)
+    if ranks < 2 or len(data_ms) != ranks:
+        return None
+    own = [c + d for c, d in zip(compute_ms, data_ms)]
+    measures = [(OWN_TIME_MEASURE, own)]
+    if compute_cpu_ms is not None and len(compute_cpu_ms) == ranks and min(compute_cpu_ms) >= 0:
+        measures.append((CPU_MEASURE, list(compute_cpu_ms)))
+    found: Straggler | None = None
+    for measure, values in measures:
+        for rank in range(ranks):
+            median = statistics.median(values[r] for r in range(ranks) if r != rank)
+            if median <= 0 or values[rank] <= median * (1 + slower_pct / 100):
+                continue
+            pct = 100 * (values[rank] / median - 1)
+            if found is not None and found.slower_pct >= pct:
+                continue
+            phase = "compute"
+            if measure == OWN_TIME_MEASURE:
+                others = [r for r in range(ranks) if r != rank]
+                compute_excess = compute_ms[rank] - statistics.median(compute_ms[r] for r in others)
+                data_excess = data_ms[rank] - statistics.median(data_ms[r] for r in others)
+                phase = "compute" if compute_excess >= data_excess else "data"
+            host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
+            found = Straggler(rank=rank, host=host, phase=phase, slower_pct=pct, measure=measure,
+                              own_ms=values[rank], others_ms=median)
+    return found
+
+
+def own_time_fields(columns: Sequence[Sequence[float]]) -> dict[str, list[float]]:
+    """The epoch event's per-rank milliseconds a step, from the (compute s, compute CPU s, data s, steps) columns over
+    the ranks; no CPU field where a rank did not measure it (CUDA)."""
+    compute, compute_cpu, data, steps = columns
+    per_step = [max(n, 1) for n in steps]
+    fields = {OWN_COMPUTE_MS_PER_STEP: [round(1e3 * c / n, 3) for c, n in zip(compute, per_step)]}
+    if min(compute_cpu) >= 0:
+        fields[OWN_COMPUTE_CPU_MS_PER_STEP] = [round(1e3 * c / n, 3) for c, n in zip(compute_cpu, per_step)]
+    return fields | {DATA_WAIT_MS_PER_STEP: [round(1e3 * d / n, 3) for d, n in zip(data, per_step)]}

@@ -1,0 +1,143 @@
+"""Stragglers named while training (metrics/stragglers.py): the naming rule, the own clock on a real model, and real
+runs where one rank is made slower (faults.SLOW: real busy work, or a real sleep before its batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain.events import (DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, STRAGGLER,
+                            STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT)
+from dptrain.metrics.epoch_lines import epoch_line
+from dptrain.metrics.stragglers import CPU_MEASURE, OWN_TIME_MEASURE, OwnClock, own_time_fields, straggler
+from tests.conftest import read_events
+
+
+def test_no_straggler_where_every_rank_is_within_the_margin_or_alone():
+    assert straggler([50.0, 55.0, 59.0, 52.0], [1.0, 1.0, 1.0, 1.0]) is None  # 59 + 1 is 17.6% above the median 53
+    assert straggler([50.0], [1.0]) is None
+    assert straggler([0.0, 0.0], [0.0, 0.0]) is None  # nothing timed (a strategy whose gradients no hook sees)
+
+
+def test_the_slowest_rank_is_named_with_its_host_phase_and_how_much_slower():
+    found = straggler([50.0, 50.0, 66.0, 50.0], [1.0, 1.0, 1.0, 1.0], hosts=["a", "a", "b", "b"])
+    assert (found.rank, found.host, found.phase, found.measure) == (2, "b", "compute", OWN_TIME_MEASURE)
+    assert found.slower_pct == pytest.approx(100 * (67 / 51 - 1))
+    assert found.fields() == {STRAGGLER_RANK: 2, STRAGGLER_HOST: "b", STRAGGLER_PHASE: "compute",
+                              STRAGGLER_SLOWER_PCT: round(100 * (67 / 51 - 1), 1)}
+    assert found.sentence(3).startswith("rank 2 (b) was 31% slower than the other ranks in epoch 3, in compute (67.0 ms "
+                                        "of its own time a step against 51.0)")
+    data = straggler([50.0, 50.0], [1.0, 20.0])  # the extra time is in waiting for batches
+    assert (data.rank, data.phase, data.host) == (1, "data", "?")
+
+
+def test_cpu_time_names_a_rank_that_computes_more_where_wall_clocks_are_blurred():
+    """Ranks sharing cores take each other's time, so wall clocks move together; the CPU time of the compute does not."""
+    found = straggler([70.0, 72.0, 71.0, 73.0], [0.5] * 4, compute_cpu_ms=[35.0, 35.5, 45.0, 34.8])
+    assert (found.rank, found.phase, found.measure) == (2, "compute", CPU_MEASURE)
+    assert found.slower_pct == pytest.approx(100 * (45 / 35 - 1))
+    assert straggler([70.0, 72.0], [0.5, 0.5], compute_cpu_ms=[-1.0, -1.0]) is None  # CUDA: no CPU column
+
+
+def test_own_time_fields_are_milliseconds_a_step_per_rank_without_a_cpu_column_on_cuda():
+    columns = [[0.5, 0.6], [0.25, 0.3], [0.01, 0.02], [10, 10]]
+    assert own_time_fields(columns) == {OWN_COMPUTE_MS_PER_STEP: [50.0, 60.0], OWN_COMPUTE_CPU_MS_PER_STEP: [25.0, 30.0],
+                                        DATA_WAIT_MS_PER_STEP: [1.0, 2.0]}
+    assert OWN_COMPUTE_CPU_MS_PER_STEP not in own_time_fields([[0.5], [-1.0], [0.01], [10]])
+
+
+class Ticks:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Timed(nn.Module):
+    """A model whose forward takes 5 ticks of both clocks."""
+
+    def __init__(self, wall: Ticks, cpu: Ticks) -> None:
+        super().__init__()
+        self.layer, self.wall, self.cpu = nn.Linear(3, 2), wall, cpu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.wall.now += 5
+        self.cpu.now += 4
+        return self.layer(x)
+
+
+def test_the_own_clock_counts_forward_to_the_last_gradient_and_the_wait_for_batches_in_steps_only():
+    wall, cpu = Ticks(), Ticks()
+    model = Timed(wall, cpu)
+    clock = OwnClock(model, torch.device("cpu"), clock=wall, cpu_clock=cpu)
+
+    def batches():
+        for _ in range(3):
+            wall.now += 2  # the loader's wait
+            yield torch.ones(4, 3)
+
+    for batch in clock.batches(batches()):
+        with clock.step():
+            model(batch).sum().backward()
+            wall.now += 7  # after the last gradient: a wait for the other ranks, not this rank's own time
+            cpu.now += 1
+    with torch.no_grad():
+        model(torch.ones(1, 3))  # an evaluation's forward, outside any step
+    assert clock.totals() == (15.0, 12.0, 6.0, 3)
+    clock.close()
+    assert not model._forward_pre_hooks
+
+
+def test_micro_batches_add_their_forward_and_backward_spans():
+    wall, cpu = Ticks(), Ticks()
+    model = Timed(wall, cpu)
+    clock = OwnClock(model, torch.device("cpu"), clock=wall, cpu_clock=cpu)
+    with clock.step():
+        for _ in range(2):
+            model(torch.ones(2, 3)).sum().backward()
+            wall.now += 100  # between pieces: not this rank's compute
+    assert clock.totals()[:2] == (10.0, 8.0)
+
+
+RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "512", "--data.synthetic_test_size", "64",
+       "--train.epochs", "1", "--train.global_batch_size", "32", "--train.log_every", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_that_computes_more_is_named_in_the_epoch_event_its_line_and_one_warning(cli, tmp_path):
+    """Rank 1 spins half its compute again (faults.SLOW): real CPU work, as on a slower core."""
+    done = cli(*RUN, "--nproc-per-node", "2", "--output.dir", str(tmp_path / "run"),
+               env={"DPTRAIN_TEST_SLOW": "1:0.5"}, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (epoch,) = read_events(tmp_path / "run", "epoch")
+    assert (epoch[STRAGGLER_RANK], epoch[STRAGGLER_PHASE]) == (1, "compute"), epoch
+    assert epoch[STRAGGLER_SLOWER_PCT] > 20
+    assert epoch[OWN_COMPUTE_CPU_MS_PER_STEP][1] > 1.2 * epoch[OWN_COMPUTE_CPU_MS_PER_STEP][0]
+    assert epoch_line(epoch, 1).endswith(f" | straggler rank 1 ({epoch[STRAGGLER_HOST]}) "
+                                         f"+{epoch[STRAGGLER_SLOWER_PCT]:.0f}% compute")
+    warnings = [line for line in done.stdout.splitlines() if "slower than the other ranks" in line]
+    assert len(warnings) == 1 and "rank 1 (" in warnings[0] and " in epoch 1, in compute (" in warnings[0], warnings
+    rank1_log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    assert "slower than the other ranks in epoch 1" in rank1_log  # every rank's log has it
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@pytest.mark.timeout(240)
+def test_a_rank_slow_in_its_data_is_named_with_the_data_phase_and_watch_false_times_nothing(cli, tmp_path):
+    done = cli(*RUN, "--nproc-per-node", "2", "--output.dir", str(tmp_path / "data"),
+               env={"DPTRAIN_TEST_SLOW": "0:0.8:data"}, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (epoch,) = read_events(tmp_path / "data", "epoch")
+    assert (epoch[STRAGGLER_RANK], epoch[STRAGGLER_PHASE]) == (0, "data"), epoch
+    assert epoch[DATA_WAIT_MS_PER_STEP][0] > epoch[DATA_WAIT_MS_PER_STEP][1]
+    unwatched = cli(*RUN, "--nproc-per-node", "2", "--output.dir", str(tmp_path / "unwatched"), "--launch.watch",
+                    "false", env={"DPTRAIN_TEST_SLOW": "0:0.8:data"}, timeout=150)
+    assert unwatched.returncode == 0, unwatched.stderr[-3000:]
+    (epoch,) = read_events(tmp_path / "unwatched", "epoch")
+    assert not set(epoch) & {OWN_COMPUTE_MS_PER_STEP, DATA_WAIT_MS_PER_STEP, *STRAGGLER}
