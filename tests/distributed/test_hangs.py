@@ -74,6 +74,19 @@ def test_another_shape_at_the_same_sequence_number_is_a_mismatch_naming_the_odd_
     assert found.ranks == [1] and found.collective == "all_reduce #7"
 
 
+def test_of_two_ranks_that_differ_the_one_whose_collective_changed_from_its_own_last_step_is_named():
+    """No majority with 2 ranks: rank 0 made the loss reduction of [2] at step 1 and of [3] at step 2, rank 1 of [2]
+    both times, so rank 0's changed (it was named rank 1, the higher rank, before)."""
+    before = [ar(5, True, "loss reduction of step 1")]
+    reports = {0: rep(0, [*before, ar(7, False, "loss reduction of step 2", sizes=((3,),))], {WORLD_GROUP: 7}),
+               1: rep(1, [*before, ar(7, False, "loss reduction of step 2")], {WORLD_GROUP: 7})}
+    found = verdict(reports, 2, now_ns=NOW)
+    assert found.sentence.startswith("the ranks' collectives no longer match: rank 0 (h0) made all_reduce #7 of [3] "
+                                     "Float (loss reduction of step 2) where rank 1 made all_reduce #7 of [2] Float"), \
+        found.sentence
+    assert found.ranks == [0]
+
+
 def test_a_rank_that_does_not_answer_is_named_and_so_is_where_the_others_wait():
     found = verdict({0: rep(0, [ar(3, False, "step 3", group=OWN_GROUP)], {OWN_GROUP: 3}), 1: None}, 2,
                     hosts={1: "node2"}, now_ns=NOW)

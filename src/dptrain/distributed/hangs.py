@@ -138,6 +138,15 @@ def _mismatch(alive: dict[int, dict], group: str) -> tuple[int, dict[int, Collec
     return None
 
 
+def _as_before(rep: dict, made: Collective) -> bool:
+    """Whether this rank made the same collective (operation, shapes, type) at the same place before: in the same
+    phase with another step's number (the loss reduction of the step before)."""
+    place = re.sub(r"\d+", "#", made.phase)
+    same = (made.op, made.sizes, made.dtype)
+    return any(c.seq < made.seq and c.group == made.group and (c.op, c.sizes, c.dtype) == same
+               and re.sub(r"\d+", "#", c.phase) == place for c in _collectives(rep))
+
+
 RANK_LOG_STACKS = "in {its} rank log"
 """Where a blamed rank's stack is (HangWatch logs it): a rank's log of dptrain's; a script's rank prints it."""
 
@@ -168,7 +177,10 @@ def verdict(reports: dict[int, dict | None], world_size: int, hosts: dict[int, s
         groups: dict[tuple, list[int]] = {}
         for r, c in sorted(at.items()):
             groups.setdefault((c.op, json.dumps(c.sizes), c.dtype, c.phase), []).append(r)
-        reference = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+        # the most ranks made the reference; in a tie (2 ranks), the side whose collective is the one it made
+        # before at the same place (an earlier step's): the other side's changed
+        reference = max(groups.values(), key=lambda rs: (len(rs), sum(_as_before(alive[r], at[r]) for r in rs),
+                                                         -rs[0]))
         others = [r for rs in groups.values() if rs is not reference for r in rs]
         shape = len({(c.op, json.dumps(c.sizes), c.dtype) for c in at.values()}) > 1
         theirs = "; ".join(f"{_who(r, alive, hosts)} made {named(at[r], shape)}" for r in others)
