@@ -39,7 +39,6 @@ SLURM_VARS_SCRIPT = Path(__file__).parent / "slurm_vars_script.py"
 # name -> (options of `dptrain submit`, environment of the submission; sbatch passes it on to the job)
 JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
     "per-rank": ([*MULTINODE[1:], *TWO_NODES], FLOAT64_ENV),
-    "agent": ([*MULTINODE[1:], *TWO_NODES, "--mode", "agent"], FLOAT64_ENV),
     # two jobs of 2 ranks on node n1 at once, each with its own port
     **{f"shared-{x}": ([*SHORT, "--ranks-per-node", "2", "--cpus-per-node", "2", "--sbatch", "nodelist=n1"], {})
        for x in "ab"},
@@ -50,12 +49,19 @@ JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
                  "--sbatch", "hold"], {}),
     # the tutorials' own DDP script (tests/slurm/tutorial_ddp.py), under one torchrun per node: dptrain submit -- ...
     "user-script": ([*TWO_NODES, "--", str(TUTORIAL_SCRIPT), "--epochs", "2", "--model_dir", "saved-user-script"], {}),
-    # the tutorials' Lightning script (tests/slurm/tutorial_lightning.py): its own --gpus and --nodes after the --
-    "lightning-script": ([*TWO_NODES, "--", str(LIGHTNING_SCRIPT), "--gpus", "1", "--nodes", "2", "--epochs", "2",
-                          "--model_dir", "saved-lightning-script"], {}),
     # a script that takes its rank from SLURM_PROCID and SLURM_NTASKS, one srun task per rank: 2 ranks on each node
     "slurm-vars-script": (["--nodes", "2", "--ranks-per-node", "2", "--cpus-per-node", "2", "--mode", "per-rank", "--",
                            str(SLURM_VARS_SCRIPT), "seen-by-slurm-vars-script"], {}),
+}
+
+
+# The nightly tier's: the default run keeps the per-rank job of the same run (the default mode) and the tutorials' DDP
+# script across both nodes; their Lightning script trains on 2 local workers there (tests/launch/test_user_script.py).
+NIGHTLY_JOBS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "agent": ([*MULTINODE[1:], *TWO_NODES, "--mode", "agent"], FLOAT64_ENV),
+    # the tutorials' Lightning script (tests/slurm/tutorial_lightning.py): its own --gpus and --nodes after the --
+    "lightning-script": ([*TWO_NODES, "--", str(LIGHTNING_SCRIPT), "--gpus", "1", "--nodes", "2", "--epochs", "2",
+                          "--model_dir", "saved-lightning-script"], {}),
 }
 
 
@@ -94,6 +100,12 @@ def jobs(slurm_cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def nightly_jobs(slurm_cluster, tmp_path_factory):
+    """The jobs of NIGHTLY_JOBS, as jobs()."""
+    return submitted(slurm_cluster, tmp_path_factory.mktemp("nightly-jobs"), NIGHTLY_JOBS)
+
+
+@pytest.fixture(scope="module")
 def requeue_jobs(slurm_cluster, tmp_path_factory):
     """The jobs of REQUEUE_JOBS, as jobs(); the requeued one is signalled (scancel --signal=USR1, as SLURM's --signal
     would) once it has trained a few steps."""
@@ -129,9 +141,10 @@ def losses_and_weights(run_dir: Path) -> tuple[list[float], dict[str, torch.Tens
     return [e["loss"] for e in read_events(run_dir, "step")], torch.load(run_dir / "model.pt")
 
 
-@pytest.mark.parametrize("mode", ["per-rank", "agent"])
-def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, jobs, planned_run, mode):
+@pytest.mark.parametrize("mode", ["per-rank", pytest.param("agent", marks=pytest.mark.nightly)])
+def test_two_nodes_train_as_the_local_two_worker_run(slurm_cluster, request, planned_run, mode):
     """Through dptrain submit, 2 nodes x 1 rank, gloo: the same curve and weights as 2 local workers (float64)."""
+    jobs = request.getfixturevalue("jobs" if mode in JOBS else "nightly_jobs")
     job, run_dir = finished(slurm_cluster, jobs, mode)
     assert job["NodeList"] == "n[1-2]"
     start = read_events(run_dir, "run_start")[0]
@@ -254,10 +267,11 @@ def test_a_users_ddp_script_trains_across_both_nodes_with_rank_0_on_the_first_an
     assert "Epoch 02/02 | loss" in output and "| world 2" in output  # rank 0's lines, in the job's output
 
 
-def test_the_tutorials_lightning_script_trains_across_both_nodes_and_saves_its_model(slurm_cluster, jobs):
+@pytest.mark.nightly
+def test_the_tutorials_lightning_script_trains_across_both_nodes_and_saves_its_model(slurm_cluster, nightly_jobs):
     """Lightning under the job's torchrun on each node (its TorchElasticEnvironment): 1 device a node x 2 nodes, rank 0
     on the first node, the model saved by rank 0 where --model_dir says, its epoch lines in the job's output."""
-    job, run_dir = finished(slurm_cluster, jobs, "lightning-script")
+    job, run_dir = finished(slurm_cluster, nightly_jobs, "lightning-script")
     assert job["NodeList"] == "n[1-2]" and job["NumTasks"] == "2"
     saved = run_dir.parent.parent / "saved-lightning-script"
     weights = torch.load(saved / "model.pt")
