@@ -86,3 +86,48 @@ def test_one_other_failure_is_named_in_the_singular(tmp_path, monkeypatch):
     failures = failed(rank1=ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file=str(tmp_path / "none.json")),
                       rank0=ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=first))
     assert describe_failure(failures) == "rank 0 failed during rendezvous: boom (rank 1 also stopped)"
+
+
+STORE_SERVER = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_roll_call_on_a_store_whose_host_is_stopped_names_rank_0_within_its_bound(tmp_path):
+    """A store served by a process stopped with SIGSTOP keeps its connection open and never answers: c10d's timeout
+    did not bound check(), and a survivor's roll call waited there for minutes (seen in the randomised hang trials)."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from dptrain.distributed.env import DistEnv
+    from dptrain.distributed.failures import roll_call
+    from dptrain.distributed.hangs import Unanswered, within
+
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        env = DistEnv(1, 1, 2, 2, "127.0.0.1", port, "torchrun")
+        assert roll_call(store, env, 0.5) == [0]  # rank 0 never checks in: named, the store answering
+        os.kill(server.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        assert roll_call(store, env, 0.5) == [0]
+        assert time.monotonic() - began < 5  # its bound is 0.5 s + 1 s
+        with pytest.raises(Unanswered):
+            within(lambda: store.check(["anything"]), 0.3)
+    finally:
+        server.kill()
+        server.wait()
+    assert within(lambda: 3, 1.0) == 3
+    with pytest.raises(KeyError):
+        within(lambda: {}["missing"], 1.0)

@@ -227,3 +227,21 @@ def test_the_hang_event_is_in_the_schema():
     record = {"event": "hang", "time": 1.0, "step": 3, "message": "m", "ranks": [1], "waited_s": 2.0}
     assert schema_problem(record) is None and HANG_EVENT.name == "hang"
     assert json.loads(json.dumps(record)) == record
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_rank_0_stopped_with_its_store_is_named_by_the_survivor_before_the_backends_timeout(cli, tmp_path):
+    """Rank 0 serves the world's store: stopped (SIGSTOP), it answers nothing and no rank can compare. The survivor
+    names it alone, in time; before, its watch and its roll call waited on the store until killed (a randomised trial
+    ran 240 s)."""
+    run = tmp_path / "run"
+    began = time.monotonic()
+    result = cli("train", "--nproc-per-node", "2", *SYNTHETIC, "--train.max_steps", "30", "--launch.timeout_s",
+                 str(TIMEOUT_S), "--output.dir", str(run), env={SIGNAL_AT: "0:3:SIGSTOP:self"}, timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and time.monotonic() - began < 60, result.stderr[-2000:]
+    assert last.startswith("dptrain: error: rank 0 did not answer (stopped, or dead unseen), nor did the world's store "
+                           "it serves; rank 1 waited "), last
+    [event] = read_events(run, "hang")
+    assert event["ranks"] == [0] and event["message"] in (run / "logs" / "rank1.log").read_text()

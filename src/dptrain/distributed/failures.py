@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dptrain.distributed.collectives import RING
 from dptrain.distributed.ending import leave_now, record_for_launcher
-from dptrain.distributed.hangs import named
+from dptrain.distributed.hangs import named, within
 from dptrain.distributed.env import DistEnv
 
 log = logging.getLogger("dptrain")
@@ -105,16 +105,21 @@ def roll_call(store: dist.Store, env: DistEnv, wait_s: float) -> list[int]:
     its host, rank 0, is the one missing.
     """
     prefix = f"dptrain/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    # A store whose host is gone: c10d warns with 15 lines of C++ frames before the error this answers with [0].
+
+    def call() -> list[int]:
+        store.set(f"{prefix}{env.global_rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+
+    # A store whose host is gone: c10d warns with 15 lines of C++ frames before the error this answers with [0]. One
+    # whose host is stopped (SIGSTOP) never answers, whatever the store's timeout: bounded here.
     with cpp_warnings_off():
         try:
-            store.set(f"{prefix}{env.global_rank}", "1")
-            deadline = time.monotonic() + wait_s
-            while True:
-                silent = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
-                if not silent or time.monotonic() > deadline:
-                    return silent
-                time.sleep(0.1)
+            return within(call, wait_s + 1.0)
         except RuntimeError:
             return [0] if env.global_rank != 0 else []
 

@@ -276,6 +276,32 @@ def append_event(path: Path, record: dict[str, Any]) -> None:
 
 # ---- the watch ----------------------------------------------------------------------------------------------------
 
+class Unanswered(RuntimeError):
+    """A call to the world's store that did not return within its bound (within())."""
+
+
+def within(call: Callable[[], Any], seconds: float) -> Any:
+    """call()'s result, made on a daemon thread and waited for at most `seconds`; else Unanswered, the thread left
+    blocked. A store whose host is stopped (SIGSTOP) keeps its connection open and never answers, and c10d's own
+    timeout does not bound check() or set(): a survivor's watch and roll call waited there for minutes."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as it is
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="dptrain-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise Unanswered(f"the world's store did not answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 class HangWatch:
     """This rank's watch on its collectives and its part in the comparison (see the module's docstring)."""
 
@@ -289,7 +315,7 @@ class HangWatch:
         self.stacks = stacks
         self.prefix = f"dptrain/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.first_seen: dict[tuple[str, int], float] = {}
-        self.reported = self.compared = False
+        self.reported = self.compared = self.store_lost = False
         self._done = threading.Event()
 
     def start(self) -> "HangWatch":
@@ -364,16 +390,40 @@ class HangWatch:
     def _run(self) -> None:
         while not self._done.wait(self.period_s):
             try:
-                found = self.tick()
-            except RuntimeError:  # the store does not answer: its host is gone; the backend's own error names it
-                continue
+                if self.store_lost:
+                    raise Unanswered("the world's store did not answer before")  # not one more blocked thread
+                found = within(self.tick, 3 * self.period_s + 0.75)  # a comparison waits 3 periods for reports
+            except RuntimeError as exc:  # the store does not answer: its host is gone, or stopped
+                self.store_lost = self.store_lost or isinstance(exc, Unanswered)
+                found = self.without_store()
+                if found is None:
+                    continue
             if found is not None and not self._done.is_set():
-                self._acknowledge()
+                if not self.store_lost:  # where it is, a stopped host's store would hold this thread for ever
+                    self._acknowledge()
                 if self.compared:  # the others read the verdict before this rank's end ends the run
                     self._wait_for_readers()
                     time.sleep(2 * self.period_s)  # and write it in their logs
                 self.end(found)
                 return
+
+    def without_store(self) -> str | None:
+        """Where the world's store does not answer while a collective of this rank overran: its host, rank 0 (whose
+        process serves it where dptrain's ranks were not started by its agent), stopped or died where no agent saw
+        it, and no rank can compare. This rank's own sentence, or None while nothing has overrun."""
+        if not self.overran():
+            return None
+        mine = report(self.rank, self.host, self.ring, self.phase())
+        open_ = [c for c in _collectives(mine) if not c.done]
+        first = min(open_, key=lambda c: c.entered_ns) if open_ else None
+        waited = (time.time_ns() - first.entered_ns) / 1e9 if first is not None else self.hang_after_s
+        sentence = (f"rank 0 did not answer (stopped, or dead unseen), nor did the world's store it serves; rank "
+                    f"{self.rank} waited {waited:.0f} s in {named(first) if first else 'a collective'}; look at rank "
+                    f"0's host")
+        found = Verdict(sentence, [0], f"{first.op} #{first.seq}" if first else "", waited, mine.get("step"))
+        if self.metrics is not None and self.rank == 1:  # one writer: rank 1 is the first that may be left
+            append_event(self.metrics, hang_event(found))
+        return sentence
 
     def _acknowledge(self) -> None:
         try:

@@ -114,7 +114,8 @@ class OwnClock:
             return
         self.started, self.started_cpu = self.clock(), self.cpu_clock()
         if self.slow:  # faults.SLOW: a CPU that much slower, spun here, inside the compute it slows
-            spin_until(self.started_cpu + self.slow * self.previous_compute_cpu_s, self.cpu_clock)
+            # the spin's own thread's CPU time: the process's also counts other threads' work meanwhile
+            spin_until(time.thread_time() + self.slow * self.previous_compute_cpu_s, time.thread_time)
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         if not self.armed:
@@ -174,7 +175,7 @@ class _Armed:
         self.clock._leave()
 
 
-def spin_until(deadline: float, clock: Callable[[], float] = time.process_time) -> None:
+def spin_until(deadline: float, clock: Callable[[], float]) -> None:
     """Busy work until the clock reaches deadline (a slower CPU's extra time is spent computing, not sleeping)."""
     while clock() < deadline:
         pass
