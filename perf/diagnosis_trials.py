@@ -42,10 +42,15 @@ FAULT_KINDS = ("forward", "data", "skip", "mismatch", "sigstop")
 
 def dptrain(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> tuple[int, str, float]:
     """`python -m dptrain ARGS` with the tests' models importable: (exit code, stderr, seconds)."""
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **env}
+    # src first: the checkout's dptrain, whichever the venv was installed from
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PYTHONUNBUFFERED": "1", **env}
     began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, env=full, capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        done = subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, env=full, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # a run that hung for good: a wrong trial, not the end of the trials
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return -1, err + f"\n(killed after {timeout:g} s)", time.monotonic() - began
     return done.returncode, done.stderr, time.monotonic() - began
 
 
