@@ -8,7 +8,8 @@ many in a row (docs/hangs.md, "How well it works").
 hangs: each trial draws a world of 2 to 4 ranks, a rank, a fault (a sleep in forward, a Dataset that blocks, an
 all-reduce skipped or of another shape, SIGSTOP; faults.py) and the step it strikes at, runs `dptrain train` with
 launch.timeout_s 6, and checks the run's last line: exit code 1, the first rank it names is the faulty one, it names
-an all_reduce, and the hang event came within launch.timeout_s + 10 s of the last step logged before the fault.
+a collective (the one the others wait in: an all_reduce, or DDP's broadcast of a model's buffers), and the hang event
+came within launch.timeout_s + 10 s of the last step logged before the fault (or of the run's start).
 
 stragglers: RUNS runs of 4 ranks where one drawn rank computes 30% more (faults.SLOW) and RUNS clean runs, 2 epochs
 each; a slowed run counts as named where every epoch names that rank with phase compute, a clean one as false where
@@ -38,6 +39,7 @@ TIMEOUT_S = 6
 SYNTHETIC = ["--data.name", "synthetic", "--data.synthetic_train_size", "1200", "--data.synthetic_test_size", "101",
              "--train.global_batch_size", "120"]  # 120: a multiple of 2, 3 and 4
 FAULT_KINDS = ("forward", "data", "skip", "mismatch", "sigstop")
+COLLECTIVE = re.compile(r"\b(all_reduce|broadcast|all_gather|reduce_scatter|barrier)\b #\d+")  # as the verdict names one
 
 
 def dptrain(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> tuple[int, str, float]:
@@ -87,9 +89,10 @@ def hangs(trials: int, seed: int, work: Path) -> dict:
         found = re.match(r"dptrain: error: (?:the ranks' collectives no longer match: )?rank (\d+)", last)
         seen = events(run)
         hang = [e for e in seen if e["event"] == "hang"]
-        steps = [e for e in seen if e["event"] == "step"]
-        latency = hang[0]["time"] - steps[-1]["time"] if hang and steps else None
-        right = (code == 1 and found is not None and int(found.group(1)) == rank and "all_reduce" in last
+        # from the last step logged before the fault (or the start, for a fault in the first step) to the verdict
+        before = [e for e in seen if e["event"] in ("step", "run_start")]
+        latency = hang[0]["time"] - before[-1]["time"] if hang and before else None
+        right = (code == 1 and found is not None and int(found.group(1)) == rank and COLLECTIVE.search(last) is not None
                  and latency is not None and latency <= TIMEOUT_S + 10)
         rows.append({"trial": trial, "world": world, "rank": rank, "fault": kind, "at": at, "exit_code": code,
                      "named_rank": int(found.group(1)) if found else None, "latency_s": latency, "right": right,
