@@ -186,6 +186,25 @@ def clock_overhead(repeats: int, steps: int = 50) -> dict:
             "hooks_share_of_step": hooks_us / (1e6 * bare / steps)}
 
 
+def watch_overhead(looks: int = 2000) -> dict:
+    """The hang watch's look at the store, as it makes one every period (on a thread of its own, bounded by within()),
+    against a real store on loopback: microseconds a look, and the share of a core at the default launch.timeout_s
+    (300 s) and at the tests' 6 s."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dptrain.distributed.hangs import HangWatch, period_s, within
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    watch = HangWatch(store, 0, 2, "host", 300.0, end=lambda sentence: None)
+    began = time.perf_counter()
+    for _ in range(looks):
+        within(watch.tick, 5.0)
+    look_us = 1e6 * (time.perf_counter() - began) / looks
+    return {"look_us": look_us, **{f"core_share_at_{t:g}_s": look_us / 1e6 / period_s(t) for t in (300.0, 6.0)}}
+
+
 def run_overhead(repeats: int, work: Path) -> dict:
     rates: dict[str, list[float]] = {"true": [], "false": []}
     for index in range(repeats):
@@ -225,11 +244,14 @@ def main() -> int:
             summary = (f"stragglers: named in {result['named']} of {result['slowed']} slowed runs, "
                        f"{result['false']} false in {result['clean']} clean runs")
         else:
-            result = {"clock": clock_overhead(args.repeats), "runs": run_overhead(args.repeats, work)}
-            clock = result["clock"]
+            result = {"clock": clock_overhead(args.repeats), "watch": watch_overhead(),
+                      "runs": run_overhead(args.repeats, work)}
+            clock, watch = result["clock"], result["watch"]
             summary = (f"overhead: own clock x{clock['median_ratio']:.4f} of a bare step ({clock['step_ms_bare']:.1f} "
                        f"ms), its hooks {clock['hooks_us_per_step']:.1f} us a step "
-                       f"({100 * clock['hooks_share_of_step']:.3f}%); runs watched/unwatched images/s "
+                       f"({100 * clock['hooks_share_of_step']:.3f}%); the watch's look {watch['look_us']:.0f} us "
+                       f"({100 * watch['core_share_at_300_s']:.3f}% of a core at the default timeout); "
+                       f"runs watched/unwatched images/s "
                        f"x{result['runs']['median_ratio']:.4f}")
     result |= {"seconds": round(time.monotonic() - began, 1), "summary": summary}
     print(summary)
