@@ -104,23 +104,28 @@ def test_micro_batches_add_their_forward_and_backward_spans():
 
 
 RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "512", "--data.synthetic_test_size", "64",
-       "--train.epochs", "1", "--train.global_batch_size", "32", "--train.log_every", "8"]
+       "--train.epochs", "1", "--train.global_batch_size", "32", "--train.log_every", "8", "--nproc-per-node", "2"]
+
+
+def slowed_run(cli, run_dir, slow: str, *options: str) -> tuple[dict, str]:
+    """A 2-rank run with DPTRAIN_TEST_SLOW=slow: its one epoch event and its console."""
+    done = cli(*RUN, *options, "--output.dir", str(run_dir), env={"DPTRAIN_TEST_SLOW": slow}, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (epoch,) = read_events(run_dir, "epoch")
+    return epoch, done.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_that_computes_more_is_named_in_the_epoch_event_its_line_and_one_warning(cli, tmp_path):
     """Rank 1 spins half its compute again (faults.SLOW): real CPU work, as on a slower core."""
-    done = cli(*RUN, "--nproc-per-node", "2", "--output.dir", str(tmp_path / "run"),
-               env={"DPTRAIN_TEST_SLOW": "1:0.5"}, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (epoch,) = read_events(tmp_path / "run", "epoch")
+    epoch, console = slowed_run(cli, tmp_path / "run", "1:0.5")
     assert (epoch[STRAGGLER_RANK], epoch[STRAGGLER_PHASE]) == (1, "compute"), epoch
     assert epoch[STRAGGLER_SLOWER_PCT] > 20
     assert epoch[OWN_COMPUTE_CPU_MS_PER_STEP][1] > 1.2 * epoch[OWN_COMPUTE_CPU_MS_PER_STEP][0]
     assert epoch_line(epoch, 1).endswith(f" | straggler rank 1 ({epoch[STRAGGLER_HOST]}) "
                                          f"+{epoch[STRAGGLER_SLOWER_PCT]:.0f}% compute")
-    warnings = [line for line in done.stdout.splitlines() if "slower than the other ranks" in line]
+    warnings = [line for line in console.splitlines() if "slower than the other ranks" in line]
     assert len(warnings) == 1 and "rank 1 (" in warnings[0] and " in epoch 1, in compute (" in warnings[0], warnings
     rank1_log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
     assert "slower than the other ranks in epoch 1" in rank1_log  # every rank's log has it
@@ -130,14 +135,8 @@ def test_a_rank_that_computes_more_is_named_in_the_epoch_event_its_line_and_one_
 @pytest.mark.nightly
 @pytest.mark.timeout(240)
 def test_a_rank_slow_in_its_data_is_named_with_the_data_phase_and_watch_false_times_nothing(cli, tmp_path):
-    done = cli(*RUN, "--nproc-per-node", "2", "--output.dir", str(tmp_path / "data"),
-               env={"DPTRAIN_TEST_SLOW": "0:0.8:data"}, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (epoch,) = read_events(tmp_path / "data", "epoch")
+    epoch, _ = slowed_run(cli, tmp_path / "data", "0:0.8:data")
     assert (epoch[STRAGGLER_RANK], epoch[STRAGGLER_PHASE]) == (0, "data"), epoch
     assert epoch[DATA_WAIT_MS_PER_STEP][0] > epoch[DATA_WAIT_MS_PER_STEP][1]
-    unwatched = cli(*RUN, "--nproc-per-node", "2", "--output.dir", str(tmp_path / "unwatched"), "--launch.watch",
-                    "false", env={"DPTRAIN_TEST_SLOW": "0:0.8:data"}, timeout=150)
-    assert unwatched.returncode == 0, unwatched.stderr[-3000:]
-    (epoch,) = read_events(tmp_path / "unwatched", "epoch")
+    epoch, _ = slowed_run(cli, tmp_path / "unwatched", "0:0.8:data", "--launch.watch", "false")
     assert not set(epoch) & {OWN_COMPUTE_MS_PER_STEP, DATA_WAIT_MS_PER_STEP, *STRAGGLER}
