@@ -88,8 +88,8 @@ OWN_TIME = (OWN_COMPUTE_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, DATA_WAIT_MS_P
 gradient), the same compute's CPU time (on CPU only), and the wait for its next batch (metrics.stragglers)."""
 STRAGGLER = (STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_SLOWER_PCT)
 """The rank whose own time (or compute's CPU time) a step was more than 20% above the others' median over the epoch,
-where one was: its rank,
-host, the phase its extra time went to (compute or data) and how much slower it was, in percent."""
+where one was: its rank, host, the phase its extra time went to (compute or data) and how much slower it was, in
+percent."""
 PER_RANK = FOOTPRINT + COMM_TIMING + OWN_TIME + UTILISATION
 
 

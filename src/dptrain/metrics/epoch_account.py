@@ -13,8 +13,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, DATA_WAIT_MS_PER_STEP, EPOCH_TIME_S, FOOTPRINT, LR,
-                            MODEL_FLOPS_PER_SAMPLE, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS,
-                            TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+                            MODEL_FLOPS_PER_SAMPLE, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, PEAK_MEM_MB,
+                            SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
 from dptrain.metrics.stragglers import Straggler, own_time_fields, straggler
 from dptrain.metrics.utilisation import peak_memory_mb, per_rank
 
@@ -65,15 +65,19 @@ class EpochAccount:
         if measured.times_comm and self.world_size > 1:
             row = [-1.0, -1.0] if measured.comm_ms is None else list(measured.comm_ms)
             timing = all_reduce(self.own_row(row, device)).t().tolist()
-        own_time = None
+        own_time, slow = None, None
         if measured.own_time is not None:
             own_time = all_reduce(self.own_row(measured.own_time, device)).t().tolist()
+            times = own_time_fields(own_time)
+            slow = straggler(times[OWN_COMPUTE_MS_PER_STEP], times[DATA_WAIT_MS_PER_STEP], self.hosts,
+                             compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP))
         utilisation = {} if measured.utilisation is None else per_rank(
             measured.utilisation, self.world_size, self.global_rank, all_reduce, device)
         loss_sum, correct, samples = totals.tolist()
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
-                           comm_timing=timing, own_time=own_time, hosts=self.hosts, utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
+                           comm_timing=timing, own_time=own_time, straggler=slow, utilisation=utilisation,
+                           flops_per_sample=measured.flops_per_sample,
                            skipped_steps=measured.skipped_steps)
 
     def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -108,7 +112,8 @@ class RankMeasures:
     skipped_steps: int | None = None
     """train.fp16: the epoch's steps the loss scaler skipped, the same on every rank; None: no loss scaler."""
     own_time: tuple[float, float, float, int] | None = None
-    """This rank's own compute seconds, their CPU seconds (-1: not measured), data seconds and its steps (metrics.stragglers.OwnClock.totals); None: untimed."""
+    """This rank's own compute seconds, their CPU seconds (-1: not measured), data seconds and its steps
+    (metrics.stragglers.OwnClock.totals); None: untimed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,23 +137,14 @@ class EpochTotals:
     """events.COMM_TIMING's columns, -1 for a rank without a sampled step yet; None: the strategy does not time it."""
     own_time: Sequence[Sequence[float]] | None = None
     """The ranks' own compute seconds, their CPU seconds, data seconds and steps, a column each (None: not timed)."""
-    hosts: Sequence[str] | None = None
+    straggler: Straggler | None = None
+    """The rank slower than the others over the epoch in its own time (metrics.stragglers.straggler), where one was."""
     utilisation: dict[str, list[float]]
     """events.UTILISATION's lists (metrics.per_rank); the fields some rank lacks are left out."""
     flops_per_sample: int | None = None
     """The model's operations per training sample (None: not counted, no rate fields)."""
     skipped_steps: int | None = None
     """events.SKIPPED_STEPS (None: no loss scaler, no field)."""
-
-
-    @property
-    def straggler(self) -> Straggler | None:
-        """The rank slower than the others over the epoch in its own time (metrics.stragglers), where one was."""
-        if self.own_time is None:
-            return None
-        times = own_time_fields(self.own_time)
-        return straggler(times[OWN_COMPUTE_MS_PER_STEP], times[DATA_WAIT_MS_PER_STEP], self.hosts,
-                         compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP))
 
 
 def train_fields(totals: EpochTotals) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Stragglers named while training: each rank times its own work outside the collectives (OwnClock), the epoch's
-account compares the ranks' times (epoch_account: one all-reduce of a world x 3 table per epoch), and straggler()
+account compares the ranks' times (epoch_account: one all-reduce of a world x 4 table per epoch), and straggler()
 names the rank that is slower than the others, with its host, the phase (compute or data) and by how much.
 
 Why not the step's time: a data-parallel step ends in a collective that waits for the slowest rank, so every rank's
