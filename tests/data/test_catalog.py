@@ -232,15 +232,18 @@ def test_load_negative_cifar_labels_are_corrupt(tmp_path):
         load(DataConfig(name="cifar10", root=str(tmp_path)))
 
 
-def test_fifos_named_as_the_dataset_files_are_one_sentence_not_a_hang(tmp_path):
+@pytest.mark.timeout(60)  # in this process: a command that opened a FIFO would wait there for ever
+def test_fifos_named_as_the_dataset_files_are_one_sentence_not_a_hang(tmp_path, monkeypatch, capsys):
     """`mkfifo` the four IDX names under --data.root: `dptrain train` waited for ever, printing nothing."""
-    from tests.conftest import run_cli
+    from dptrain.cli import main
 
     (tmp_path / "data").mkdir()
     for stem in IDX_STEMS:
         os.mkfifo(tmp_path / "data" / stem)
-    done = run_cli(["train", "--data.name", "mnist", "--data.root", "data"], tmp_path, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [f"dptrain: error: {Path('data') / IDX_STEMS[1]} is a FIFO, not a regular "
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--data.name", "mnist", "--data.root", "data"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines() == [f"dptrain: error: {Path('data') / IDX_STEMS[1]} is a FIFO, not a regular "
                                                 f"file; put the dataset's own file there, or give another --data.root."]
     assert not (tmp_path / "runs").exists()  # refused before anything was written

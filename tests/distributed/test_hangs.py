@@ -180,7 +180,10 @@ FAULTS = {
     "sigstop": ([], {SIGNAL_AT: "1:3:SIGSTOP:self"},
                 "rank 1 ", ["did not answer (stopped, or dead unseen)", "rank 0 waited", "after step 3"]),
 }
-DEFAULT_RUN = ("forward", "skip")
+# The default run's one fault: a rank stuck in forward, named with its collective, its phase and its line (the
+# verdict's every part); the other four, the same end to end path with another cause, in the nightly tier, and each
+# verdict's sentence for every cause in this file's unit tests above.
+DEFAULT_RUN = ("forward",)
 
 
 @pytest.mark.slow

@@ -40,10 +40,13 @@ def run_bench(cwd: Path, *args: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(working folder, bench folder) of a 2-point sweep: workers 1,2 x ddp, one repeat."""
+def sweep(tmp_path_factory: pytest.TempPathFactory, machine_probes: Path) -> tuple[Path, Path]:
+    """(working folder, bench folder) of a 2-point sweep: workers 1,2 x ddp, one repeat. Its probes are the
+    session's (machine_probes, taken with --probes-from): the same probes, made once, not twice (about 12 s); a sweep
+    that probes for itself runs in the nightly tier (perf/speed.py's sweeps)."""
     cwd = tmp_path_factory.mktemp("bench")
-    assert run_bench(cwd, "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY) == 0
+    assert run_bench(cwd, "--workers", "1,2", "--strategies", "ddp", "--output.dir", "out", *TINY,
+                     "--probes-from", str(machine_probes)) == 0
     return cwd, cwd / "out"
 
 
