@@ -10,7 +10,7 @@ from torch import nn
 from dptrain.events import (DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, STRAGGLER,
                             STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT)
 from dptrain.metrics.epoch_lines import epoch_line
-from dptrain.metrics.stragglers import CPU_MEASURE, OWN_TIME_MEASURE, OwnClock, own_time_fields, straggler
+from dptrain.metrics.stragglers import CPU_MEASURE, MIN_STEPS, OWN_TIME_MEASURE, OwnClock, own_time_fields, straggler
 from tests.conftest import read_events
 
 
@@ -18,6 +18,12 @@ def test_no_straggler_where_every_rank_is_within_the_margin_or_alone():
     assert straggler([50.0, 55.0, 59.0, 52.0], [1.0, 1.0, 1.0, 1.0]) is None  # 59 + 1 is 17.6% above the median 53
     assert straggler([50.0], [1.0]) is None
     assert straggler([0.0, 0.0], [0.0, 0.0]) is None  # nothing timed (a strategy whose gradients no hook sees)
+
+
+def test_no_straggler_is_named_over_fewer_timed_steps_than_the_minimum():
+    """A 2-step epoch of two equal ranks named one 28% and then 106% slower: a handful of steps is noise."""
+    assert straggler([30.0, 61.0], [0.3, 0.3], steps=MIN_STEPS - 1) is None
+    assert straggler([30.0, 61.0], [0.3, 0.3], steps=MIN_STEPS).rank == 1
 
 
 def test_the_slowest_rank_is_named_with_its_host_phase_and_how_much_slower():
@@ -71,12 +77,14 @@ class Timed(nn.Module):
 
 
 def test_the_own_clock_counts_forward_to_the_last_gradient_and_the_wait_for_batches_in_steps_only():
+    """Each step after the first: the epoch's first step, with the loader's start and the one-time costs, is not timed."""
     wall, cpu = Ticks(), Ticks()
     model = Timed(wall, cpu)
     clock = OwnClock(model, torch.device("cpu"), clock=wall, cpu_clock=cpu)
 
     def batches():
-        for _ in range(3):
+        wall.now += 50  # the loader's start, before the first batch
+        for _ in range(4):
             wall.now += 2  # the loader's wait
             yield torch.ones(4, 3)
 
@@ -96,6 +104,9 @@ def test_micro_batches_add_their_forward_and_backward_spans():
     wall, cpu = Ticks(), Ticks()
     model = Timed(wall, cpu)
     clock = OwnClock(model, torch.device("cpu"), clock=wall, cpu_clock=cpu)
+    with clock.step():  # the epoch's first step: not timed
+        model(torch.ones(2, 3)).sum().backward()
+    assert clock.totals() == (0.0, 0.0, 0.0, 0)
     with clock.step():
         for _ in range(2):
             model(torch.ones(2, 3)).sum().backward()

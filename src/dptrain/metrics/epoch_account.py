@@ -70,7 +70,7 @@ class EpochAccount:
             own_time = all_reduce(self.own_row(measured.own_time, device)).t().tolist()
             times = own_time_fields(own_time)
             slow = straggler(times[OWN_COMPUTE_MS_PER_STEP], times[DATA_WAIT_MS_PER_STEP], self.hosts,
-                             compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP))
+                             compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP), steps=int(min(own_time[3])))
         utilisation = {} if measured.utilisation is None else per_rank(
             measured.utilisation, self.world_size, self.global_rank, all_reduce, device)
         loss_sum, correct, samples = totals.tolist()

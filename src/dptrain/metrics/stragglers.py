@@ -19,6 +19,12 @@ cores and take each other's time, as 4 ranks on 2 cores do. On CUDA the host clo
 work: one step in every `every` is timed with CUDA events, read at a later step once the work has finished, and there
 is no CPU column.
 
+Each epoch's first step is not timed: it carries the loader's start and, in a run's first epoch, the one-time costs
+(the allocator's first blocks, the first use of each kernel, DDP's first buckets), which differ from rank to rank by
+more than the margin: a 2-step epoch of two equal ranks named one 28% and 106% slower. Nor is a straggler named in an
+epoch of fewer than MIN_STEPS timed steps: a step's own time varies by 10-20% from one step to the next on a shared
+CPU, and a handful of them does not average that out.
+
 What it cannot see: waits inside forward on FSDP (its all-gathers count as compute there), and a slow link (every
 rank of a ring waits as long as the slowest link; `dptrain doctor` names a slow link before a run).
 """
@@ -40,6 +46,8 @@ from dptrain.events import (DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, 
 SLOWER_PCT = 20.0
 """A rank is named a straggler of an epoch when its own time (or its compute's CPU time) a step is more than this many
 percent above the other ranks' median."""
+MIN_STEPS = 8
+"""The fewest timed steps (each rank's, in the epoch) over which a straggler is named."""
 
 
 class OwnClock:
@@ -55,7 +63,8 @@ class OwnClock:
         self.started_cpu = self.last_grad_cpu = 0.0
         self.step_compute_cpu_s = 0.0
         self.steps = self.timed_steps = 0
-        self.armed = self.cuda_started = False
+        self.waited_s = 0.0  # the wait for the batches of the step under way, counted when it ends
+        self.armed = self.cuda_started = self.warm = False
         self.started: float | None = None
         self.last_grad: float | None = None
         self.step_compute_s = self.previous_compute_s = self.previous_compute_cpu_s = 0.0
@@ -82,7 +91,7 @@ class OwnClock:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self.data_s += self.clock() - began
+            self.waited_s += self.clock() - began
             yield batch
 
     def step(self) -> "_Armed":
@@ -134,12 +143,20 @@ class OwnClock:
     def _enter(self) -> None:
         self._read_pending(wait=False)
         self.armed, self.step_compute_s, self.step_compute_cpu_s, self.cuda_started = True, 0.0, 0.0, False
-        if self.on_cuda and self.steps % self.every == 0 and self.pending is None:
+        if self.on_cuda and self.warm and self.steps % self.every == 0 and self.pending is None:
             self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def _leave(self) -> None:
         self.armed = False
+        if not self.warm:  # the epoch's first step: not timed (the module's docstring)
+            self.warm, self.waited_s = True, 0.0
+            if not self.on_cuda:
+                self._close_interval()
+                self.previous_compute_cpu_s = self.step_compute_cpu_s / (1 + self.slow)
+                self.previous_compute_s = self.step_compute_s
+            return
         self.steps += 1
+        self.data_s, self.waited_s = self.data_s + self.waited_s, 0.0
         if self.on_cuda:
             if self.events is not None:
                 self.pending, self.events = self.events, None
@@ -209,12 +226,14 @@ OWN_TIME_MEASURE, CPU_MEASURE = "its own time", "CPU time"
 
 
 def straggler(compute_ms: Sequence[float], data_ms: Sequence[float], hosts: Sequence[str] | None = None,
-              compute_cpu_ms: Sequence[float] | None = None, slower_pct: float = SLOWER_PCT) -> Straggler | None:
+              compute_cpu_ms: Sequence[float] | None = None, slower_pct: float = SLOWER_PCT,
+              steps: int | None = None) -> Straggler | None:
     """The rank most above the median of the other ranks, where that is more than slower_pct, by either measure: its
     own time a step (compute + data; the phase is the one whose own excess over the others' median is the larger), or
-    its compute's CPU time a step (phase compute). None with one rank, or where no rank is that much slower."""
+    its compute's CPU time a step (phase compute). None with one rank, over fewer than MIN_STEPS timed steps (steps:
+    the fewest of any rank; None: not checked), or where no rank is that much slower."""
     ranks = len(compute_ms)
-    if ranks < 2 or len(data_ms) != ranks:
+    if ranks < 2 or len(data_ms) != ranks or (steps is not None and steps < MIN_STEPS):
         return None
     own = [c + d for c, d in zip(compute_ms, data_ms)]
     measures = [(OWN_TIME_MEASURE, own)]
