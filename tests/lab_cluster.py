@@ -25,6 +25,7 @@ are gone, so a killed test process leaves nothing behind; stop() removes it too.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import itertools
@@ -38,7 +39,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 if __package__ in (None, ""):  # run as the supervisor's script: the repository root, for tests.slurm_cluster
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,6 +58,8 @@ NAME_PREFIX = "dptlab"
 # Held while a lab picks its subnet number and claims it by creating its bridge: labs of other processes at once.
 ALLOCATION_LOCK = Path(tempfile.gettempdir()) / "dptrain-lab-network.lock"
 LAB_FILE = "lab.json"  # in a lab cluster's state folder: its network, for `stop` and the supervisor
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller: LabCluster.cpu_quota's groups
+_QUOTAS = itertools.count()
 TCP_RETRIES2 = 5  # a connection over a dead link fails in ~13 s, not ~15 min (see tests/netns_hosts.py)
 # tbf's queue holds this much time of traffic at the rate: a switch port's buffer, not a bufferbloat of seconds
 TBF_LATENCY = "10ms"
@@ -404,6 +407,34 @@ class LabCluster(SlurmCluster):
         super().stop()
         if self.network is not None:
             self.network.destroy()
+
+    @contextlib.contextmanager
+    def cpu_quota(self, host: int, cores: float) -> Iterator[Path]:
+        """Host `host` held to `cores` CPUs' worth of time while inside: its slurmd goes into a cgroup of its own
+        whose CPU quota is that (cgroup v1's cpu controller, cpu.cfs_quota_us over a 100 ms period), and the
+        processes of its jobs, slurmd's children, are born there. A host slowed as a neighbour's job or a
+        throttled node slows one; on leaving, every process still there goes back to the root group. Yields the
+        group's folder (cpu.stat counts the periods it was held back)."""
+        if not CPU_CGROUPS.is_dir() or not 0 < cores <= 64:
+            raise SlurmClusterError(f"a CPU quota needs cgroup v1's cpu controller at {CPU_CGROUPS} and 0 < cores "
+                                    f"<= 64 (got {cores})")
+        slurmd = self._daemon_pids().get(f"slurmd-{LabNetwork.hostname(host)}")
+        if slurmd is None:
+            raise SlurmClusterError(f"host{host}'s slurmd is not running")
+        group = CPU_CGROUPS / f"{NAME_PREFIX}-{os.getpid()}-host{host}-{next(_QUOTAS)}"
+        group.mkdir()
+        try:
+            period = int((group / "cpu.cfs_period_us").read_text())
+            (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(cores * period))))
+            (group / "cgroup.procs").write_text(str(slurmd))
+            yield group
+        finally:
+            for pid in (group / "cgroup.procs").read_text().split():
+                try:
+                    (CPU_CGROUPS / "cgroup.procs").write_text(pid)
+                except ProcessLookupError:  # ended meanwhile
+                    pass
+            group.rmdir()
 
     def describe(self) -> str:
         """One line for people: the hosts, their addresses, their links, the controller's address."""

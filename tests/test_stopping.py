@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from dptrain.stopping import StopRequest
+from dptrain.stopping import SlowNode, StopRequest
 from tests.ranks import run_on_ranks
 
 
@@ -108,3 +108,15 @@ def test_a_drill_writes_its_step_and_goes_on_and_the_next_signal_stops_both_rank
     rank0, rank1 = run_on_ranks(_drill_then_stop, 2, timeout=90)
     assert rank0 == [(5, "SIGUSR1", True, [True, False]), (10, "SIGUSR1", False, [True, False])]
     assert [(s, d, r) for s, _, d, r in rank1] == [(s, d, r) for s, _, d, r in rank0]
+
+
+def test_a_node_leaves_once_its_rank_is_the_straggler_that_many_epochs_in_a_row_and_never_node_0():
+    """launch.leave_slow_node 2 on 3 nodes of 2 ranks that may go on with 2: ranks 2-3 are node 1, 4-5 node 2."""
+    slow = SlowNode(epochs=2, ranks_per_node=2, nodes=3, fewest=2)
+    assert [slow.after_epoch(rank) for rank in (3, None, 2, 5, 4)] == [None, None, None, None, 2]  # in a row only
+    again = SlowNode(epochs=2, ranks_per_node=2, nodes=3, fewest=2)
+    assert [again.after_epoch(rank) for rank in (2, 3)] == [None, 1]  # either rank of node 1
+    hosts_the_rendezvous = SlowNode(epochs=1, ranks_per_node=2, nodes=3, fewest=1)
+    assert [hosts_the_rendezvous.after_epoch(rank) for rank in (0, 1, 1)] == [None, None, None]  # named, never leaves
+    fewest = SlowNode(epochs=1, ranks_per_node=1, nodes=2, fewest=2)
+    assert fewest.after_epoch(1) is None  # the run may not go on with fewer nodes

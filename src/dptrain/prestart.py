@@ -130,6 +130,23 @@ def check_elastic(cfg: RunConfig, fewest_nodes: int, most_nodes: int, per_node: 
                     torch_version=str(torch.__version__))
 
 
+def check_leave_slow_node(cfg: RunConfig, fewest_nodes: int | None, most_nodes: int | None) -> None:
+    """launch.leave_slow_node needs a run that may go on with fewer nodes (--nnodes MIN:MAX with MIN below MAX, whose
+    own checks are check_elastic's) and the own clock that names the straggler (launch.watch). None: no node range
+    (a fixed --nnodes, one node, a launcher of the user's or a SLURM job)."""
+    leave = cfg.launch.leave_slow_node
+    if not leave:
+        return
+    if fewest_nodes is None or most_nodes is None or fewest_nodes >= most_nodes:
+        spelled = "no --nnodes" if most_nodes is None else f"--nnodes {most_nodes}"
+        raise ConfigError(f"launch.leave_slow_node = {leave} needs a run that may go on with fewer nodes, and this one "
+                          f"has {spelled}; give --nnodes MIN:MAX with MIN below MAX (dptrain train on each node), or "
+                          f"set launch.leave_slow_node 0.")
+    if not cfg.launch.watch:
+        raise ConfigError(f"launch.leave_slow_node = {leave} needs launch.watch true: the ranks' own clocks name the "
+                          f"slow node; set launch.watch true, or launch.leave_slow_node 0.")
+
+
 def adopt_strategy_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
     """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
     tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file

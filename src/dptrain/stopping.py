@@ -39,6 +39,46 @@ class Stopped(Exception):
                    f"run the same command to resume.")
 
 
+EXIT_LEFT = 76
+"""Exit code of the ranks of a node that leaves an elastic run because it stayed slower than the others
+(launch.leave_slow_node): their agent ends without starting them again, and the other nodes go on without it."""
+FEWEST_NODES_VAR = "DPTRAIN_FEWEST_NODES"
+"""Set by dptrain's agent for its workers where launch.leave_slow_node is on: the fewest nodes the run may go on with
+(--nnodes MIN:MAX's MIN)."""
+
+
+class NodeLeaves(Stopped):
+    """Raised on every rank at an epoch's end, after a snapshot of it, once one node's ranks have been the straggler
+    for launch.leave_slow_node epochs in a row (SlowNode): that node's ranks leave the run (leaving: exit EXIT_LEFT),
+    the others stop to be started again by their agents, without it, from that snapshot."""
+
+    def __init__(self, message: str, leaving: bool) -> None:
+        super().__init__(message)
+        self.leaving = leaving
+
+
+class SlowNode:
+    """Which node leaves an elastic run, and when: the node whose rank the epochs name the straggler `epochs` epochs in
+    a row, while the run has more nodes than the fewest it may go on with. Never node 0: it hosts the rendezvous the
+    others meet at again (it is named, and stays). The same answer on every rank: each epoch's straggler comes out of
+    the same all-reduced table on each. A node is global ranks node * ranks_per_node onwards (torch's agent numbers
+    the ranks node by node, node 0 first)."""
+
+    def __init__(self, epochs: int, ranks_per_node: int, nodes: int, fewest: int) -> None:
+        self.epochs, self.ranks_per_node, self.nodes, self.fewest = epochs, ranks_per_node, nodes, fewest
+        self.node: int | None = None
+        self.count = 0
+
+    def after_epoch(self, straggler_rank: int | None) -> int | None:
+        """The node that leaves now, or None, given this epoch's straggler (None: no rank was named)."""
+        node = None if straggler_rank is None else straggler_rank // self.ranks_per_node
+        self.count = self.count + 1 if node is not None and node == self.node else int(node is not None)
+        self.node = node
+        if node and self.count >= self.epochs and self.nodes > self.fewest:
+            return node
+        return None
+
+
 class StopRequest:
     """Catches SIGTERM/SIGUSR1 in this rank and tells the loop, identically on every rank, when to stop."""
 

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +41,7 @@ from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
 from dptrain.step_graph import StepGraph
-from dptrain.stopping import StopRequest
+from dptrain.stopping import FEWEST_NODES_VAR, NodeLeaves, SlowNode, StopRequest
 from dptrain.strategies.registry import build_strategy, check_world
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.base import OptimizerSpec, optimizer_choice
@@ -218,6 +219,10 @@ class Trainer:
     hosts: list[str] | None = None
     """Every rank's host, by global rank (the worker sets it once the ranks have said where they run): a straggler's
     host in the epoch event."""
+    slow_node: SlowNode | None = None
+    """launch.leave_slow_node's count of the epochs that named a rank of the same node (None: no node leaves)."""
+    straggler_rank: int | None = None
+    """The rank the last epoch named its straggler (None: none)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -234,6 +239,7 @@ class Trainer:
                 if state.is_complete(self.total_steps):  # a resumed epoch with every step done may still owe its event
                     break
                 last = self._end_epoch(epoch, self.run_epoch(epoch, progress))
+                self._leave_if_slow(epoch)
             progress.stop()
             self._finish()
             completed = True
@@ -271,6 +277,7 @@ class Trainer:
         self._check_loss(totals.loss_sum)  # before the epoch's evaluation, snapshot and the final weights
         if (slow := totals.straggler) is not None:  # every rank's log; the console once, from rank 0
             log.warning("%s", slow.sentence(epoch + 1), extra={"file_only": not self.env.is_main})
+        self.straggler_rank = None if slow is None else slow.rank
         return train_fields(totals)
 
     def _after_step(self, epoch: int, loss_sum: torch.Tensor, global_count: int, progress: ProgressBar) -> None:
@@ -300,6 +307,24 @@ class Trainer:
         with self.phase(f"snapshot after epoch {epoch + 1}"):
             self.snapshots.save_if_due(self.state, after_evaluation=True)
         return event
+
+    def _leave_if_slow(self, epoch: int) -> None:
+        """launch.leave_slow_node: once one node's rank was the straggler that many epochs in a row, and epochs remain,
+        a snapshot of this epoch's end, then NodeLeaves on every rank (the same decision on each: every rank reduced
+        the same table)."""
+        if self.slow_node is None or epoch + 1 >= self.cfg.train.epochs or self.state.is_complete(self.total_steps):
+            return
+        node = self.slow_node.after_epoch(self.straggler_rank)
+        if node is None:
+            return
+        with self.phase(f"snapshot at step {self.state.step}"):
+            self.snapshots.save(self.state, wait=True)
+        epochs, per_node = self.slow_node.epochs, self.slow_node.ranks_per_node
+        host = self.hosts[node * per_node] if self.hosts else "?"
+        raise NodeLeaves(f"node {node} ({host}) leaves the run: one of its ranks was the slowest, more than 20% above "
+                         f"the others, {epochs} epoch{'s' * (epochs > 1)} in a row (launch.leave_slow_node {epochs}); the "
+                         f"other nodes go on without it from the snapshot of step {self.state.step}.",
+                         leaving=self.env.global_rank // per_node == node)
 
     def _finish(self) -> None:
         """The final weights, then the final snapshot, whole on disk before fit() returns."""
@@ -447,7 +472,17 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
     return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
                    train_loader=train_loader, eval_loader=eval_loader, info=info, events=events, phase=phase,
                    total_steps=total_steps, step=step, snapshots=snapshotter, state=state,
-                   stop=StopRequest(env.world_size), flops_per_sample=flops)
+                   stop=StopRequest(env.world_size), flops_per_sample=flops, slow_node=slow_node(cfg, env))
+
+
+def slow_node(cfg: RunConfig, env: DistEnv) -> SlowNode | None:
+    """launch.leave_slow_node's SlowNode where dptrain's agent runs an elastic run (it says the fewest nodes: node 0,
+    which hosts the rendezvous, never leaves); None elsewhere."""
+    fewest = os.environ.get(FEWEST_NODES_VAR)
+    if not cfg.launch.leave_slow_node or fewest is None or env.local_world_size < 1:
+        return None
+    return SlowNode(cfg.launch.leave_slow_node, env.local_world_size, env.world_size // env.local_world_size,
+                    int(fewest))
 
 
 def step_profiler(cfg: RunConfig, env: DistEnv, device: torch.device, state: TrainState,

@@ -36,7 +36,7 @@ from dptrain.runtime import (bf16_autocast, keep_freed_memory, pick_device, seed
                              use_deterministic_kernels)
 from dptrain.slurm.env import slurm_count, slurm_value
 from dptrain.slurm.requeue import requeue_after_stop
-from dptrain.stopping import EXIT_STOPPED, Stopped
+from dptrain.stopping import EXIT_LEFT, EXIT_STOPPED, NodeLeaves, Stopped
 from dptrain.strategies.registry import STRATEGIES
 
 log = logging.getLogger("dptrain")
@@ -242,6 +242,13 @@ def train_worker(cfg_tree: dict[str, Any]) -> dict[str, Any]:
                 step = trainer.state.step
             events.emit(RUN_END_EVENT.name, **{STEP: step})
             return last
+    except NodeLeaves as exc:  # launch.leave_slow_node: its snapshot is written, on every rank
+        events.emit(STOPPED_EVENT.name, **{STEP: step, MESSAGE: str(exc)})
+        log.warning("%s", exc, extra={"file_only": True})  # in every rank's log
+        env = DistEnv.from_environ()
+        if exc.leaving and env.local_rank == 0:  # the leaving node's console; the others' agents say how they go on
+            print(f"dptrain: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_LEFT if exc.leaving else EXIT_STOPPED) from None
     except Stopped as exc:
         events.emit(STOPPED_EVENT.name, **{STEP: step, MESSAGE: str(exc)})
         # Where dptrain's agent restarts the workers (a lost node of an elastic run), the stop is no end of the run and

@@ -157,6 +157,40 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
     assert read_events(run_dir, "run_start")[0]["world_size"] == 2
 
 
+# 2 epochs of 16 steps on each of 2 ranks; one thread a rank
+QUOTA_RUN = ["--data.name", "synthetic", "--data.synthetic_train_size", "1024", "--data.synthetic_test_size", "64",
+             "--train.global_batch_size", "64", "--train.epochs", "2", "--train.log_every", "8", "--nodes", "2",
+             "--cpus-per-node", "1"]
+
+
+@pytest.mark.nightly
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_host_held_to_a_cpu_quota_is_named_the_straggler_of_each_epoch(tmp_path):
+    """host2 held to 0.3 of a core (LabCluster.cpu_quota, as a throttled node or a neighbour's job holds one), a job of
+    2 nodes x 1 rank: each epoch names rank 1 on host2, in compute, by its own time (the wall clock: the quota leaves
+    its compute's CPU time as it was), and the others' own time is not what grew."""
+    from dptrain.events import OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP
+
+    _skip_where_impossible()
+    with LabCluster.start(tmp_path / "lab", hosts=2, rate="1gbit") as lab, lab.cpu_quota(2, 0.3) as group:
+        job_id = submit(lab, tmp_path, "quota", QUOTA_RUN, {})
+        run_dir = tmp_path / "runs" / "quota"
+        job = lab.wait(job_id, timeout=240)
+        throttled = int(dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())["nr_throttled"])
+    assert job["JobState"] == "COMPLETED", (job, job_output(run_dir))
+    assert throttled > 0  # the quota held host2's processes back
+    epochs = read_events(run_dir, "epoch")
+    assert [(e["straggler_rank"], e["straggler_host"], e["straggler_phase"]) for e in epochs] == [
+        (1, "host2", "compute")] * 2, epochs
+    for epoch in epochs:
+        wall, cpu = epoch[OWN_COMPUTE_MS_PER_STEP], epoch[OWN_COMPUTE_CPU_MS_PER_STEP]
+        assert wall[1] > 1.3 * wall[0] and epoch["straggler_slower_pct"] > 30, epoch
+        assert wall[1] > 1.3 * cpu[1]  # held back, not computing more
+    rank1_log = (run_dir / "logs" / "rank1.log").read_text()
+    assert "rank 1 (host2) was" in rank1_log and "slower than the other ranks in epoch 2, in compute" in rank1_log
+
+
 @pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(300)

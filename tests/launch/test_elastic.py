@@ -68,6 +68,67 @@ def test_a_lost_node_leaves_the_run_going_on_smaller_from_its_last_snapshot_with
     assert_trained_alike(run_dir, planned_run("multinode/one-host", 2), steps=8)
 
 
+SLOW_NODE_RUN = ["train", "--data.name", "synthetic", "--data.synthetic_train_size", "640", "--data.synthetic_test_size",
+                 "64", "--train.global_batch_size", "32", "--train.epochs", "3", "--train.log_every", "10",
+                 "--launch.max_restarts", "1", "--launch.leave_slow_node", "1", "--nproc-per-node", "1",
+                 "--nnodes", "1:2"]
+
+
+@pytest.mark.nightly  # about 25 s; the default run keeps SlowNode's rule and the option's refusals
+@pytest.mark.timeout(240)
+def test_a_node_that_stays_slow_leaves_and_the_run_goes_on_without_it(tmp_path):
+    """Node 1's rank computes twice its share (DPTRAIN_TEST_SLOW, real busy work): epoch 1 names it, and with
+    launch.leave_slow_node 1 node 1 leaves after a snapshot of epoch 1's end; node 0 goes on alone to epoch 3."""
+    run_dir, port = tmp_path / "run", free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DPTRAIN_TEST_SLOW": "1:1.0", KEEP_ALIVE_ENV: "1", LAST_CALL_ENV: "2"}
+    agents = [subprocess.Popen([sys.executable, "-m", "dptrain", *SLOW_NODE_RUN, "--output.dir", str(run_dir),
+                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True) for rank in (0, 1)]
+    try:
+        _, err1 = agents[1].communicate(timeout=150)
+        _, err0 = agents[0].communicate(timeout=150)
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert agents[1].returncode == 0, (err1[-2000:], log_tail(run_dir))
+    assert agents[0].returncode == 0, (err0[-2000:], log_tail(run_dir))
+    [epoch1, *later] = read_events(run_dir, "epoch")
+    assert epoch1["straggler_rank"] == 1 and [e["epoch"] for e in later] == [2, 3]
+    assert all("straggler_rank" not in e for e in later)  # one rank left: nobody to compare with
+    step = epoch1["step"]
+    said = [line for line in err1.splitlines() if line.startswith("dptrain: node 1 (")]
+    assert said == [f"dptrain: node 1 ({epoch1['straggler_host']}) leaves the run: one of its ranks was the slowest, "
+                    f"more than 20% above the others, 1 epoch in a row (launch.leave_slow_node 1); the other nodes go "
+                    f"on without it from the snapshot of step {step}."], err1
+    assert "node 1 left the run" in err0 and "the run goes on with 1 node" in err0, err0
+    assert [s["world_size"] for s in read_events(run_dir, "run_start")] == [2, 1]
+    [stopped] = read_events(run_dir, "stopped")
+    assert stopped["step"] == step and "leaves the run" in stopped["message"]
+    assert f"checkpoints/step-{step:08d} at step {step} (epoch 2, 0 batches into it)" in (
+        run_dir / "logs" / "rank0.log").read_text()  # node 0 resumed from the snapshot of the leave
+    assert (run_dir / "model.pt").is_file()
+    assert read_events(run_dir, "run_end")[-1]["step"] == 3 * 20
+
+
+@pytest.mark.parametrize("options, says", [
+    ([], "launch.leave_slow_node = 2 needs a run that may go on with fewer nodes, and this one has no --nnodes; give "
+         "--nnodes MIN:MAX with MIN below MAX (dptrain train on each node), or set launch.leave_slow_node 0."),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
+     "launch.leave_slow_node = 2 needs a run that may go on with fewer nodes, and this one has --nnodes 2; give"),
+    (["--nnodes", "1:2", "--master-addr", "127.0.0.1", "--launch.max_restarts", "1", "--launch.watch", "false"],
+     "launch.leave_slow_node = 2 needs launch.watch true: the ranks' own clocks name the slow node; set launch.watch "
+     "true, or launch.leave_slow_node 0."),
+])
+def test_leaving_a_slow_node_is_refused_in_one_sentence_where_the_run_cannot_go_on_without_it(options, says, capsys):
+    from dptrain.cli import main
+
+    assert main(["train", "--dry-run", "--data.name", "synthetic", "--launch.leave_slow_node", "2", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dptrain: error: {says}") and len(err.strip().splitlines()) == 1, err
+
+
 def test_the_node_range_reads_as_torchrun_writes_it():
     assert node_range("2") == (2, 2) and node_range(3) == (3, 3) and node_range(None) == (None, None)
     assert node_range("1:4") == (1, 4)

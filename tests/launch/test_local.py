@@ -273,8 +273,8 @@ def test_a_restart_after_ranks_that_stopped_with_a_snapshot_says_so_not_their_ex
     stopped = RunResult(state=WorkerState.FAILED, failures={
         0: ProcessFailure(local_rank=0, pid=11, exitcode=EXIT_STOPPED, error_file=str(tmp_path / "none.json"))})
     assert restart_sentence(_failure_naming_its_rank(stopped), 2, 2) == (
-        "rank 0 stopped at a step boundary with a snapshot (exit code 75: a signal to it or to another rank); "
-        "starting the workers again, attempt 2 of 3 (--launch.max_restarts 2).")
+        "rank 0 stopped at a step boundary with a snapshot (exit code 75: a signal to it or to another rank, or a slow "
+        "node that leaves); starting the workers again, attempt 2 of 3 (--launch.max_restarts 2).")
 
 
 class _HostGone:

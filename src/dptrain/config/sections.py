@@ -274,11 +274,16 @@ class LaunchConfig:
     watch: bool = may_change_at_resume(True)
     """Each rank watches its collectives for a hang (the run then ends naming the rank that stopped, docs/hangs.md) and
     times its own work for stragglers (named in the epoch event); false leaves both out, to measure what they cost."""
+    leave_slow_node: int = may_change_at_resume(0)
+    """With --nnodes MIN:MAX: a node whose rank is named the straggler this many epochs in a row leaves the run at that
+    epoch's end, after a snapshot of it, and the other nodes go on from it (while more than MIN nodes remain; needs
+    launch.max_restarts 1 or more and launch.watch); 0: no node leaves (docs/hangs.md)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node != "auto":
             positive(self.nproc_per_node, "launch.nproc_per_node")
         not_negative(self.max_restarts, "launch.max_restarts")
+        not_negative(self.leave_slow_node, "launch.leave_slow_node")
         if self.timeout_s < MIN_TIMEOUT_S:
             raise ConfigError(f"launch.timeout_s = {self.timeout_s:g} is below the minimum of {MIN_TIMEOUT_S:g} s: it bounds "
                               f"the rendezvous and every collective, and starting the workers alone takes longer than that; "

@@ -26,7 +26,7 @@ from dptrain.launch.rendezvous import (REFUSAL_FILE, RENDEZVOUS, Refused, forget
                                        rendezvous_host_gone, rendezvous_timeout, rendezvous_times)
 from dptrain.prestart import local_workers
 from dptrain.runtime import wants_cuda
-from dptrain.stopping import EXIT_STOPPED, Stopped
+from dptrain.stopping import EXIT_LEFT, EXIT_STOPPED, FEWEST_NODES_VAR, Stopped
 
 # With gloo, a restarted rank can read a dead rank's address from the agent's shared store and fail
 # to connect (pytorch/pytorch#135712); a store of the workers' own avoids that. Set for the launch only.
@@ -131,6 +131,8 @@ def launch_local(entrypoint: Callable[..., Any] | str, args: tuple, nproc_per_no
         raise LaunchError(rendezvous_host_gone(nodes)) from None
     except Refused as exc:
         raise LaunchError(str(exc)) from None
+    except node_left_exception():  # launch.leave_slow_node: its rank said so on the console
+        return
     except SignalException as exc:
         if program:
             raise Stopped(f"stopped by {exc.sigval.name}, which went on to every rank of the script.") from None
@@ -165,6 +167,10 @@ def restarts_said_on_the_console(max_restarts: int) -> Iterator[None]:
 
     def monitor(agent: Any, worker_group: Any) -> Any:
         result = torchs(agent, worker_group)
+        if result.state == WorkerState.FAILED and result.failures and all(
+                f.exitcode == EXIT_LEFT for f in result.failures.values()):
+            raise node_left_exception()("this node's workers left the run (launch.leave_slow_node)",
+                                        sigval=signal.SIGTERM)
         restarts_left = getattr(agent, "_remaining_restarts", 0)  # the agent restarts while some are left
         if result.state == WorkerState.FAILED and result.failures and restarts_left > 0 and not _refused():
             attempt = max_restarts - restarts_left + 2  # the first start is attempt 1
@@ -180,6 +186,19 @@ def restarts_said_on_the_console(max_restarts: int) -> Iterator[None]:
         LocalElasticAgent._monitor_workers = torchs
 
 
+@functools.cache
+def node_left_exception() -> type[Exception]:
+    """The exception the agent's monitor raises once this node's workers have left the run (exit code EXIT_LEFT,
+    launch.leave_slow_node): a SignalException, because torch's launch_agent keeps the rendezvous open for the
+    nodes that go on after one (any other exception closes it for good, and every node's agent would end)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    class NodeLeft(SignalException):
+        pass
+
+    return NodeLeft
+
+
 def restart_sentence(failure: str, attempt: int, max_restarts: int) -> str:
     """The console's sentence for a restart: the failure (describe_failure's words) and the attempt that comes, the
     first start being attempt 1 of launch.max_restarts + 1."""
@@ -193,7 +212,7 @@ def _failure_naming_its_rank(result: Any) -> str:
     rank = min(result.failures.items(), key=lambda kv: kv[1].timestamp)[0]
     if all(f.exitcode == EXIT_STOPPED for f in result.failures.values()):  # a lost node's peers stop this way too
         return (f"rank {rank} stopped at a step boundary with a snapshot (exit code {EXIT_STOPPED}: a signal to it or "
-                f"to another rank)")
+                f"to another rank, or a slow node that leaves)")
     said = describe_failure(result)
     return said if said.startswith(f"rank {rank} ") else f"rank {rank} failed: {said}"
 
@@ -409,8 +428,15 @@ def run_ranks(entrypoint: Callable[..., Any], args: tuple, cfg: RunConfig, world
         from dptrain.prestart import check_gpus_for_workers
 
         check_gpus_for_workers(cfg.launch.backend, per_node, torch.cuda.device_count())
-    launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_file, nodes,
-                 on_cuda=on_cuda)
+    leaving = bool(cfg.launch.leave_slow_node) and nodes is not None and nodes.elastic
+    if leaving:  # the workers' SlowNode: how few nodes the run may go on with (the agent's environment is theirs)
+        os.environ[FEWEST_NODES_VAR] = str(nodes.fewest)
+    try:
+        launch_local(entrypoint, args, per_node, cfg.launch.timeout_s, cfg.launch.max_restarts, log_file, nodes,
+                     on_cuda=on_cuda)
+    finally:
+        if leaving:
+            os.environ.pop(FEWEST_NODES_VAR, None)
 
 
 def world_size_here(cfg: RunConfig, nodes: Nodes | None = None) -> tuple[int, bool]:

@@ -219,7 +219,8 @@ class Straggler:
     def sentence(self, epoch: int) -> str:
         return (f"rank {self.rank} ({self.host}) was {self.slower_pct:.0f}% slower than the other ranks in epoch "
                 f"{epoch}, in {self.phase} ({self.own_ms:.1f} ms of {self.measure} a step against {self.others_ms:.1f}); "
-                f"the others waited for it at every step: look at that host's load, or leave it out of the run")
+                f"the others waited for it at every step: look at that host's load, or leave it out of the run "
+                f"(launch.leave_slow_node does, in a run of --nnodes MIN:MAX)")
 
 
 OWN_TIME_MEASURE, CPU_MEASURE = "its own time", "CPU time"
