@@ -37,7 +37,8 @@ from dptrain.command_line import (add_job_options, add_sbatch_names, job_files, 
 from dptrain.errors import ConfigError, DataError, LaunchError, SnapshotError
 from dptrain.launch.local import run_ranks, world_size_here
 from dptrain.plan import plan
-from dptrain.prestart import batch_split, check_output_dir, check_predictions_path, snapshot_and_its_run
+from dptrain.prestart import (batch_split, check_output_dir, check_predictions_path, refuse_leave_slow_node_for_a_script,
+                              snapshot_and_its_run)
 from dptrain.run_folder import RunFolder
 from dptrain.snapshots import elsewhere
 from dptrain.stopping import EXIT_STOPPED, Stopped
@@ -86,6 +87,7 @@ def train_user_script(args: argparse.Namespace, extra: list[str]) -> int:
     overrides = run_overrides(args, extra)
     user_script.refuse_trainer_options(overrides, SCRIPT_SECTIONS, "this launch")
     cfg = user_script.named_after(config_mod.load(args.config, overrides), script, overrides)
+    refuse_leave_slow_node_for_a_script(cfg)
     return run_script(script, cfg, nodes_of(args), args.dry_run)
 
 

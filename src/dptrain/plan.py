@@ -18,7 +18,7 @@ from dptrain.distributed.env import Nodes
 from dptrain.launch.local import world_size_here
 from dptrain.launch.rendezvous import rendezvous_times
 from dptrain.prestart import (adopt_strategy_settings, check_elastic, check_leave_slow_node, named_after_its_experiment,
-                              preflight, preflight_job, resolve_batch)
+                              preflight, preflight_job, refuse_leave_slow_node_for_a_script, resolve_batch)
 
 JobShape = Callable[[RunConfig], tuple[RunConfig, int]]
 """A job's say in the plan (`dptrain submit`): the configuration with the job's options in it, and the job's world
@@ -59,6 +59,7 @@ def plan(config_path: str | None, overrides: list[tuple[str, str]], nodes: Nodes
         elastic = nodes is not None and nodes.elastic and job is None
         check_leave_slow_node(cfg, nodes.fewest if elastic else None, nodes.count if nodes is not None else None)
     if not trainer:
+        refuse_leave_slow_node_for_a_script(cfg)
         return Plan(cfg, cfg, world_size, launched_outside, nodes)
     given, cfg = cfg, resolve_batch(cfg, world_size)
     if checked:

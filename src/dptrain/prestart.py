@@ -147,6 +147,14 @@ def check_leave_slow_node(cfg: RunConfig, fewest_nodes: int | None, most_nodes: 
                           f"slow node; set launch.watch true, or launch.leave_slow_node 0.")
 
 
+def refuse_leave_slow_node_for_a_script(cfg: RunConfig) -> None:
+    """launch.leave_slow_node with a script of the user's (`dptrain train -- my_train.py`, or its job): the slow node is
+    named by dptrain's own loop, which a script does not run."""
+    if cfg.launch.leave_slow_node:
+        raise ConfigError(f"launch.leave_slow_node = {cfg.launch.leave_slow_node} needs dptrain's own training loop, "
+                          f"which names the slow node; a script of yours is not timed that way: drop it.")
+
+
 def adopt_strategy_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
     """cfg with the settings of a file of the strategy's own (Strategy.adopt_settings: DeepSpeed's ds_config.json, the
     tutorials' train_batch_size, Adam params, clipping, WarmupLR) taken into the options that neither the --config file

@@ -129,6 +129,16 @@ def test_leaving_a_slow_node_is_refused_in_one_sentence_where_the_run_cannot_go_
     assert err.startswith(f"dptrain: error: {says}") and len(err.strip().splitlines()) == 1, err
 
 
+def test_leaving_a_slow_node_is_refused_for_a_script_of_the_users(tmp_path, monkeypatch, capsys):
+    from dptrain.cli import main
+
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--launch.leave_slow_node", "1", "--", "train.py"]) == 2
+    assert capsys.readouterr().err == ("dptrain: error: launch.leave_slow_node = 1 needs dptrain's own training loop, "
+                                       "which names the slow node; a script of yours is not timed that way: drop it.\n")
+
+
 def test_the_node_range_reads_as_torchrun_writes_it():
     assert node_range("2") == (2, 2) and node_range(3) == (3, 3) and node_range(None) == (None, None)
     assert node_range("1:4") == (1, 4)
