@@ -66,8 +66,10 @@ LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
 PERIODIC = ("local_sgd", "diloco")
 """The strategies that delay the gradients (each rank steps alone between exchanges): like the hooks that round them,
 candidates only within an accuracy budget."""
-PERIODS = (4, 16, 64)
-"""Their periods tried: the model ranks the longest first; one out of the budget gives way to the next shorter."""
+PERIODS = (4, 16, 64, 128)
+"""Their periods tried: the model ranks the longest first; one out of the budget gives way to the next shorter. 128:
+on 2 lab hosts at 100 Mbit/s DiLoCo every 64 steps still ran 0.94-0.98x of the same ranks on one host, every 128
+steps 0.98-1.02x, at the same accuracy after 2 epochs (docs/benchmark.md)."""
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
@@ -148,12 +150,21 @@ def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
                      getattr(cfg.strategy, table).period if cfg.strategy.name in PERIODIC else None)
 
 
-def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool) -> list[Candidate]:
+NEXT_FORWARD_CORES = 2
+"""The fewest cores a rank needs for its update in the next forward to be a candidate: the transfer it leaves running
+(the bytes' trip through the kernel's TCP and gloo) takes CPU, and on a rank's only core it takes it from the next
+forward it was to hide behind. On the lab's one-core hosts the option ran 953 to 1,470 images/s against plain ddp's
+1,285 to 1,498 (docs/benchmark.md): never faster beyond the spread of identical runs."""
+
+
+def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool,
+               cores_per_node: int | None = None) -> list[Candidate]:
     """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
     4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
     lossy hook where allowed); over several nodes ddp also with its update in the next forward, with DDP's buckets
-    (and each lossy hook where allowed). On one node it would give way to the shared-memory sum: not a candidate.
-    Where lossy ones are allowed, local_sgd and diloco too, at each of PERIODS, on two ranks or more."""
+    (and each lossy hook where allowed), where each rank has NEXT_FORWARD_CORES of cores_per_node (None: not known,
+    not limited). On one node it would give way to the shared-memory sum: not a candidate. Where lossy ones are
+    allowed, local_sgd and diloco too, at each of PERIODS, on two ranks or more."""
     ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
     found = [default]
     for strategy in STRATEGIES:
@@ -168,7 +179,8 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
             found += [Candidate(strategy, r, bucket_mb=b) for b in caps]
             if lossy:
                 found += [Candidate(strategy, r, comm_hook=h) for h in LOSSY_HOOKS]
-            if strategy == "ddp" and nodes > 1:
+            spare_core = cores_per_node is None or cores_per_node // r >= NEXT_FORWARD_CORES
+            if strategy == "ddp" and nodes > 1 and spare_core:
                 found += [Candidate(strategy, r, comm_hook=h, update_in_next_forward=True)
                           for h in ("allreduce", *(LOSSY_HOOKS if lossy else ()))]
     if lossy:  # nothing to average on one rank
@@ -538,8 +550,8 @@ def tune(tuner: Tuner) -> Path:
     work = replace(base, compute_s_per_sample=compute_s,
                    rank_share=rank_shares(tuner) if tuner.shares is None else tuner.shares,
                    own_cpu_s=own_cpu(tuner, user) if tuner.own_cpu is None else tuner.own_cpu)
-    same = distinct(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size, tuner.lossy),
-                    tuner.nodes, base.param_bytes)
+    same = distinct(candidates(user, tuner.max_ranks, tuner.nodes, tuner.cfg.train.global_batch_size, tuner.lossy,
+                               node_cores(tuner)), tuner.nodes, base.param_bytes)
     ranked = rank_by_model(list(same), work, between, tuner.nodes, within, overlap=0.5)
     predicted = dict(ranked)
     runs: Runs = {c: [] for c in same}
@@ -702,6 +714,14 @@ def rank_shares(tuner: Tuner) -> dict[int, float]:
     return {r: p.peak_tflops / (r * probes[1].peak_tflops) for r, p in probes.items()}
 
 
+def node_cores(tuner: Tuner) -> int:
+    """A node's cores for the tuned run: the job's --cpus-per-node (1 where not given) under --slurm, else this
+    machine's usable cores."""
+    from dptrain_bench.peak import usable_cores
+
+    return (tuner.cfg.slurm.cpus_per_node or 1) if tuner.slurm else usable_cores()
+
+
 def own_cpu(tuner: Tuner, user: Candidate) -> dict[str, float]:
     """What the hooks, local SGD's averaging and DiLoCo's outer step cost a rank's CPU (the hook probe, hooks.json of
     the tune folder, on this machine: on SLURM the nodes are taken to be like it), where lossy candidates are
@@ -710,9 +730,8 @@ def own_cpu(tuner: Tuner, user: Candidate) -> dict[str, float]:
         return {}
     from dptrain.data import describe
     from dptrain_bench import hook_probe
-    from dptrain_bench.peak import usable_cores
 
-    cores = (tuner.cfg.slurm.cpus_per_node or 1) if tuner.slurm else usable_cores()
+    cores = node_cores(tuner)
     info = describe(tuner.cfg.data)
     ranks = max(2, tuner.nodes * user.ranks_per_node)
     wanted = hook_probe.HookProbe(model=tuner.cfg.model.name, image_shape=tuple(info.image_shape),

@@ -70,6 +70,11 @@ def test_over_several_nodes_ddp_is_also_a_candidate_with_its_update_in_the_next_
         ("ddp", 1, "allreduce"), ("ddp", 2, "allreduce")}
     lossy = tune.candidates(default, max_ranks=1, nodes=2, global_batch=32, lossy=True)
     assert {c.comm_hook for c in lossy if c.update_in_next_forward} == {"allreduce", *tune.LOSSY_HOOKS}
+    # Issue 45: on a rank's only core the transfer left running takes the CPU the next forward needed
+    two_cores = tune.candidates(default, max_ranks=2, nodes=2, global_batch=32, lossy=False, cores_per_node=2)
+    assert {c.ranks_per_node for c in two_cores if c.update_in_next_forward} == {1}  # 2 ranks: a core each
+    one_core = tune.candidates(default, max_ranks=1, nodes=2, global_batch=32, lossy=True, cores_per_node=1)
+    assert not any(c.update_in_next_forward for c in one_core) and Candidate("ddp", 1) in one_core
     c = Candidate("ddp", 1, comm_hook="powersgd", update_in_next_forward=True)
     cfg = config.load(None, [*TINY, *c.pairs()])
     assert cfg.strategy.ddp.update_in_next_forward and tune.default_candidate(cfg, 1) == c
