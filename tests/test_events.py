@@ -23,7 +23,7 @@ from tests.conftest import plan_runs
 WRITTEN = {
     "run_start": ["world_size", "strategy", "model", "data", "global_batch_size", "total_steps", "device", "step",
                   "slurm_restarts", "agent_restarts", "slurm_job_id"],
-    "step": ["epoch", "step", "loss", "lr"],
+    "step": ["epoch", "step", "loss", "lr", "straggler_rank", "straggler_host", "straggler_phase", "straggler_slower_pct"],
     "epoch": ["epoch", "step", "train_loss", "train_acc", "train_samples", "epoch_time_s", "samples_per_s",
               "model_flops_per_sample", "achieved_tflops", "peak_mem_mb", "lr", "skipped_steps", "mem_params_bytes",
               "mem_grads_bytes",

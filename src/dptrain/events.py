@@ -130,7 +130,8 @@ class EventSchema:
 RUN_START_EVENT = EventSchema("run_start", (WORLD_SIZE, STRATEGY, MODEL, DATA, GLOBAL_BATCH_SIZE, TOTAL_STEPS, DEVICE,
                                             STEP, SLURM_RESTARTS, AGENT_RESTARTS, SLURM_JOB_ID),
                               optional=(SLURM_RESTARTS, AGENT_RESTARTS, SLURM_JOB_ID))
-STEP_EVENT = EventSchema("step", (EPOCH, STEP, LOSS, LR))
+STEP_EVENT = EventSchema("step", (EPOCH, STEP, LOSS, LR, *STRAGGLER), optional=STRAGGLER)
+"""STRAGGLER: the window of steps since the last log step's straggler, where one was (metrics.stragglers)."""
 EPOCH_EVENT = EventSchema("epoch", (EPOCH, STEP, TRAIN_LOSS, TRAIN_ACC, TRAIN_SAMPLES, EPOCH_TIME_S, SAMPLES_PER_S,
                                     *EPOCH_RATES, PEAK_MEM_MB, LR, SKIPPED_STEPS, *FOOTPRINT, *COMM_TIMING,
                                     *OWN_TIME, *STRAGGLER, *UTILISATION, *EVALUATION),

@@ -36,7 +36,7 @@ from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
 from dptrain.metrics.profiler import StepProfiler
-from dptrain.metrics.stragglers import OwnClock
+from dptrain.metrics.stragglers import OwnClock, publish_window, window_straggler
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -223,6 +223,8 @@ class Trainer:
     """launch.leave_slow_node's count of the epochs that named a rank of the same node (None: no node leaves)."""
     straggler_rank: int | None = None
     """The rank the last epoch named its straggler (None: none)."""
+    own_clock: OwnClock | None = None
+    """The epoch's own clock while it runs (launch.watch), whose windows the log steps compare (metrics.stragglers)."""
 
     def fit(self) -> dict:
         """Train until train.epochs or train.max_steps; returns the last epoch event."""
@@ -259,6 +261,7 @@ class Trainer:
         account = self._start_account()
         # this rank's own time outside the collectives (metrics.stragglers): the epoch names a straggler from it
         own = OwnClock(self.strategy.eval_module, self.device, every=self.cfg.train.log_every) if self.cfg.launch.watch else None
+        self.own_clock = own
         batches = self.train_loader.epoch_batches(epoch, state.batches_consumed)
         try:
             for batch in own.batches(batches) if own is not None else batches:
@@ -271,6 +274,7 @@ class Trainer:
         finally:
             if own is not None:
                 own.close()
+            self.own_clock = None
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
             totals = account.reduce(state.epoch_sums, self.strategy.all_reduce, self.device,
                                     self._measured(account, own.totals() if own is not None else None))
@@ -389,11 +393,25 @@ class Trainer:
         The epoch's loss sum rides along in the same all-reduce: a nan or inf loss at any step so far stops the run here.
         """
         assert self.state.epoch_sums is not None
+        store = self._window_store()
+        if store is not None:  # before the all-reduce: once it has returned on rank 0, every rank's window is there
+            publish_window(store, self.env.global_rank, self.state.step, self.own_clock.window())
         step_total, epoch_total = self.strategy.all_reduce(torch.stack([loss_sum.double(), self.state.epoch_sums[0]])).tolist()
         self._check_loss(epoch_total)
         loss = step_total / global_count
-        self.events.emit(STEP_EVENT.name, **{EPOCH: epoch + 1, STEP: self.state.step, LOSS: loss, LR: self._lr()})
+        slow = None
+        if store is not None and self.env.is_main:
+            slow = window_straggler(store, self.env.world_size, self.state.step, self.hosts)
+        self.events.emit(STEP_EVENT.name, **{EPOCH: epoch + 1, STEP: self.state.step, LOSS: loss, LR: self._lr()},
+                         **(slow.fields() if slow is not None else {}))
         return loss
+
+    def _window_store(self) -> Any:
+        """The world's store where the log steps compare the ranks' windows of own time: with launch.watch, 2 ranks or
+        more, inside an epoch; else None."""
+        if self.own_clock is None or self.env.world_size < 2 or self.phase.world is None:
+            return None
+        return self.phase.world[0]
 
     def _check_loss(self, epoch_total: float | None = None) -> None:
         """Diverged, on every rank at the same step, if this epoch's loss summed over the ranks is nan or inf.

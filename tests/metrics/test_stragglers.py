@@ -10,7 +10,8 @@ from torch import nn
 from dptrain.events import (DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, STRAGGLER,
                             STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT)
 from dptrain.metrics.epoch_lines import epoch_line
-from dptrain.metrics.stragglers import CPU_MEASURE, MIN_STEPS, OWN_TIME_MEASURE, OwnClock, own_time_fields, straggler
+from dptrain.metrics.stragglers import (CPU_MEASURE, MIN_STEPS, OWN_TIME_MEASURE, OwnClock, own_time_fields,
+                                        publish_window, straggler, window_straggler)
 from tests.conftest import read_events
 
 
@@ -100,6 +101,41 @@ def test_the_own_clock_counts_forward_to_the_last_gradient_and_the_wait_for_batc
     assert not model._forward_pre_hooks
 
 
+def test_the_windows_of_the_log_steps_follow_each_other():
+    wall, cpu = Ticks(), Ticks()
+    model = Timed(wall, cpu)
+    clock = OwnClock(model, torch.device("cpu"), clock=wall, cpu_clock=cpu)
+    windows = []
+    for step in range(1, 8):
+        with clock.step():
+            model(torch.ones(2, 3)).sum().backward()
+        if step in (3, 7):  # two log steps: the first step is not timed, so 2 steps then 4
+            windows.append(clock.window())
+    assert windows == [(10.0, 8.0, 0.0, 2), (20.0, 16.0, 0.0, 4)]
+
+
+def test_the_ranks_windows_are_compared_through_the_store_at_the_log_step():
+    """Rank 1's window of 10 steps took 60% more compute: named at step 20, in its step event; a window of another step (a rank already
+    past it) or of fewer than MIN_STEPS steps names no one."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    publish_window(store, 0, 20, (0.5, 0.48, 0.01, 10))
+    publish_window(store, 1, 20, (0.8, 0.78, 0.01, 10))
+    found = window_straggler(store, 2, 20, ["a", "b"])
+    assert (found.rank, found.host, found.phase, found.measure) == (1, "b", "compute", CPU_MEASURE)
+    assert found.slower_pct == pytest.approx(100 * (78 / 48 - 1))  # the larger of its CPU time's and its own time's
+    assert window_straggler(store, 2, 30, ["a", "b"]) is None  # both windows are step 20's
+    publish_window(store, 1, 30, (0.8, 0.78, 0.01, 10))
+    assert window_straggler(store, 2, 20, ["a", "b"]) is None  # rank 1 ran on to step 30's
+    publish_window(store, 0, 25, (0.25, 0.24, 0.01, MIN_STEPS - 1))
+    publish_window(store, 1, 25, (0.5, 0.49, 0.01, MIN_STEPS - 1))
+    assert window_straggler(store, 2, 25, None) is None
+    publish_window(store, 0, 40, (0.5, -1.0, 0.01, 10))  # CUDA: no CPU time
+    publish_window(store, 1, 40, (0.5, -1.0, 0.01, 10))
+    assert window_straggler(store, 2, 40, None) is None
+
+
 def test_micro_batches_add_their_forward_and_backward_spans():
     wall, cpu = Ticks(), Ticks()
     model = Timed(wall, cpu)
@@ -140,6 +176,10 @@ def test_a_rank_that_computes_more_is_named_in_the_epoch_event_its_line_and_one_
     assert len(warnings) == 1 and "rank 1 (" in warnings[0] and " in epoch 1, in compute (" in warnings[0], warnings
     rank1_log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
     assert "slower than the other ranks in epoch 1" in rank1_log  # every rank's log has it
+    # each log step compares the window since the last: step 8's has 7 timed steps (too few), step 16's names rank 1
+    named = [(e["step"], e[STRAGGLER_RANK], e[STRAGGLER_PHASE]) for e in read_events(tmp_path / "run", "step")
+             if STRAGGLER_RANK in e]
+    assert named == [(16, 1, "compute")], read_events(tmp_path / "run", "step")
 
 
 @pytest.mark.slow

@@ -2,6 +2,13 @@
 account compares the ranks' times (epoch_account: one all-reduce of a world x 4 table per epoch), and straggler()
 names the rank that is slower than the others, with its host, the phase (compute or data) and by how much.
 
+Every `train.log_every` steps the ranks also compare the window of steps since the last log step, through the
+world's store rather than a collective (which would change what the collectives' faults and counts see): each rank
+sets its window's four numbers under a key of its own just before the log step's loss all-reduce, so that once that
+all-reduce has returned on rank 0 every rank's window is there, and rank 0 reads them all (one multi_get where the
+store has it) and names the window's straggler in the step event. One key a rank, overwritten: nothing piles up in
+the store. What it costs: one store set a rank and one read of the world's keys on rank 0, each log step.
+
 Why not the step's time: a data-parallel step ends in a collective that waits for the slowest rank, so every rank's
 step takes as long as the slowest one's, and per-rank step times name no one. A rank's own time is what it would
 take alone:
@@ -31,6 +38,7 @@ rank of a ring waits as long as the slowest link; `dptrain doctor` names a slow 
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -64,6 +72,7 @@ class OwnClock:
         self.step_compute_cpu_s = 0.0
         self.steps = self.timed_steps = 0
         self.waited_s = 0.0  # the wait for the batches of the step under way, counted when it ends
+        self.last_window: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
         self.armed = self.cuda_started = self.warm = False
         self.started: float | None = None
         self.last_grad: float | None = None
@@ -103,12 +112,21 @@ class OwnClock:
             handle.remove()
         self.handles = []
 
-    def totals(self) -> tuple[float, float, float, int]:
+    def totals(self, wait: bool = True) -> tuple[float, float, float, int]:
         """(compute seconds, compute CPU seconds, data seconds, steps) of this epoch so far; on CUDA the compute of the
-        timed steps scaled to every step, and -1 for the CPU seconds (not measured)."""
-        self._read_pending(wait=True)
+        timed steps scaled to every step, and -1 for the CPU seconds (not measured). wait: for a timed CUDA step's
+        events to complete (else what has completed)."""
+        self._read_pending(wait=wait)
         compute = self.compute_s * self.steps / self.timed_steps if self.timed_steps else 0.0
         return compute, -1.0 if self.on_cuda else self.compute_cpu_s, self.data_s, self.steps
+
+    def window(self) -> tuple[float, float, float, int]:
+        """totals() since the last call in this epoch (or its start), without waiting on the device: a log step's
+        window of steps. -1 for the CPU seconds on CUDA."""
+        now = self.totals(wait=False)
+        before, self.last_window = self.last_window, now
+        compute, cpu, data, steps = (a - b for a, b in zip(now, before))
+        return compute, (-1.0 if self.on_cuda else cpu), data, int(steps)
 
     # ---- the hooks ---------------------------------------------------------------------------------------------
 
@@ -259,6 +277,31 @@ def straggler(compute_ms: Sequence[float], data_ms: Sequence[float], hosts: Sequ
             found = Straggler(rank=rank, host=host, phase=phase, slower_pct=pct, measure=measure,
                               own_ms=values[rank], others_ms=median)
     return found
+
+
+WINDOW_KEY = "dptrain/own_window/"
+"""The store's key prefix of each rank's last window (its global rank appended)."""
+
+
+def publish_window(store: Any, rank: int, step: int, window: tuple[float, float, float, int]) -> None:
+    """This rank's window of own times up to log step `step`, for rank 0 (before the step's loss all-reduce)."""
+    store.set(f"{WINDOW_KEY}{rank}", json.dumps([step, *window]))
+
+
+def window_straggler(store: Any, world_size: int, step: int, hosts: Sequence[str] | None) -> Straggler | None:
+    """Rank 0, after log step `step`'s loss all-reduce: the straggler of the ranks' windows ending at that step, or
+    None (no rank that much slower, fewer than MIN_STEPS steps in a window, or a rank already past it: a strategy that
+    steps without collectives between log steps lets one run ahead)."""
+    keys = [f"{WINDOW_KEY}{rank}" for rank in range(world_size)]
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(key) for key in keys]
+    rows = [json.loads(value) for value in values]
+    if any(row[0] != step for row in rows):
+        return None
+    compute, cpu, data, steps = ([row[i] for row in rows] for i in range(1, 5))
+    per_step = [max(n, 1) for n in steps]
+    return straggler([1e3 * c / n for c, n in zip(compute, per_step)], [1e3 * d / n for d, n in zip(data, per_step)],
+                     hosts, compute_cpu_ms=None if min(cpu) < 0 else [1e3 * c / n for c, n in zip(cpu, per_step)],
+                     steps=min(steps))
 
 
 def own_time_fields(columns: Sequence[Sequence[float]]) -> dict[str, list[float]]:
