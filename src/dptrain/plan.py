@@ -55,12 +55,11 @@ def plan(config_path: str | None, overrides: list[tuple[str, str]], nodes: Nodes
         if nodes is not None and nodes.elastic:
             check_elastic(cfg, nodes.fewest, nodes.count, world_size // nodes.count)
             rendezvous_times(cfg.launch.timeout_s, nodes)  # DPTRAIN_RDZV_*, checked in a dry run too
-    if trainer:
-        elastic = nodes is not None and nodes.elastic and job is None
-        check_leave_slow_node(cfg, nodes.fewest if elastic else None, nodes.count if nodes is not None else None)
     if not trainer:
         refuse_leave_slow_node_for_a_script(cfg)
         return Plan(cfg, cfg, world_size, launched_outside, nodes)
+    elastic = nodes is not None and nodes.elastic and job is None
+    check_leave_slow_node(cfg, nodes.fewest if elastic else None, nodes.count if nodes is not None else None)
     given, cfg = cfg, resolve_batch(cfg, world_size)
     if checked:
         (preflight_job if job is not None else preflight)(cfg, world_size)

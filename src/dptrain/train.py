@@ -36,7 +36,7 @@ from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
 from dptrain.metrics.profiler import StepProfiler
-from dptrain.metrics.stragglers import OwnClock, publish_window, window_straggler
+from dptrain.metrics.stragglers import SLOWER_PCT, OwnClock, publish_window, window_straggler
 from dptrain.models import build_model, training_flops_per_sample
 from dptrain.runtime import bf16_autocast
 from dptrain.schedule import Schedule, build_scheduler, peak_lr
@@ -325,7 +325,7 @@ class Trainer:
             self.snapshots.save(self.state, wait=True)
         epochs, per_node = self.slow_node.epochs, self.slow_node.ranks_per_node
         host = self.hosts[node * per_node] if self.hosts else "?"
-        raise NodeLeaves(f"node {node} ({host}) leaves the run: one of its ranks was the slowest, more than 20% above "
+        raise NodeLeaves(f"node {node} ({host}) leaves the run: one of its ranks was the slowest, more than {SLOWER_PCT:g}% above "
                          f"the others, {epochs} epoch{'s' * (epochs > 1)} in a row (launch.leave_slow_node {epochs}); the "
                          f"other nodes go on without it from the snapshot of step {self.state.step}.",
                          leaving=self.env.global_rank // per_node == node)

@@ -12,10 +12,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, DATA_WAIT_MS_PER_STEP, EPOCH_TIME_S, FOOTPRINT, LR,
-                            MODEL_FLOPS_PER_SAMPLE, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, PEAK_MEM_MB,
-                            SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
-from dptrain.metrics.stragglers import Straggler, own_time_fields, straggler
+from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LR, MODEL_FLOPS_PER_SAMPLE,
+                            PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+from dptrain.metrics.stragglers import Straggler, own_time_fields, straggler_of
 from dptrain.metrics.utilisation import peak_memory_mb, per_rank
 
 
@@ -68,9 +67,7 @@ class EpochAccount:
         own_time, slow = None, None
         if measured.own_time is not None:
             own_time = all_reduce(self.own_row(measured.own_time, device)).t().tolist()
-            times = own_time_fields(own_time)
-            slow = straggler(times[OWN_COMPUTE_MS_PER_STEP], times[DATA_WAIT_MS_PER_STEP], self.hosts,
-                             compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP), steps=int(min(own_time[3])))
+            slow = straggler_of(own_time, self.hosts)
         utilisation = {} if measured.utilisation is None else per_rank(
             measured.utilisation, self.world_size, self.global_rank, all_reduce, device)
         loss_sum, correct, samples = totals.tolist()

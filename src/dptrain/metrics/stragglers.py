@@ -166,25 +166,23 @@ class OwnClock:
 
     def _leave(self) -> None:
         self.armed = False
-        if not self.warm:  # the epoch's first step: not timed (the module's docstring)
-            self.warm, self.waited_s = True, 0.0
-            if not self.on_cuda:
-                self._close_interval()
-                self.previous_compute_cpu_s = self.step_compute_cpu_s / (1 + self.slow)
-                self.previous_compute_s = self.step_compute_s
+        timed, self.warm = self.warm, True  # the epoch's first step is not timed (the module's docstring)
+        waited, self.waited_s = self.waited_s, 0.0
+        if not self.on_cuda:
+            self._close_interval()
+            self.previous_compute_cpu_s = self.step_compute_cpu_s / (1 + self.slow)  # the compute without the spin
+            self.previous_compute_s = self.step_compute_s
+        if not timed:
             return
         self.steps += 1
-        self.data_s, self.waited_s = self.data_s + self.waited_s, 0.0
+        self.data_s += waited
         if self.on_cuda:
             if self.events is not None:
                 self.pending, self.events = self.events, None
             return
-        self._close_interval()
         self.compute_s += self.step_compute_s
         self.compute_cpu_s += self.step_compute_cpu_s
         self.timed_steps += 1
-        self.previous_compute_cpu_s = self.step_compute_cpu_s / (1 + self.slow)  # the compute without the spin
-        self.previous_compute_s = self.step_compute_s
 
     def _read_pending(self, wait: bool) -> None:
         """A timed CUDA step's compute, once its events have completed (at the latest at the epoch's end)."""
@@ -297,11 +295,15 @@ def window_straggler(store: Any, world_size: int, step: int, hosts: Sequence[str
     rows = [json.loads(value) for value in values]
     if any(row[0] != step for row in rows):
         return None
-    compute, cpu, data, steps = ([row[i] for row in rows] for i in range(1, 5))
-    per_step = [max(n, 1) for n in steps]
-    return straggler([1e3 * c / n for c, n in zip(compute, per_step)], [1e3 * d / n for d, n in zip(data, per_step)],
-                     hosts, compute_cpu_ms=None if min(cpu) < 0 else [1e3 * c / n for c, n in zip(cpu, per_step)],
-                     steps=min(steps))
+    return straggler_of([[row[i] for row in rows] for i in range(1, 5)], hosts)
+
+
+def straggler_of(columns: Sequence[Sequence[float]], hosts: Sequence[str] | None) -> Straggler | None:
+    """straggler() of the (compute s, compute CPU s, data s, steps) columns over the ranks: an epoch's (the
+    epoch account's table) or a log step's window's."""
+    times = own_time_fields(columns)
+    return straggler(times[OWN_COMPUTE_MS_PER_STEP], times[DATA_WAIT_MS_PER_STEP], hosts,
+                     compute_cpu_ms=times.get(OWN_COMPUTE_CPU_MS_PER_STEP), steps=int(min(columns[3])))
 
 
 def own_time_fields(columns: Sequence[Sequence[float]]) -> dict[str, list[float]]:
