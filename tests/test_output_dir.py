@@ -85,7 +85,8 @@ def test_a_file_where_the_run_keeps_a_folder_is_refused_before_the_run_starts(tm
 # When the snapshots come: none before the end (then the final weights, then the final snapshot), or one every 2
 # of the epoch's 4 steps (the snapshots of steps 2 and 4, then the final weights).
 SNAPSHOTS = {"at the end": [], "every 2 steps": ["--checkpoint.every_steps", "2"]}
-ONE_SENTENCE = re.compile(r"dptrain: error: rank 0 failed during [^:]+: could not write (?P<what>the final weights|a snapshot) "
+ONE_SENTENCE = re.compile(r"dptrain: error: rank (?P<rank>\d+) failed during [^:]+: "
+                          r"could not write (?P<what>the final weights|a snapshot) "
                           r"(to|into) \S+ \(No space left on device\); free space or fix permissions there, "
                           r"then run the same command(?P<rerun>.*)")
 RESUMES = {"the final weights": ": it resumes from the last snapshot.", "a snapshot": " to resume from the last snapshot."}
@@ -160,6 +161,8 @@ def test_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(tmpfs, tmp_pat
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and (match := ONE_SENTENCE.fullmatch(lines[0])), result.stderr
     assert match["what"] == what, lines
+    # rank 0 alone writes the final weights; every rank writes its part of a snapshot, and the first to fail is named
+    assert int(match["rank"]) in ({0} if what == "the final weights" else set(range(workers))), lines
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob(f"{snapshots.PREFIX}*"))
     assert len(kept) == {"at the end": 0, "every 2 steps": 2 if what == "the final weights" else 1}[saving]
     assert match["rerun"] == (RESUMES[what] if kept else STARTS_AGAIN), lines
