@@ -39,7 +39,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 if __package__ in (None, ""):  # run as the supervisor's script: the repository root, for tests.slurm_cluster
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -279,9 +279,10 @@ class LabNetwork:
 
     # ------------------------------------------------------------------ use
 
-    def shape(self, rate: str | None) -> None:
-        """Every link shaped to `rate` both ways from now on (None: unshaped, as fast as this machine copies)."""
-        for k in self.host_numbers:
+    def shape(self, rate: str | None, hosts: Iterable[int] | None = None) -> None:
+        """Every link (or those of `hosts`) shaped to `rate` both ways from now on (None: unshaped, as fast as this
+        machine copies)."""
+        for k in self.host_numbers if hosts is None else hosts:
             for prefix, device in ((["-n", self.namespace(k)], HOST_INTERFACE), ([], self.bridge_end(k))):
                 if rate is None:
                     _ip("tc", *prefix, "qdisc", "del", "dev", device, "root", check=False)  # none there: fine

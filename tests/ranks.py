@@ -48,16 +48,18 @@ def _fn_job(rank: int, world_size: int, fn: Callable, store: str, args: tuple) -
         dist.destroy_process_group()
 
 
-def _cli_job(rank: int, world_size: int, argv: list[str], port: int, cwd: str) -> int:
+def _cli_job(rank: int, world_size: int, argv: list[str], port: int, cwd: str, per_node: int | None = None) -> int:
     """`dptrain ARGV` in this process with the variables torchrun or srun would set for this rank; its exit code.
+    per_node: the ranks each node has, as if the world's nodes were on other hosts (None: one node of every rank).
 
     A rank that ends with SystemExit (a worker stopped by a signal exits with the documented code) gives its code.
     """
     from dptrain.cli import main
 
     os.chdir(cwd)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    per_node = per_node or world_size
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % per_node),
+                       "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     try:
         return main(argv)
     except SystemExit as exc:
@@ -226,7 +228,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60,
 
 
 def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: float = 300,
-                     env: dict[str, str] | None = None, side_by_side: bool = False) -> list[int]:
+                     env: dict[str, str] | None = None, side_by_side: bool = False, per_node: int | None = None) -> list[int]:
     """`dptrain ARGV` for each ARGV in turn, on world_size ranks of the pool as under torchrun; rank 0's exit codes.
 
     side_by_side: the runs are independent of each other, and two may run at once (the ranks of a run wait
@@ -234,7 +236,8 @@ def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: 
     of processes where the pool holds them (see POOL_SIZE). A rank that raises (a SystemExit gives its exit code)
     fails the whole call, as does a call past `timeout` seconds in all. Each run gets its own free port for its
     store, picked as it starts. `env` is added to the environment the rank processes start with (their pool is
-    another one than that of the plain environment).
+    another one than that of the plain environment). per_node: the ranks of each node, as if the nodes were other
+    hosts on loopback (None: one node).
     """
-    payloads = [lambda argv=argv: (argv, free_port(), cwd) for argv in runs]  # the port picked as the run starts
+    payloads = [lambda argv=argv: (argv, free_port(), cwd, per_node) for argv in runs]  # the port picked as the run starts
     return [by_rank[0] for by_rank in _on_pool(env, world_size, "cli", payloads, timeout, side_by_side=side_by_side)]

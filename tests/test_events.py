@@ -28,7 +28,7 @@ WRITTEN = {
               "model_flops_per_sample", "achieved_tflops", "peak_mem_mb", "lr", "skipped_steps", "mem_params_bytes",
               "mem_grads_bytes",
               "mem_optim_bytes", "comm_bytes_per_step", "comm_ms_per_step", "comm_exposed_ms_per_step",
-              "own_compute_ms_per_step", "own_compute_cpu_ms_per_step", "data_wait_ms_per_step", "straggler_rank",
+              "own_compute_ms_per_step", "own_compute_cpu_ms_per_step", "data_wait_ms_per_step", "link_probe_ms", "straggler_rank",
               "straggler_host", "straggler_phase", "straggler_slower_pct", "cpu_util_pct",
               "rss_max_mb", "gpu_util_mean_pct", "gpu_util_max_pct", "gpu_mem_used_max_mb", "gpu_power_mean_w",
               "gpu_power_max_w", "eval_loss", "eval_acc", "eval_count", "eval_time_s"],

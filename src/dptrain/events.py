@@ -53,6 +53,7 @@ GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W, GPU_POWER_MAX_W = "gpu_mem_used_max_mb", 
 EVAL_LOSS, EVAL_ACC, EVAL_COUNT, EVAL_TIME_S = "eval_loss", "eval_acc", "eval_count", "eval_time_s"
 OWN_COMPUTE_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP = "own_compute_ms_per_step", "own_compute_cpu_ms_per_step"
 DATA_WAIT_MS_PER_STEP = "data_wait_ms_per_step"
+LINK_PROBE_MS = "link_probe_ms"
 STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE = "straggler_rank", "straggler_host", "straggler_phase"
 STRAGGLER_SLOWER_PCT = "straggler_slower_pct"
 
@@ -88,8 +89,11 @@ OWN_TIME = (OWN_COMPUTE_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, DATA_WAIT_MS_P
 gradient), the same compute's CPU time (on CPU only), and the wait for its next batch (metrics.stragglers)."""
 STRAGGLER = (STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_SLOWER_PCT)
 """The rank whose own time (or compute's CPU time) a step was more than 20% above the others' median over the epoch,
-where one was: its rank, host, the phase its extra time went to (compute or data) and how much slower it was, in
-percent."""
+else the node whose link time was (its first rank), where one was: its rank, host, the phase its extra time went to
+(compute, data or link) and how much slower it was, in percent."""
+LINK_PROBE = (LINK_PROBE_MS,)
+"""Per node, in a run of 3 nodes or more, its link time: the milliseconds its slower direction took to move the link
+probe's 256 KiB (metrics.link_probe)."""
 PER_RANK = FOOTPRINT + COMM_TIMING + OWN_TIME + UTILISATION
 
 
@@ -134,9 +138,9 @@ STEP_EVENT = EventSchema("step", (EPOCH, STEP, LOSS, LR, *STRAGGLER), optional=S
 """STRAGGLER: the window of steps since the last log step's straggler, where one was (metrics.stragglers)."""
 EPOCH_EVENT = EventSchema("epoch", (EPOCH, STEP, TRAIN_LOSS, TRAIN_ACC, TRAIN_SAMPLES, EPOCH_TIME_S, SAMPLES_PER_S,
                                     *EPOCH_RATES, PEAK_MEM_MB, LR, SKIPPED_STEPS, *FOOTPRINT, *COMM_TIMING,
-                                    *OWN_TIME, *STRAGGLER, *UTILISATION, *EVALUATION),
-                          optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *OWN_TIME, *STRAGGLER, *UTILISATION,
-                                    *EVALUATION))
+                                    *OWN_TIME, *LINK_PROBE, *STRAGGLER, *UTILISATION, *EVALUATION),
+                          optional=(*EPOCH_RATES, SKIPPED_STEPS, *COMM_TIMING, *OWN_TIME, *LINK_PROBE, *STRAGGLER,
+                                    *UTILISATION, *EVALUATION))
 RUN_END_EVENT = EventSchema("run_end", (STEP,))
 STOPPED_EVENT = EventSchema("stopped", (STEP, MESSAGE))
 SIGNAL_EVENT = EventSchema("signal", (STEP, SIGNAL, RECEIVED_AT, SNAPSHOT_AT, DRILL))

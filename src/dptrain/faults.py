@@ -43,7 +43,8 @@ SLOW = "DPTRAIN_TEST_SLOW"
 """'RANK:FRACTION[:PHASE]': global rank RANK is FRACTION slower a step (0.3: 30%), measured on its own compute
 (metrics.stragglers.OwnClock). PHASE compute (the default): busy work at the start of each training forward, sized on
 the CPU time of its previous step's compute (a slower CPU); data: a sleep before each batch, sized on its previous
-step's compute (a slower disk)."""
+step's compute (a slower disk); link: a sleep before each of its sends of the link probe, FRACTION of the probe's time
+at 100 Mbit/s (metrics.link_probe.FAULT_BASE_S; a slower link, on loopback)."""
 
 
 def slow_fraction(phase: str) -> float:

@@ -35,6 +35,7 @@ from dptrain.events import EPOCH, EPOCH_EVENT, LOSS, LR, SIGNAL_EVENT, STEP, STE
 from dptrain.files import written_atomically
 from dptrain.metrics import EventLog, ProgressBar, UtilisationSampler
 from dptrain.metrics.epoch_account import EpochAccount, RankMeasures, train_fields
+from dptrain.metrics.link_probe import LinkProbe
 from dptrain.metrics.profiler import StepProfiler
 from dptrain.metrics.stragglers import SLOWER_PCT, OwnClock, publish_window, window_straggler
 from dptrain.models import build_model, training_flops_per_sample
@@ -220,6 +221,8 @@ class Trainer:
     """Every rank's host, by global rank (the worker sets it once the ranks have said where they run): a straggler's
     host in the epoch event."""
     slow_node: SlowNode | None = None
+    link_probe: LinkProbe | None = None
+    """Each node's link measured at every epoch's end, with launch.watch in a run of 3 nodes or more (None: not)."""
     """launch.leave_slow_node's count of the epochs that named a rank of the same node (None: no node leaves)."""
     straggler_rank: int | None = None
     """The rank the last epoch named its straggler (None: none)."""
@@ -277,7 +280,8 @@ class Trainer:
             self.own_clock = None
         with self.phase(f"metrics reduction of epoch {epoch + 1}"):
             totals = account.reduce(state.epoch_sums, self.strategy.all_reduce, self.device,
-                                    self._measured(account, own.totals() if own is not None else None))
+                                    self._measured(account, own.totals() if own is not None else None),
+                                    self.link_probe)
         self._check_loss(totals.loss_sum)  # before the epoch's evaluation, snapshot and the final weights
         if (slow := totals.straggler) is not None:  # every rank's log; the console once, from rank 0
             log.warning("%s", slow.sentence(epoch + 1), extra={"file_only": not self.env.is_main})
@@ -490,7 +494,9 @@ def build_trainer(cfg: RunConfig, env: DistEnv, device: torch.device, events: Ev
     return Trainer(cfg=cfg, env=env, device=device, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
                    train_loader=train_loader, eval_loader=eval_loader, info=info, events=events, phase=phase,
                    total_steps=total_steps, step=step, snapshots=snapshotter, state=state,
-                   stop=StopRequest(env.world_size), flops_per_sample=flops, slow_node=slow_node(cfg, env))
+                   stop=StopRequest(env.world_size), flops_per_sample=flops, slow_node=slow_node(cfg, env),
+                   link_probe=LinkProbe.for_run(env.global_rank, env.world_size, env.local_world_size,
+                                                cfg.launch.timeout_s) if cfg.launch.watch else None)
 
 
 def slow_node(cfg: RunConfig, env: DistEnv) -> SlowNode | None:

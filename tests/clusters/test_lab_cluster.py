@@ -191,6 +191,39 @@ def test_a_host_held_to_a_cpu_quota_is_named_the_straggler_of_each_epoch(tmp_pat
     assert "rank 1 (host2) was" in rank1_log and "slower than the other ranks in epoch 2, in compute" in rank1_log
 
 
+LINK_RUN = ["--data.name", "synthetic", "--data.synthetic_train_size", "960", "--data.synthetic_test_size", "60",
+            "--train.global_batch_size", "60", "--train.epochs", "2", "--train.log_every", "8", "--nodes", "3",
+            "--cpus-per-node", "1"]
+
+
+@pytest.mark.nightly
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_host_whose_link_is_slower_is_named_the_straggler_of_each_epoch_in_the_link_phase(tmp_path):
+    """3 hosts at 1 Gbit/s each way, host3's link then shaped to 300 Mbit/s both ways, a job of 3 nodes x 1 rank: no
+    rank's own time shows it (every rank of the ring waits as long), the link probe at each epoch's end does: each
+    epoch names rank 2 on host3, in the link phase, its link time about 1 Gbit/s / 300 Mbit/s of the others'."""
+    from dptrain.events import LINK_PROBE_MS
+    from dptrain.metrics.link_probe import PROBE_BYTES
+
+    _skip_where_impossible()
+    with LabCluster.start(tmp_path / "lab", hosts=3, rate="1gbit") as lab:
+        lab.network.shape("300mbit", hosts=[3])
+        job_id = submit(lab, tmp_path, "link", LINK_RUN, {})
+        run_dir = tmp_path / "runs" / "link"
+        job = lab.wait(job_id, timeout=240)
+    assert job["JobState"] == "COMPLETED", (job, job_output(run_dir))
+    epochs = read_events(run_dir, "epoch")
+    assert [(e["straggler_rank"], e["straggler_host"], e["straggler_phase"]) for e in epochs] == [
+        (2, "host3", "link")] * 2, epochs
+    wire_ms = PROBE_BYTES * 8 / 300e6 * 1e3  # host3's transfers at 300 Mbit/s: 7.0 ms
+    for epoch in epochs:
+        link = epoch[LINK_PROBE_MS]
+        assert link[2] > wire_ms and link[2] > 2 * max(link[:2]), link
+    rank0_log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "the link of host3 (the node of rank 2) was" in rank0_log, rank0_log[-2000:]
+
+
 @pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(300)

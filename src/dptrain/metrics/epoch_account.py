@@ -12,9 +12,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LR, MODEL_FLOPS_PER_SAMPLE,
-                            PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
-from dptrain.metrics.stragglers import Straggler, own_time_fields, straggler_of
+from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LINK_PROBE_MS, LR,
+                            MODEL_FLOPS_PER_SAMPLE, PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+from dptrain.metrics.link_probe import LinkProbe, node_link_ms
+from dptrain.metrics.stragglers import Straggler, link_straggler, own_time_fields, straggler_of
 from dptrain.metrics.utilisation import peak_memory_mb, per_rank
 
 
@@ -51,11 +52,13 @@ class EpochAccount:
         self.state.epoch_elapsed = self.clock() - self.started
         return self.state.epoch_elapsed
 
-    def reduce(self, sums: torch.Tensor, all_reduce: AllReduce, device: torch.device, measured: RankMeasures) -> EpochTotals:
+    def reduce(self, sums: torch.Tensor, all_reduce: AllReduce, device: torch.device, measured: RankMeasures,
+               link_probe: LinkProbe | None = None) -> EpochTotals:
         """The epoch over every rank (a collective), in this order of all-reduces, the same on each rank: this rank's
         float64 sums (loss, correct, samples), which also wait for every rank, so that the clock, stopped after them,
         covers the slowest; the peak memory; the footprint table; the communication times' table (where the strategy
-        times them, with 2 ranks or more); the utilisation table."""
+        times them, with 2 ranks or more); the own times' table (where timed); the link probe's table (with a probe,
+        measured here, after the clock); the utilisation table."""
         totals = all_reduce(sums.clone())
         elapsed = self.stop_clock()
         peak = all_reduce(torch.tensor([peak_memory_mb(device)], device=device), op="max")
@@ -68,12 +71,19 @@ class EpochAccount:
         if measured.own_time is not None:
             own_time = all_reduce(self.own_row(measured.own_time, device)).t().tolist()
             slow = straggler_of(own_time, self.hosts)
+        link_ms = None
+        if link_probe is not None:  # no rank's own time shows a slow link (metrics.link_probe)
+            link_ms = node_link_ms(all_reduce(self.own_row(link_probe.measure(), device)).tolist(), link_probe.per_node)
+            # the more slowed of the two: a slow link also raises its rank's CPU time (gloo's threads wait on it)
+            found = [s for s in (slow, link_straggler(link_ms, link_probe.per_node, self.hosts)) if s is not None]
+            slow = max(found, key=lambda s: s.slower_pct, default=None)
         utilisation = {} if measured.utilisation is None else per_rank(
             measured.utilisation, self.world_size, self.global_rank, all_reduce, device)
         loss_sum, correct, samples = totals.tolist()
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
-                           comm_timing=timing, own_time=own_time, straggler=slow, utilisation=utilisation,
+                           comm_timing=timing, own_time=own_time, link_ms=link_ms, straggler=slow,
+                           utilisation=utilisation,
                            flops_per_sample=measured.flops_per_sample,
                            skipped_steps=measured.skipped_steps)
 
@@ -134,8 +144,11 @@ class EpochTotals:
     """events.COMM_TIMING's columns, -1 for a rank without a sampled step yet; None: the strategy does not time it."""
     own_time: Sequence[Sequence[float]] | None = None
     """The ranks' own compute seconds, their CPU seconds, data seconds and steps, a column each (None: not timed)."""
+    link_ms: Sequence[float] | None = None
+    """Each node's link time (metrics.link_probe.node_link_ms); None: no probe (fewer than 3 nodes, or untimed)."""
     straggler: Straggler | None = None
-    """The rank slower than the others over the epoch in its own time (metrics.stragglers.straggler), where one was."""
+    """The rank slower than the others over the epoch in its own time (metrics.stragglers.straggler) or the node whose
+    link was (stragglers.link_straggler), whichever is more above the others, where one was."""
     utilisation: dict[str, list[float]]
     """events.UTILISATION's lists (metrics.per_rank); the fields some rank lacks are left out."""
     flops_per_sample: int | None = None
@@ -159,6 +172,8 @@ def train_fields(totals: EpochTotals) -> dict[str, Any]:
     fields |= comm_timing_fields(totals.comm_timing)
     if totals.own_time is not None:
         fields |= own_time_fields(totals.own_time)
+        if totals.link_ms is not None:
+            fields[LINK_PROBE_MS] = [round(v, 3) for v in totals.link_ms]
         if (slow := totals.straggler) is not None:
             fields |= slow.fields()
     return fields | totals.utilisation

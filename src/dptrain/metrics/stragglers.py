@@ -1,6 +1,6 @@
 """Stragglers named while training: each rank times its own work outside the collectives (OwnClock), the epoch's
 account compares the ranks' times (epoch_account: one all-reduce of a world x 4 table per epoch), and straggler()
-names the rank that is slower than the others, with its host, the phase (compute or data) and by how much.
+names the rank that is slower than the others, with its host, the phase (compute, data or link) and by how much.
 
 Every `train.log_every` steps the ranks also compare the window of steps since the last log step, through the
 world's store rather than a collective (which would change what the collectives' faults and counts see): each rank
@@ -32,8 +32,15 @@ more than the margin: a 2-step epoch of two equal ranks named one 28% and 106% s
 epoch of fewer than MIN_STEPS timed steps: a step's own time varies by 10-20% from one step to the next on a shared
 CPU, and a handful of them does not average that out.
 
-What it cannot see: waits inside forward on FSDP (its all-gathers count as compute there), and a slow link (every
-rank of a ring waits as long as the slowest link; `dptrain doctor` names a slow link before a run).
+A slow link shows in no rank's own time: every rank of a ring waits as long as the slowest link. In a run of 3 nodes
+or more each node's link is measured at the epoch's end (metrics.link_probe), and a node whose link is more than
+SLOWER_PCT slower than the others' is named, in the link phase (link_straggler), where it is more above the others
+than any rank's own time: a slow link also raises its rank's CPU time in backward (gloo's threads, which send the
+buckets, wait on it: 34% in one lab run), so that rank can be named in compute too. The log steps' windows do not
+probe: a window can name a slow link's rank in compute. With 2 nodes, `dptrain doctor` measures their link before a
+run.
+
+What it cannot see: waits inside forward on FSDP (its all-gathers count as compute there).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from torch import nn
 from dptrain import faults
 from dptrain.events import (DATA_WAIT_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP, OWN_COMPUTE_MS_PER_STEP, STRAGGLER_HOST,
                             STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT)
+from dptrain.metrics.link_probe import FLOOR_MS, MIN_NODES, PROBE_BYTES
 
 SLOWER_PCT = 20.0
 """A rank is named a straggler of an epoch when its own time (or its compute's CPU time) a step is more than this many
@@ -233,13 +241,20 @@ class Straggler:
                 STRAGGLER_SLOWER_PCT: round(self.slower_pct, 1)}
 
     def sentence(self, epoch: int) -> str:
+        if self.phase == LINK_PHASE:
+            return (f"the link of {self.host} (the node of rank {self.rank}) was {self.slower_pct:.0f}% slower than the "
+                    f"other nodes' in epoch {epoch} ({self.own_ms:.1f} ms to move the link probe's "
+                    f"{PROBE_BYTES // 1024} KiB against {self.others_ms:.1f}); every all-reduce waited for it: check that "
+                    f"host's cable, port speed and interface, or leave it out of the run (launch.leave_slow_node "
+                    f"does, in a run of --nnodes MIN:MAX)")
         return (f"rank {self.rank} ({self.host}) was {self.slower_pct:.0f}% slower than the other ranks in epoch "
                 f"{epoch}, in {self.phase} ({self.own_ms:.1f} ms of {self.measure} a step against {self.others_ms:.1f}); "
                 f"the others waited for it at every step: look at that host's load, or leave it out of the run "
                 f"(launch.leave_slow_node does, in a run of --nnodes MIN:MAX)")
 
 
-OWN_TIME_MEASURE, CPU_MEASURE = "its own time", "CPU time"
+OWN_TIME_MEASURE, CPU_MEASURE, LINK_MEASURE = "its own time", "CPU time", "link time"
+LINK_PHASE = "link"
 
 
 def straggler(compute_ms: Sequence[float], data_ms: Sequence[float], hosts: Sequence[str] | None = None,
@@ -274,6 +289,26 @@ def straggler(compute_ms: Sequence[float], data_ms: Sequence[float], hosts: Sequ
             host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
             found = Straggler(rank=rank, host=host, phase=phase, slower_pct=pct, measure=measure,
                               own_ms=values[rank], others_ms=median)
+    return found
+
+
+def link_straggler(link_ms: Sequence[float], per_node: int, hosts: Sequence[str] | None = None,
+                   slower_pct: float = SLOWER_PCT) -> Straggler | None:
+    """The node whose link time (metrics.link_probe.node_link_ms) is the most above the other nodes' median, where
+    that is more than slower_pct and its link time is above link_probe.FLOOR_MS, named by its first rank and host, in
+    the link phase; None with fewer than link_probe.MIN_NODES nodes or where no link is that much slower."""
+    found: Straggler | None = None
+    nodes = len(link_ms)
+    for node in range(nodes if nodes >= MIN_NODES else 0):
+        median = statistics.median(link_ms[n] for n in range(nodes) if n != node)
+        if median <= 0 or link_ms[node] <= max(median * (1 + slower_pct / 100), FLOOR_MS):
+            continue
+        pct = 100 * (link_ms[node] / median - 1)
+        if found is None or pct > found.slower_pct:
+            rank = node * per_node
+            host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
+            found = Straggler(rank=rank, host=host, phase=LINK_PHASE, slower_pct=pct, measure=LINK_MEASURE,
+                              own_ms=link_ms[node], others_ms=median)
     return found
 
 
