@@ -4,6 +4,7 @@ many in a row (docs/hangs.md, "How well it works").
     .venv/bin/python perf/diagnosis_trials.py hangs --trials 50 --seed 1 --out /tmp/hangs.json
     .venv/bin/python perf/diagnosis_trials.py stragglers --runs 20 --seed 1 --out /tmp/stragglers.json
     .venv/bin/python perf/diagnosis_trials.py overhead --repeats 5 --out /tmp/overhead.json
+    .venv/bin/python perf/diagnosis_trials.py links --runs 20 --seed 1 --out /tmp/links.json    # root: the lab cluster
 
 hangs: each trial draws a world of 2 to 4 ranks, a rank, a fault (a sleep in forward, a Dataset that blocks, an
 all-reduce skipped or of another shape, SIGSTOP; faults.py) and the step it strikes at, runs `dptrain train` with
@@ -14,6 +15,11 @@ came within launch.timeout_s + 10 s of the last step logged before the fault (or
 stragglers: RUNS runs of 4 ranks where one drawn rank computes 30% more (faults.SLOW) and RUNS clean runs, 2 epochs
 each; a slowed run counts as named where every epoch names that rank with phase compute, a clean one as false where
 any epoch names a rank.
+
+links: on a lab cluster of 4 hosts whose links carry 100 Mbit/s each way (tests/lab_cluster.py), RUNS jobs of 4 nodes
+x 1 rank where one drawn host's link carries 77 Mbit/s (its transfers take 1.3 times as long) and RUNS where every
+link is alike, interleaved, 2 epochs each; a slowed job counts as named where every epoch names that host's rank in
+the link phase, a clean one as false where any epoch names a rank.
 
 overhead: one rank's training step of the tutorials' CNN (batch 64, FashionMNIST's shape) with and without the own
 clock's hooks armed, interleaved in one process; then `dptrain train` on 2 ranks with launch.watch true and false,
@@ -133,6 +139,47 @@ def stragglers(runs: int, seed: int, work: Path) -> dict:
             "false": sum(not r["ok"] for r in clean_rows), "clean": len(clean_rows)}
 
 
+LINK_RATE, SLOWER_LINK_RATE = "100mbit", "77mbit"
+LINK_JOB = ["--data.name", "synthetic", "--data.synthetic_train_size", "512", "--data.synthetic_test_size", "64",
+            "--train.epochs", "2", "--train.global_batch_size", "128", "--nodes", "4", "--cpus-per-node", "1"]
+
+
+def links(runs: int, seed: int, work: Path) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from tests.lab_cluster import LabCluster
+
+    draw = random.Random(seed)
+    rows = []
+    with LabCluster.start(work / "lab", hosts=4, rate=LINK_RATE) as lab:
+        for index in range(2 * runs):
+            slowed = draw.randrange(1, 5) if index % 2 == 0 else None  # interleaved, as stragglers()
+            lab.network.shape(LINK_RATE)
+            if slowed is not None:
+                lab.network.shape(SLOWER_LINK_RATE, hosts=[slowed])
+            name = f"links{index}"
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **lab.env}
+            done = subprocess.run([sys.executable, "-m", "dptrain", "submit", "--output.name", name, *LINK_JOB],
+                                  cwd=work, env=env, capture_output=True, text=True, timeout=120)
+            match = re.search(r"submitted job (\d+)", done.stdout)
+            job = lab.wait(int(match.group(1)), timeout=600) if match else {"JobState": done.stderr.strip()[-200:]}
+            epochs = [e for e in events(work / "runs" / name) if e["event"] == "epoch"]
+            named = [(e.get("straggler_host"), e.get("straggler_phase"), e.get("straggler_slower_pct")) for e in epochs]
+            done = job.get("JobState") == "COMPLETED" and len(epochs) == 2
+            if slowed is not None:
+                ok = done and all(n[:2] == (f"host{slowed}", "link") for n in named)
+            else:
+                ok = done and all(n[0] is None for n in named)
+            rows.append({"run": index, "slowed_host": slowed, "state": job.get("JobState"), "named": named, "ok": ok,
+                         "link_ms": [e.get("link_probe_ms") for e in epochs],
+                         "cpu_ms": [e.get("own_compute_cpu_ms_per_step") for e in epochs]})
+            print(f"link run {index}: {'host' + str(slowed) + ' at ' + SLOWER_LINK_RATE if slowed else 'clean'}: "
+                  f"named {named}, link ms {rows[-1]['link_ms']}: {'ok' if ok else 'WRONG'}", flush=True)
+    slowed_rows = [r for r in rows if r["slowed_host"] is not None]
+    clean_rows = [r for r in rows if r["slowed_host"] is None]
+    return {"runs": rows, "named": sum(r["ok"] for r in slowed_rows), "slowed": len(slowed_rows),
+            "false": sum(not r["ok"] for r in clean_rows), "clean": len(clean_rows)}
+
+
 def clock_overhead(repeats: int, steps: int = 50) -> dict:
     """One process, one thread: the tutorials' CNN's training step with the own clock armed and without, interleaved."""
     import torch
@@ -226,7 +273,7 @@ def run_overhead(repeats: int, work: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("hangs", "stragglers", "overhead"))
+    parser.add_argument("what", choices=("hangs", "stragglers", "links", "overhead"))
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
@@ -239,9 +286,9 @@ def main() -> int:
         if args.what == "hangs":
             result = hangs(args.trials, args.seed, work)
             summary = f"hangs: {result['right']} of {result['of']} right, latest verdict {result['latency_s_max']} s"
-        elif args.what == "stragglers":
-            result = stragglers(args.runs, args.seed, work)
-            summary = (f"stragglers: named in {result['named']} of {result['slowed']} slowed runs, "
+        elif args.what in ("stragglers", "links"):
+            result = (stragglers if args.what == "stragglers" else links)(args.runs, args.seed, work)
+            summary = (f"{args.what}: named in {result['named']} of {result['slowed']} slowed runs, "
                        f"{result['false']} false in {result['clean']} clean runs")
         else:
             result = {"clock": clock_overhead(args.repeats), "watch": watch_overhead(),
