@@ -12,7 +12,7 @@ from dptrain import config
 from dptrain.errors import ConfigError
 from dptrain.faults import SIGNAL_AT
 from tests.conftest import FLOAT64_ENV, assert_trained_alike, log_tail, plan_runs, read_events
-from tests.ranks import run_cli_on_ranks
+from tests.ranks import run_cli_on_ranks, run_on_ranks
 
 # 200 samples in global batches of 24: 9 steps an epoch, 18 in all; every step's loss logged, no dropout.
 SMALL = ["--data.name", "synthetic", "--data.synthetic_train_size", "200", "--data.synthetic_test_size", "50",
@@ -36,7 +36,10 @@ UNLIKE_DDP = {"local_sgd-period4": ["--strategy.name", "local_sgd", "--strategy.
 # at 8 (every 4, the paper's outer optimizer): each rank's model apart from the others', Adam's state its own.
 KILLED = {"local_sgd": ["--strategy.name", "local_sgd", "--strategy.local_sgd.period", "4",
                         "--strategy.local_sgd.post_local_steps", "5"],
-          "diloco": ["--strategy.name", "diloco", "--strategy.diloco.period", "4"]}
+          "diloco": ["--strategy.name", "diloco", "--strategy.diloco.period", "4"],
+          # streaming: the exchange started after step 8 is owed until 11, so the snapshot of step 10 takes it early
+          "diloco-streaming": ["--strategy.name", "diloco", "--strategy.diloco.period", "4",
+                               "--strategy.diloco.overlap_steps", "3"]}
 SNAPSHOTS = ["--checkpoint.every_steps", "5", "--checkpoint.keep_last", "5"]
 
 plan_runs({f"semi/{name}": (["train", *SMALL, *SGD, *args], (2,)) for name, args in {**LIKE_DDP, **UNLIKE_DDP}.items()},
@@ -97,12 +100,103 @@ def test_a_snapshot_between_averagings_resumes_on_another_number_of_ranks(planne
     assert sorted(e["step"] for e in read_events(run_dir, "step")) == list(range(11, STEPS + 1))
 
 
+def streamed(rank: int, world: int, period: int, overlap: int, steps: int) -> dict:
+    """DiLoCo through its strategy on 2 ranks, in float64 (a linear layer and a BatchNorm, inner SGD), beside a
+    reference written from the schedule in diloco/strategy.py's docstring: each rank's own model after every step, the
+    global one, and whether an exchange was under way."""
+    from dptrain.config import StrategyConfig
+    from dptrain.distributed.env import DistEnv
+    from dptrain.strategies.diloco.options import DiLoCoOptions
+    from dptrain.strategies.local_sgd.strategy import averaged_tensors
+    from dptrain.strategies.registry import build_strategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
+    cfg = StrategyConfig(name="diloco", diloco=DiLoCoOptions(period=period, overlap_steps=overlap))
+    strategy = build_strategy(cfg, DistEnv(rank, rank, world, world, "127.0.0.1", 0, "torchrun"), torch.device("cpu"))
+    own = strategy.wrap(model)
+    inner = torch.optim.SGD(own.parameters(), lr=0.1)
+    # the reference: every rank's model, the global one, the outer optimizer, the copies as sent, the step owed
+    import copy
+    ranks = [copy.deepcopy(model) for _ in range(world)]
+    inners = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ranks]
+    global_model = copy.deepcopy(model)
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    sent, owed = None, None
+    data = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(world * 4, 3, generator=data, dtype=torch.float64),
+                torch.randint(0, 2, (world * 4,), generator=data)) for _ in range(steps)]
+    seen = {"own": [], "reference": [], "global": [], "reference global": [], "under way": []}
+    for step, (x, y) in enumerate(batches, start=1):
+        strategy.zero_grad(inner)
+        loss = torch.nn.functional.cross_entropy(own(x[rank::world]), y[rank::world])
+        strategy.backward(loss, world)  # (times world / global_count: the mean loss as it is)
+        strategy.optimizer_step(inner)
+        for r, (m, opt) in enumerate(zip(ranks, inners)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x[r::world]), y[r::world]).backward()
+            opt.step()
+        if owed == step:  # the outer step on the mean pseudo-gradient; each rank: the global model + its progress
+            tensors = [averaged_tensors(m) for m in ranks]
+            params = len(list(global_model.parameters()))
+            g = averaged_tensors(global_model)
+            means = [sum(parts) / world for parts in zip(*pseudo)]
+            for p, mean in zip(global_model.parameters(), means[:params]):
+                p.grad = mean.clone()
+            outer.step()
+            with torch.no_grad():
+                for b, mean in zip(g[params:], means[params:]):
+                    b.copy_(mean)
+                for mine, copies in zip(tensors, sent):
+                    for t, c, gt in zip(mine, copies, g):
+                        t.copy_(gt + (t - c))
+            owed = None
+        if step % period == 0:
+            tensors = [averaged_tensors(m) for m in ranks]
+            params = len(list(global_model.parameters()))
+            g = averaged_tensors(global_model)
+            pseudo = [[gt - t for gt, t in zip(g[:params], mine[:params])] + [t.clone() for t in mine[params:]]
+                      for mine in tensors]
+            sent = [[t.clone() for t in mine] for mine in tensors]
+            owed = step + overlap
+            assert overlap > 0  # (the reference is written for streaming)
+        seen["own"].append([t.clone() for t in averaged_tensors(own)])
+        seen["reference"].append([t.clone() for t in averaged_tensors(ranks[rank])])
+        seen["global"].append([t.clone() for t in averaged_tensors(strategy.consensus)])
+        seen["reference global"].append([t.clone() for t in averaged_tensors(global_model)])
+        seen["under way"].append(strategy.under_way is not None)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_streaming_diloco_follows_its_schedule_in_float64():
+    """Period 3, the exchange 2 inner steps behind, 2 ranks, 9 steps: under way after steps 3-4, 6-7 and 9; after each
+    step every rank's model and the global one are the reference's, to float64's last bits (the same operations, in
+    another order: 1e-12); the global model moves at steps 5 and 8 only."""
+    for rank, seen in enumerate(run_on_ranks(streamed, 2, 3, 2, 9)):
+        assert seen["under way"] == [False, False, True, True, False, True, True, False, True]
+        for step in range(9):
+            for ours, theirs in [(seen["own"][step], seen["reference"][step]),
+                                 (seen["global"][step], seen["reference global"][step])]:
+                assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) < 1e-12, (rank, step)
+        moved = [step + 1 for step in range(1, 9)
+                 if any(not torch.equal(a, b) for a, b in zip(seen["global"][step], seen["global"][step - 1]))]
+        assert moved == [5, 8], moved
+        # the ranks' own models differ between exchanges, and each keeps its own progress after one
+        assert any(not torch.equal(a, b) for a, b in zip(seen["own"][4], seen["global"][4]))
+
+
 @pytest.mark.parametrize(("option", "value", "sentence"), [
     ("strategy.local_sgd.period", "0", "strategy.local_sgd.period = 0 must be greater than 0."),
     ("strategy.local_sgd.post_local_steps", "-1", "strategy.local_sgd.post_local_steps = -1 must be 0 or more."),
     ("strategy.diloco.period", "0", "strategy.diloco.period = 0 must be greater than 0."),
     ("strategy.diloco.outer_lr", "0", "strategy.diloco.outer_lr = 0.0 must be greater than 0."),
     ("strategy.diloco.outer_momentum", "-0.5", "strategy.diloco.outer_momentum = -0.5 must be 0 or more."),
+    ("strategy.diloco.overlap_steps", "-1", "strategy.diloco.overlap_steps = -1 must be 0 or more."),
+    ("strategy.diloco.overlap_steps", "32", "strategy.diloco.overlap_steps = 32 must be less than strategy.diloco.period "
+                                            "= 32 (a period's outer step comes before the next one's exchange); lower it "
+                                            "or raise the period."),
 ])
 def test_their_options_refuse_in_one_sentence(option, value, sentence):
     with pytest.raises(ConfigError) as refused:

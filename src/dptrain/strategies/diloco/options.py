@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dptrain.errors import ConfigError
 from dptrain.option_fields import not_negative, positive
 from dptrain.strategies.spec import Exchange, StrategySpec, Traffic
 
@@ -23,11 +24,21 @@ class DiLoCoOptions:
     """The outer optimizer's momentum (0: plain SGD; with period 1 and outer_lr 1, the same model as ddp)."""
     outer_nesterov: bool = True
     """Nesterov momentum for the outer step, as the paper's; applies where outer_momentum is above 0."""
+    overlap_steps: int = 0
+    """Inner steps the outer exchange runs behind (streaming): the pseudo-gradient's all-reduce starts after a period's
+    last inner step and is waited for this many inner steps later, when the outer step moves the global model and
+    each rank goes on from it plus what it learnt meanwhile; 0: each rank waits for it at once (the paper's DiLoCo).
+    Fewer than period."""
 
     def __post_init__(self) -> None:
         positive(self.period, "strategy.diloco.period")
         positive(self.outer_lr, "strategy.diloco.outer_lr")
         not_negative(self.outer_momentum, "strategy.diloco.outer_momentum")
+        not_negative(self.overlap_steps, "strategy.diloco.overlap_steps")
+        if self.overlap_steps >= self.period:
+            raise ConfigError(f"strategy.diloco.overlap_steps = {self.overlap_steps} must be less than "
+                              f"strategy.diloco.period = {self.period} (a period's outer step comes before the next "
+                              f"one's exchange); lower it or raise the period.")
 
 
 SPEC = StrategySpec(name="diloco", about="DiLoCo: inner steps alone, an outer Nesterov step on the averaged "

@@ -11,6 +11,15 @@ The schedule, on every rank, after its inner step s (counted from the run's firs
                  optimizer steps on the global model with the mean pseudo-gradient as its gradient; every rank's
                  model becomes the global one (its buffers the mean)
 
+Streaming (strategy.diloco.overlap_steps T > 0, on 2 ranks or more): at s % H == 0 the all-reduce of the
+pseudo-gradient starts on a process group of its own (another group's collectives do not queue behind it), each rank
+keeping a copy of its model as it sent it, and the inner steps go on; after step s + T the rank waits for it, the
+outer step moves the global model, and the rank's model becomes the global one plus what the rank learnt since it
+sent (its model now less the copy). With T = 0 this is the schedule above. What it costs: one more copy of the model
+and its floating buffers, and the wait, where the exchange takes longer than T inner steps. A snapshot, the
+evaluation and the final weights settle first (settle()): the owed outer step is taken there, early, in an
+uninterrupted run and a resumed one alike, so no snapshot holds an exchange under way.
+
 With H = 1, outer_lr 1 and outer_momentum 0 the global model is the mean of the ranks' after each step: with SGD as
 the inner optimizer, ddp's model (tests/strategies/test_semi_synchronous.py). On one rank there is nothing to average,
 but the outer step still runs (a lookahead of the inner optimizer), as on many.
@@ -22,13 +31,26 @@ optimizer's momentum (one file a rank), so a resume goes on exactly from any ste
 
 from __future__ import annotations
 
+import datetime
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dptrain.strategies.diloco.options import SPEC
 from dptrain.strategies.local_sgd.strategy import LocalSGD, averaged_tensors
+
+
+@dataclass
+class OuterExchange:
+    """An outer exchange under way (streaming): its all-reduces, the inner step after which it is waited for, and
+    this rank's parameters and floating buffers as it sent them."""
+
+    works: list[Any]
+    due: int
+    sent_from: list[torch.Tensor]
 
 
 class DiLoCo(LocalSGD):
@@ -37,6 +59,15 @@ class DiLoCo(LocalSGD):
 
     spec = SPEC
     outer_optimizer: torch.optim.Optimizer | None = None
+    under_way: OuterExchange | None = None
+    """The outer exchange started and not yet waited for (streaming only)."""
+    group: dist.ProcessGroup | None = None
+    """The streaming exchanges' process group (None: the world's)."""
+
+    @property
+    def overlap_steps(self) -> int:
+        """strategy.diloco.overlap_steps, on 2 ranks or more (one rank has nothing to wait for)."""
+        return self.cfg.diloco.overlap_steps if self.env.world_size > 1 else 0
 
     @property
     def period(self) -> int:
@@ -58,24 +89,44 @@ class DiLoCo(LocalSGD):
         self.outer_optimizer = torch.optim.SGD(self.consensus.parameters(), lr=options.outer_lr,
                                                momentum=options.outer_momentum,
                                                nesterov=options.outer_nesterov and options.outer_momentum > 0)
+        if self.overlap_steps:
+            self.group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
         return wrapped
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         self.steps += 1
+        if self.under_way is not None and self.steps >= self.under_way.due:
+            self.finish_exchange()
         if self.steps % self.period == 0:
-            self.exchange()
+            self.start_exchange()
+            if not self.overlap_steps:
+                self.finish_exchange()
 
-    def exchange(self) -> None:
-        """The outer step: the mean pseudo-gradient into the global model's gradients, its optimizer's step, and every
-        rank's model the global one (the floating buffers the ranks' mean)."""
+    def start_exchange(self) -> None:
+        """The pseudo-gradient (global less own) and the floating buffers packed, their all-reduce started; with
+        streaming, a copy of what this rank sent."""
         assert self.module is not None and self.consensus is not None and self.packed is not None
-        assert self.outer_optimizer is not None
         own, outer = averaged_tensors(self.module), averaged_tensors(self.consensus)
         params = sum(1 for _ in self.module.parameters())
         with torch.no_grad():
             self.packed.pack([g - o for g, o in zip(outer[:params], own[:params])] + own[params:])
-            self.counter.bytes_sent += self.packed.mean_over(self.env.world_size)
+        works, sent = self.packed.start_sum(self.env.world_size, self.group)
+        self.counter.bytes_sent += sent
+        copies = [t.clone() for t in own] if self.overlap_steps else []
+        self.under_way = OuterExchange(works, self.steps + self.overlap_steps, copies)
+
+    def finish_exchange(self) -> None:
+        """The outer step: the mean pseudo-gradient into the global model's gradients, its optimizer's step; every
+        rank's model then the global one (the floating buffers the ranks' mean), plus, with streaming, what the rank
+        learnt since it sent."""
+        assert self.module is not None and self.consensus is not None and self.packed is not None
+        assert self.outer_optimizer is not None and self.under_way is not None
+        exchange, self.under_way = self.under_way, None
+        own, outer = averaged_tensors(self.module), averaged_tensors(self.consensus)
+        params = sum(1 for _ in self.module.parameters())
+        with torch.no_grad():
+            self.packed.finish_mean(exchange.works, self.env.world_size)
             means = [torch.empty_like(t) for t in outer]
             self.packed.unpack_into(means)
         for p, mean in zip(self.consensus.parameters(), means[:params]):
@@ -85,11 +136,18 @@ class DiLoCo(LocalSGD):
         with torch.no_grad():
             for buffer, mean in zip(outer[params:], means[params:]):
                 buffer.copy_(mean)
-            for mine, theirs in zip(own, outer):
-                mine.copy_(theirs)
+            if not exchange.sent_from:
+                for mine, theirs in zip(own, outer):
+                    mine.copy_(theirs)
+                return
+            for mine, theirs, sent in zip(own, outer, exchange.sent_from):  # theirs + (mine - sent), in place
+                mine.sub_(sent).add_(theirs)
 
     def settle(self) -> None:
-        """The run's model is the global one, as the last outer step left it: nothing to make."""
+        """The run's model is the global one, as the last outer step left it: with an exchange under way, that step
+        is taken now."""
+        if self.under_way is not None:
+            self.finish_exchange()
 
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         return [] if self.outer_optimizer is None else [self.outer_optimizer]

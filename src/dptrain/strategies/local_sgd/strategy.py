@@ -74,13 +74,26 @@ class Packed:
 
     def mean_over(self, world_size: int, group: dist.ProcessGroup | None = None) -> int:
         """The buffers summed over the ranks and divided by their number, in place; the bytes this rank sent."""
-        sent = 0
+        works, sent = self.start_sum(world_size, group)
+        self.finish_mean(works, world_size)
+        return sent
+
+    def start_sum(self, world_size: int, group: dist.ProcessGroup | None = None) -> tuple[list[Any], int]:
+        """The buffers' all-reduces started, not waited for: their works, and the bytes this rank sends."""
+        works, sent = [], 0
         for buffer in self.buffers.values():
             if world_size > 1:
-                dist.all_reduce(buffer, group=group)
-                buffer.div_(world_size)
+                works.append(dist.all_reduce(buffer, group=group, async_op=True))
             sent += comm_hooks.bytes_per_allreduce(buffer.numel(), buffer.element_size(), world_size)
-        return sent
+        return works, sent
+
+    def finish_mean(self, works: list[Any], world_size: int) -> None:
+        """start_sum's all-reduces waited for, each buffer then divided by the number of ranks."""
+        for work in works:
+            work.wait()
+        if world_size > 1:
+            for buffer in self.buffers.values():
+                buffer.div_(world_size)
 
     def unpack_into(self, targets: list[torch.Tensor]) -> None:
         """Tensor i's slice into targets[i], in place (each keeps its memory format)."""
