@@ -17,7 +17,7 @@ The probe goes over a gloo group of the leaders, made once by every rank (torch 
 the hosts' TCP links, those a CPU run's collectives use; NCCL may move a GPU run's tensors over another transport
 (InfiniBand), which this does not measure. Its time is kept out of the epoch's: it runs after the epoch's clock has
 stopped. What it costs: 2 x ROUNDS transfers of PROBE_BYTES and 2 x ROUNDS barriers of the leaders an epoch, about
-0.15 s at 100 Mbit/s, and one all-reduce of a world x 2 table.
+0.22 s at 100 Mbit/s, and one all-reduce of a world x 2 table.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ MIN_NODES = 3
 """The fewest nodes whose links are compared (with 2, one link joins them: nothing to compare it with)."""
 PROBE_BYTES = 256 * 1024
 """What each leader sends each neighbour in one round: about 21 ms at 100 Mbit/s, 2 ms at 1 Gbit/s."""
-ROUNDS = 3
-"""Transfers each way; the fastest is kept (a transfer can be held up by something else the host did)."""
+ROUNDS = 5
+"""Transfers each way; the fastest is kept (a transfer can be held up by something else the host did: with 3, one node
+of 20 lab runs of 4 hosts sharing 2 cores had all of its transfers to one neighbour 27% slow, its link then named)."""
 FLOOR_MS = 2.0
 """No link is named that moved PROBE_BYTES in less (faster than about 1 Gbit/s): there the probe measures latency and
 the hosts' scheduling more than the wire, which differ by more than the margin from one transfer to the next."""
