@@ -133,8 +133,13 @@ def stragglers(runs: int, seed: int, work: Path) -> dict:
                      "cpu_ms": [e.get("own_compute_cpu_ms_per_step") for e in epochs]})
         print(f"straggler run {index}: {'rank ' + str(rank) + ' 30% slower' if slowed else 'clean'}: named {named}: "
               f"{'ok' if ok else 'WRONG'}", flush=True)
-    slowed_rows = [r for r in rows if r["slowed_rank"] is not None]
-    clean_rows = [r for r in rows if r["slowed_rank"] is None]
+    return tally(rows, "slowed_rank")
+
+
+def tally(rows: list[dict], slowed: str) -> dict:
+    """The rows, how many slowed runs (`slowed` not None) named the right one and how many clean runs named anyone."""
+    slowed_rows = [r for r in rows if r[slowed] is not None]
+    clean_rows = [r for r in rows if r[slowed] is None]
     return {"runs": rows, "named": sum(r["ok"] for r in slowed_rows), "slowed": len(slowed_rows),
             "false": sum(not r["ok"] for r in clean_rows), "clean": len(clean_rows)}
 
@@ -174,10 +179,7 @@ def links(runs: int, seed: int, work: Path) -> dict:
                          "cpu_ms": [e.get("own_compute_cpu_ms_per_step") for e in epochs]})
             print(f"link run {index}: {'host' + str(slowed) + ' at ' + SLOWER_LINK_RATE if slowed else 'clean'}: "
                   f"named {named}, link ms {rows[-1]['link_ms']}: {'ok' if ok else 'WRONG'}", flush=True)
-    slowed_rows = [r for r in rows if r["slowed_host"] is not None]
-    clean_rows = [r for r in rows if r["slowed_host"] is None]
-    return {"runs": rows, "named": sum(r["ok"] for r in slowed_rows), "slowed": len(slowed_rows),
-            "false": sum(not r["ok"] for r in clean_rows), "clean": len(clean_rows)}
+    return tally(rows, "slowed_host")
 
 
 def clock_overhead(repeats: int, steps: int = 50) -> dict:

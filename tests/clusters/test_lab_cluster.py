@@ -158,9 +158,15 @@ def test_a_two_host_job_over_shaped_links_trains_as_one_host(tmp_path, planned_r
 
 
 # 2 epochs of 16 steps on each of 2 ranks; one thread a rank
-QUOTA_RUN = ["--data.name", "synthetic", "--data.synthetic_train_size", "1024", "--data.synthetic_test_size", "64",
-             "--train.global_batch_size", "64", "--train.epochs", "2", "--train.log_every", "8", "--nodes", "2",
-             "--cpus-per-node", "1"]
+def synthetic_job(nodes: int, batch: int) -> list[str]:
+    """`dptrain submit`'s options for a job of `nodes` nodes x 1 rank (one core each): 2 epochs of 16 steps of `batch`
+    synthetic samples, a log step every 8."""
+    return ["--data.name", "synthetic", "--data.synthetic_train_size", str(16 * batch), "--data.synthetic_test_size",
+            str(batch), "--train.global_batch_size", str(batch), "--train.epochs", "2", "--train.log_every", "8",
+            "--nodes", str(nodes), "--cpus-per-node", "1"]
+
+
+QUOTA_RUN = synthetic_job(nodes=2, batch=64)
 
 
 @pytest.mark.nightly
@@ -191,9 +197,7 @@ def test_a_host_held_to_a_cpu_quota_is_named_the_straggler_of_each_epoch(tmp_pat
     assert "rank 1 (host2) was" in rank1_log and "slower than the other ranks in epoch 2, in compute" in rank1_log
 
 
-LINK_RUN = ["--data.name", "synthetic", "--data.synthetic_train_size", "960", "--data.synthetic_test_size", "60",
-            "--train.global_batch_size", "60", "--train.epochs", "2", "--train.log_every", "8", "--nodes", "3",
-            "--cpus-per-node", "1"]
+LINK_RUN = synthetic_job(nodes=3, batch=60)  # a global batch of 3 ranks' shares
 
 
 @pytest.mark.nightly
