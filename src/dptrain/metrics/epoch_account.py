@@ -74,7 +74,7 @@ class EpochAccount:
         link_ms = None
         if link_probe is not None:  # no rank's own time shows a slow link (metrics.link_probe)
             link_ms = node_link_ms(all_reduce(self.own_row(link_probe.measure(), device)).tolist(), link_probe.per_node)
-            # the more slowed of the two: a slow link also raises its rank's CPU time (gloo's threads wait on it)
+            # the more slowed of the two: a slow link also raised its rank's CPU time in a lab run (stragglers.py)
             found = [s for s in (slow, link_straggler(link_ms, link_probe.per_node, self.hosts)) if s is not None]
             slow = max(found, key=lambda s: s.slower_pct, default=None)
         utilisation = {} if measured.utilisation is None else per_rank(

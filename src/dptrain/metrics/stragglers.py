@@ -35,8 +35,9 @@ CPU, and a handful of them does not average that out.
 A slow link shows in no rank's own time: every rank of a ring waits as long as the slowest link. In a run of 3 nodes
 or more each node's link is measured at the epoch's end (metrics.link_probe), and a node whose link is more than
 SLOWER_PCT slower than the others' is named, in the link phase (link_straggler), where it is more above the others
-than any rank's own time: a slow link also raises its rank's CPU time in backward (gloo's threads, which send the
-buckets, wait on it: 34% in one lab run), so that rank can be named in compute too. The log steps' windows do not
+than any rank's own time: in one lab run a slow link also raised its rank's compute CPU time by 34% (likely gloo's
+threads, which send the buckets during backward and count in the process's CPU time; not checked), so that rank can
+be named in compute too. The log steps' windows do not
 probe: a window can name a slow link's rank in compute. With 2 nodes, `dptrain doctor` measures their link before a
 run.
 
