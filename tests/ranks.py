@@ -228,7 +228,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60,
 
 
 def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: float = 300,
-                     env: dict[str, str] | None = None, side_by_side: bool = False, per_node: int | None = None) -> list[int]:
+                     env: dict[str, str] | None = None, side_by_side: bool = False,
+                     per_node: int | None = None) -> list[int]:
     """`dptrain ARGV` for each ARGV in turn, on world_size ranks of the pool as under torchrun; rank 0's exit codes.
 
     side_by_side: the runs are independent of each other, and two may run at once (the ranks of a run wait
@@ -239,5 +240,6 @@ def run_cli_on_ranks(world_size: int, runs: list[list[str]], cwd: str, timeout: 
     another one than that of the plain environment). per_node: the ranks of each node, as if the nodes were other
     hosts on loopback (None: one node).
     """
-    payloads = [lambda argv=argv: (argv, free_port(), cwd, per_node) for argv in runs]  # the port picked as the run starts
+    # the port picked as the run starts
+    payloads = [lambda argv=argv: (argv, free_port(), cwd, per_node) for argv in runs]
     return [by_rank[0] for by_rank in _on_pool(env, world_size, "cli", payloads, timeout, side_by_side=side_by_side)]

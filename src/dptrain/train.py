@@ -221,9 +221,9 @@ class Trainer:
     """Every rank's host, by global rank (the worker sets it once the ranks have said where they run): a straggler's
     host in the epoch event."""
     slow_node: SlowNode | None = None
+    """launch.leave_slow_node's count of the epochs that named a rank of the same node (None: no node leaves)."""
     link_probe: LinkProbe | None = None
     """Each node's link measured at every epoch's end, with launch.watch in a run of 3 nodes or more (None: not)."""
-    """launch.leave_slow_node's count of the epochs that named a rank of the same node (None: no node leaves)."""
     straggler_rank: int | None = None
     """The rank the last epoch named its straggler (None: none)."""
     own_clock: OwnClock | None = None

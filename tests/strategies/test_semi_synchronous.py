@@ -194,9 +194,9 @@ def test_streaming_diloco_follows_its_schedule_in_float64():
     ("strategy.diloco.outer_lr", "0", "strategy.diloco.outer_lr = 0.0 must be greater than 0."),
     ("strategy.diloco.outer_momentum", "-0.5", "strategy.diloco.outer_momentum = -0.5 must be 0 or more."),
     ("strategy.diloco.overlap_steps", "-1", "strategy.diloco.overlap_steps = -1 must be 0 or more."),
-    ("strategy.diloco.overlap_steps", "32", "strategy.diloco.overlap_steps = 32 must be less than strategy.diloco.period "
-                                            "= 32 (a period's outer step comes before the next one's exchange); lower it "
-                                            "or raise the period."),
+    ("strategy.diloco.overlap_steps", "32",
+     "strategy.diloco.overlap_steps = 32 must be less than strategy.diloco.period = 32 (a period's outer step comes "
+     "before the next one's exchange); lower it or raise the period."),
 ])
 def test_their_options_refuse_in_one_sentence(option, value, sentence):
     with pytest.raises(ConfigError) as refused:

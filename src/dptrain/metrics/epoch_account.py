@@ -13,7 +13,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LINK_PROBE_MS, LR,
-                            MODEL_FLOPS_PER_SAMPLE, PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS, TRAIN_SAMPLES)
+                            MODEL_FLOPS_PER_SAMPLE, PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS,
+                            TRAIN_SAMPLES)
 from dptrain.metrics.link_probe import LinkProbe, node_link_ms
 from dptrain.metrics.stragglers import Straggler, link_straggler, own_time_fields, straggler_of
 from dptrain.metrics.utilisation import peak_memory_mb, per_rank
@@ -83,8 +84,7 @@ class EpochAccount:
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
                            comm_timing=timing, own_time=own_time, link_ms=link_ms, straggler=slow,
-                           utilisation=utilisation,
-                           flops_per_sample=measured.flops_per_sample,
+                           utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
                            skipped_steps=measured.skipped_steps)
 
     def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:

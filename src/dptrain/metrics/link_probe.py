@@ -11,7 +11,8 @@ right, then to the left, each ROUNDS times, the best kept:
   each way;
 - a node's link time is the slower of its sending and receiving times (node_link_ms).
 A node whose link time is more than stragglers.SLOWER_PCT above the other nodes' median, and above FLOOR_MS, is the
-epoch's straggler, in the link phase (stragglers.link_straggler). With 2 nodes there is one link between them and nothing to compare it with: no probe.
+epoch's straggler, in the link phase (stragglers.link_straggler). With 2 nodes there is one link between them and
+nothing to compare it with: no probe.
 
 The probe goes over a gloo group of the leaders, made once by every rank (torch needs every rank to make a group):
 the hosts' TCP links, those a CPU run's collectives use; NCCL may move a GPU run's tensors over another transport

@@ -243,10 +243,10 @@ class Straggler:
 
     def sentence(self, epoch: int) -> str:
         if self.phase == LINK_PHASE:
-            return (f"the link of {self.host} (the node of rank {self.rank}) was {self.slower_pct:.0f}% slower than the "
-                    f"other nodes' in epoch {epoch} ({self.own_ms:.1f} ms to move the link probe's "
-                    f"{PROBE_BYTES // 1024} KiB against {self.others_ms:.1f}); every all-reduce waited for it: check that "
-                    f"host's cable, port speed and interface, or leave it out of the run (launch.leave_slow_node "
+            return (f"the link of {self.host} (the node of rank {self.rank}) was {self.slower_pct:.0f}% slower than "
+                    f"the other nodes' in epoch {epoch} ({self.own_ms:.1f} ms to move the link probe's "
+                    f"{PROBE_BYTES // 1024} KiB against {self.others_ms:.1f}); every all-reduce waited for it: check "
+                    f"that host's cable, port speed and interface, or leave it out of the run (launch.leave_slow_node "
                     f"does, in a run of --nnodes MIN:MAX)")
         return (f"rank {self.rank} ({self.host}) was {self.slower_pct:.0f}% slower than the other ranks in epoch "
                 f"{epoch}, in {self.phase} ({self.own_ms:.1f} ms of {self.measure} a step against {self.others_ms:.1f}); "

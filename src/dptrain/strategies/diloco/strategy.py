@@ -98,10 +98,15 @@ class DiLoCo(LocalSGD):
         self.steps += 1
         if self.under_way is not None and self.steps >= self.under_way.due:
             self.finish_exchange()
-        if self.steps % self.period == 0:
+        if self.steps % self.period == 0 and self.overlap_steps:
             self.start_exchange()
-            if not self.overlap_steps:
-                self.finish_exchange()
+        elif self.steps % self.period == 0:
+            self.exchange()
+
+    def exchange(self) -> None:
+        """A whole outer exchange at once, as without streaming (bench's hook probe times this)."""
+        self.start_exchange()
+        self.finish_exchange()
 
     def start_exchange(self) -> None:
         """The pseudo-gradient (global less own) and the floating buffers packed, their all-reduce started; with
