@@ -384,9 +384,9 @@ HOOKS = {"allreduce": ["--strategy.ddp.comm_hook", "allreduce", "--strategy.ddp.
          "powersgd-deferred": ["--strategy.ddp.comm_hook", "powersgd", "--strategy.ddp.update_in_next_forward", "true"]}
 
 
-# The default run kills the hook whose state a snapshot holds (PowerSGD's); the nightly tier the others, and PowerSGD
-# with the next forward (DDP's all-reduce is killed in the default run by the ddp case above).
-NIGHTLY_KILLS = ("allreduce", "fp16", "bf16", "ring", "powersgd-deferred")
+# Every hook is killed in the nightly tier. The default run kills DDP's all-reduce (the ddp case above) and resumes
+# PowerSGD's snapshot, which holds its state, on 3 ranks (test_powersgd_resumes_on_another_world_size_...).
+NIGHTLY_KILLS = ("allreduce", "fp16", "bf16", "ring", "powersgd", "powersgd-deferred")
 KILLED_HOOKS = [pytest.param(hook, marks=pytest.mark.nightly) if hook in NIGHTLY_KILLS else hook for hook in HOOKS]
 
 

@@ -89,6 +89,7 @@ def test_real_ranks_probe_their_neighbours_and_a_node_whose_sends_are_held_back_
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the default run keeps the probe on real ranks above and the rule's unit tests
 @pytest.mark.timeout(180)
 def test_a_run_of_three_nodes_names_the_node_whose_link_is_slower_in_its_epoch_event_line_and_log(tmp_path):
     """3 ranks as 3 nodes of 1 on loopback, node 2's probe sends held back: the epoch event has each node's link time
