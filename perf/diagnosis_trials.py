@@ -48,10 +48,15 @@ FAULT_KINDS = ("forward", "data", "skip", "mismatch", "sigstop")
 COLLECTIVE = re.compile(r"\b(all_reduce|broadcast|all_gather|reduce_scatter|barrier)\b #\d+")  # as the verdict names one
 
 
+def checkout_env(env: dict[str, str]) -> dict[str, str]:
+    """This environment with env added, and the checkout's dptrain and the tests' models importable."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **env}
+
+
 def dptrain(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> tuple[int, str, float]:
     """`python -m dptrain ARGS` with the tests' models importable: (exit code, stderr, seconds)."""
     # src first: the checkout's dptrain, whichever the venv was installed from
-    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PYTHONUNBUFFERED": "1", **env}
+    full = {**checkout_env(env), "PYTHONUNBUFFERED": "1"}
     began = time.monotonic()
     try:
         done = subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, env=full, capture_output=True,
@@ -162,9 +167,8 @@ def links(runs: int, seed: int, work: Path) -> dict:
             if slowed is not None:
                 lab.network.shape(SLOWER_LINK_RATE, hosts=[slowed])
             name = f"links{index}"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **lab.env}
             done = subprocess.run([sys.executable, "-m", "dptrain", "submit", "--output.name", name, *LINK_JOB],
-                                  cwd=work, env=env, capture_output=True, text=True, timeout=120)
+                                  cwd=work, env=checkout_env(lab.env), capture_output=True, text=True, timeout=120)
             match = re.search(r"submitted job (\d+)", done.stdout)
             job = lab.wait(int(match.group(1)), timeout=600) if match else {"JobState": done.stderr.strip()[-200:]}
             epochs = [e for e in events(work / "runs" / name) if e["event"] == "epoch"]

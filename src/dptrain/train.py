@@ -329,9 +329,10 @@ class Trainer:
             self.snapshots.save(self.state, wait=True)
         epochs, per_node = self.slow_node.epochs, self.slow_node.ranks_per_node
         host = self.hosts[node * per_node] if self.hosts else "?"
-        raise NodeLeaves(f"node {node} ({host}) leaves the run: one of its ranks was the slowest, more than {SLOWER_PCT:g}% above "
-                         f"the others, {epochs} epoch{'s' * (epochs > 1)} in a row (launch.leave_slow_node {epochs}); the "
-                         f"other nodes go on without it from the snapshot of step {self.state.step}.",
+        raise NodeLeaves(f"node {node} ({host}) leaves the run: one of its ranks was the slowest, more than "
+                         f"{SLOWER_PCT:g}% above the others, {epochs} epoch{'s' * (epochs > 1)} in a row "
+                         f"(launch.leave_slow_node {epochs}); the other nodes go on without it from the snapshot of "
+                         f"step {self.state.step}.",
                          leaving=self.env.global_rank // per_node == node)
 
     def _finish(self) -> None:

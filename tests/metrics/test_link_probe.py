@@ -69,8 +69,11 @@ def probe_on(rank: int, world_size: int, per_node: int, slowed: str | None) -> t
     try:
         return LinkProbe(rank, world_size, per_node, timeout_s=30).measure()
     finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        for name, value in saved.items():  # the pool's process runs other jobs next
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.mark.slow

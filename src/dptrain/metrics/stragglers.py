@@ -37,9 +37,8 @@ or more each node's link is measured at the epoch's end (metrics.link_probe), an
 SLOWER_PCT slower than the others' is named, in the link phase (link_straggler), where it is more above the others
 than any rank's own time: in one lab run a slow link also raised its rank's compute CPU time by 34% (likely gloo's
 threads, which send the buckets during backward and count in the process's CPU time; not checked), so that rank can
-be named in compute too. The log steps' windows do not
-probe: a window can name a slow link's rank in compute. With 2 nodes, `dptrain doctor` measures their link before a
-run.
+be named in compute too. The log steps' windows do not probe: a window can name a slow link's rank in compute. With
+2 nodes, `dptrain doctor` measures their link before a run.
 
 What it cannot see: waits inside forward on FSDP (its all-gathers count as compute there).
 """
@@ -274,22 +273,33 @@ def straggler(compute_ms: Sequence[float], data_ms: Sequence[float], hosts: Sequ
         measures.append((CPU_MEASURE, list(compute_cpu_ms)))
     found: Straggler | None = None
     for measure, values in measures:
-        for rank in range(ranks):
-            median = statistics.median(values[r] for r in range(ranks) if r != rank)
-            if median <= 0 or values[rank] <= median * (1 + slower_pct / 100):
-                continue
-            pct = 100 * (values[rank] / median - 1)
-            if found is not None and found.slower_pct >= pct:
-                continue
-            phase = "compute"
-            if measure == OWN_TIME_MEASURE:
-                others = [r for r in range(ranks) if r != rank]
-                compute_excess = compute_ms[rank] - statistics.median(compute_ms[r] for r in others)
-                data_excess = data_ms[rank] - statistics.median(data_ms[r] for r in others)
-                phase = "compute" if compute_excess >= data_excess else "data"
-            host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
-            found = Straggler(rank=rank, host=host, phase=phase, slower_pct=pct, measure=measure,
-                              own_ms=values[rank], others_ms=median)
+        hit = most_above(values, slower_pct)
+        if hit is None or (found is not None and found.slower_pct >= hit[1]):
+            continue
+        rank, pct, median = hit
+        phase = "compute"
+        if measure == OWN_TIME_MEASURE:
+            others = [r for r in range(ranks) if r != rank]
+            compute_excess = compute_ms[rank] - statistics.median(compute_ms[r] for r in others)
+            data_excess = data_ms[rank] - statistics.median(data_ms[r] for r in others)
+            phase = "compute" if compute_excess >= data_excess else "data"
+        host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
+        found = Straggler(rank=rank, host=host, phase=phase, slower_pct=pct, measure=measure,
+                          own_ms=values[rank], others_ms=median)
+    return found
+
+
+def most_above(values: Sequence[float], slower_pct: float, floor: float = 0.0) -> tuple[int, float, float] | None:
+    """(index, percent above, the others' median) of the value most above the median of the others, where that is
+    more than slower_pct and the value more than floor (the first of equals); None where none is."""
+    found: tuple[int, float, float] | None = None
+    for index, value in enumerate(values):
+        median = statistics.median(v for i, v in enumerate(values) if i != index)
+        if median <= 0 or value <= max(median * (1 + slower_pct / 100), floor):
+            continue
+        pct = 100 * (value / median - 1)
+        if found is None or pct > found[1]:
+            found = (index, pct, median)
     return found
 
 
@@ -298,19 +308,14 @@ def link_straggler(link_ms: Sequence[float], per_node: int, hosts: Sequence[str]
     """The node whose link time (metrics.link_probe.node_link_ms) is the most above the other nodes' median, where
     that is more than slower_pct and its link time is above link_probe.FLOOR_MS, named by its first rank and host, in
     the link phase; None with fewer than link_probe.MIN_NODES nodes or where no link is that much slower."""
-    found: Straggler | None = None
-    nodes = len(link_ms)
-    for node in range(nodes if nodes >= MIN_NODES else 0):
-        median = statistics.median(link_ms[n] for n in range(nodes) if n != node)
-        if median <= 0 or link_ms[node] <= max(median * (1 + slower_pct / 100), FLOOR_MS):
-            continue
-        pct = 100 * (link_ms[node] / median - 1)
-        if found is None or pct > found.slower_pct:
-            rank = node * per_node
-            host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
-            found = Straggler(rank=rank, host=host, phase=LINK_PHASE, slower_pct=pct, measure=LINK_MEASURE,
-                              own_ms=link_ms[node], others_ms=median)
-    return found
+    hit = most_above(link_ms, slower_pct, floor=FLOOR_MS) if len(link_ms) >= MIN_NODES else None
+    if hit is None:
+        return None
+    node, pct, median = hit
+    rank = node * per_node
+    host = hosts[rank] if hosts is not None and rank < len(hosts) else "?"
+    return Straggler(rank=rank, host=host, phase=LINK_PHASE, slower_pct=pct, measure=LINK_MEASURE,
+                     own_ms=link_ms[node], others_ms=median)
 
 
 WINDOW_KEY = "dptrain/own_window/"

@@ -98,10 +98,11 @@ class DiLoCo(LocalSGD):
         self.steps += 1
         if self.under_way is not None and self.steps >= self.under_way.due:
             self.finish_exchange()
-        if self.steps % self.period == 0 and self.overlap_steps:
-            self.start_exchange()
-        elif self.steps % self.period == 0:
-            self.exchange()
+        if self.steps % self.period == 0:
+            if self.overlap_steps:
+                self.start_exchange()  # waited for overlap_steps inner steps later
+            else:
+                self.exchange()
 
     def exchange(self) -> None:
         """A whole outer exchange at once, as without streaming (bench's hook probe times this)."""
