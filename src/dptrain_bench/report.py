@@ -19,7 +19,7 @@ from dptrain_bench.link import LINK_FILE, load_link, read_link
 from dptrain_bench.scaling_model import STRATEGIES as MODEL_STRATEGIES
 from dptrain_bench.scaling_model import (DDP_BUCKET_BYTES, HOOKS, MAX_NODES, Calibration, Measured, Plan, Prediction, Timed,
                                  Workload, calibrate, compute_seconds, curve, fit_basis, named_link,
-                                 predicted, split_for_fit)
+                                 params_held, predicted, split_for_fit)
 from dptrain_bench.peak import MAX_PROCESSES, load_peaks, read_peaks
 from dptrain import read_back
 from dptrain.config import SPECS
@@ -437,10 +437,11 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
         for key in ("param_dtype", "reduce_dtype"):
             read_back.text(fsdp.get(key, "auto"), name(f"fsdp.{key}"), 40)
         periodic = {}
-        for table_name, option in PERIOD_OPTIONS.items():  # local_sgd's and diloco's period
+        for table_name, options in PERIOD_OPTIONS.items():  # local_sgd's and diloco's period, diloco's overlap_steps
             own = read_back.mapping(table.get(table_name) or {}, f"config.strategy.{table_name}")
-            if option in own:
-                read_back.integer(own[option], name(f"{table_name}.{option}"), 1, 1 << 30)
+            for option, low in zip(options, (1, 0)):
+                if option in own:
+                    read_back.integer(own[option], name(f"{table_name}.{option}"), low, 1 << 30)
             periodic[table_name] = own
         return {"ddp": ddp, "fsdp": fsdp, **periodic}
 
@@ -453,9 +454,10 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
         return {}
 
 
-PERIOD_OPTIONS = {spec.table: e.every for spec in SPECS.values() if spec.table and spec.traffic
-                  for e in spec.traffic.exchanges if e.every}
-"""[strategy.<table>] -> its option of the steps between two exchanges (Exchange.every: local_sgd's, diloco's period)."""
+PERIOD_OPTIONS = {spec.table: (e.every, *([e.behind] if e.behind else [])) for spec in SPECS.values()
+                  if spec.table and spec.traffic for e in spec.traffic.exchanges if e.every}
+"""[strategy.<table>] -> its option of the steps between two exchanges (Exchange.every: local_sgd's, diloco's period),
+and where it has one, of the steps an exchange runs behind (Exchange.behind: diloco's overlap_steps)."""
 
 
 def _one_of(value: Any, name: str, choices: tuple[Any, ...]) -> Any:
@@ -476,15 +478,15 @@ def _plan(strategy: str, table: dict[str, Any]) -> Plan:
                 param_dtype_size=DTYPE_BYTES.get(own.get("param_dtype", "auto")),
                 reduce_dtype_size=DTYPE_BYTES.get(own.get("reduce_dtype", "auto")),
                 update_in_next_forward=own.get("update_in_next_forward", False) and strategy == "ddp",
-                period=int(own.get(PERIOD_OPTIONS[own_table], _default_period(strategy)))
-                if own_table in PERIOD_OPTIONS else 1)
+                **{option: int(own.get(option, _default(strategy, option)))  # Plan's fields of the same names
+                   for option in PERIOD_OPTIONS.get(own_table, ())})
 
 
-def _default_period(strategy: str) -> int:
-    """The strategy's period where sweep.json leaves it at its default: its options' own."""
+def _default(strategy: str, option: str) -> object:
+    """An option of the strategy's own table where sweep.json leaves it at its default: its options' own."""
     options = SPECS[strategy].options
     assert options is not None and SPECS[strategy].table is not None
-    return int(getattr(options(), PERIOD_OPTIONS[SPECS[strategy].table]))
+    return getattr(options(), option)
 
 
 def _run_folder(bench_dir: Path, row: dict[str, Any]) -> RunFolder | None:
@@ -530,9 +532,11 @@ def _sharded(strategy: str) -> tuple[str, ...]:
     return traffic.sharded if traffic is not None else ()
 
 
-def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | None, dict[str, float], str]:
+def _workload(bench_dir: Path, rows: list[dict[str, Any]],
+              table: dict[str, Any]) -> tuple[Workload | None, dict[str, float], str]:
     """The Workload the runs' own accounting gives (parameters, optimizer state, operations per sample, from their
-    metrics.jsonl), PowerSGD's measured bytes by strategy, and why there is none when there is none."""
+    metrics.jsonl: the parameters of one copy of the model, where a strategy holds more, as _plan(table) of it says),
+    PowerSGD's measured bytes by strategy, and why there is none when there is none."""
     params = optim = flops = None
     powersgd: dict[str, float] = {}
     for row in rows:
@@ -541,7 +545,8 @@ def _workload(bench_dir: Path, rows: list[dict[str, Any]]) -> tuple[Workload | N
             continue
         strategy, world = row["strategy"], int(row["workers"])
         sharded = _sharded(strategy)
-        params = params or _ranks_total(epoch.get("mem_params_bytes"), "params" in sharded)
+        held = _ranks_total(epoch.get("mem_params_bytes"), "params" in sharded)
+        params = params or (held / params_held(_plan(strategy, table), world) if held else None)
         optim = optim or _ranks_total(epoch.get("mem_optim_bytes"), "optim" in sharded)
         flops = flops or as_number(epoch.get("model_flops_per_sample"))
         sent = _ranks_total(epoch.get("comm_bytes_per_step"), False)
@@ -605,10 +610,10 @@ def scaling_lines(bench_dir: Path, rows: list[dict[str, Any]], link_name: str | 
     ours = [r for r in rows if r["engine"] == "dptrain" and r["strategy"] in MODEL_STRATEGIES]
     if not ours:
         return [], ["no dptrain run of a strategy the model knows (" + ", ".join(MODEL_STRATEGIES) + ")"], links
-    work, powersgd, why_not = _workload(bench_dir, ours)
+    table, lines, notes = _sweep_strategy(bench_dir), [], []
+    work, powersgd, why_not = _workload(bench_dir, ours, table)
     if work is None:
         return [], [why_not], links
-    table, lines, notes = _sweep_strategy(bench_dir), [], []
     for strategy in sorted({r["strategy"] for r in ours}):
         measured = _measured(bench_dir, [r for r in ours if r["strategy"] == strategy])
         plan = _plan(strategy, table)

@@ -8,7 +8,9 @@ Pure functions, no torch; docs/scaling-model.md writes the formulas out.
     own_cpu_s  = the exchange's own CPU (hook probe) / period / min(1, its cores)  CPU ranks, 2 or more; else 0
     exposed_s  = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
                  with strategy.ddp.update_in_next_forward, backward's may also hide behind the next forward:
-                 min(comm in backward, backward compute + forward compute - min(comm in forward, forward compute))
+                 min(comm in backward, backward compute + forward compute - min(comm in forward, forward compute));
+                 an exchange every H steps that runs behind T of them (DiLoCo's overlap_steps) also hides
+                 min(its comm a step, T x compute_s / H)
     comm_s     = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call) / every
 
 comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP in the kernel, the backend's
@@ -168,6 +170,8 @@ class Plan:
     period: int = 1
     """local_sgd's and diloco's period (strategy.<table>.period): an exchange that runs `every` period, once in that
     many steps."""
+    overlap_steps: int = 0
+    """diloco's overlap_steps: the steps an exchange that may run `behind` goes on behind (0: waited for at once)."""
 
     @property
     def own_cpu_key(self) -> str | None:
@@ -198,6 +202,9 @@ class Plan:
                               f"{', '.join(HOOKS)}.")
         if self.period < 1:
             raise ConfigError(f"the scaling model takes a period of 1 step or more, not {self.period}.")
+        if not 0 <= self.overlap_steps < self.period:
+            raise ConfigError(f"the scaling model takes overlap steps from 0 to fewer than the period ({self.period}), "
+                              f"not {self.overlap_steps}.")
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,9 @@ class Collective:
     phase: str
     every: int = 1
     """It runs once in this many steps (local SGD's period): its time and bytes a step are 1/every of one run's."""
+    behind: int = 0
+    """The steps each run goes on behind before it is waited for (DiLoCo's overlap_steps): it may hide behind their
+    compute."""
 
     def seconds(self, link: Timed, world: int) -> float:
         """Its time a step: a run's time over `every`."""
@@ -258,7 +268,8 @@ def _runs(exchange: Exchange, plan: Plan, work: Workload) -> bool:
 def _collective(exchange: Exchange, plan: Plan, work: Workload, world: int) -> Collective:
     """One exchange of a strategy's traffic as the calls and bytes it makes in this plan and workload."""
     every = int(getattr(plan, exchange.every)) if exchange.every is not None else 1
-    return replace(_one_run(exchange, plan, work, world), every=every)
+    behind = int(getattr(plan, exchange.behind)) if exchange.behind is not None else 0
+    return replace(_one_run(exchange, plan, work, world), every=every, behind=behind)
 
 
 def _one_run(exchange: Exchange, plan: Plan, work: Workload, world: int) -> Collective:
@@ -301,11 +312,20 @@ def bytes_sent_per_rank(plan: Plan, work: Workload, world: int) -> float:
     return total
 
 
+def params_held(plan: Plan, world: int) -> int:
+    """Copies of the model's parameters a rank holds at most (Traffic.param_copies), one more while an exchange runs
+    behind the steps (the copy of what it sent); one process holds one."""
+    streamed = any(e.behind and getattr(plan, e.behind) for e in plan.traffic.exchanges)
+    return plan.traffic.param_copies + int(streamed) if world > 1 else 1
+
+
 def memory_per_rank(plan: Plan, work: Workload, world: int) -> float:
     """Bytes of parameters, gradients and optimizer state on the fullest rank (activations left out: they depend on
     the batch per rank and the model, not on the strategy): what the strategy's traffic shards, 1/N of it; the rest
-    whole (the parameter server's server holds all of it)."""
-    params = grads = work.param_bytes
+    whole (the parameter server's server holds all of it); the parameters as often as the rank holds them
+    (params_held)."""
+    params = work.param_bytes * params_held(plan, world)
+    grads = work.param_bytes
     optim = 2 * work.param_bytes if work.optimizer_bytes is None else work.optimizer_bytes
     if world <= 1:
         return params + grads + optim
@@ -411,15 +431,19 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     own_cpu = own_cpu_seconds(plan, work, nodes, ranks_per_node, machines, threads_per_rank)
     phase_compute = {"forward": compute * (1 - work.backward_share), "backward": compute * work.backward_share}
     by_phase = {"forward": 0.0, "backward": 0.0, "after": 0.0}
+    behind, behind_room = 0.0, 0.0  # the exchanges that run behind the next steps, and those steps' compute, a step
     for c in collectives(plan, work, world):
         by_phase[c.phase] += c.seconds(over, world)
+        if c.behind:
+            behind, behind_room = behind + c.seconds(over, world), max(behind_room, c.behind * compute / c.every)
     comm = sum(by_phase.values())
     hidden_in_forward = min(by_phase["forward"], phase_compute["forward"])
     # with the update in the next forward, backward's collectives go on behind the next forward's compute as well
     # (what of it the forward's own collectives leave)
     behind_backward = phase_compute["backward"] + (
         phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward else 0.0)
-    hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward))
+    hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward)
+                       + min(behind, behind_room))
     exposed = comm - hidden
     step = compute + comm_cpu + own_cpu + exposed
     return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_cpu_s=comm_cpu,

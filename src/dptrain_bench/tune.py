@@ -70,6 +70,12 @@ PERIODS = (4, 16, 64, 128)
 """Their periods tried: the model ranks the longest first; one out of the budget gives way to the next shorter. 128:
 on 2 lab hosts at 100 Mbit/s DiLoCo every 64 steps still ran 0.94-0.98x of the same ranks on one host, every 128
 steps 0.98-1.02x, at the same accuracy after 2 epochs (docs/benchmark.md)."""
+STREAMED = ("diloco",)
+"""The periodic strategies whose exchange can run behind the next steps (strategy.diloco.overlap_steps)."""
+STREAMED_SHARE = 4
+"""Over several nodes, diloco is tried at each period also with its exchange behind period / STREAMED_SHARE steps: on
+2 lab hosts at 100 Mbit/s, 8 steps behind a period of 32 ran 1.16x and 1.22x the same period waited for at once, at
+the same accuracy after 2 epochs (docs/benchmark.md)."""
 DDP_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket at its default cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
@@ -98,6 +104,8 @@ class Candidate:
     update_in_next_forward: bool = False
     period: int | None = None
     """local_sgd's and diloco's period (PERIODIC); None for the others."""
+    overlap_steps: int = 0
+    """diloco's steps its exchange runs behind (strategy.diloco.overlap_steps: STREAMED_SHARE of its period)."""
 
     @property
     def lossy(self) -> bool:
@@ -109,6 +117,8 @@ class Candidate:
         parts = [self.strategy]
         if self.period is not None:
             parts.append(f"h{self.period}")
+        if self.overlap_steps:
+            parts.append(f"behind{self.overlap_steps}")
         if self.comm_hook != "allreduce":
             parts.append(self.comm_hook)
         if self.bucket_mb is not None:
@@ -128,6 +138,8 @@ class Candidate:
             pairs.append(("strategy.ddp.update_in_next_forward", str(self.update_in_next_forward).lower()))
         if self.period is not None:
             pairs.append((f"strategy.{config_mod.SPECS[self.strategy].table}.period", str(self.period)))
+        if self.strategy in STREAMED:
+            pairs.append(("strategy.diloco.overlap_steps", str(self.overlap_steps)))
         return pairs
 
     def plan(self, shared_memory: bool) -> scaling_model.Plan:
@@ -137,7 +149,8 @@ class Candidate:
         # on one host the option gives way to the shared-memory sum (strategies/ddp.py): the run of plain ddp
         return scaling_model.Plan(strategy=self.strategy, comm_hook=self.comm_hook, bucket_bytes=bucket,
                           update_in_next_forward=self.update_in_next_forward and not (
-                              shared_memory and self.comm_hook == "allreduce"), period=self.period or 1)
+                              shared_memory and self.comm_hook == "allreduce"), period=self.period or 1,
+                          overlap_steps=self.overlap_steps)
 
 
 def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
@@ -147,7 +160,8 @@ def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
     return Candidate(cfg.strategy.name, ranks_per_node, cfg.strategy.ddp.comm_hook if ddp_like else "allreduce",
                      cfg.strategy.ddp.bucket_mb if ddp_like else None,
                      cfg.strategy.name == "ddp" and cfg.strategy.ddp.update_in_next_forward,
-                     getattr(cfg.strategy, table).period if cfg.strategy.name in PERIODIC else None)
+                     getattr(cfg.strategy, table).period if cfg.strategy.name in PERIODIC else None,
+                     cfg.strategy.diloco.overlap_steps if cfg.strategy.name in STREAMED else 0)
 
 
 NEXT_FORWARD_CORES = 2
@@ -184,8 +198,9 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
                 found += [Candidate(strategy, r, comm_hook=h, update_in_next_forward=True)
                           for h in ("allreduce", *(LOSSY_HOOKS if lossy else ()))]
     if lossy:  # nothing to average on one rank
-        found += [Candidate(strategy, r, period=h) for strategy in PERIODIC for r in ranks
-                  if nodes * r > 1 and not global_batch % (nodes * r) for h in PERIODS]
+        found += [Candidate(strategy, r, period=h, overlap_steps=t) for strategy in PERIODIC for r in ranks
+                  if nodes * r > 1 and not global_batch % (nodes * r) for h in PERIODS
+                  for t in (0, *([h // STREAMED_SHARE] if strategy in STREAMED and nodes > 1 else []))]
     return list(dict.fromkeys(found))
 
 
@@ -229,7 +244,8 @@ def same_run(candidate: Candidate, nodes: int, gradient_bytes: float) -> Candida
     world = nodes * candidate.ranks_per_node
     strategy = "ddp" if world == 1 and candidate.strategy == "single" else candidate.strategy
     if world == 1 or not _bucketed(strategy):
-        return Candidate(strategy, candidate.ranks_per_node, period=candidate.period)
+        return Candidate(strategy, candidate.ranks_per_node, period=candidate.period,
+                         overlap_steps=candidate.overlap_steps)
     cap = float("inf") if candidate.bucket_mb is None else candidate.bucket_mb * 2**20
     one_bucket = gradient_bytes < min(DDP_FIRST_BUCKET_BYTES, cap)
     return replace(candidate, bucket_mb=None if one_bucket else candidate.bucket_mb)
@@ -273,7 +289,8 @@ def contenders(default: Candidate, runs: Runs) -> list[Candidate]:
 
 def changed(candidate: Candidate, default: Candidate) -> list[str]:
     """The settings of the user's configuration that the candidate changes, by their option's last word."""
-    fields = ("strategy", "ranks_per_node", "comm_hook", "bucket_mb", "update_in_next_forward", "period")
+    fields = ("strategy", "ranks_per_node", "comm_hook", "bucket_mb", "update_in_next_forward", "period",
+              "overlap_steps")
     return [f for f in fields if getattr(candidate, f) != getattr(default, f)]
 
 
@@ -577,6 +594,7 @@ def tune(tuner: Tuner) -> Path:
                            "ranks_per_node": candidate.ranks_per_node, "comm_hook": candidate.comm_hook,
                            "bucket_mb": "" if candidate.bucket_mb is None else candidate.bucket_mb,
                            "period": "" if candidate.period is None else candidate.period,
+                           "overlap_steps": candidate.overlap_steps if candidate.strategy in STREAMED else "",
                            "same_run": " ".join(c.name for c in same[candidate]),
                            "predicted_images_per_s": round(prediction.images_per_s, 1),
                            "bytes_per_step": round(prediction.bytes_sent),
@@ -649,7 +667,8 @@ def probe_accuracy(tuner: "Tuner", default: Candidate, runs: Runs, known: list[C
         candidate = waiting.pop(0)
         if tuner.within_budget(candidate) or candidate.period is None:
             continue
-        shorter = [c for c in known if (c.strategy, c.ranks_per_node) == (candidate.strategy, candidate.ranks_per_node)
+        shorter = [c for c in known if (c.strategy, c.ranks_per_node, bool(c.overlap_steps))
+                   == (candidate.strategy, candidate.ranks_per_node, bool(candidate.overlap_steps))
                    and c.period is not None and c.period < candidate.period]
         if not shorter:
             continue
@@ -784,8 +803,8 @@ def _write_tuned(tuner: Tuner, chosen: Candidate, kept: bool) -> Path:
     return path
 
 
-COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "period", "same_run",
-           "predicted_images_per_s", "bytes_per_step", "runs", "measured_images_per_s", "min_images_per_s",
+COLUMNS = ("candidate", "strategy", "ranks_per_node", "comm_hook", "bucket_mb", "period", "overlap_steps",
+           "same_run", "predicted_images_per_s", "bytes_per_step", "runs", "measured_images_per_s", "min_images_per_s",
            "max_images_per_s", "accuracy_gap_points", "why", "default", "chosen")
 """tune.csv: one row per distinct run (same_run: the other candidates that make it, not tried apart); bytes_per_step:
 what a rank sends a step, as the model counts it; runs: each run's images/s in the order they ran ("failed" for one

@@ -477,3 +477,23 @@ def test_the_cpu_bound_is_the_rate_had_each_step_taken_only_its_busiest_ranks_cp
     assert cores_per_rank({"cpu_threads_per_rank": 2, "machines": 2, "machine_cores": 8}, 4) == 2
     assert cores_per_rank({"cpu_threads_per_rank": "x", "machines": 1, "machine_cores": 4}, 2) == 1
     assert cores_per_rank({}, 4) is None and cpu_bound(epochs, None) == ""  # where the ranks ran is not known
+
+
+@pytest.mark.parametrize("strategy, table, held", [("ddp", {}, 1), ("local_sgd", {}, 2),
+                                                   ("diloco", {"diloco": {"period": 32}}, 2),
+                                                   ("diloco", {"diloco": {"period": 32, "overlap_steps": 8}}, 3)])
+def test_the_workloads_parameters_are_one_copy_of_the_model_whatever_the_strategy_holds(tmp_path, strategy, table,
+                                                                                         held):
+    """A run's mem_params_bytes counts every copy its rank holds (local SGD's and DiLoCo's run's model beside its own,
+    a streamed DiLoCo's copy of what it sent); the model's exchanges carry one copy's bytes."""
+    from dptrain_bench.report import _plan, _workload
+    from dptrain_bench.scaling_model import memory_per_rank
+
+    bench = tmp_path / "bench"
+    write_run(bench, [{"event": "run_start", "global_batch_size": 128},
+                      epoch(1, mem_params_bytes=[4_000_000 * held] * 2, mem_optim_bytes=[8_000_000] * 2),
+                      {"event": "run_end"}], workers=2)
+    row = {"strategy": strategy, "workers": 2, "run_dir": f"runs/{POINT.format(2)}"}
+    work, _, _ = _workload(bench, [row], table)
+    assert work is not None and work.param_bytes == 4_000_000
+    assert memory_per_rank(_plan(strategy, table), work, 2) == 4_000_000 * held + 4_000_000 + 8_000_000

@@ -284,6 +284,26 @@ def test_local_sgd_and_diloco_exchange_once_in_their_period():
         Plan(strategy="local_sgd", period=0)
 
 
+def test_diloco_streamed_hides_its_exchange_behind_the_steps_it_runs_behind():
+    """overlap_steps T: the exchange of every H steps hides behind T steps' compute, as far as the overlap lets it;
+    the rest stays exposed. Local SGD and DiLoCo hold the run's model beside their own, and a streamed DiLoCo a copy of
+    what it sent."""
+    fast = replace(WORK, compute_s_per_sample=0.5e-3)
+    once = LINK.seconds("all_reduce", 2, 4e6)  # 40.2 ms; a step's compute on 2 ranks: 25 ms
+    waited = predict(Plan(strategy="diloco", period=16), fast, LINK, nodes=2, overlap=0.5)
+    assert waited.exposed_s == pytest.approx(once / 16)
+    for behind, hidden in ((1, 0.025), (2, once)):  # behind 1 step: its 25 ms of compute; 2 steps: the whole exchange
+        streamed = predict(Plan(strategy="diloco", period=16, overlap_steps=behind), fast, LINK, nodes=2, overlap=0.5)
+        assert streamed.comm_s == pytest.approx(once / 16)
+        assert streamed.exposed_s == pytest.approx((once - 0.5 * hidden) / 16)
+    assert memory_per_rank(Plan(strategy="local_sgd"), WORK, 2) == pytest.approx(4e6 * 2 + 4e6 + 8e6)
+    assert memory_per_rank(Plan(strategy="diloco", period=32, overlap_steps=8), WORK, 2) == pytest.approx(4e6 * 3 + 4e6 + 8e6)
+    assert memory_per_rank(Plan(strategy="diloco", period=32, overlap_steps=8), WORK, 1) == pytest.approx(4e6 + 4e6 + 8e6)
+    for bad in (-1, 32):
+        with pytest.raises(ConfigError, match=f"overlap steps from 0 to fewer than the period \\(32\\), not {bad}"):
+            Plan(strategy="diloco", period=32, overlap_steps=bad)
+
+
 def test_a_ways_own_cpu_is_added_to_the_step_as_the_hook_probe_measured_it():
     """A compressing hook's own CPU every step, an averaging's every period steps (Workload.own_cpu_s by
     Plan.own_cpu_key); DDP's own all-reduce and one rank have none."""

@@ -90,6 +90,22 @@ def test_a_candidates_options_make_its_configuration():
     assert tune.default_candidate(cfg, 2) == c
 
 
+def test_over_several_nodes_diloco_is_also_a_candidate_with_its_exchange_behind_a_quarter_of_its_period():
+    default = Candidate("ddp", 1)
+    over_two = tune.candidates(default, max_ranks=1, nodes=2, global_batch=32, lossy=True)
+    assert {(c.period, c.overlap_steps) for c in over_two if c.strategy == "diloco"} == {
+        *((h, 0) for h in tune.PERIODS), *((h, h // 4) for h in tune.PERIODS)}
+    assert not any(c.overlap_steps for c in over_two if c.strategy != "diloco")
+    on_one = tune.candidates(default, max_ranks=2, nodes=1, global_batch=32, lossy=True)
+    assert not any(c.overlap_steps for c in on_one)
+    c = Candidate("diloco", 1, period=32, overlap_steps=8)
+    cfg = config.load(None, [*TINY, *c.pairs()])
+    assert (cfg.strategy.diloco.period, cfg.strategy.diloco.overlap_steps) == (32, 8)
+    assert tune.default_candidate(cfg, 1) == c and c.name == "diloco-h32-behind8-r1"
+    assert c.plan(shared_memory=False).overlap_steps == 8
+    assert tune.changed(c, Candidate("diloco", 1, period=32)) == ["overlap_steps"]
+
+
 def test_the_model_ranks_more_ranks_first_where_they_compute_faster_and_the_link_is_free():
     work = tune.workload(config.load(None, TINY), compute_s_per_sample=1e-3)
     from dptrain_bench.scaling_model import Link

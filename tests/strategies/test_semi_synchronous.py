@@ -165,6 +165,7 @@ def streamed(rank: int, world: int, period: int, overlap: int, steps: int) -> di
         seen["global"].append([t.clone() for t in averaged_tensors(strategy.consensus)])
         seen["reference global"].append([t.clone() for t in averaged_tensors(global_model)])
         seen["under way"].append(strategy.under_way is not None)
+    seen["params held"] = strategy.memory_bytes(inner)["params"] / sum(p.numel() * 8 for p in model.parameters())
     return seen
 
 
@@ -183,6 +184,7 @@ def test_streaming_diloco_follows_its_schedule_in_float64():
         moved = [step + 1 for step in range(1, 9)
                  if any(not torch.equal(a, b) for a, b in zip(seen["global"][step], seen["global"][step - 1]))]
         assert moved == [5, 8], moved
+        assert seen["params held"] == 3  # its own, the global model, and the copy of what it sent
         # the ranks' own models differ between exchanges, and each keeps its own progress after one
         assert any(not torch.equal(a, b) for a, b in zip(seen["own"][4], seen["global"][4]))
 

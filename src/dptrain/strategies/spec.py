@@ -35,6 +35,10 @@ class Exchange:
     every: str | None = None
     """An integer option of the strategy's table: the steps from one run of it to the next (local SGD's and DiLoCo's
     period H: their exchange runs once every H steps, its time and bytes spread over them); None: every step."""
+    behind: str | None = None
+    """An integer option of the strategy's table: the steps each run of it may go on behind (DiLoCo's overlap_steps:
+    its all-reduce is waited for that many steps after it starts), the rank keeping a copy of what it sent meanwhile;
+    None: it is waited for at once."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class Traffic:
     exchanges: tuple[Exchange, ...] = ()
     sharded: tuple[Part, ...] = ()
     """What each rank holds 1/N of between steps (the rest it holds whole)."""
+    param_copies: int = 1
+    """Copies of the model's parameters each rank holds: 2 where it keeps the run's model beside its own (local SGD's
+    and DiLoCo's consensus)."""
     gathers_params: bool = False
     """It gathers its sharded parameters to compute: one wrap unit at a time where it reshards them after forward,
     all of them from forward to the end of backward where it does not."""

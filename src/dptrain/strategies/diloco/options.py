@@ -44,5 +44,7 @@ class DiLoCoOptions:
 SPEC = StrategySpec(name="diloco", about="DiLoCo: inner steps alone, an outer Nesterov step on the averaged "
                                          "pseudo-gradient every few steps, not exact",
                     table="diloco", options=DiLoCoOptions, traffic=Traffic(exchanges=(
-                        Exchange("all_reduce", "parameters", "after", "one", every="period"),  # the pseudo-gradient
-                        Exchange("all_reduce", "buffers", "after", "one", every="period"))))
+                        Exchange("all_reduce", "parameters", "after", "one", every="period",  # the pseudo-gradient
+                                 behind="overlap_steps"),
+                        Exchange("all_reduce", "buffers", "after", "one", every="period", behind="overlap_steps")),
+                        param_copies=2))

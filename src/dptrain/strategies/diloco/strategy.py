@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.strategies.base import local_bytes
 from dptrain.strategies.diloco.options import SPEC
 from dptrain.strategies.local_sgd.strategy import LocalSGD, averaged_tensors
 
@@ -154,6 +155,14 @@ class DiLoCo(LocalSGD):
         is taken now."""
         if self.under_way is not None:
             self.finish_exchange()
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """LocalSGD's, and where the exchange is streamed, the copy of what this rank sent, held while it is owed."""
+        held = super().memory_bytes(optimizer)
+        if self.overlap_steps:
+            assert self.module is not None
+            held["params"] += local_bytes(self.module.parameters())
+        return held
 
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         return [] if self.outer_optimizer is None else [self.outer_optimizer]

@@ -33,4 +33,5 @@ AVERAGED_EVERY_PERIOD = (Exchange("all_reduce", "parameters", "after", "one", ev
 
 SPEC = StrategySpec(name="local_sgd", about="local SGD: each rank steps alone, the models averaged every few steps, "
                                             "not exact",
-                    table="local_sgd", options=LocalSGDOptions, traffic=Traffic(exchanges=AVERAGED_EVERY_PERIOD))
+                    table="local_sgd", options=LocalSGDOptions, traffic=Traffic(exchanges=AVERAGED_EVERY_PERIOD,
+                                                                                    param_copies=2))
