@@ -53,7 +53,7 @@ GPU_MEM_USED_MAX_MB, GPU_POWER_MEAN_W, GPU_POWER_MAX_W = "gpu_mem_used_max_mb", 
 EVAL_LOSS, EVAL_ACC, EVAL_COUNT, EVAL_TIME_S = "eval_loss", "eval_acc", "eval_count", "eval_time_s"
 OWN_COMPUTE_MS_PER_STEP, OWN_COMPUTE_CPU_MS_PER_STEP = "own_compute_ms_per_step", "own_compute_cpu_ms_per_step"
 DATA_WAIT_MS_PER_STEP = "data_wait_ms_per_step"
-LINK_PROBE_MS = "link_probe_ms"
+LINK_PROBE_MS, LINK_PROBE_S = "link_probe_ms", "link_probe_s"
 STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE = "straggler_rank", "straggler_host", "straggler_phase"
 STRAGGLER_SLOWER_PCT = "straggler_slower_pct"
 
@@ -91,9 +91,10 @@ STRAGGLER = (STRAGGLER_RANK, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_SLOWER_P
 """The rank whose own time (or compute's CPU time) a step was more than 20% above the others' median over the epoch,
 else the node whose link time was (its first rank), where one was: its rank, host, the phase its extra time went to
 (compute, data or link) and how much slower it was, in percent."""
-LINK_PROBE = (LINK_PROBE_MS,)
+LINK_PROBE = (LINK_PROBE_MS, LINK_PROBE_S)
 """Per node, in a run of 3 nodes or more, its link time: the milliseconds its slower direction took to move the link
-probe's 256 KiB (metrics.link_probe)."""
+probe's 256 KiB (metrics.link_probe); and the seconds the whole probe took the run at the epoch's end (the slowest
+node's: what it added to the run's time, outside epoch_time_s)."""
 PER_RANK = FOOTPRINT + COMM_TIMING + OWN_TIME + UTILISATION
 
 

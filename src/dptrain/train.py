@@ -263,7 +263,7 @@ class Trainer:
                                                                                          self.total_steps))
         account = self._start_account()
         # this rank's own time outside the collectives (metrics.stragglers): the epoch names a straggler from it
-        own = OwnClock(self.strategy.eval_module, self.device, every=self.cfg.train.log_every) if self.cfg.launch.watch else None
+        own = OwnClock(self.strategy.trained_module, self.device, every=self.cfg.train.log_every) if self.cfg.launch.watch else None
         self.own_clock = own
         batches = self.train_loader.epoch_batches(epoch, state.batches_consumed)
         try:

@@ -7,7 +7,8 @@ Pure functions, no torch; docs/scaling-model.md writes the formulas out.
     comm_cpu_s = bytes a rank sends x comm_cpu_s_per_byte / min(1, its cores)    CPU ranks across nodes; else 0
     own_cpu_s  = the exchange's own CPU (hook probe) / period / min(1, its cores)  CPU ranks, 2 or more; else 0
     exposed_s  = comm_s - overlap x (min(comm in forward, forward compute) + min(comm in backward, backward compute))
-                 with strategy.ddp.update_in_next_forward, backward's may also hide behind the next forward:
+                 with strategy.ddp.update_in_next_forward (a CPU rank: of 2 cores or more), backward's may also
+                 hide behind the next forward:
                  min(comm in backward, backward compute + forward compute - min(comm in forward, forward compute));
                  an exchange every H steps that runs behind T of them (DiLoCo's overlap_steps) also hides
                  min(its comm a step, T x compute_s / H)
@@ -44,6 +45,11 @@ POWERSGD_MIN_COMPRESSION = 2  # PowerSGD compresses a matrix only where it sends
 STRATEGIES = tuple(name for name, spec in SPECS.items() if spec.traffic is not None)
 """The strategies whose traffic their spec states: those the model has formulas for (a Plan checks SPECS itself)."""
 HOOKS: tuple[str, ...] = typing.get_args(CommHook)
+NEXT_FORWARD_CORES = 2
+"""The fewest cores a CPU rank needs for its update in the next forward to hide anything: the transfer it leaves
+running (the bytes' trip through the kernel's TCP and gloo) takes CPU, and on a rank's only core it takes it from the
+next forward it was to hide behind. On the lab's one-core hosts the option ran 953 to 1,470 images/s against plain
+ddp's 1,285 to 1,498 (docs/benchmark.md): never faster beyond the spread of identical runs."""
 
 
 class Timed(Protocol):
@@ -440,8 +446,12 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     hidden_in_forward = min(by_phase["forward"], phase_compute["forward"])
     # with the update in the next forward, backward's collectives go on behind the next forward's compute as well
     # (what of it the forward's own collectives leave)
+    # (not on a CPU rank of fewer than NEXT_FORWARD_CORES cores, where known: the transfer takes the forward's core)
+    one_core = work.ranks_share_a_node and threads_per_rank is not None and min(
+        threads_per_rank, work.machine_cores / math.ceil(world / machines) if machines and work.machine_cores
+        else threads_per_rank) < NEXT_FORWARD_CORES
     behind_backward = phase_compute["backward"] + (
-        phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward else 0.0)
+        phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward and not one_core else 0.0)
     hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward)
                        + min(behind, behind_room))
     exposed = comm - hidden

@@ -164,19 +164,12 @@ def default_candidate(cfg: RunConfig, ranks_per_node: int) -> Candidate:
                      cfg.strategy.diloco.overlap_steps if cfg.strategy.name in STREAMED else 0)
 
 
-NEXT_FORWARD_CORES = 2
-"""The fewest cores a rank needs for its update in the next forward to be a candidate: the transfer it leaves running
-(the bytes' trip through the kernel's TCP and gloo) takes CPU, and on a rank's only core it takes it from the next
-forward it was to hide behind. On the lab's one-core hosts the option ran 953 to 1,470 images/s against plain ddp's
-1,285 to 1,498 (docs/benchmark.md): never faster beyond the spread of identical runs."""
-
-
 def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int, lossy: bool,
                cores_per_node: int | None = None) -> list[Candidate]:
     """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
     4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
     lossy hook where allowed); over several nodes ddp also with its update in the next forward, with DDP's buckets
-    (and each lossy hook where allowed), where each rank has NEXT_FORWARD_CORES of cores_per_node (None: not known,
+    (and each lossy hook where allowed), where each rank has scaling_model.NEXT_FORWARD_CORES of cores_per_node (None: not known,
     not limited). On one node it would give way to the shared-memory sum: not a candidate. Where lossy ones are
     allowed, local_sgd and diloco too, at each of PERIODS, on two ranks or more."""
     ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
@@ -193,7 +186,7 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
             found += [Candidate(strategy, r, bucket_mb=b) for b in caps]
             if lossy:
                 found += [Candidate(strategy, r, comm_hook=h) for h in LOSSY_HOOKS]
-            spare_core = cores_per_node is None or cores_per_node // r >= NEXT_FORWARD_CORES
+            spare_core = cores_per_node is None or cores_per_node // r >= scaling_model.NEXT_FORWARD_CORES
             if strategy == "ddp" and nodes > 1 and spare_core:
                 found += [Candidate(strategy, r, comm_hook=h, update_in_next_forward=True)
                           for h in ("allreduce", *(LOSSY_HOOKS if lossy else ()))]

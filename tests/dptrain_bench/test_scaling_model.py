@@ -52,6 +52,22 @@ def test_the_update_in_the_next_forward_hides_backwards_transfer_behind_the_forw
     assert predict(deferred, WORK, LINK, nodes=1).images_per_s == pytest.approx(1000)
 
 
+def test_on_a_cpu_rank_of_one_core_the_update_in_the_next_forward_hides_nothing_more():
+    """The transfer left running takes the CPU of the forward it was to hide behind (issue 45): with fewer than
+    NEXT_FORWARD_CORES cores a rank (its threads, or its machine's cores over the ranks on it), as plain ddp."""
+    cpu = Workload(param_bytes=4e7, global_batch=100, compute_s_per_sample=1e-3, machine_cores=2, threads_alone=1)
+    plain, deferred = Plan(strategy="ddp"), Plan(strategy="ddp", update_in_next_forward=True)
+
+    def exposed(plan, threads, machines):
+        return predict(plan, cpu, LINK, nodes=4, overlap=1.0, machines=machines, threads_per_rank=threads).exposed_s
+
+    assert exposed(deferred, 1, 4) == pytest.approx(exposed(plain, 1, 4))  # one thread a rank
+    assert exposed(deferred, 2, 4) < exposed(plain, 2, 4)  # 2 threads, a 2-core machine each
+    assert exposed(deferred, 2, 1) == pytest.approx(exposed(plain, 2, 1))  # 4 ranks on one 2-core machine
+    assert predict(deferred, cpu, LINK, nodes=4, overlap=1.0).exposed_s < predict(plain, cpu, LINK, nodes=4,
+                                                                                  overlap=1.0).exposed_s  # unknown
+
+
 def test_buckets_add_latency_and_hooks_shrink_the_bytes():
     big = Workload(param_bytes=100 * 2**20, global_batch=100, compute_s_per_sample=1e-3)
     [buckets] = collectives(Plan(strategy="ddp"), big, 4)

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from dptrain import faults
-from dptrain.events import LINK_PROBE_MS, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT
+from dptrain.events import LINK_PROBE_MS, LINK_PROBE_S, STRAGGLER_HOST, STRAGGLER_PHASE, STRAGGLER_RANK, STRAGGLER_SLOWER_PCT
 from dptrain.metrics.epoch_lines import epoch_line
-from dptrain.metrics.link_probe import FAULT_BASE_S, FLOOR_MS, LinkProbe, node_link_ms
+from dptrain.metrics.link_probe import FAULT_BASE_S, FLOOR_MS, ROUNDS, LinkProbe, node_link_ms
 from dptrain.metrics.stragglers import LINK_MEASURE, LINK_PHASE, link_straggler
 from tests.conftest import read_events
 from tests.ranks import run_cli_on_ranks, run_on_ranks
@@ -83,8 +83,11 @@ def test_real_ranks_probe_their_neighbours_and_a_node_whose_sends_are_held_back_
     the slow one (each other node has one fast transfer each way); without the fault, every link is under the floor,
     and none is named."""
     held_ms = 0.5 * FAULT_BASE_S * 1e3
-    times = node_link_ms(run_on_ranks(probe_on, 3, 1, "1:0.5:link"), per_node=1)
+    rows = run_on_ranks(probe_on, 3, 1, "1:0.5:link")
+    times = node_link_ms(rows, per_node=1)
     assert times[1] > held_ms and max(times[0], times[2]) < held_ms, times
+    # the whole probe's time: node 1 held back each of its 2 x ROUNDS sends, and every node waited for it at the barriers
+    assert min(row[2] for row in rows) > (2 * ROUNDS - 1) * held_ms / 1e3, rows
     found = link_straggler(times, per_node=1, hosts=["h1", "h2", "h3"])
     assert (found.rank, found.host, found.phase) == (1, "h2", LINK_PHASE), times
     clean = node_link_ms(run_on_ranks(probe_on, 3, 1, None), per_node=1)
@@ -105,6 +108,7 @@ def test_a_run_of_three_nodes_names_the_node_whose_link_is_slower_in_its_epoch_e
     (epoch,) = read_events(run, "epoch")
     link = epoch[LINK_PROBE_MS]
     assert len(link) == 3 and link[2] > 0.5 * FAULT_BASE_S * 1e3 > max(link[:2]), link
+    assert epoch[LINK_PROBE_S] > 2 * ROUNDS * 0.5 * FAULT_BASE_S, epoch  # what the probe added to the run
     assert (epoch[STRAGGLER_RANK], epoch[STRAGGLER_PHASE]) == (2, LINK_PHASE), epoch
     assert epoch_line(epoch, 1).endswith(f" | straggler rank 2 ({epoch[STRAGGLER_HOST]}) "
                                          f"+{epoch[STRAGGLER_SLOWER_PCT]:.0f}% link")

@@ -191,3 +191,34 @@ def test_a_rank_slow_in_its_data_is_named_with_the_data_phase_and_watch_false_ti
     assert epoch[DATA_WAIT_MS_PER_STEP][0] > epoch[DATA_WAIT_MS_PER_STEP][1]
     epoch, _ = slowed_run(cli, tmp_path / "unwatched", "0:0.8:data", "--launch.watch", "false")
     assert not set(epoch) & {OWN_COMPUTE_MS_PER_STEP, DATA_WAIT_MS_PER_STEP, *STRAGGLER}
+
+
+@pytest.mark.parametrize("name", ["single", "ddp", "local_sgd", "diloco"])
+def test_the_own_clock_times_the_model_each_strategy_trains(name):
+    """train.py hooks the clock on strategy.trained_module: the model the rank's optimizer steps, which for local SGD
+    and DiLoCo is the rank's own and not the run's model (eval_module, the ranks' mean, which no step touches)."""
+    from dptrain.config import StrategyConfig
+    from dptrain.distributed.env import DistEnv
+    from dptrain.strategies.registry import build_strategy
+
+    strategy = build_strategy(StrategyConfig(name=name), DistEnv(0, 0, 1, 1, "127.0.0.1", 0, "torchrun"),
+                              torch.device("cpu"))
+    trained = strategy.wrap(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+    assert {id(p) for p in strategy.trained_module.parameters()} == {id(p) for p in trained.parameters()}
+    clock = OwnClock(strategy.trained_module, torch.device("cpu"))
+    for _ in range(3):
+        with clock.step():
+            trained(torch.randn(8, 3)).sum().backward()
+    compute, _, _, steps = clock.totals()
+    assert steps == 2 and compute > 0
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@pytest.mark.timeout(180)
+def test_a_rank_of_diloco_that_computes_more_is_named_in_compute(cli, tmp_path):
+    """DiLoCo trains each rank's own model, not the run's (its eval_module): until 2026-11-29 the clock timed the run's
+    model, whose compute is 0, and a lab run named a rank from 0.1 ms of data wait."""
+    epoch, _ = slowed_run(cli, tmp_path / "run", "1:0.5", "--strategy.name", "diloco", "--strategy.diloco.period", "4")
+    assert min(epoch[OWN_COMPUTE_MS_PER_STEP]) > 0 and min(epoch[OWN_COMPUTE_CPU_MS_PER_STEP]) > 0, epoch
+    assert (epoch[STRAGGLER_RANK], epoch[STRAGGLER_PHASE]) == (1, "compute"), epoch

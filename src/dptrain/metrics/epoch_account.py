@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LINK_PROBE_MS, LR,
+from dptrain.events import (ACHIEVED_TFLOPS, COMM_TIMING, EPOCH_TIME_S, FOOTPRINT, LINK_PROBE_MS, LINK_PROBE_S, LR,
                             MODEL_FLOPS_PER_SAMPLE, PEAK_MEM_MB, SAMPLES_PER_S, SKIPPED_STEPS, TRAIN_ACC, TRAIN_LOSS,
                             TRAIN_SAMPLES)
 from dptrain.metrics.link_probe import LinkProbe, node_link_ms
@@ -72,9 +72,10 @@ class EpochAccount:
         if measured.own_time is not None:
             own_time = all_reduce(self.own_row(measured.own_time, device)).t().tolist()
             slow = straggler_of(own_time, self.hosts)
-        link_ms = None
+        link_ms, link_probe_s = None, None
         if link_probe is not None:  # no rank's own time shows a slow link (metrics.link_probe)
-            link_ms = node_link_ms(all_reduce(self.own_row(link_probe.measure(), device)).tolist(), link_probe.per_node)
+            table = all_reduce(self.own_row(link_probe.measure(), device)).tolist()
+            link_ms, link_probe_s = node_link_ms(table, link_probe.per_node), max(row[2] for row in table)
             # the more slowed of the two: a slow link also raised its rank's CPU time in a lab run (stragglers.py)
             found = [s for s in (slow, link_straggler(link_ms, link_probe.per_node, self.hosts)) if s is not None]
             slow = max(found, key=lambda s: s.slower_pct, default=None)
@@ -83,7 +84,7 @@ class EpochAccount:
         loss_sum, correct, samples = totals.tolist()
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
-                           comm_timing=timing, own_time=own_time, link_ms=link_ms, straggler=slow,
+                           comm_timing=timing, own_time=own_time, link_ms=link_ms, link_probe_s=link_probe_s, straggler=slow,
                            utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
                            skipped_steps=measured.skipped_steps)
 
@@ -146,6 +147,8 @@ class EpochTotals:
     """The ranks' own compute seconds, their CPU seconds, data seconds and steps, a column each (None: not timed)."""
     link_ms: Sequence[float] | None = None
     """Each node's link time (metrics.link_probe.node_link_ms); None: no probe (fewer than 3 nodes, or untimed)."""
+    link_probe_s: float | None = None
+    """The probe's time on its slowest node, seconds (None: no probe)."""
     straggler: Straggler | None = None
     """The rank slower than the others over the epoch in its own time (metrics.stragglers.straggler) or the node whose
     link was (stragglers.link_straggler), whichever is more above the others, where one was."""
@@ -172,8 +175,9 @@ def train_fields(totals: EpochTotals) -> dict[str, Any]:
     fields |= comm_timing_fields(totals.comm_timing)
     if totals.own_time is not None:
         fields |= own_time_fields(totals.own_time)
-        if totals.link_ms is not None:
+        if totals.link_ms is not None and totals.link_probe_s is not None:
             fields[LINK_PROBE_MS] = [round(v, 3) for v in totals.link_ms]
+            fields[LINK_PROBE_S] = round(totals.link_probe_s, 4)
         if (slow := totals.straggler) is not None:
             fields |= slow.fields()
     return fields | totals.utilisation

@@ -18,7 +18,7 @@ The probe goes over a gloo group of the leaders, made once by every rank (torch 
 the hosts' TCP links, those a CPU run's collectives use; NCCL may move a GPU run's tensors over another transport
 (InfiniBand), which this does not measure. Its time is kept out of the epoch's: it runs after the epoch's clock has
 stopped. What it costs: 2 x ROUNDS transfers of PROBE_BYTES and 2 x ROUNDS barriers of the leaders an epoch, about
-0.22 s at 100 Mbit/s, and one all-reduce of a world x 2 table.
+0.22 s at 100 Mbit/s, and one all-reduce of a world x 3 table; the epoch event's link_probe_s says what it took.
 """
 
 from __future__ import annotations
@@ -67,11 +67,12 @@ class LinkProbe:
             return None
         return cls(global_rank, world_size, local_world_size, timeout_s)
 
-    def measure(self) -> tuple[float, float]:
+    def measure(self) -> tuple[float, float, float]:
         """On a leader (every leader at once): the fastest transfer in from the node on the left and from the node
-        on the right, in seconds; (0, 0) on the other ranks, at once."""
+        on the right, and the whole probe's time, in seconds; (0, 0, 0) on the other ranks, at once."""
         if not self.leads:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
+        began_probe = time.perf_counter()
         payload = torch.zeros(PROBE_BYTES // 4, dtype=torch.float32)
         received = torch.empty_like(payload)
         best = []
@@ -88,11 +89,11 @@ class LinkProbe:
                 fastest = min(fastest, time.perf_counter() - began)
                 sending.wait()
             best.append(fastest)
-        return best[0], best[1]
+        return best[0], best[1], time.perf_counter() - began_probe
 
 
 def node_link_ms(table: Sequence[Sequence[float]], per_node: int) -> list[float]:
-    """Each node's link time in milliseconds, from the world's (in from the left, in from the right) seconds by
+    """Each node's link time in milliseconds, from the world's (in from the left, in from the right, ...) seconds by
     global rank (the leaders' rows: every per_node-th): the slower of its sending and receiving times (the module's
     docstring)."""
     rows = [table[n * per_node] for n in range(len(table) // per_node)]

@@ -196,6 +196,14 @@ class Strategy:
         assert self.module is not None, "wrap() first"
         return self.module
 
+    @property
+    def trained_module(self) -> nn.Module:
+        """The model this rank's steps train, without a data-parallel wrapper (what the own clock's hooks time:
+        metrics.stragglers): eval_module, except where the run's model is another (local SGD's and DiLoCo's mean of
+        the ranks' models)."""
+        assert self.module is not None, "wrap() first"
+        return self.module
+
     def data_share(self) -> tuple[int | None, int]:
         """(this rank's index among the ranks that take data, or None if it takes none; how many take data)."""
         return self.env.global_rank, self.data_world_size(self.cfg, self.env.world_size)
