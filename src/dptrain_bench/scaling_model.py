@@ -11,7 +11,7 @@ Pure functions, no torch; docs/scaling-model.md writes the formulas out.
                  hide behind the next forward:
                  min(comm in backward, backward compute + forward compute - min(comm in forward, forward compute));
                  an exchange every H steps that runs behind T of them (DiLoCo's overlap_steps) also hides
-                 min(its comm a step, T x compute_s / H)
+                 min(its comm a step, T x compute_s / H) (a CPU rank: of 2 cores or more)
     comm_s     = sum over the step's collectives of calls x link.seconds(collective, N, bytes per call) / every
 
 comm_cpu_s is the CPU a rank's cores give to moving its bytes between hosts (TCP in the kernel, the backend's
@@ -46,10 +46,13 @@ STRATEGIES = tuple(name for name, spec in SPECS.items() if spec.traffic is not N
 """The strategies whose traffic their spec states: those the model has formulas for (a Plan checks SPECS itself)."""
 HOOKS: tuple[str, ...] = typing.get_args(CommHook)
 NEXT_FORWARD_CORES = 2
-"""The fewest cores a CPU rank needs for its update in the next forward to hide anything: the transfer it leaves
-running (the bytes' trip through the kernel's TCP and gloo) takes CPU, and on a rank's only core it takes it from the
-next forward it was to hide behind. On the lab's one-core hosts the option ran 953 to 1,470 images/s against plain
-ddp's 1,285 to 1,498 (docs/benchmark.md): never faster beyond the spread of identical runs."""
+"""The fewest cores a CPU rank needs for a transfer left running behind its compute to hide anything (the update in
+the next forward, DiLoCo's streamed exchange): the transfer (the bytes' trip through the kernel's TCP and gloo) takes
+CPU, and on a rank's only core it takes it from the compute it was to hide behind. On the lab's one-core hosts the
+next-forward update ran 953 to 1,470 images/s against plain ddp's 1,285 to 1,498 (docs/benchmark.md): never faster
+beyond the spread of identical runs. DiLoCo's exchange behind 8 of its 32 steps did gain there (1.08x to 1.22x), but
+hid 50-66% of the exchange where the overlap fitted on plain ddp said all of it (docs/scaling-model.md): the model
+credits it nothing there, and `bench tune` gives it a trial of its own."""
 
 
 class Timed(Protocol):
@@ -446,14 +449,15 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     hidden_in_forward = min(by_phase["forward"], phase_compute["forward"])
     # with the update in the next forward, backward's collectives go on behind the next forward's compute as well
     # (what of it the forward's own collectives leave)
-    # (not on a CPU rank of fewer than NEXT_FORWARD_CORES cores, where known: the transfer takes the forward's core)
+    # not on a CPU rank of fewer than NEXT_FORWARD_CORES cores, where known: a transfer left running behind compute
+    # takes the compute's core (the next forward's, or a streamed exchange's inner steps')
     one_core = work.ranks_share_a_node and threads_per_rank is not None and min(
         threads_per_rank, work.machine_cores / math.ceil(world / machines) if machines and work.machine_cores
         else threads_per_rank) < NEXT_FORWARD_CORES
     behind_backward = phase_compute["backward"] + (
         phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward and not one_core else 0.0)
     hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward)
-                       + min(behind, behind_room))
+                       + (0.0 if one_core else min(behind, behind_room)))
     exposed = comm - hidden
     step = compute + comm_cpu + own_cpu + exposed
     return Prediction(nodes=nodes, ranks_per_node=ranks_per_node, compute_s=compute, comm_cpu_s=comm_cpu,

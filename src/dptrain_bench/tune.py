@@ -620,8 +620,12 @@ def trial_order(user: Candidate, ranked: list[tuple[Candidate, scaling_model.Pre
 
 
 def lossy_kind(candidate: Candidate) -> str:
-    """What rounds or delays its gradients: its hook (fp16, bf16, powersgd), or its strategy (local_sgd, diloco)."""
-    return candidate.strategy if candidate.strategy in PERIODIC else candidate.comm_hook
+    """What rounds or delays its gradients: its hook (fp16, bf16, powersgd), or its strategy (local_sgd, diloco), a
+    streamed diloco a kind of its own (the model credits its streaming nothing on a one-core rank: a trial measures
+    it)."""
+    if candidate.strategy in PERIODIC:
+        return f"{candidate.strategy}-behind" if candidate.overlap_steps else candidate.strategy
+    return candidate.comm_hook
 
 
 @dataclass(frozen=True)

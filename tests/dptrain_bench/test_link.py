@@ -52,6 +52,24 @@ def test_fit_recovers_a_known_latency_and_bandwidth():
     assert fitted.line("all_reduce", 4) == (pytest.approx(6 * ALPHA), pytest.approx(1.5 / BANDWIDTH))
 
 
+def test_at_a_probed_world_a_collective_is_read_along_its_timings_and_elsewhere_by_the_ring_formulas():
+    """The lab at 100 Mbit/s: 4 hosts' small messages far slower than 2 hosts' (7.5 ms against 1.6 at 4 KiB), so one
+    alpha and B for both worlds took 4.8 MB on 4 hosts as 0.50 s where the probe timed 8 MiB at 1.09 s. At a probed
+    world the timings themselves are read: between two sizes the straight line, beyond the largest the line through
+    the two largest."""
+    lab = {2: (1.6e-3, 5.5e-3, 88.6e-3, 715e-3), 4: (7.5e-3, 8.3e-3, 133e-3, 1089e-3)}
+    sizes = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+    fitted = fit([Timing("all_reduce", w, n, t) for w, times in lab.items() for n, t in zip(sizes, times)])
+    for world, times in lab.items():
+        assert [fitted.seconds("all_reduce", world, n) for n in sizes] == pytest.approx(list(times))
+    middle = (sizes[2] + sizes[3]) / 2
+    assert fitted.seconds("all_reduce", 4, middle) == pytest.approx((133e-3 + 1089e-3) / 2)
+    assert fitted.seconds("all_reduce", 4, 16 << 20) == pytest.approx(1089e-3 + (1089e-3 - 133e-3) * 8 / 7)
+    assert fitted.ring_seconds("all_reduce", 4, 4.8e6) < 0.9 * fitted.seconds("all_reduce", 4, 4.8e6)
+    assert fitted.seconds("all_reduce", 8, 4.8e6) == fitted.ring_seconds("all_reduce", 8, 4.8e6)  # not probed
+    assert fitted.seconds("all_gather", 4, 4.8e6) == fitted.ring_seconds("all_gather", 4, 4.8e6)  # not timed
+
+
 def test_fit_keeps_each_collectives_own_numbers_and_stays_close_under_noise():
     # reduce-scatter twice as slow as its ring formula (as gloo's is): its own fit says so, the others' do not move
     timings = synthetic(collectives=("all_reduce", "all_gather")) + synthetic(bandwidth=BANDWIDTH / 2,

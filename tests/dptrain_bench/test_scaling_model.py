@@ -312,6 +312,11 @@ def test_diloco_streamed_hides_its_exchange_behind_the_steps_it_runs_behind():
         streamed = predict(Plan(strategy="diloco", period=16, overlap_steps=behind), fast, LINK, nodes=2, overlap=0.5)
         assert streamed.comm_s == pytest.approx(once / 16)
         assert streamed.exposed_s == pytest.approx((once - 0.5 * hidden) / 16)
+    # a CPU rank of one core: the transfer takes the core the inner steps compute on, and hides nothing
+    cpu = replace(fast, ranks_share_a_node=True, machine_cores=2, threads_alone=1)
+    one_core, two_cores = (predict(Plan(strategy="diloco", period=16, overlap_steps=2), cpu, LINK, nodes=2,
+                                   overlap=0.5, machines=2, threads_per_rank=t) for t in (1, 2))
+    assert one_core.exposed_s == pytest.approx(once / 16) and two_cores.exposed_s < once / 16
     assert memory_per_rank(Plan(strategy="local_sgd"), WORK, 2) == pytest.approx(4e6 * 2 + 4e6 + 8e6)
     assert memory_per_rank(Plan(strategy="diloco", period=32, overlap_steps=8), WORK, 2) == pytest.approx(4e6 * 3 + 4e6 + 8e6)
     assert memory_per_rank(Plan(strategy="diloco", period=32, overlap_steps=8), WORK, 1) == pytest.approx(4e6 + 4e6 + 8e6)
