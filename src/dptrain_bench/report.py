@@ -442,6 +442,12 @@ def _sweep_strategy(bench_dir: Path) -> dict[str, Any]:
             for option, low in zip(options, (1, 0)):
                 if option in own:
                     read_back.integer(own[option], name(f"{table_name}.{option}"), low, 1 << 30)
+            if len(options) == 2:  # the steps behind, fewer than the period (the strategy's own rule)
+                strategy = next(n for n, spec in SPECS.items() if spec.table == table_name)
+                period, behind = (own.get(option, _default(strategy, option)) for option in options)
+                if behind >= period:
+                    raise BadValue(f"{name(f'{table_name}.{options[1]}')} = {behind}, not fewer than "
+                                   f"{name(f'{table_name}.{options[0]}')} = {period}")
             periodic[table_name] = own
         return {"ddp": ddp, "fsdp": fsdp, **periodic}
 

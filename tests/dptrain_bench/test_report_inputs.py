@@ -497,3 +497,23 @@ def test_the_workloads_parameters_are_one_copy_of_the_model_whatever_the_strateg
     work, _, _ = _workload(bench, [row], table)
     assert work is not None and work.param_bytes == 4_000_000
     assert memory_per_rank(_plan(strategy, table), work, 2) == 4_000_000 * held + 4_000_000 + 8_000_000
+
+
+@pytest.mark.parametrize("diloco, kept", [({"period": 8, "overlap_steps": 2}, True),
+                                           ({"period": 8, "overlap_steps": 8}, False),
+                                           ({"overlap_steps": 40}, False),  # the default period, 32
+                                           ({"overlap_steps": -1}, False)])
+def test_a_sweep_json_whose_diloco_runs_behind_its_whole_period_leaves_the_plans_at_their_defaults(tmp_path, caplog,
+                                                                                                  diloco, kept):
+    """A planted sweep.json: the report's plans take its [strategy] only where DiLoCo's options could have run
+    (overlap_steps from 0 to fewer than the period); else a log line says which, and nothing is refused."""
+    from dptrain_bench.report import _plan, _sweep_strategy
+
+    (tmp_path / "sweep.json").write_text(json.dumps({"config": {"strategy": {"diloco": diloco}}}))
+    table = _sweep_strategy(tmp_path)
+    plan = _plan("diloco", table)
+    if kept:
+        assert (plan.period, plan.overlap_steps) == (8, 2)
+    else:
+        assert (plan.period, plan.overlap_steps) == (32, 0)
+        assert "config.strategy.diloco.overlap_steps" in caplog.text
