@@ -8,11 +8,14 @@ sweep with such a strategy or hook records it in BENCH/hooks.json, and `bench tu
 `python -m dptrain_bench.hook_probe --json ...` is the probe's internal entry, which measure() runs in a fresh Python.
 
 One process with a process group of one (gloo) and `threads` CPU threads (a rank's). A hook: DDP with it and DDP
-with its own all-reduce train alike on one fixed batch of the rank's size, ROUNDS rounds of STEPS steps each, the two
-in turns; the hook's cost is the median over the rounds of the difference of the process's CPU time a step (every
-thread's: the hook's own thread and gloo's count). local SGD and DiLoCo: their exchange itself, as on two ranks (the
-all-reduce over the group of one), CPU time a call, the median of ROUNDS rounds. CPU time, not wall time: another
-program on the machine slows the probe's wall clock, not its CPU seconds. A hook's cost here leaves out what its
+with its own all-reduce train alike on one fixed batch of the rank's size, one step each in turns, STEPS steps each
+after WARM_STEPS; the hook's cost is the difference of their fastest steps in the process's CPU time (every thread's:
+the hook's own thread and gloo's count). local SGD and DiLoCo: their exchange itself, as on two ranks (the all-reduce
+over the group of one), the fastest of CALLS calls in CPU time. CPU time, not wall time: another program on the
+machine slows the probe's wall clock, not its CPU seconds. The fastest, not a mean or median: the same work is the
+same CPU seconds, and what else happens to a step (a virtual machine's stolen time counted to the process, a cache
+another program emptied) only adds to it; a median over 5 rounds of 6 steps read bf16's cost as 0.0 to 7.4 ms and
+PowerSGD's as 6.4 to 17.1 ms from one probe to the next on this project's 2-core machine. A hook's cost here leaves out what its
 bytes cost on the wire and in the kernel's TCP (the link and the model's CPU a byte, k, count those).
 """
 
@@ -23,7 +26,6 @@ import json
 import logging
 import math
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -43,10 +45,9 @@ HOOKS = ("fp16", "bf16", "powersgd")
 is its bytes)."""
 AVERAGING = ("local_sgd", "diloco")
 """The strategies whose exchange, every period steps, is measured."""
-ROUNDS = 5
-STEPS = 6  # steps of each side a round; the first WARM_STEPS of each are left out of every round
+STEPS = 30  # timed steps of each side, one of each in turns
 WARM_STEPS = 3  # PowerSGD compresses from its third step; DDP rebuilds its buckets after its first
-CALLS = 5  # exchanges a round (local SGD, DiLoCo)
+CALLS = 25  # timed exchanges (local SGD, DiLoCo)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def _model(wanted: HookProbe) -> Any:
 
 
 def _hook_cpu_s(wanted: HookProbe, hook: str) -> float:
-    """The hook's CPU a step beyond DDP's own all-reduce: the median over ROUNDS of the difference, in turns."""
+    """The hook's CPU a step beyond DDP's own all-reduce: the difference of the two sides' fastest steps, in turns."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
@@ -177,23 +178,24 @@ def _hook_cpu_s(wanted: HookProbe, hook: str) -> float:
         comm_hooks.install(ddp, name, wanted.powersgd_rank, comm_hooks.CommCounter())
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
-        def steps(count: int) -> float:
+        def step() -> float:
             started = time.process_time()
-            for _ in range(count):
-                optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(ddp(images), labels).backward()
-                optimizer.step()
-            return (time.process_time() - started) / count
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(images), labels).backward()
+            optimizer.step()
+            return time.process_time() - started
 
-        steps(WARM_STEPS)
-        return steps
+        for _ in range(WARM_STEPS):
+            step()
+        return step
 
     plain, hooked = trainer("allreduce"), trainer(hook)
-    return max(0.0, statistics.median(hooked(STEPS) - plain(STEPS) for _ in range(ROUNDS)))
+    pairs = [(plain(), hooked()) for _ in range(STEPS)]
+    return max(0.0, min(h for _, h in pairs) - min(p for p, _ in pairs))
 
 
 def _averaging_cpu_s(wanted: HookProbe, name: str) -> float:
-    """The strategy's exchange as on two ranks (the sum over the group of one), CPU a call: the median of ROUNDS."""
+    """The strategy's exchange as on two ranks (the sum over the group of one), CPU a call: the fastest of CALLS."""
     import torch
 
     from dptrain.config import StrategyConfig
@@ -208,13 +210,12 @@ def _averaging_cpu_s(wanted: HookProbe, name: str) -> float:
     for p in model.parameters():  # one step, so that the optimizer has its state
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    rounds = []
-    for _ in range(ROUNDS):
+    calls = []
+    for _ in range(CALLS):
         started = time.process_time()
-        for _ in range(CALLS):
-            strategy.exchange()  # type: ignore[attr-defined]  # local_sgd's and diloco's
-        rounds.append((time.process_time() - started) / CALLS)
-    return statistics.median(rounds)
+        strategy.exchange()  # type: ignore[attr-defined]  # local_sgd's and diloco's
+        calls.append(time.process_time() - started)
+    return min(calls)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
