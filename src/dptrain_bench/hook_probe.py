@@ -15,8 +15,8 @@ over the group of one), the fastest of CALLS calls in CPU time. CPU time, not wa
 machine slows the probe's wall clock, not its CPU seconds. The fastest, not a mean or median: the same work is the
 same CPU seconds, and what else happens to a step (a virtual machine's stolen time counted to the process, a cache
 another program emptied) only adds to it; a median over 5 rounds of 6 steps read bf16's cost as 0.0 to 7.4 ms and
-PowerSGD's as 6.4 to 17.1 ms from one probe to the next on this project's 2-core machine. A hook's cost here leaves out what its
-bytes cost on the wire and in the kernel's TCP (the link and the model's CPU a byte, k, count those).
+PowerSGD's as 6.4 to 17.1 ms from one probe to the next on this project's 2-core machine. A hook's cost here leaves
+out what its bytes cost on the wire and in the kernel's TCP (the link and the model's CPU a byte, k, count those).
 """
 
 from __future__ import annotations

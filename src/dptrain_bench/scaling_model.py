@@ -149,16 +149,23 @@ class Workload:
             return self.rank_share[ranks_per_node]
         return 1.0 / ranks_per_node if self.ranks_share_a_node else 1.0
 
+    def cores_of_rank(self, world: int, machines: int | None, threads_per_rank: int | None) -> float | None:
+        """The cores a CPU rank of t threads computes on: min(t, C / k) among the k ranks of a machine of C cores
+        where the machines are known, else t. None where t is not known, or on GPUs."""
+        if not (self.ranks_share_a_node and threads_per_rank):
+            return None
+        if not (machines and self.machine_cores):
+            return float(threads_per_rank)
+        return min(threads_per_rank, self.machine_cores / math.ceil(world / machines))
+
     def machine_share(self, world: int, machines: int, threads_per_rank: int) -> float | None:
         """Where several nodes are one machine (the lab cluster: network namespaces of one kernel), each rank's rate
-        over the 1-worker run's, counted in cores: a rank of t threads among the k ranks of a machine of C cores
-        computes on min(t, C / k) of them, the 1-worker run on min(threads_alone, C). None where a count is missing
-        or on GPUs (one each)."""
-        if not (self.ranks_share_a_node and self.machine_cores and self.threads_alone and machines and threads_per_rank):
+        over the 1-worker run's, counted in cores: its cores (cores_of_rank) over the 1-worker run's,
+        min(threads_alone, C). None where a count is missing or on GPUs (one each)."""
+        cores = self.cores_of_rank(world, machines, threads_per_rank)
+        if cores is None or not (self.machine_cores and self.threads_alone and machines):
             return None
-        on_one = math.ceil(world / machines)
-        return (min(threads_per_rank, self.machine_cores / on_one)
-                / min(self.threads_alone, self.machine_cores))
+        return cores / min(self.threads_alone, self.machine_cores)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -451,9 +458,8 @@ def predict(plan: Plan, work: Workload, link: Timed, nodes: int, ranks_per_node:
     # (what of it the forward's own collectives leave)
     # not on a CPU rank of fewer than NEXT_FORWARD_CORES cores, where known: a transfer left running behind compute
     # takes the compute's core (the next forward's, or a streamed exchange's inner steps')
-    one_core = work.ranks_share_a_node and threads_per_rank is not None and min(
-        threads_per_rank, work.machine_cores / math.ceil(world / machines) if machines and work.machine_cores
-        else threads_per_rank) < NEXT_FORWARD_CORES
+    cores = work.cores_of_rank(world, machines, threads_per_rank)
+    one_core = cores is not None and cores < NEXT_FORWARD_CORES
     behind_backward = phase_compute["backward"] + (
         phase_compute["forward"] - hidden_in_forward if plan.update_in_next_forward and not one_core else 0.0)
     hidden = overlap * (hidden_in_forward + min(by_phase["backward"], behind_backward)

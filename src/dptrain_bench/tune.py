@@ -169,9 +169,10 @@ def candidates(default: Candidate, max_ranks: int, nodes: int, global_batch: int
     """Every candidate to rank, the default first: each strategy at each rank count up to max_ranks per node (1, 2,
     4, ... and max_ranks) whose world splits the global batch, ddp and zero1 with each bucket cap (and with each
     lossy hook where allowed); over several nodes ddp also with its update in the next forward, with DDP's buckets
-    (and each lossy hook where allowed), where each rank has scaling_model.NEXT_FORWARD_CORES of cores_per_node (None: not known,
-    not limited). On one node it would give way to the shared-memory sum: not a candidate. Where lossy ones are
-    allowed, local_sgd and diloco too, at each of PERIODS, on two ranks or more."""
+    (and each lossy hook where allowed), where each rank has scaling_model.NEXT_FORWARD_CORES of cores_per_node
+    (None: not known, not limited). On one node it would give way to the shared-memory sum: not a candidate. Where
+    lossy ones are allowed, local_sgd and diloco too, at each of PERIODS, on two ranks or more; over several nodes
+    diloco also with its exchange behind period / STREAMED_SHARE steps."""
     ranks = sorted({r for r in (*(2**i for i in range(max_ranks.bit_length())), max_ranks) if 1 <= r <= max_ranks})
     found = [default]
     for strategy in STRATEGIES:

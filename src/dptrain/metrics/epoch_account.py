@@ -84,8 +84,8 @@ class EpochAccount:
         loss_sum, correct, samples = totals.tolist()
         return EpochTotals(loss_sum=loss_sum, correct=correct, samples=samples, seen=self.state.epoch_seen,
                            elapsed_s=elapsed, peak_mem_mb=peak.item(), lr=measured.lr, footprint=footprint,
-                           comm_timing=timing, own_time=own_time, link_ms=link_ms, link_probe_s=link_probe_s, straggler=slow,
-                           utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
+                           comm_timing=timing, own_time=own_time, link_ms=link_ms, link_probe_s=link_probe_s,
+                           straggler=slow, utilisation=utilisation, flops_per_sample=measured.flops_per_sample,
                            skipped_steps=measured.skipped_steps)
 
     def own_row(self, values: Sequence[float], device: torch.device) -> torch.Tensor:
